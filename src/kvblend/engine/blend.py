@@ -1,0 +1,250 @@
+"""The blended prefill: one plain loop over the decoder's layers.
+
+Every prompt token is one of three kinds:
+
+- ``PREFIX``: reused from a cache computed at the same positions and context (exact, never
+  recomputed unless the strategy is ``full``);
+- ``MOVED``: reused from a segment cache computed elsewhere; a strategy picks which of these are
+  recomputed;
+- ``COMPUTE``: not cached (question, template text, separators, new documents): computed in full
+  at every layer.
+
+Keys are kept un-rotated (before RoPE) and rotated to their prompt positions at every layer with
+the model's own rotary embedding, so re-placing a cached segment is exact. Tokens that are
+recomputed at a layer overwrite their cached K/V rows there and attend to the whole patched KV
+with an exact per-token causal mask (key position <= query position).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .config import BlendConfig
+from .decoder import Decoder, apply_rope
+
+PREFIX, MOVED, COMPUTE = 0, 1, 2
+
+# Query rows per attention call when the active tokens are sparse: each chunk attends only to
+# the keys up to its last position, which skips most of the causal upper triangle.
+_QUERY_CHUNK = 512
+
+
+class LayerKV(Protocol):
+    """A cached segment's KV, readable one layer at a time."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Un-rotated keys and values ``[kv_heads, tokens, head_dim]`` of layer ``index``."""
+        ...
+
+
+@dataclass
+class CachedSpan:
+    """Prompt rows ``[start, end)`` whose KV comes from ``source``."""
+
+    start: int
+    end: int
+    source: LayerKV
+    kind: int = MOVED
+
+
+@dataclass
+class BlendInput:
+    """Everything the loop needs about one prompt."""
+
+    token_ids: torch.Tensor  # [tokens] long
+    kinds: torch.Tensor  # [tokens] int8: PREFIX / MOVED / COMPUTE
+    spans: list[CachedSpan]
+
+
+@dataclass
+class BlendOutput:
+    """What the loop returns: logits, the fused KV cache and what it did."""
+
+    logits: torch.Tensor | None  # [vocab] float32
+    keys: list[torch.Tensor]  # per layer, rotated [kv_heads, tokens, head_dim]
+    values: list[torch.Tensor]
+    raw_keys: list[torch.Tensor] | None  # per layer, un-rotated (when asked for)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def initial_active(kinds: torch.Tensor, spans: Sequence[CachedSpan], config: BlendConfig) -> torch.Tensor:
+    """Boolean mask of the tokens computed at layer 0 under ``config.strategy``."""
+    if config.strategy == "full":
+        return torch.ones_like(kinds, dtype=torch.bool)
+    active = kinds == COMPUTE
+    if config.strategy == "cacheblend":
+        return active | (kinds == MOVED)
+    if config.strategy == "epic" and config.epic_tokens > 0:
+        active = active.clone()
+        for span in spans:
+            if span.kind == MOVED:
+                active[span.start : min(span.end, span.start + config.epic_tokens)] = True
+    return active
+
+
+def _attention_mask(
+    query_positions: torch.Tensor, key_count: int, window: int | None
+) -> torch.Tensor:
+    keys = torch.arange(key_count, device=query_positions.device)
+    mask = keys.unsqueeze(0) <= query_positions.unsqueeze(1)
+    if window is not None:
+        mask &= keys.unsqueeze(0) > (query_positions.unsqueeze(1) - window)
+    return mask
+
+
+class _Attention:
+    """Attention of the active rows over the full patched KV, with per-token causal masks."""
+
+    def __init__(self, decoder: Decoder, active_positions: torch.Tensor, total: int) -> None:
+        self.decoder = decoder
+        self.positions = active_positions
+        self.total = total
+        self.dense = active_positions.numel() == total  # every row active: plain causal
+        self._masks: dict[int | None, list[tuple[int, int, int, torch.Tensor]]] = {}
+
+    def _chunks(self, window: int | None) -> list[tuple[int, int, int, torch.Tensor]]:
+        if window not in self._masks:
+            chunks = []
+            count = self.positions.numel()
+            for begin in range(0, count, _QUERY_CHUNK):
+                end = min(begin + _QUERY_CHUNK, count)
+                rows = self.positions[begin:end]
+                key_end = int(rows[-1]) + 1
+                key_begin = 0 if window is None else max(0, int(rows[0]) - window + 1)
+                mask = _attention_mask(rows, key_end, window)[:, key_begin:]
+                chunks.append((begin, end, key_begin, mask))
+            self._masks[window] = chunks
+        return self._masks[window]
+
+    def __call__(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        window = self.decoder.windows[layer]
+        if self.dense and window is None:
+            return self.decoder.attend(layer, queries, keys, values, None)
+        outputs = [
+            self.decoder.attend(
+                layer,
+                queries[:, begin:end],
+                keys[:, key_begin : int(self.positions[end - 1]) + 1],
+                values[:, key_begin : int(self.positions[end - 1]) + 1],
+                mask,
+            )
+            for begin, end, key_begin, mask in self._chunks(window)
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+def _select(
+    deviation: torch.Tensor, moved_rows: torch.Tensor, keep: int
+) -> torch.Tensor:
+    """Rows (indices into the active set) of the ``keep`` moved rows that deviate most."""
+    if keep >= moved_rows.numel():
+        return moved_rows
+    if keep <= 0:
+        return moved_rows[:0]
+    top = torch.topk(deviation[moved_rows], keep, sorted=False).indices
+    return moved_rows[top].sort().values
+
+
+@torch.inference_mode()
+def run_blend(
+    decoder: Decoder,
+    blend_input: BlendInput,
+    config: BlendConfig,
+    *,
+    need_logits: bool = True,
+    keep_raw_keys: bool = False,
+) -> BlendOutput:
+    """Run the blended prefill of one prompt and return logits and the fused KV cache."""
+    device, dtype = decoder.device, decoder.dtype
+    shape = decoder.shape
+    token_ids = blend_input.token_ids.to(device)
+    kinds = blend_input.kinds.to(device)
+    total = token_ids.numel()
+    positions = torch.arange(total, device=device)
+    cos, sin = decoder.rotary(positions)
+
+    active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
+    moved_total = int((kinds == MOVED).sum())
+    checks = dict(config.schedule()) if config.strategy == "cacheblend" else {}
+    attention = _Attention(decoder, active, total)
+    hidden = decoder.embed(token_ids[active])
+
+    keys_out: list[torch.Tensor] = []
+    values_out: list[torch.Tensor] = []
+    raw_out: list[torch.Tensor] | None = [] if keep_raw_keys else None
+    load_s = 0.0
+    token_layers = 0
+    last_layer = shape.num_layers - 1
+    for i in range(shape.num_layers):
+        # Cached K/V of this layer, written into full-length buffers.
+        loaded = time.perf_counter()
+        raw_keys = torch.zeros(shape.num_kv_heads, total, shape.head_dim, device=device, dtype=dtype)
+        values = torch.zeros_like(raw_keys)
+        for span in blend_input.spans:
+            span_keys, span_values = span.source.layer(i)
+            raw_keys[:, span.start : span.end] = span_keys.to(device=device, dtype=dtype)
+            values[:, span.start : span.end] = span_values.to(device=device, dtype=dtype)
+        load_s += time.perf_counter() - loaded
+
+        queries, fresh_keys, fresh_values = decoder.project(i, hidden)
+        if i in checks:
+            rows = _select(
+                _deviation(config, fresh_keys, fresh_values, raw_keys, values, active),
+                (kinds[active] == MOVED).nonzero().squeeze(1),
+                round(checks[i] * moved_total),
+            )
+            rows = torch.cat([(kinds[active] == COMPUTE).nonzero().squeeze(1), rows]).sort().values
+            active = active[rows]
+            hidden = hidden[rows]
+            queries, fresh_keys, fresh_values = queries[:, rows], fresh_keys[:, rows], fresh_values[:, rows]
+            attention = _Attention(decoder, active, total)
+
+        raw_keys[:, active] = fresh_keys
+        values[:, active] = fresh_values
+        keys = apply_rope(raw_keys, cos, sin)
+        token_layers += active.numel()
+        if i < last_layer or need_logits:
+            queries = apply_rope(queries, cos[active], sin[active])
+            hidden = hidden + attention(i, queries, keys, values)
+            hidden = decoder.feed_forward(i, hidden)
+        keys_out.append(keys)
+        values_out.append(values)
+        if raw_out is not None:
+            raw_out.append(raw_keys)
+
+    logits = None
+    if need_logits:
+        if int(active[-1]) != total - 1:
+            raise RuntimeError("the last prompt token must be computed to produce logits")
+        logits = decoder.logits(hidden)
+    stats = {
+        "load_s": load_s,
+        "recomputed_tokens": int((kinds[active] == MOVED).sum()),
+        "token_layers": token_layers,
+        "token_layers_full": total * shape.num_layers,
+        "moved_tokens": moved_total,
+    }
+    return BlendOutput(logits, keys_out, values_out, raw_out, stats)
+
+
+def _deviation(
+    config: BlendConfig,
+    fresh_keys: torch.Tensor,
+    fresh_values: torch.Tensor,
+    cached_keys: torch.Tensor,
+    cached_values: torch.Tensor,
+    active: torch.Tensor,
+) -> torch.Tensor:
+    """Squared L2 deviation per active row between fresh and cached K (un-rotated) or V."""
+    if config.deviation == "key":
+        fresh, cached = fresh_keys, cached_keys[:, active]
+    else:
+        fresh, cached = fresh_values, cached_values[:, active]
+    return (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))

@@ -1,0 +1,163 @@
+"""The per-layer arithmetic of a Hugging Face RoPE decoder, exposed as small pure-torch steps.
+
+`Decoder` wraps a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3) and
+calls the model's own modules (norms, projections, rotary embedding, MLP, head) so that weights,
+biases, q/k norms and every RoPE scaling variant are the model's, not a re-implementation. The
+blend loop in `blend.py` drives these steps with explicit positions; nothing here keeps
+per-request state.
+
+Tensor layout, batch of one, as in transformers' caches: queries ``[heads, tokens, head_dim]``,
+keys and values ``[kv_heads, tokens, head_dim]`` (only the KV heads are kept: GQA).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one kvblend can blend."""
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes of a decoder that caches and the store depend on."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_positions: int
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Rotate half the hidden dims of ``x`` (the RoPE helper of transformers' Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos``/``sin`` ``[tokens, head_dim]``."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Decoder:
+    """Pure-torch steps over one transformers decoder model (no state per request)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_FAMILIES:
+            architectures = getattr(config, "architectures", None) or [type(model).__name__]
+            raise UnsupportedModelError(
+                f"kvblend cannot blend model type {model_type!r} ({', '.join(architectures)}); "
+                f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+            )
+        self.model = model
+        self.model_type: str = model_type
+        self.inner = model.model
+        self.layers = list(self.inner.layers)
+        first_attention = self.layers[0].self_attn
+        head_dim = first_attention.head_dim
+        self.shape = DecoderShape(
+            num_layers=len(self.layers),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim,
+            max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+        )
+        self.scaling: float = float(first_attention.scaling)
+        self.has_qk_norm = hasattr(first_attention, "q_norm")
+        self.windows: list[int | None] = _sliding_windows(config, len(self.layers))
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's weights."""
+        return self.inner.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the model's weights."""
+        return self.inner.embed_tokens.weight.dtype
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings ``[tokens, hidden]``."""
+        return self.inner.embed_tokens(token_ids)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's own RoPE ``cos``/``sin`` ``[tokens, head_dim]`` at ``positions``."""
+        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        cos, sin = self.inner.rotary_emb(probe, positions.unsqueeze(0))
+        return cos[0], sin[0]
+
+    def project(
+        self, layer: int, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, un-rotated keys and values of ``hidden`` ``[tokens, hidden]`` at ``layer``."""
+        block = self.layers[layer]
+        attention = block.self_attn
+        x = block.input_layernorm(hidden)
+        tokens = x.shape[0]
+        head_dim = self.shape.head_dim
+        q = attention.q_proj(x).view(tokens, -1, head_dim)
+        k = attention.k_proj(x).view(tokens, -1, head_dim)
+        v = attention.v_proj(x).view(tokens, -1, head_dim)
+        if self.has_qk_norm:
+            q = attention.q_norm(q)
+            k = attention.k_norm(k)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def attend(
+        self,
+        layer: int,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention output ``[tokens, hidden]`` (after ``o_proj``) of rotated inputs.
+
+        ``mask`` is a boolean ``[queries, keys]`` (True = may attend) or None for plain causal
+        attention over aligned queries and keys.
+        """
+        out = F.scaled_dot_product_attention(
+            queries.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+            is_causal=mask is None,
+            scale=self.scaling,
+            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+        )
+        # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
+        out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+        return self.layers[layer].self_attn.o_proj(out)
+
+    def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """The residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""
+        block = self.layers[layer]
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 next-token logits ``[vocab]`` for the last row of ``hidden``."""
+        last = self.inner.norm(hidden[-1:])
+        return self.model.lm_head(last)[0].float()
+
+
+def _sliding_windows(config: object, num_layers: int) -> list[int | None]:
+    """Per-layer sliding-window size (None = full attention), as transformers applies it."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if kind == "sliding_attention" else None for kind in layer_types]
+    if getattr(config, "model_type", None) == "mistral":
+        return [window] * num_layers
+    return [None] * num_layers
