@@ -1,0 +1,201 @@
+"""The store contract: the `KVStore` interface, its errors, its statistics and input checks.
+
+A store maps a caller-given key (a content hash) to a dictionary of named tensors plus string
+metadata. It knows bytes and keys only, nothing of models: the engine decides what the tensors
+mean. Every store validates keys, tensor names and metadata the same way, so that switching
+from one store to another never changes which inputs are accepted.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+
+import torch
+
+#: Prefix of the metadata entries the store writes itself; callers may not use it.
+RESERVED_METADATA_PREFIX = "kvblend."
+
+_KEY_PATTERN = re.compile(r"[0-9A-Za-z_.-]{1,200}")
+_MAX_KEY_LENGTH = 200
+
+#: Tensor dtypes a store accepts, with their safetensors names.
+SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+class StoreError(Exception):
+    """A store operation failed for a reason outside the caller's control (disk, folder)."""
+
+
+class CorruptEntryError(StoreError):
+    """A stored entry is damaged, truncated, or holds another key's bytes.
+
+    The store has already dropped the entry and counted it when this is raised.
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"corrupt KV store entry {key!r}: {reason}")
+        self.key = key
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """A snapshot of a store's counters.
+
+    `hits`, `misses`, `evictions`, `corrupt_dropped` and `put_errors` count what this store
+    object saw since it was built (per process). `entries` and `bytes` describe the current
+    content, which for a disk store includes what other processes wrote. `hit_rate` is
+    `hits / (hits + misses)`, 0.0 before the first lookup. A tiered store fills `tiers` with
+    one `StoreStats` per tier ("memory", "disk").
+    """
+
+    entries: int
+    bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt_dropped: int
+    put_errors: int = 0
+    capacity_bytes: int | None = None
+    tiers: Mapping[str, StoreStats] = field(default_factory=dict)
+    hit_rate: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        lookups = self.hits + self.misses
+        object.__setattr__(self, "hit_rate", self.hits / lookups if lookups else 0.0)
+
+
+def validate_key(key: object) -> str:
+    """Return `key` if it is a valid store key, else raise `ValueError` saying why."""
+    if not isinstance(key, str) or not _KEY_PATTERN.fullmatch(key):
+        raise ValueError(
+            f"invalid KV store key {key!r}: a key must be a string of 1 to {_MAX_KEY_LENGTH} "
+            "characters from [0-9A-Za-z_.-] (for example a hex content hash)"
+        )
+    return key
+
+
+def validate_entry(
+    tensors: object, metadata: object
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Check the tensors and metadata of a `put()`; return them as plain dicts.
+
+    Raises `ValueError` or `TypeError` with a message naming the offending item.
+    """
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise ValueError("tensors must be a non-empty dict of name -> torch.Tensor")
+    checked: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str) or not name or name.startswith("__"):
+            raise ValueError(f"invalid tensor name {name!r}: use a non-empty str not starting '__'")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"tensor {name!r} has layout {tensor.layout}; only dense tensors")
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
+        checked[name] = tensor
+    user_metadata: dict[str, str] = {}
+    if metadata is not None:
+        if not isinstance(metadata, Mapping):
+            raise TypeError("metadata must be a dict of str -> str or None")
+        for meta_key, value in metadata.items():
+            if not isinstance(meta_key, str) or not isinstance(value, str):
+                raise TypeError(f"metadata entry {meta_key!r}: keys and values must be str")
+            if meta_key.startswith(RESERVED_METADATA_PREFIX):
+                raise ValueError(
+                    f"metadata key {meta_key!r} uses the reserved prefix "
+                    f"{RESERVED_METADATA_PREFIX!r}"
+                )
+            user_metadata[meta_key] = value
+    return checked, user_metadata
+
+
+def layer_order(name: str) -> tuple[tuple[int, ...], str]:
+    """Sort key that puts tensor names in layer order: k.0, v.0, k.1, v.1, ..., k.10.
+
+    Names are ordered by the integers they contain, then by the name itself, so names without
+    a number come first. This is the order in which lazy entries prefetch.
+    """
+    return tuple(int(number) for number in re.findall(r"\d+", name)), name
+
+
+class KVStore(abc.ABC):
+    """A key -> named tensors store. Implementations are thread safe.
+
+    `get()` may return a lazy mapping (`LazyTensors`) that reads each tensor on first access
+    and prefetches the next ones in layer order; its tensors belong to the caller (mutating them
+    never changes the store). Stores are context managers; `close()` releases threads and
+    handles but leaves the store usable.
+    """
+
+    @abc.abstractmethod
+    def get(
+        self, key: str, device: torch.device | str | None = None
+    ) -> Mapping[str, torch.Tensor] | None:
+        """Return the tensors stored under `key`, or None on a miss.
+
+        With `device`, tensors are returned on that device. A corrupt entry found while
+        opening is dropped, counted and reported as a miss; one found while reading a tensor
+        raises `CorruptEntryError` from the mapping access.
+        """
+
+    @abc.abstractmethod
+    def put(
+        self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    ) -> None:
+        """Store `tensors` and string `metadata` under `key`, replacing any previous entry."""
+
+    @abc.abstractmethod
+    def contains(self, key: str) -> bool:
+        """Return True if `key` has an entry (without reading or verifying it)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove the entry under `key`; return True if there was one."""
+
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """Return a snapshot of the store's counters."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Remove every entry (counters are kept)."""
+
+    @abc.abstractmethod
+    def metadata(self, key: str) -> dict[str, str] | None:
+        """Return the caller's metadata of `key` without loading tensors, or None on a miss."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release background threads and open handles; the store stays usable."""
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.contains(key)
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

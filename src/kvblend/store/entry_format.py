@@ -1,0 +1,274 @@
+"""The on-disk format of one entry: safetensors bytes with integrity metadata, read per tensor.
+
+An entry is a standard safetensors file (`safetensors.torch.save`), so any safetensors reader can
+open it. The store adds these `__metadata__` items next to the caller's own:
+
+- ``kvblend.format``: format version (``"1"``).
+- ``kvblend.key``: the store key the entry was written under, so bytes found under another key
+  (a swapped or misfiled entry) are detected.
+- ``kvblend.checksum``: the checksum algorithm (``"crc32"``).
+- ``kvblend.tensors``: JSON list of ``[name, dtype, shape, checksum]`` in layer order.
+- ``kvblend.layers`` / ``kvblend.tokens``: layer and token counts when the names follow the
+  engine's ``k.<layer>`` / ``v.<layer>`` convention with ``[kv_heads, tokens, head_dim]``.
+- ``kvblend.header_checksum``: checksum of all the other metadata items, canonically encoded.
+
+The header is parsed here (8-byte little-endian length, then JSON) rather than by safetensors,
+so that a tensor can be read straight from an open file handle into its own buffer, without
+reading the rest of the file, and checked against its checksum as it is read. CRC-32 guards
+against accidental damage (bit flips, truncation), not against someone who can write the
+folder; it runs at several GB/s so verification stays hidden under per-layer compute.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import threading
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import safetensors.torch
+import torch
+
+from kvblend.store.base import SAFETENSORS_DTYPES, CorruptEntryError, StoreError, layer_order
+
+FORMAT_VERSION = "1"
+CHECKSUM_ALGORITHM = "crc32"
+_TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_MAX_HEADER_BYTES = 64 << 20
+_KV_NAME = re.compile(r"[kv]\.(\d+)")
+
+
+def checksum(data: bytes | memoryview) -> str:
+    """Return the CRC-32 of `data` as 8 hex digits."""
+    return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
+
+
+def _header_checksum(metadata: Mapping[str, str]) -> str:
+    items = {k: v for k, v in metadata.items() if k != "kvblend.header_checksum"}
+    return checksum(json.dumps(items, sort_keys=True, ensure_ascii=True).encode())
+
+
+def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
+    """Return a view of a contiguous CPU tensor's bytes."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def encode_entry(
+    key: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> bytes:
+    """Serialize one entry to safetensors bytes carrying the integrity metadata.
+
+    `tensors` and `metadata` must already be validated (`base.validate_entry`).
+    """
+    cpu_tensors: dict[str, torch.Tensor] = {}
+    seen_storage: set[int] = set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().to("cpu")
+        storage = tensor.untyped_storage()
+        shared = storage.data_ptr() in seen_storage and tensor.numel() > 0
+        if shared or not tensor.is_contiguous() or storage.nbytes() != tensor.nbytes:
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        seen_storage.add(tensor.untyped_storage().data_ptr())
+        cpu_tensors[name] = tensor
+    names = sorted(cpu_tensors, key=layer_order)
+    listing = [
+        [
+            name,
+            SAFETENSORS_DTYPES[cpu_tensors[name].dtype],
+            list(cpu_tensors[name].shape),
+            checksum(_as_bytes_view(cpu_tensors[name])),
+        ]
+        for name in names
+    ]
+    full = dict(metadata)
+    full.update(
+        {
+            "kvblend.format": FORMAT_VERSION,
+            "kvblend.key": key,
+            "kvblend.checksum": CHECKSUM_ALGORITHM,
+            "kvblend.tensors": json.dumps(listing, separators=(",", ":")),
+        }
+    )
+    layers = {int(m.group(1)) for name in names if (m := _KV_NAME.fullmatch(name))}
+    if layers:
+        full["kvblend.layers"] = str(max(layers) + 1)
+        first_key = cpu_tensors.get(f"k.{min(layers)}")
+        if first_key is not None and first_key.dim() == 3:
+            full["kvblend.tokens"] = str(first_key.shape[1])
+    full["kvblend.header_checksum"] = _header_checksum(full)
+    return safetensors.torch.save(cpu_tensors, metadata=full)
+
+
+class Payload:
+    """Random access to one stored entry: an open file (read per tensor) or in-memory bytes.
+
+    An open handle keeps the file readable even if another process evicts it meanwhile.
+    Reads are serialized by a lock so the caller and prefetch threads can share one handle.
+    `identity` tells two stored values apart (file path, or the bytes' checksum).
+    """
+
+    def __init__(self, source: io.BufferedIOBase | bytes) -> None:
+        self._lock = threading.Lock()
+        self._handle: io.BufferedIOBase | None = None
+        self._data: bytes | None = None
+        if isinstance(source, bytes):
+            self._data = source
+            self.size = len(source)
+            self.identity = "bytes:" + checksum(source)
+        else:
+            self._handle = source
+            self.size = os.fstat(source.fileno()).st_size
+            self.identity = "file:" + str(getattr(source, "name", ""))
+        self._closed = False
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        """Fill `buffer` from `offset`; return how many bytes were available (short at EOF)."""
+        with self._lock:
+            if self._closed:
+                raise StoreError("read from a closed KV store entry")
+            if self._data is not None:
+                chunk = self._data[offset : offset + len(buffer)]
+                buffer[: len(chunk)] = chunk
+                return len(chunk)
+            assert self._handle is not None
+            self._handle.seek(offset)
+            filled = 0
+            while filled < len(buffer):
+                count = self._handle.readinto(buffer[filled:])
+                if not count:
+                    break
+                filled += count
+            return filled
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Return up to `size` bytes from `offset`."""
+        buffer = bytearray(size)
+        return bytes(buffer[: self.read_into(offset, memoryview(buffer))])
+
+    def close(self) -> None:
+        """Close the file handle (idempotent)."""
+        with self._lock:
+            self._closed = True
+            handle, self._handle, self._data = self._handle, None, None
+        if handle is not None:
+            handle.close()
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lies in an entry and what it must hash to."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class EntryHeader:
+    """The parsed and verified header of an entry: tensors in layer order, caller metadata."""
+
+    key: str
+    tensors: tuple[TensorInfo, ...]
+    metadata: dict[str, str]
+
+
+def read_header(payload: Payload, key: str) -> EntryHeader:
+    """Parse and verify the header of `payload` stored under `key`.
+
+    Raises `CorruptEntryError` if the bytes are not a kvblend entry for `key`, the header is
+    damaged, or the payload is truncated or has trailing bytes.
+    """
+
+    def corrupt(reason: str) -> CorruptEntryError:
+        return CorruptEntryError(key, reason)
+
+    prefix = payload.read(0, 8)
+    if len(prefix) < 8:
+        raise corrupt(f"truncated: {payload.size} bytes")
+    header_size = int.from_bytes(prefix, "little")
+    if header_size > min(_MAX_HEADER_BYTES, payload.size - 8):
+        raise corrupt("header length is out of range (truncated or not safetensors)")
+    try:
+        header = json.loads(payload.read(8, header_size))
+        metadata = header.pop("__metadata__")
+        if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+        ):
+            raise ValueError("metadata is not a str -> str map")
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise corrupt(f"unreadable header ({error})") from None
+    if metadata.get("kvblend.format") != FORMAT_VERSION:
+        raise corrupt(f"not a kvblend entry of format {FORMAT_VERSION}")
+    if metadata.get("kvblend.header_checksum") != _header_checksum(metadata):
+        raise corrupt("header checksum mismatch")
+    if metadata.get("kvblend.key") != key:
+        raise corrupt(f"holds the entry of key {metadata.get('kvblend.key')!r}")
+    if metadata.get("kvblend.checksum") != CHECKSUM_ALGORITHM:
+        raise corrupt(f"unknown checksum {metadata.get('kvblend.checksum')!r}")
+    data_start = 8 + header_size
+    infos = []
+    data_end = 0
+    try:
+        listing = json.loads(metadata["kvblend.tensors"])
+        for name, dtype_name, shape, tensor_checksum in listing:
+            described = header.pop(name)
+            begin, end = described["data_offsets"]
+            dtype = _TORCH_DTYPES[dtype_name]
+            if described["dtype"] != dtype_name or described["shape"] != shape:
+                raise ValueError(f"tensor {name!r} does not match its listing")
+            numel = 1
+            for size in shape:
+                numel *= int(size)
+            if end - begin != numel * dtype.itemsize or begin < 0:
+                raise ValueError(f"tensor {name!r} has inconsistent offsets")
+            infos.append(
+                TensorInfo(
+                    name,
+                    dtype,
+                    tuple(int(s) for s in shape),
+                    data_start + begin,
+                    end - begin,
+                    tensor_checksum,
+                )
+            )
+            data_end = max(data_end, end)
+    except (ValueError, KeyError, TypeError) as error:
+        raise corrupt(f"inconsistent tensor listing ({error})") from None
+    if header:
+        raise corrupt(f"unlisted tensors {sorted(header)[:3]}")
+    if data_start + data_end != payload.size:
+        raise corrupt(f"size {payload.size} bytes, expected {data_start + data_end}")
+    user = {k: v for k, v in metadata.items() if not k.startswith("kvblend.")}
+    return EntryHeader(key, tuple(infos), user)
+
+
+def read_tensor(
+    payload: Payload, info: TensorInfo, key: str, device: torch.device | None = None
+) -> torch.Tensor:
+    """Read one tensor from `payload`, verify its checksum, and return it on `device`.
+
+    The bytes go straight from the file into the tensor's own buffer (pinned when the target
+    is a CUDA device). Raises `CorruptEntryError` on a short read or checksum mismatch.
+    """
+    pin = device is not None and device.type == "cuda"
+    buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
+    view = memoryview(buffer.numpy())
+    try:
+        filled = payload.read_into(info.offset, view)
+    except OSError as error:
+        raise StoreError(f"cannot read tensor {info.name!r} of entry {key!r}: {error}") from error
+    if filled != info.nbytes:
+        raise CorruptEntryError(key, f"tensor {info.name!r} truncated")
+    if checksum(view) != info.checksum:
+        raise CorruptEntryError(key, f"tensor {info.name!r} checksum mismatch")
+    tensor = buffer.view(info.dtype).reshape(info.shape)
+    if device is not None and device != tensor.device:
+        tensor = tensor.to(device)
+    return tensor

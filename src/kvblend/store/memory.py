@@ -1,0 +1,171 @@
+"""`MemoryKVStore`: an in-process LRU store bounded by the bytes of the tensors it holds.
+
+Entries are kept as tensors, optionally on a compute device (a GPU tier), in an `OrderedDict`
+used as an LRU list. `put()` stores private copies and `get()` hands out copies (made lazily, per
+tensor, with prefetch), so a caller that patches rows of the returned KV in place never changes
+what the store holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from kvblend.store.base import KVStore, StoreStats, layer_order, validate_entry, validate_key
+from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool
+
+logger = logging.getLogger(__name__)
+
+#: Default memory budget: 2 GiB holds e.g. ~16k tokens of an 8B GQA model's fp16 KV.
+DEFAULT_MEMORY_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class _Entry:
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    nbytes: int
+
+
+class MemoryKVStore(KVStore):
+    """LRU store in process memory, bounded by the total `nbytes` of the stored tensors.
+
+    `device` (e.g. "cuda") keeps stored tensors on that device; None keeps each tensor on the
+    device it was put from. An entry larger than `max_bytes` is not stored. Thread safe.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int = DEFAULT_MEMORY_BYTES,
+        device: torch.device | str | None = None,
+        *,
+        prefetch_ahead: int = DEFAULT_PREFETCH_AHEAD,
+    ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes = int(max_bytes)
+        self.device = torch.device(device) if device is not None else None
+        self._prefetch_ahead = prefetch_ahead
+        self._pool = PrefetchPool()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._evictions = 0
+
+    def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
+        """Return a lazy mapping of copies of the tensors under `key` (on `device`), or None."""
+        validate_key(key)
+        target = torch.device(device) if device is not None else None
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._hits += 1
+        stored = entry.tensors
+
+        def load(name: str) -> torch.Tensor:
+            tensor = stored[name]
+            return tensor.to(target if target is not None else tensor.device, copy=True)
+
+        return LazyTensors(
+            sorted(stored, key=layer_order),
+            load,
+            metadata=entry.metadata,
+            pool=self._pool,
+            prefetch_ahead=self._prefetch_ahead,
+        )
+
+    def put(
+        self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+    ) -> None:
+        """Store private copies of `tensors` (on the store's device) under `key`."""
+        validate_key(key)
+        checked, user_metadata = validate_entry(tensors, metadata)
+        if sum(t.nbytes for t in checked.values()) > self.max_bytes:
+            logger.debug("entry %s is larger than the memory store (%d bytes)", key, self.max_bytes)
+            self.delete(key)
+            return
+        copies = {
+            name: tensor.detach().to(
+                self.device if self.device is not None else tensor.device, copy=True
+            )
+            for name, tensor in checked.items()
+        }
+        self.insert_owned(key, copies, user_metadata)
+
+    def insert_owned(
+        self, key: str, tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]
+    ) -> None:
+        """Store tensors the store may keep as they are (no copy), evicting LRU entries.
+
+        For use inside the store package (the tiered store promotes disk hits this way); the
+        tensors must not be used by anyone else afterwards.
+        """
+        nbytes = sum(t.nbytes for t in tensors.values())
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            if nbytes > self.max_bytes:
+                return
+            self._entries[key] = _Entry(dict(tensors), dict(metadata), nbytes)
+            self._bytes += nbytes
+            while self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self._evictions += 1
+
+    def contains(self, key: str) -> bool:
+        """Return True if `key` is held (does not count as a use for LRU)."""
+        validate_key(key)
+        with self._lock:
+            return key in self._entries
+
+    def delete(self, key: str) -> bool:
+        """Remove `key`; return True if it was held."""
+        validate_key(key)
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._bytes -= entry.nbytes
+            return True
+
+    def metadata(self, key: str) -> dict[str, str] | None:
+        """Return the caller's metadata of `key`, or None."""
+        validate_key(key)
+        with self._lock:
+            entry = self._entries.get(key)
+            return dict(entry.metadata) if entry is not None else None
+
+    def stats(self) -> StoreStats:
+        """Return counters; `bytes` is the sum of the held tensors' `nbytes`."""
+        with self._lock:
+            return StoreStats(
+                entries=len(self._entries),
+                bytes=self._bytes,
+                hits=self._hits,
+                misses=self._misses,
+                evictions=self._evictions,
+                corrupt_dropped=0,
+                capacity_bytes=self.max_bytes,
+            )
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def close(self) -> None:
+        """Stop the prefetch threads (the entries are kept)."""
+        self._pool.close()
