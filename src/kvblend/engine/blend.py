@@ -31,7 +31,7 @@ PREFIX, MOVED, COMPUTE = 0, 1, 2
 
 # Query rows per attention call when the active tokens are sparse: each chunk attends only to
 # the keys up to its last position, which skips most of the causal upper triangle.
-_QUERY_CHUNK = 512
+_QUERY_CHUNK = 128
 
 
 class LayerKV(Protocol):

@@ -124,6 +124,7 @@ class BlendEngine:
         self._doc_context = self._bos + (self.tokenize(doc_prefix) if doc_prefix else [])
         self.parity_error: float | None = None
         self._lock = threading.Lock()
+        self._documents: dict[str, str] = {}  # text -> segment id, for finding them in prompts
         if check_parity:
             self.check_parity()
 
@@ -230,8 +231,22 @@ class BlendEngine:
             key = segment_key(self.fingerprint, self._doc_context, token_ids)
             if force or not self.store.contains(key):
                 self._compute_segment(key, self._doc_context, token_ids)
+            with self._lock:
+                self._documents[text] = key
             ids.append(key)
         return ids
+
+    def register(self, texts: Iterable[str]) -> None:
+        """Remember document texts (already precomputed, e.g. in another process) as known."""
+        items = [texts] if isinstance(texts, str) else list(texts)
+        with self._lock:
+            for text in items:
+                self._documents[text] = self.segment_id(text)
+
+    def known_documents(self) -> dict[str, str]:
+        """Document texts this engine has precomputed or registered, mapped to segment ids."""
+        with self._lock:
+            return dict(self._documents)
 
     def _compute_segment(
         self, key: str, context: list[int], token_ids: list[int]

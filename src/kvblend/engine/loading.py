@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import platformdirs
+import safetensors.torch
 import torch
 
 logger = logging.getLogger(__name__)
@@ -119,7 +120,14 @@ def _converted_gguf(path: Path) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=folder.parent))
     try:
-        model.save_pretrained(staging)
+        # transformers marks GGUF-loaded models as quantized and will not save them; the weights
+        # are plain dequantized tensors, so write them and the config directly.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(staging)
+        model.generation_config.save_pretrained(staging)
+        safetensors.torch.save_model(model, str(staging / "model.safetensors"))
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(folder)
