@@ -1,0 +1,91 @@
+"""Shared fixtures: tiny random-init models of every supported family with a real tokenizer."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+# hidden_size=64, 3 layers, GQA 4/2 heads: small enough to be instant, big enough to be real.
+TINY = dict(
+    vocab_size=259,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=2,
+    eos_token_id=1,
+    pad_token_id=0,
+)
+
+FAMILIES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**TINY)),
+    "llama3-scaled": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            **TINY,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
+        )
+    ),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**TINY, sliding_window=48)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**TINY)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**TINY, head_dim=16)),
+}
+
+
+def byte_tokenizer(bos: bool = True) -> PreTrainedTokenizerFast:
+    """A real fast tokenizer over bytes (no merges), optionally adding a BOS like Llama's."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "</s>": 1, "<s>": 2} | {c: i + 3 for i, c in enumerate(alphabet)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", 2)]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return FAMILIES[family]().eval()
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_engine(family: str):
+    from kvblend import BlendEngine
+    from kvblend.store import MemoryKVStore
+
+    return BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore(), name=family)

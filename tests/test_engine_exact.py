@@ -1,0 +1,210 @@
+"""Exactness of the blend loop against transformers' own forward pass, for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, tiny_model
+
+from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.engine.blend import COMPUTE, BlendInput, run_blend
+from kvblend.store import MemoryKVStore
+
+SYSTEM = "System: answer from the documents.\n"
+DOCS = [
+    "Doc one: Marta Quill lives in Lisbon and keeps bees.",
+    "Doc two: the {orange} cat\nsleeps all day — très calme.",
+    "Doc three: a meeting at 9:30 in room 12.",
+]
+QUESTION = "\nQuestion: where does Marta live?\nAnswer:"
+STRATEGIES = [
+    BlendConfig("full"),
+    BlendConfig("cacheblend", recompute_ratio=0.15),
+    BlendConfig("cacheblend", recompute_ratio=0.3, deviation="key", check_layer=2),
+    BlendConfig("cacheblend", ratio_schedule=((1, 0.5), (2, 0.2))),
+    BlendConfig("epic", epic_tokens=4),
+    BlendConfig("reuse"),
+]
+
+
+def segments(order=(0, 1, 2)) -> list[Segment]:
+    return [
+        Segment(SYSTEM, role="prefix"),
+        *[Segment(DOCS[i]) for i in order],
+        Segment(QUESTION, cache=False),
+    ]
+
+
+def hf_logits(engine: BlendEngine, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return engine.model(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def report(got: torch.Tensor, expected: torch.Tensor) -> str:
+    error = (got - expected).abs()
+    return f"max abs error {error.max():.3g}, mean {error.mean():.3g}"
+
+
+def test_full_matches_transformers_forward(tiny_engine: BlendEngine) -> None:
+    pre = tiny_engine.prefill(segments(), BlendConfig("full"))
+    expected = hf_logits(tiny_engine, pre.token_ids)
+    assert pre.logits.dtype == torch.float32 and pre.logits.shape == expected.shape
+    assert torch.allclose(pre.logits, expected, atol=1e-4, rtol=0), report(pre.logits, expected)
+    assert tiny_engine.parity_error is not None and tiny_engine.parity_error < 1e-4
+
+
+def test_token_ids_are_piecewise_concatenation(tiny_engine: BlendEngine) -> None:
+    pre = tiny_engine.prefill(segments((2, 0, 1)), BlendConfig("reuse"))
+    tokenizer = tiny_engine.tokenizer
+    expected = [tokenizer.bos_token_id]
+    for text in [SYSTEM, DOCS[2], DOCS[0], DOCS[1], QUESTION]:
+        expected += tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert pre.token_ids == expected
+
+
+@pytest.mark.parametrize("config", STRATEGIES, ids=lambda c: f"{c.strategy}")
+def test_kv_from_real_context_makes_every_strategy_exact(
+    tiny_engine: BlendEngine, config: BlendConfig
+) -> None:
+    """With each segment's cached KV taken from its real context, blending changes nothing."""
+    order = (1, 2, 0)
+    reference = tiny_engine.prefill(segments(order), BlendConfig("full"))
+    ids = torch.tensor(reference.token_ids)
+    exact = run_blend(
+        tiny_engine.decoder,
+        BlendInput(ids, torch.full((len(ids),), COMPUTE, dtype=torch.int8), []),
+        BlendConfig("full"),
+        keep_raw_keys=True,
+    )
+    # Plant the in-context KV under each document's store key.
+    cursor = len(tiny_engine.tokenize(SYSTEM)) + 1  # after BOS and the system prompt
+    for index in order:
+        length = len(tiny_engine.tokenize(DOCS[index]))
+        tensors = {}
+        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values)):
+            tensors[f"k.{layer}"] = keys[:, cursor : cursor + length].clone()
+            tensors[f"v.{layer}"] = values[:, cursor : cursor + length].clone()
+        tiny_engine.store.put(tiny_engine.segment_id(DOCS[index]), tensors)
+        cursor += length
+    pre = tiny_engine.prefill(segments(order), config)
+    assert pre.token_ids == reference.token_ids
+    assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0), report(
+        pre.logits, reference.logits
+    )
+    for got, expected in zip(pre.keys, reference.keys):
+        assert torch.allclose(got, expected, atol=1e-4, rtol=0)
+
+
+def test_rope_replacement_equals_computing_at_target_positions(tiny_engine: BlendEngine) -> None:
+    """Layer-0 keys of a moved document equal transformers' keys at its new positions."""
+    tiny_engine.precompute(DOCS)
+    pre = tiny_engine.prefill(segments((2, 1, 0)), BlendConfig("reuse"))
+    with torch.inference_mode():
+        out = tiny_engine.model(torch.tensor([pre.token_ids]), use_cache=True)
+    hf_keys = out.past_key_values.layers[0].keys[0]  # a sliding-window layer keeps the tail only
+    got = pre.keys[0][:, -hf_keys.shape[1] :]
+    assert torch.allclose(got, hf_keys, atol=1e-5, rtol=0), report(got, hf_keys)
+
+
+def test_prefix_is_reused_exactly_with_no_recompute(tiny_engine: BlendEngine) -> None:
+    only_prefix = [Segment(SYSTEM, role="prefix"), Segment(QUESTION, cache=False)]
+    reference = tiny_engine.prefill(only_prefix, BlendConfig("full"))
+    tiny_engine.prefill(only_prefix, BlendConfig("reuse"))  # caches the prefix
+    pre = tiny_engine.prefill(only_prefix, BlendConfig("cacheblend", recompute_ratio=1.0))
+    system_tokens = len(tiny_engine.tokenize(SYSTEM))
+    assert pre.stats.prefix_tokens == system_tokens
+    assert pre.stats.reused_tokens == system_tokens
+    assert pre.stats.recomputed_tokens == 0
+    assert pre.stats.segments_precomputed == 0
+    assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("config", STRATEGIES[1:], ids=lambda c: c.strategy)
+def test_uncached_tokens_are_always_computed(tiny_engine: BlendEngine, config: BlendConfig) -> None:
+    tiny_engine.precompute(DOCS)
+    between = Segment(" -- ", cache=False)
+    prompt = [
+        Segment(SYSTEM, role="prefix"),
+        Segment(DOCS[0]),
+        between,
+        Segment("A new document nobody cached.", cache=False),
+        Segment(DOCS[1]),
+        Segment(QUESTION, cache=False),
+    ]
+    pre = tiny_engine.prefill(prompt, config)
+    uncached = sum(len(tiny_engine.tokenize(s.text)) for s in prompt if not s.cache) + 1  # + BOS
+    moved = len(tiny_engine.tokenize(DOCS[0])) + len(tiny_engine.tokenize(DOCS[1]))
+    stats = pre.stats
+    assert stats.computed_tokens == uncached
+    assert stats.moved_tokens == moved
+    assert stats.reused_tokens + stats.recomputed_tokens + stats.computed_tokens == len(
+        pre.token_ids
+    )
+    if config.strategy == "reuse":
+        assert stats.recomputed_tokens == 0
+    if config.strategy == "cacheblend":
+        assert stats.recomputed_tokens == round(config.schedule()[-1][1] * moved)
+
+
+def test_cacheblend_ratio_one_equals_full(tiny_engine: BlendEngine) -> None:
+    tiny_engine.precompute(DOCS)
+    reference = tiny_engine.prefill(segments((2, 0, 1)), BlendConfig("full"))
+    pre = tiny_engine.prefill(segments((2, 0, 1)), BlendConfig(recompute_ratio=1.0))
+    assert pre.stats.recomputed_tokens == pre.stats.moved_tokens > 0
+    assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0)
+
+
+def test_blending_reads_cached_kv_not_fresh(tiny_engine: BlendEngine) -> None:
+    """Reuse must differ from full on moved documents (it really reads the cache)."""
+    tiny_engine.precompute(DOCS)
+    full = tiny_engine.prefill(segments(), BlendConfig("full"))
+    reuse = tiny_engine.prefill(segments(), BlendConfig("reuse"))
+    assert reuse.stats.segments_precomputed == 1  # only the prefix was not precomputed
+    assert not torch.allclose(full.logits, reuse.logits, atol=1e-4)
+
+
+def test_missing_segment_is_computed_and_stored(tiny_engine: BlendEngine) -> None:
+    first = tiny_engine.prefill(segments(), BlendConfig())
+    assert first.stats.segments_precomputed == 4  # the prefix and three documents
+    second = tiny_engine.prefill(segments((1, 0, 2)), BlendConfig())
+    assert second.stats.segments_precomputed == 0
+    assert tiny_engine.store.contains(tiny_engine.segment_id(DOCS[0]))
+
+
+def test_full_greedy_generation_equals_model_generate(tiny_engine: BlendEngine) -> None:
+    out = tiny_engine.generate(segments(), BlendConfig("full"), max_new_tokens=12)
+    ids = torch.tensor([out_ids := tiny_engine.prefill(segments(), BlendConfig("full")).token_ids])
+    with torch.inference_mode():
+        expected = tiny_engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+            pad_token_id=0, eos_token_id=1,
+        )  # fmt: skip
+    assert out.token_ids == expected[0, len(out_ids) :].tolist()
+    assert out.ttft_s > 0 and out.total_s >= out.ttft_s
+
+
+def test_stream_concatenates_to_generate(tiny_engine: BlendEngine) -> None:
+    config = BlendConfig("cacheblend")
+    whole = tiny_engine.generate(segments(), config, max_new_tokens=10)
+    pieces = list(tiny_engine.stream(segments(), config, max_new_tokens=10))
+    assert "".join(pieces) == whole.text
+
+
+def test_stop_string_cuts_output(tiny_engine: BlendEngine) -> None:
+    whole = tiny_engine.generate(segments(), BlendConfig("full"), max_new_tokens=16)
+    assert len(whole.text) > 3
+    stop = whole.text[2:4]
+    cut = tiny_engine.generate(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop])
+    assert stop not in cut.text and whole.text.startswith(cut.text)
+    assert cut.finish_reason == "stop"
+    streamed = "".join(tiny_engine.stream(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop]))
+    assert streamed == cut.text
+
+
+def test_no_bos_tokenizer_and_single_segment() -> None:
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(bos=False), store=MemoryKVStore())
+    pre = engine.prefill(["just a question"], BlendConfig())
+    assert pre.token_ids == engine.tokenize("just a question")
+    assert pre.stats.computed_tokens == len(pre.token_ids)
+    only_doc = engine.prefill([Segment("a cached document only")], BlendConfig())
+    assert only_doc.stats.computed_tokens == 1  # the last token always produces the logits
