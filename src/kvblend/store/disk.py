@@ -206,8 +206,7 @@ class DiskKVStore(KVStore):
         while self._cache.volume() > self.size_limit:
             try:
                 rows = self._cache._sql(  # noqa: SLF001 - see docstring
-                    "SELECT key FROM Cache WHERE raw = 1 AND key != ?"
-                    " ORDER BY access_time LIMIT 1",
+                    "SELECT key FROM Cache WHERE raw = 1 AND key != ? ORDER BY access_time LIMIT 1",
                     (keep,),
                 ).fetchall()
             except (AttributeError, sqlite3.Error):

@@ -38,16 +38,15 @@ class PrefetchPool:
         self._lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
-    def submit(self, function: Callable[[], object]) -> bool:
-        """Run `function` in the background; return False if it could not be scheduled."""
+    def submit(self, function: Callable[[], object]) -> Future[object] | None:
+        """Run `function` in the background; return its future, None if it cannot be scheduled."""
         with self._lock:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(self._max_workers, self._name)
             try:
-                self._executor.submit(function)
+                return self._executor.submit(function)
             except RuntimeError:  # interpreter shutting down
-                return False
-        return True
+                return None
 
     def close(self) -> None:
         """Wait for queued reads to finish and stop the threads."""
@@ -87,8 +86,10 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         self._prefetch_ahead = max(0, prefetch_ahead) if pool is not None else 0
         self._on_corrupt = on_corrupt
         self._lock = threading.Lock()
+        self._report_lock = threading.Lock()
         self._futures: dict[str, Future[torch.Tensor]] = {}
         self._scheduled: set[str] = set()
+        self._tasks: list[Future[object]] = []
         self._finished = 0
         self._corrupt_reported = False
         self._closed = False
@@ -129,7 +130,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return name in self._position
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every read started so far (including prefetches) has finished."""
+        """Block until every read requested so far (including scheduled prefetches) is done."""
+        with self._lock:
+            tasks = list(self._tasks)
+        for task in tasks:
+            task.exception(timeout)
         with self._lock:
             futures = list(self._futures.values())
         for future in futures:
@@ -169,25 +174,32 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             return future, True
 
     def _run(self, name: str, future: Future[torch.Tensor]) -> None:
+        tensor: torch.Tensor | None = None
+        failure: BaseException | None = None
         try:
             tensor = self._load(name)
         except BaseException as error:
-            future.set_exception(error)
+            failure = error
             if isinstance(error, CorruptEntryError):
-                self._report_corrupt(error)
-        else:
-            future.set_result(tensor)
+                self._report_corrupt(error)  # before anyone waiting on the future sees it
         with self._lock:
             self._finished += 1
             all_done = self._finished == len(self._names)
         if all_done and self._finalizer is not None:
-            self._finalizer()
+            self._finalizer()  # the source is released before the last tensor is handed out
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(tensor)
 
     def _report_corrupt(self, error: CorruptEntryError) -> None:
-        with self._lock:
-            first, self._corrupt_reported = not self._corrupt_reported, True
-        if first and self._on_corrupt is not None:
-            self._on_corrupt(error)
+        # A second failing read waits here until the first report (the drop) has completed.
+        with self._report_lock:
+            if self._corrupt_reported:
+                return
+            self._corrupt_reported = True
+            if self._on_corrupt is not None:
+                self._on_corrupt(error)
 
     def _schedule_after(self, name: str) -> None:
         if self._pool is None or self._prefetch_ahead == 0:
@@ -203,8 +215,11 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             ]
             self._scheduled.update(upcoming)
         for ahead in upcoming:
-            if not self._pool.submit(lambda ahead=ahead: self._prefetch(ahead)):
+            task = self._pool.submit(lambda ahead=ahead: self._prefetch(ahead))
+            if task is None:
                 break
+            with self._lock:
+                self._tasks.append(task)
 
     def _prefetch(self, name: str) -> None:
         future, owner = self._claim(name)
