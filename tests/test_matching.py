@@ -1,0 +1,189 @@
+"""Finding known documents in finished prompts (pure string logic, no model)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvblend import Segment
+from kvblend.matching import DocumentMatch, find_documents, split_prompt
+
+
+def pieces(segments: list[Segment]) -> list[tuple[str, bool]]:
+    return [(s.text, s.cache) for s in segments]
+
+
+def joined(segments: list[Segment]) -> str:
+    return "".join(s.text for s in segments)
+
+
+TEMPLATE = "Use the context to answer.\n\nContext:\n{context}\n\nQuestion: {question}\nAnswer:"
+
+
+def test_rag_prompt_joined_with_blank_lines() -> None:
+    docs = ["Marta Quill lives in Lisbon.", "Tomas Reed works as a baker."]
+    prompt = TEMPLATE.format(context="\n\n".join(docs), question="Where does Marta live?")
+    segments = split_prompt(prompt, docs)
+    assert pieces(segments) == [
+        ("Use the context to answer.\n\nContext:\n", False),
+        (docs[0], True),
+        ("\n\n", False),
+        (docs[1], True),
+        ("\n\nQuestion: Where does Marta live?\nAnswer:", False),
+    ]
+    assert joined(segments) == prompt
+    assert all(s.role == "document" for s in segments)
+
+
+def test_document_with_braces_newlines_and_unicode() -> None:
+    doc = 'Config {"a": {b}} uses {{x}}.\nLine two: naïve café — 東京 🚀\n\tTabbed.'
+    prompt = f"Before {{braces}}\n{doc}\nAfter ünïcode"
+    segments = split_prompt(prompt, [doc])
+    assert pieces(segments) == [
+        ("Before {braces}\n", False),
+        (doc, True),
+        ("\nAfter ünïcode", False),
+    ]
+
+
+def test_document_appearing_twice_is_matched_both_times() -> None:
+    doc = "The bridge opened in 1931."
+    prompt = f"A: {doc} B: {doc} end"
+    assert pieces(split_prompt(prompt, [doc])) == [
+        ("A: ", False),
+        (doc, True),
+        (" B: ", False),
+        (doc, True),
+        (" end", False),
+    ]
+
+
+def test_adjacent_documents_with_nothing_between() -> None:
+    first, second = "Alpha is first. ", "Beta comes second."
+    prompt = f"Q?{first}{second}"
+    assert pieces(split_prompt(prompt, [second, first])) == [
+        ("Q?", False),
+        (first, True),
+        (second, True),
+    ]
+
+
+def test_prompt_that_is_exactly_one_document() -> None:
+    doc = "Only a document here."
+    assert pieces(split_prompt(doc, [doc])) == [(doc, True)]
+
+
+def test_user_prefix_before_each_document() -> None:
+    docs = ["Oslo is in Norway.", "Quito is in Ecuador."]
+    context = "\n".join(f"[Source {i}] {d}" for i, d in enumerate(docs, 1))
+    prompt = f"Context:\n{context}\nQuestion: where is Quito?"
+    assert pieces(split_prompt(prompt, docs)) == [
+        ("Context:\n[Source 1] ", False),
+        (docs[0], True),
+        ("\n[Source 2] ", False),
+        (docs[1], True),
+        ("\nQuestion: where is Quito?", False),
+    ]
+
+
+def test_substring_document_prefers_the_longest_match() -> None:
+    short = "Lisbon is sunny."
+    long = "Marta lives in Lisbon. Lisbon is sunny."
+    prompt = f"{long}\n\n{short}"
+    matches = find_documents(prompt, [short, long])
+    assert matches == [
+        DocumentMatch(0, len(long), long),
+        DocumentMatch(len(long) + 2, len(prompt), short),
+    ]
+
+
+def test_overlapping_documents_keep_the_longer_one() -> None:
+    left = "one two three four"
+    right = "three four five six seven eight"  # longer, overlaps the end of `left`
+    prompt = "one two three four five six seven eight"
+    assert find_documents(prompt, [left, right]) == [DocumentMatch(8, len(prompt), right)]
+
+
+def test_equal_length_overlap_keeps_the_earlier() -> None:
+    prompt = "abcdefghij"
+    assert find_documents(prompt, ["defghi", "abcdef"]) == [DocumentMatch(0, 6, "abcdef")]
+
+
+def test_no_known_document_gives_one_uncached_segment() -> None:
+    prompt = "Just a question without context?"
+    assert pieces(split_prompt(prompt, ["Not in the prompt at all."])) == [(prompt, False)]
+    assert pieces(split_prompt(prompt)) == [(prompt, False)]
+
+
+def test_short_blank_and_duplicate_documents() -> None:
+    prompt = "x: ab, y: ab"
+    assert [m.start for m in find_documents(prompt, ["ab", "ab", "", "  ", "\n"])] == [3, 10]
+
+
+def test_document_longer_than_prompt_is_ignored() -> None:
+    assert find_documents("short", ["short and longer"]) == []
+
+
+def test_prefix_role_marks_leading_text() -> None:
+    doc = "Ana paints murals."
+    segments = split_prompt(f"System: be brief.\n{doc}\nWho paints?", [doc], prefix_role=True)
+    assert [(s.role, s.cache) for s in segments] == [
+        ("prefix", True),
+        ("document", True),
+        ("document", False),
+    ]
+    # without a document there is nothing to reuse: no prefix segment
+    assert split_prompt("System: be brief.", [doc], prefix_role=True)[0].cache is False
+
+
+def test_separator_mode_splits_and_drops_the_separator() -> None:
+    sep = "# #"
+    prompt = f"System text{sep}Doc one.{sep}Doc two.{sep}Question?"
+    segments = split_prompt(prompt, separator=sep)
+    assert pieces(segments) == [
+        ("System text", False),
+        ("Doc one.", True),
+        ("Doc two.", True),
+        ("Question?", False),
+    ]
+    assert joined(segments) == prompt.replace(sep, "")
+
+
+def test_separator_mode_edge_cases() -> None:
+    assert pieces(split_prompt("no separator here", separator="##")) == [
+        ("no separator here", False)
+    ]
+    # empty pieces (leading separator, doubled separator) are dropped
+    assert pieces(split_prompt("##Doc.####Q", separator="##")) == [("Doc.", True), ("Q", False)]
+    with pytest.raises(ValueError, match="separator"):
+        split_prompt("a##b", separator="")
+    with pytest.raises(ValueError, match="nothing but separators"):
+        split_prompt("####", separator="##")
+
+
+def test_separator_mode_ignores_documents() -> None:
+    prompt = "Head||Known doc.||Tail"
+    assert pieces(split_prompt(prompt, ["Head"], separator="||")) == [
+        ("Head", False),
+        ("Known doc.", True),
+        ("Tail", False),
+    ]
+
+
+def test_empty_prompt_is_rejected() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        split_prompt("", ["doc"])
+
+
+def test_many_known_documents_stay_fast() -> None:
+    known = [f"Document number {i} says the value of key {i} is {i * 7}." for i in range(20000)]
+    used = [known[17], known[12345], known[19999]]
+    filler = "Some template text that is not a document. " * 1000
+    prompt = filler + "\n\n".join(used) + "\n\nQuestion: what is key 12345?"
+    started = time.perf_counter()
+    segments = split_prompt(prompt, known)
+    elapsed = time.perf_counter() - started
+    assert [s.text for s in segments if s.cache] == used
+    assert joined(segments) == prompt
+    assert elapsed < 1.0, f"matching took {elapsed:.3f} s"
