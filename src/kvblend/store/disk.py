@@ -277,7 +277,7 @@ class DiskKVStore(KVStore):
             return None
         if value is None:
             return None
-        if isinstance(value, (bytes, io.IOBase)):
+        if isinstance(value, (bytes, io.BufferedIOBase)):
             return Payload(value)
         self._drop_corrupt(key, None, CorruptEntryError(key, "foreign value"))
         return None
@@ -304,7 +304,7 @@ class DiskKVStore(KVStore):
             return "foreign"
         if value is None:
             return None
-        if not isinstance(value, (bytes, io.IOBase)):
+        if not isinstance(value, (bytes, io.BufferedIOBase)):
             return "foreign"
         payload = Payload(value)
         payload.close()

@@ -54,7 +54,7 @@ def _header_checksum(metadata: Mapping[str, str]) -> str:
 
 def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
     """Return a view of a contiguous CPU tensor's bytes."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def encode_entry(
@@ -259,7 +259,7 @@ def read_tensor(
     """
     pin = device is not None and device.type == "cuda"
     buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
-    view = memoryview(buffer.numpy())
+    view = buffer.numpy().data
     try:
         filled = payload.read_into(info.offset, view)
     except OSError as error:

@@ -11,11 +11,13 @@ therefore correct; out-of-order access only makes prefetching less useful.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
+from typing import cast
 
 import torch
 
@@ -190,7 +192,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         if failure is not None:
             future.set_exception(failure)
         else:
-            future.set_result(tensor)
+            future.set_result(cast(torch.Tensor, tensor))
 
     def _report_corrupt(self, error: CorruptEntryError) -> None:
         # A second failing read waits here until the first report (the drop) has completed.
@@ -215,7 +217,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             ]
             self._scheduled.update(upcoming)
         for ahead in upcoming:
-            task = self._pool.submit(lambda ahead=ahead: self._prefetch(ahead))
+            task = self._pool.submit(functools.partial(self._prefetch, ahead))
             if task is None:
                 break
             with self._lock:
