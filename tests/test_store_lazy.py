@@ -130,23 +130,34 @@ def test_prefetch_threads_are_bounded_and_stop_on_close(tmp_path):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
 def test_entries_release_their_file_when_read_or_dropped(tmp_path):
+    def open_entry_files() -> int:
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            count += target.startswith(str(tmp_path)) and target.endswith(".val")
+        return count
+
     store = DiskKVStore(tmp_path / "kv", prefetch_ahead=2)
     tensors = make_kv(layers=2, tokens=2048)  # a file, not a SQLite blob
     store.put("a", tensors)
-    store.get("a")  # opens the connection(s) once
-    baseline = len(os.listdir("/proc/self/fd"))
-    for _ in range(20):
+    for _ in range(10):
         entry = store.get("a")
+        assert open_entry_files() == 1
         for name in entry:
             entry[name]
-        assert len(os.listdir("/proc/self/fd")) == baseline  # closed once fully read
+        assert open_entry_files() == 0  # closed once fully read
     opened = [store.get("a") for _ in range(5)]
-    assert len(os.listdir("/proc/self/fd")) == baseline + 5
+    assert open_entry_files() == 5
     for entry in opened:
         entry.close()
-    assert len(os.listdir("/proc/self/fd")) == baseline
+    assert open_entry_files() == 0
     with pytest.raises(StoreError, match="closed"):
         opened[0]["k.0"]
+    store.get("a")  # dropped unread: closed when collected
+    assert open_entry_files() == 0
     store.close()
 
 
