@@ -1,0 +1,150 @@
+"""`ChatBlend`: a LangChain chat model whose prefill reuses the KV of known documents."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+
+from ._shared import BlendRun, BlendSettings, iterate_in_thread
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+
+
+class ChatBlend(BlendSettings, BaseChatModel):
+    r"""Chat model over a kvblend engine, prompting through the model's chat template.
+
+    The messages are rendered with the model's chat template; documents precomputed by the
+    engine (or returned by `BlendRetriever`) are found in the rendered prompt by exact match
+    and their KV is reused wherever they land. Text-only: no tool calling or images.
+
+    Example:
+        .. code-block:: python
+
+            from kvblend.langchain import ChatBlend
+
+            chat = ChatBlend(max_tokens=64)
+            chat.invoke([("system", "Be brief."), ("human", "Context: ...\\nQuestion: ...")])
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "kvblend-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "blend_config": self.blend_config,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="kvblend",
+            ls_model_name=str(kwargs.get("model") or self.model_name),
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    def _prompt(self, messages: Sequence[BaseMessage]) -> str:
+        chat = [{"role": _role(message), "content": _text(message)} for message in messages]
+        return self._get_engine().apply_chat_template(chat)
+
+    def _metadata(self, run: BlendRun) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "finish_reason": run.finish_reason,
+            "kvblend": run.kvblend_metadata(),
+        }
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        run = self._run(self._prompt(messages), stop, kwargs)
+        message = AIMessage(
+            content=run.text, usage_metadata=run.usage(), response_metadata=self._metadata(run)
+        )
+        return ChatResult(generations=[ChatGeneration(message=message)])
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        # LangChain fires on_llm_new_token for chat chunks itself.
+        for item in self._run_stream(self._prompt(messages), stop, kwargs):
+            if isinstance(item, BlendRun):
+                message = AIMessageChunk(
+                    content="",
+                    usage_metadata=item.usage(),
+                    response_metadata=self._metadata(item),
+                    chunk_position="last",
+                )
+            else:
+                message = AIMessageChunk(content=item)
+            yield ChatGenerationChunk(message=message)
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            yield chunk
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        return message.role
+    role = _ROLES.get(message.type)
+    if role is None:
+        raise ValueError(f"ChatBlend cannot send a {type(message).__name__} to the model")
+    return role
+
+
+def _text(message: BaseMessage) -> str:
+    """Return the message's text exactly as written (documents in it must stay byte-exact)."""
+    if isinstance(message.content, str):
+        return message.content
+    parts = []
+    for block in message.content:
+        if isinstance(block, str):
+            parts.append(block)
+        elif block.get("type") == "text":
+            parts.append(block["text"])
+        else:
+            raise ValueError(
+                f"ChatBlend takes text only; got a {block.get('type')!r} content block"
+            )
+    return "".join(parts)

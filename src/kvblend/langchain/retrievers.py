@@ -1,0 +1,150 @@
+"""`BlendRetriever`: wraps any retriever and makes sure each returned document's KV is cached."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from ..engine import BlendEngine
+from ._shared import shared_engine
+
+logger = logging.getLogger(__name__)
+
+#: Metadata key holding the content id of a document's KV in the engine's store.
+SEGMENT_ID_KEY = "kvblend_segment_id"
+
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """One background worker: precomputing is compute bound, more threads would not help."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvblend-precompute"
+            )
+        return _EXECUTOR
+
+
+def _precompute(engine: BlendEngine, texts: Sequence[str]) -> None:
+    """Precompute each text's KV; a text the engine cannot cache is logged and left uncached."""
+    for text in texts:
+        try:
+            engine.precompute([text], progress=False)
+        except ValueError as error:  # e.g. longer than the model's context window
+            logger.warning("not caching a retrieved document: %s", error)
+
+
+class BlendRetriever(BaseRetriever):
+    """Retriever wrapper that precomputes the KV of every document it returns.
+
+    The returned documents are new `Document` objects (the wrapped retriever's are not changed)
+    with ``metadata["kvblend_segment_id"]`` set. Their texts are registered with the engine, so
+    `BlendLLM` / `ChatBlend` sharing that engine find them in the final prompt and reuse their
+    KV wherever the prompt template puts them.
+
+    Example:
+        .. code-block:: python
+
+            retriever = BlendRetriever(retriever=vectorstore.as_retriever(), engine=engine, k=3)
+            llm = ChatBlend(engine=engine)
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: BaseRetriever
+    """The retriever whose documents are returned (any LangChain retriever)."""
+
+    engine: BlendEngine | None = Field(default=None, exclude=True)
+    """The engine that precomputes and later reuses the documents' KV; share it with the LLM.
+    When None, the engine shared per ``model`` spec is used (as `BlendLLM` does)."""
+
+    model: str | None = None
+    """Model spec for the shared engine when no ``engine`` is given (None = the default)."""
+
+    k: int | None = Field(default=None, ge=1)
+    """Number of documents to return: passed to the wrapped retriever as ``k`` and used to cut
+    its result. A ``k`` given to ``invoke`` wins. None leaves the wrapped retriever's default."""
+
+    background: bool = False
+    """Precompute missing KV in a background thread so retrieval returns at once. A document
+    still being precomputed when the prompt runs is computed during that prefill instead."""
+
+    order: Literal["retrieved", "most_relevant_last"] = "retrieved"
+    """Document order. Blended KV does not depend on position, so the order can favour quality:
+    ``"most_relevant_last"`` reverses the wrapped retriever's (most relevant first) order, which
+    puts the best document nearest a question that follows the context."""
+
+    _engine: BlendEngine | None = PrivateAttr(default=None)
+    _pending: list[concurrent.futures.Future[Any]] = PrivateAttr(default_factory=list)
+
+    def _get_engine(self) -> BlendEngine:
+        if self.engine is not None:
+            return self.engine
+        if self._engine is None:
+            self._engine = shared_engine(self.model)
+        return self._engine
+
+    def wait_precomputed(self, timeout: float | None = None) -> None:
+        """Block until the background precomputation started by this retriever has finished."""
+        pending, self._pending = self._pending, []
+        for future in concurrent.futures.as_completed(pending, timeout=timeout):
+            future.result()
+
+    def _call_kwargs(self, kwargs: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+        k = kwargs.get("k", self.k)
+        return k, ({**kwargs, "k": k} if k is not None else kwargs)
+
+    def _prepare(self, documents: Sequence[Document], k: int | None) -> list[Document]:
+        """Cut to ``k``, precompute (or schedule) the KV and return tagged copies in order."""
+        documents = list(documents)[:k] if k is not None else list(documents)
+        engine = self._get_engine()
+        texts = list(dict.fromkeys(d.page_content for d in documents if d.page_content.strip()))
+        if texts and self.background:
+            engine.register(texts)
+            self._pending = [f for f in self._pending if not f.done()]
+            self._pending.append(_executor().submit(_precompute, engine, texts))
+        elif texts:
+            _precompute(engine, texts)
+        ids = engine.known_documents()
+        tagged = [
+            Document(
+                page_content=doc.page_content,
+                metadata={**doc.metadata, SEGMENT_ID_KEY: ids[doc.page_content]}
+                if doc.page_content in ids
+                else dict(doc.metadata),
+                id=doc.id,
+            )
+            for doc in documents
+        ]
+        return tagged[::-1] if self.order == "most_relevant_last" else tagged
+
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        k, kwargs = self._call_kwargs(kwargs)
+        config = {"callbacks": run_manager.get_child()}
+        documents = self.retriever.invoke(query, config=config, **kwargs)
+        return self._prepare(documents, k)
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        k, kwargs = self._call_kwargs(kwargs)
+        config = {"callbacks": run_manager.get_child()}
+        documents = await self.retriever.ainvoke(query, config=config, **kwargs)
+        return await asyncio.to_thread(self._prepare, documents, k)

@@ -1,0 +1,370 @@
+"""LangChain adapters without a model: the standard unit suite and the adapters' own logic.
+
+A small fake engine stands in for `BlendEngine` (word "tokens", a canned reply), so these tests
+check what the adapters send to the engine and how they report it, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from kvblend import BlendConfig, BlendStats, GenerationResult, Segment
+from kvblend.langchain import BlendLLM, ChatBlend, _shared
+
+DOC_A = "Marta Quill lives in Lisbon."
+DOC_B = "Tomas Reed works as a baker."
+
+
+class FakePrefill:
+    def __init__(self, stats: BlendStats) -> None:
+        self.stats = stats
+
+
+class FakeEngine:
+    """Records what the adapters ask for; 'tokens' are whitespace-separated words."""
+
+    name = "fake-model"
+
+    def __init__(
+        self, documents: Sequence[str] = (), reply: str = "Hello there, dear friend."
+    ) -> None:
+        self.documents = {text: f"seg{i}" for i, text in enumerate(documents)}
+        self.reply = reply
+        self.segments: list[list[Segment]] = []
+        self.options: list[dict[str, Any]] = []
+        self.configs: list[BlendConfig | None] = []
+
+    def known_documents(self) -> dict[str, str]:
+        return dict(self.documents)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [len(word) for word in text.split()]
+
+    def apply_chat_template(self, messages: Sequence[dict[str, str]]) -> str:
+        return (
+            "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
+        )
+
+    def prefill(self, segments: list[Segment], config: BlendConfig | None = None) -> FakePrefill:
+        self.segments.append(list(segments))
+        self.configs.append(config)
+        stats = BlendStats(strategy=(config or BlendConfig()).strategy)
+        stats.prompt_tokens = sum(len(self.tokenize(s.text)) for s in segments)
+        stats.reused_tokens = sum(len(self.tokenize(s.text)) for s in segments if s.cache)
+        stats.computed_tokens = stats.prompt_tokens - stats.reused_tokens
+        return FakePrefill(stats)
+
+    def _pieces(self, max_new_tokens: int, stop: Sequence[str] | None) -> list[str]:
+        words = self.reply.split(" ")[:max_new_tokens]
+        text = " ".join(words)
+        for s in stop or ():
+            if s in text:
+                text = text[: text.index(s)]
+        pieces = [w + " " for w in text.split(" ")]
+        pieces[-1] = pieces[-1][:-1]
+        return [p for p in pieces if p]
+
+    def generate(
+        self, segments: list[Segment], config: BlendConfig | None = None, **options: Any
+    ) -> GenerationResult:
+        stats = self.prefill(segments, config).stats
+        self.options.append(options)
+        text = "".join(self._pieces(options["max_new_tokens"], options["stop"]))
+        return GenerationResult(text, self.tokenize(text), 0.01, 0.02, stats, "stop")
+
+    def stream(self, prefill: FakePrefill, **options: Any) -> Iterator[str]:
+        self.options.append(options)
+        for piece in self._pieces(options["max_new_tokens"], options["stop"]):
+            time.sleep(0.01)
+            yield piece
+
+
+def chat_with(engine: FakeEngine, **fields: Any) -> ChatBlend:
+    chat = ChatBlend(model="fake-model", **fields)
+    chat._engine = engine  # type: ignore[assignment]  # the private slot the lazy load fills
+    return chat
+
+
+def llm_with(engine: FakeEngine, **fields: Any) -> BlendLLM:
+    llm = BlendLLM(model="fake-model", **fields)
+    llm._engine = engine  # type: ignore[assignment]
+    return llm
+
+
+# ---------------------------------------------------------------------------- standard suite
+class TestChatBlendUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatBlend]:
+        return ChatBlend
+
+    @property
+    def chat_model_params(self) -> dict[str, Any]:
+        return {"model": "never-loaded-in-unit-tests"}
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False  # one engine per instance; switching models per call is refused
+
+
+# ---------------------------------------------------------------------------- packaging
+def test_import_without_langchain_core_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(sys.modules):
+        if name == "kvblend.langchain" or name.startswith("kvblend.langchain."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "langchain_core", None)  # makes `import langchain_core` fail
+    with pytest.raises(ImportError, match=r'pip install "kvblend\[langchain\]"'):
+        importlib.import_module("kvblend.langchain")
+
+
+def test_core_package_does_not_import_langchain() -> None:
+    code = (
+        "import sys, kvblend, kvblend.matching; "
+        "bad = sorted(m for m in sys.modules if m.startswith(('langchain', 'llama_index'))); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_engine_is_loaded_lazily_and_once_per_model_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads: list[str | None] = []
+
+    def fake_load(model: str | None = None, **_: Any) -> FakeEngine:
+        loads.append(model)
+        return FakeEngine()
+
+    monkeypatch.setattr(_shared, "_ENGINES", {})
+    monkeypatch.setattr(_shared.BlendEngine, "from_pretrained", fake_load)
+    models = [ChatBlend(model="spec-a") for _ in range(5)] + [BlendLLM(model="spec-a")]
+    assert loads == []  # construction never loads
+    engines = {id(m._get_engine()) for m in models}
+    assert len(engines) == 1 and loads == ["spec-a"]
+    ChatBlend(model="spec-b")._get_engine()
+    assert loads == ["spec-a", "spec-b"]
+
+
+def test_ls_params_do_not_load_the_model() -> None:
+    chat = ChatBlend(model="some/model", max_tokens=7, stop=["x"])
+    params = chat._get_ls_params()
+    assert params["ls_model_name"] == "some/model"
+    assert params["ls_max_tokens"] == 7 and params["ls_stop"] == ["x"]
+    assert chat._engine is None
+    assert BlendLLM(model="m")._get_ls_params(model="other")["ls_model_name"] == "other"
+
+
+# ---------------------------------------------------------------------------- chat model
+def test_chat_finds_documents_in_the_rendered_prompt() -> None:
+    engine = FakeEngine([DOC_A, DOC_B])
+    chat = chat_with(engine)
+    message = chat.invoke(
+        [SystemMessage("Be brief."), HumanMessage(f"Context:\n{DOC_B}\n\n{DOC_A}\nWhere?")]
+    )
+    segments = engine.segments[-1]
+    assert [s.text for s in segments if s.cache] == [DOC_B, DOC_A]
+    assert "".join(s.text for s in segments) == (
+        f"<system>Be brief.</system><user>Context:\n{DOC_B}\n\n{DOC_A}\nWhere?</user><assistant>"
+    )
+    assert message.content == "Hello there, dear friend."
+    usage = message.usage_metadata
+    assert usage is not None
+    assert usage["input_token_details"]["cache_read"] == 11  # both documents, in words
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert message.response_metadata["model_name"] == "fake-model"
+    assert message.response_metadata["kvblend"]["reused_tokens"] == 11
+
+
+def test_chat_without_known_documents_runs_a_plain_prefill() -> None:
+    engine = FakeEngine([DOC_A])
+    chat_with(engine).invoke("No documents here.")
+    assert [s.cache for s in engine.segments[-1]] == [False]
+
+
+def test_chat_roles_and_text_blocks() -> None:
+    engine = FakeEngine()
+    chat = chat_with(engine)
+    chat.invoke(
+        [
+            HumanMessage(content=[{"type": "text", "text": "a{b}"}, {"type": "text", "text": "c"}]),
+            AIMessage("d"),
+            ToolMessage("e", tool_call_id="1"),
+        ]
+    )
+    prompt = "".join(s.text for s in engine.segments[-1])
+    assert prompt == "<user>a{b}c</user><assistant>d</assistant><tool>e</tool><assistant>"
+    with pytest.raises(ValueError, match="text only"):
+        chat.invoke([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])])
+
+
+def test_options_fields_call_overrides_and_stop_precedence() -> None:
+    engine = FakeEngine()
+    chat = chat_with(engine, max_tokens=3, temperature=0.5, top_p=0.9, seed=7, stop=["dear"])
+    assert chat.invoke("hi").content == "Hello there, "
+    assert engine.options[-1] == {
+        "max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["dear"]
+    }  # fmt: skip
+    chat.invoke("hi", stop=["there"], max_tokens=2, temperature=0.0)
+    assert engine.options[-1]["stop"] == ["there"]
+    assert engine.options[-1]["max_new_tokens"] == 2 and engine.options[-1]["temperature"] == 0.0
+    chat_with(engine, stop=[]).invoke("hi")
+    assert engine.options[-1]["stop"] is None
+
+
+def test_unknown_kwargs_and_model_override_are_refused() -> None:
+    chat = chat_with(FakeEngine())
+    with pytest.raises(TypeError, match="frequency_penalty"):
+        chat.invoke("hi", frequency_penalty=1.0)
+    with pytest.raises(ValueError, match="per-call model"):
+        chat.invoke("hi", model="another-model")
+    assert chat.invoke("hi", model="fake-model").content  # naming its own model is fine
+
+
+def test_blend_config_and_separator_mode_reach_the_engine() -> None:
+    engine = FakeEngine([DOC_A])
+    config = BlendConfig(strategy="epic", epic_tokens=4)
+    llm = llm_with(engine, blend_config=config, separator="<SEP>")
+    llm.invoke(f"Head<SEP>{DOC_B}<SEP>{DOC_A}<SEP>Question?")
+    assert engine.configs[-1] is config
+    assert [(s.text, s.cache) for s in engine.segments[-1]] == [
+        ("Head", False), (DOC_B, True), (DOC_A, True), ("Question?", False)
+    ]  # fmt: skip
+
+
+def test_cache_prefix_marks_the_template_head() -> None:
+    engine = FakeEngine([DOC_A])
+    llm_with(engine, cache_prefix=True).invoke(f"System head\n{DOC_A}\nQ?")
+    assert [s.role for s in engine.segments[-1]] == ["prefix", "document", "document"]
+
+
+def test_chat_stream_chunks_and_usage_on_the_last_chunk() -> None:
+    engine = FakeEngine([DOC_A])
+    chunks = list(chat_with(engine).stream(f"{DOC_A} Where?"))
+    assert "".join(c.text for c in chunks) == "Hello there, dear friend."
+    assert len([c for c in chunks if c.text]) == 4
+    with_usage = [c for c in chunks if c.usage_metadata]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
+    assert chunks[-1].chunk_position == "last"
+    assert chunks[-1].usage_metadata["input_token_details"]["cache_read"] == 5
+    assert chunks[-1].usage_metadata["output_tokens"] == 4
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full += chunk
+    assert full.response_metadata["model_name"] == "fake-model"
+
+
+async def test_chat_astream_does_not_block_the_event_loop() -> None:
+    chat = chat_with(FakeEngine(reply=" ".join(["word"] * 30)))
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    pieces = [chunk.text async for chunk in chat.astream("hi")]
+    task.cancel()
+    assert "".join(pieces).split() == ["word"] * 30
+    assert ticks >= 10  # the loop kept running while the (fake) engine slept 0.3 s
+
+
+async def test_astream_stops_the_producer_when_the_consumer_leaves() -> None:
+    produced: list[int] = []
+
+    def numbers() -> Iterator[int]:
+        for i in range(1000):
+            produced.append(i)
+            time.sleep(0.002)
+            yield i
+
+    async for item in _shared.iterate_in_thread(numbers):
+        if item == 3:
+            break
+    await asyncio.sleep(0.05)
+    assert len(produced) < 100
+
+
+async def test_astream_reraises_engine_errors() -> None:
+    def failing() -> Iterator[int]:
+        yield 1
+        raise RuntimeError("engine failed")
+
+    with pytest.raises(RuntimeError, match="engine failed"):
+        async for _ in _shared.iterate_in_thread(failing):
+            pass
+
+
+async def test_chat_ainvoke_and_abatch() -> None:
+    chat = chat_with(FakeEngine())
+    assert (await chat.ainvoke("hi")).content == "Hello there, dear friend."
+    assert [m.content for m in await chat.abatch(["a", "b"])] == ["Hello there, dear friend."] * 2
+
+
+# ---------------------------------------------------------------------------- string LLM
+class TokenRecorder(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+class AsyncTokenRecorder(AsyncCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    async def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+def test_llm_generate_reports_usage_and_stats() -> None:
+    engine = FakeEngine([DOC_A, DOC_B])
+    result = llm_with(engine).generate([f"C: {DOC_A}\n{DOC_B}\nQ?", "no docs"])
+    first, second = (g[0].generation_info for g in result.generations)
+    assert first["usage_metadata"]["input_token_details"]["cache_read"] == 11
+    assert second["usage_metadata"]["input_token_details"]["cache_read"] == 0
+    assert first["kvblend"]["segments_cached"] == 0  # what the (fake) engine reported
+    assert result.llm_output["token_usage"]["cache_read_tokens"] == 11
+    assert result.llm_output["model_name"] == "fake-model"
+
+
+def test_llm_stream_fires_token_callbacks() -> None:
+    recorder = TokenRecorder()
+    pieces = list(llm_with(FakeEngine()).stream("hi", config={"callbacks": [recorder]}))
+    assert "".join(pieces) == "Hello there, dear friend."
+    assert recorder.tokens == ["Hello ", "there, ", "dear ", "friend."]
+
+
+def test_llm_streaming_field_streams_inside_invoke() -> None:
+    recorder = TokenRecorder()
+    llm = llm_with(FakeEngine(), streaming=True)
+    assert llm.invoke("hi", config={"callbacks": [recorder]}) == "Hello there, dear friend."
+    assert recorder.tokens == ["Hello ", "there, ", "dear ", "friend."]
+
+
+async def test_llm_astream_fires_async_token_callbacks() -> None:
+    recorder = AsyncTokenRecorder()
+    llm = llm_with(FakeEngine())
+    pieces = [p async for p in llm.astream("hi", config={"callbacks": [recorder]})]
+    assert "".join(pieces) == "Hello there, dear friend."
+    assert recorder.tokens == ["Hello ", "there, ", "dear ", "friend."]
+    assert await llm.ainvoke("hi", stop=["dear"]) == "Hello there, "
+
+
+def test_llm_chat_template_option_wraps_the_prompt() -> None:
+    engine = FakeEngine([DOC_A])
+    llm_with(engine, chat_template=True).invoke(f"Context: {DOC_A}")
+    segments = engine.segments[-1]
+    assert "".join(s.text for s in segments) == f"<user>Context: {DOC_A}</user><assistant>"
+    assert [s.text for s in segments if s.cache] == [DOC_A]
