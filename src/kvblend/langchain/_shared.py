@@ -194,6 +194,7 @@ class BlendRun:
             "strategy": stats.strategy,
             "prompt_tokens": stats.prompt_tokens,
             "reused_tokens": stats.reused_tokens,
+            "prefix_tokens": stats.prefix_tokens,
             "recomputed_tokens": stats.recomputed_tokens,
             "computed_tokens": stats.computed_tokens,
             "segments_cached": stats.segments_cached,

@@ -1,0 +1,252 @@
+"""End to end, offline: unmodified LCEL RAG chains over FAISS + MiniLM with kvblend's adapters.
+
+The documents' KV is precomputed by `BlendRetriever`; a second question that retrieves the same
+documents in another order reuses that KV (nothing is precomputed again) and still answers
+correctly. Greedy decoding; the questions are ones the 135M model answers right with a full
+prefill too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.output_parsers import StrOutputParser
+from langchain_core.outputs import ChatGeneration, LLMResult
+from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnablePassthrough
+
+from conftest_langchain import (
+    CORPUS,
+    corpus_vectorstore,
+    requires_model,
+    requires_rag_stack,
+    session_engine,
+)
+from kvblend import BlendConfig
+from kvblend.langchain import SEGMENT_ID_KEY, BlendLLM, BlendRetriever, ChatBlend
+
+pytestmark = [requires_model, pytest.mark.slow]
+
+# Both questions retrieve the same three documents (Lena, Marta, Tomas) in different orders.
+QUESTIONS = [
+    ("What instrument does Lena Park play?", "violin"),
+    ("Where does Marta Quill live?", "lisbon"),
+]
+RAG_TEMPLATE = (
+    "Answer the question using only the context.\n\nContext:\n{context}\n\nQuestion: {question}"
+)
+CHAT_TEMPLATE = [
+    ("system", "Answer the question using only the context. Be brief."),
+    ("human", "Context:\n{context}\n\nQuestion: {question}"),
+]
+
+
+class BlendStatsRecorder(BaseCallbackHandler):
+    """Collects the kvblend stats each LLM call reports."""
+
+    def __init__(self) -> None:
+        self.stats: list[dict[str, Any]] = []
+
+    def on_llm_end(self, response: LLMResult, **kwargs: Any) -> None:
+        generation = response.generations[0][0]
+        if isinstance(generation, ChatGeneration):
+            self.stats.append(generation.message.response_metadata["kvblend"])
+        else:
+            self.stats.append(generation.generation_info["kvblend"])
+
+
+def format_docs(documents: list[Document]) -> str:
+    return "\n\n".join(document.page_content for document in documents)
+
+
+def blend_retriever(**fields: Any) -> BlendRetriever:
+    base = corpus_vectorstore().as_retriever()
+    return BlendRetriever(retriever=base, engine=session_engine(), **fields)
+
+
+def rag_chain(retriever: BaseRetriever, prompt: Any, llm: Any) -> Any:
+    context = {"context": retriever | format_docs, "question": RunnablePassthrough()}
+    return context | prompt | llm | StrOutputParser()
+
+
+def segment_ids(documents: list[Document]) -> list[str]:
+    return [document.metadata[SEGMENT_ID_KEY] for document in documents]
+
+
+def check_reuse(stats: dict[str, Any]) -> None:
+    print(
+        f"prompt {stats['prompt_tokens']}, reused {stats['reused_tokens']}, recomputed "
+        f"{stats['recomputed_tokens']}, computed {stats['computed_tokens']}"
+    )
+    assert stats["segments_cached"] == 3
+    assert stats["segments_precomputed"] == 0  # every document's KV came from the store
+    assert stats["reused_tokens"] > 0
+    assert stats["computed_tokens"] < stats["prompt_tokens"] / 2
+
+
+@pytest.fixture(scope="module")
+def retriever() -> BlendRetriever:
+    return blend_retriever(k=3, order="most_relevant_last")
+
+
+@requires_rag_stack
+def test_questions_retrieve_the_same_documents_in_another_order(retriever: BlendRetriever) -> None:
+    first, second = (segment_ids(retriever.invoke(question)) for question, _ in QUESTIONS)
+    assert sorted(first) == sorted(second)
+    assert first != second
+
+
+@requires_rag_stack
+def test_rag_chain_with_blend_llm(retriever: BlendRetriever) -> None:
+    llm = BlendLLM(engine=session_engine(), max_tokens=16, chat_template=True)
+    chain = rag_chain(retriever, PromptTemplate.from_template(RAG_TEMPLATE), llm)
+    recorder = BlendStatsRecorder()
+    for question, expected in QUESTIONS:
+        answer = chain.invoke(question, config={"callbacks": [recorder]})
+        print(f"{question} -> {answer!r}")
+        assert expected in answer.lower()
+    for stats in recorder.stats:
+        check_reuse(stats)
+
+
+@requires_rag_stack
+def test_rag_chain_with_chat_blend_matches_full_prefill(retriever: BlendRetriever) -> None:
+    prompt = ChatPromptTemplate.from_messages(CHAT_TEMPLATE)
+    blended = rag_chain(retriever, prompt, ChatBlend(engine=session_engine(), max_tokens=16))
+    full = rag_chain(
+        retriever,
+        prompt,
+        ChatBlend(engine=session_engine(), max_tokens=16, blend_config=BlendConfig("full")),
+    )
+    recorder = BlendStatsRecorder()
+    for question, expected in QUESTIONS:
+        answer = blended.invoke(question, config={"callbacks": [recorder]})
+        reference = full.invoke(question)
+        print(f"{question} -> blended {answer!r}, full prefill {reference!r}")
+        assert expected in answer.lower()
+        assert expected in reference.lower()
+    for stats in recorder.stats:
+        check_reuse(stats)
+
+
+@requires_rag_stack
+async def test_async_rag_chain_streams_tokens(retriever: BlendRetriever) -> None:
+    prompt = ChatPromptTemplate.from_messages(CHAT_TEMPLATE)
+    chain = rag_chain(retriever, prompt, ChatBlend(engine=session_engine(), max_tokens=16))
+    question, expected = QUESTIONS[0]
+    pieces = [piece async for piece in chain.astream(question)]
+    assert len([p for p in pieces if p]) > 3  # token by token, not one final blob
+    assert expected in "".join(pieces).lower()
+    assert expected in (await chain.ainvoke(question)).lower()
+
+
+# ---------------------------------------------------------------------------- models, real engine
+def test_prompt_without_documents_runs_a_normal_prefill() -> None:
+    message = ChatBlend(engine=session_engine(), max_tokens=8).invoke("Say hello.")
+    stats = message.response_metadata["kvblend"]
+    assert stats["reused_tokens"] == 0 and stats["segments_cached"] == 0
+    assert stats["computed_tokens"] == stats["prompt_tokens"]
+    assert message.usage_metadata["input_token_details"]["cache_read"] == 0
+
+
+def test_stream_matches_invoke_and_stops_at_stop_sequences() -> None:
+    llm = BlendLLM(engine=session_engine(), max_tokens=12, chat_template=True)
+    prompt = "Hello! Who are you?"
+    text = llm.invoke(prompt)
+    pieces = list(llm.stream(prompt))
+    assert "".join(pieces) == text
+    assert len(pieces) > 2
+    stop_word = text.split()[2]
+    cut = llm.invoke(prompt, stop=[stop_word])
+    assert stop_word not in cut and text.startswith(cut)
+    assert stop_word not in "".join(llm.stream(prompt, stop=[stop_word]))
+    chat = ChatBlend(engine=session_engine(), max_tokens=12, stop=[stop_word])
+    assert stop_word not in chat.invoke(prompt).text
+
+
+async def test_async_stream_matches_sync() -> None:
+    chat = ChatBlend(engine=session_engine(), max_tokens=10)
+    expected = chat.invoke("Hello!").text
+    chunks = [chunk async for chunk in chat.astream("Hello!")]
+    assert "".join(chunk.text for chunk in chunks) == expected
+    assert chunks[-1].usage_metadata["output_tokens"] > 0
+
+
+def test_separator_mode_and_cached_prefix() -> None:
+    engine = session_engine()
+    docs = CORPUS[2:4]
+    separator = "<|kvblend|>"
+    llm = BlendLLM(engine=engine, max_tokens=4, separator=separator, cache_prefix=True)
+    head = "You answer questions about a small town.\nContext:\n"
+    prompt = f"{head}{separator}{docs[0]}{separator}{docs[1]}{separator}\nWhen does the cafe open?"
+    recorder = BlendStatsRecorder()
+    llm.invoke(prompt, config={"callbacks": [recorder]})
+    llm.invoke(prompt, config={"callbacks": [recorder]})
+    first, second = recorder.stats
+    assert first["segments_cached"] == second["segments_cached"] == 3  # the head and two docs
+    assert second["prefix_tokens"] > 0 and second["segments_precomputed"] == 0
+    assert second["computed_tokens"] < 12
+
+
+# ---------------------------------------------------------------------------- retriever
+class FixedRetriever(BaseRetriever):
+    """Returns the same documents for every query; takes no `k` (the wrapper cuts)."""
+
+    documents: list[Document]
+
+    def _get_relevant_documents(self, query: str, *, run_manager: Any) -> list[Document]:
+        return self.documents
+
+
+def test_retriever_returns_tagged_copies_and_precomputes() -> None:
+    engine = session_engine()
+    originals = [
+        Document(page_content="Kiri Vale keeps bees on a rooftop in Oslo.", metadata={"n": 1}),
+        Document(page_content="   ", metadata={"n": 2}),  # blank: returned, not cached
+        Document(page_content="The Vale bees make dark heather honey.", metadata={"n": 3}, id="x"),
+    ]
+    retriever = BlendRetriever(retriever=FixedRetriever(documents=originals), engine=engine)
+    found = retriever.invoke("bees")
+    assert [d.page_content for d in found] == [d.page_content for d in originals]
+    assert all(SEGMENT_ID_KEY not in d.metadata for d in originals)  # inputs untouched
+    assert found[0].metadata == {
+        "n": 1,
+        SEGMENT_ID_KEY: engine.segment_id(originals[0].page_content),
+    }
+    assert found[1].metadata == {"n": 2} and found[2].id == "x"
+    for document in (found[0], found[2]):
+        assert engine.store.contains(document.metadata[SEGMENT_ID_KEY])
+        assert document.page_content in engine.known_documents()
+    assert len(retriever.invoke("bees", k=1)) == 1  # cut even when the base ignores k
+    reordered = BlendRetriever(
+        retriever=FixedRetriever(documents=originals), engine=engine, order="most_relevant_last"
+    ).invoke("bees")
+    assert [d.metadata["n"] for d in reordered] == [3, 2, 1]
+
+
+def test_retriever_background_precompute() -> None:
+    engine = session_engine()
+    docs = [
+        Document(page_content=f"Background fact {i}: the pier lamp {i} is green.") for i in range(3)
+    ]
+    retriever = BlendRetriever(
+        retriever=FixedRetriever(documents=docs), engine=engine, background=True
+    )
+    found = retriever.invoke("lamp")
+    ids = segment_ids(found)
+    assert all(d.page_content in engine.known_documents() for d in docs)  # findable at once
+    retriever.wait_precomputed(timeout=60)
+    assert all(engine.store.contains(segment_id) for segment_id in ids)
+
+
+@requires_rag_stack
+async def test_retriever_async_passes_k() -> None:
+    retriever = blend_retriever()
+    found = await retriever.ainvoke("Where does Marta Quill live?", k=2)
+    assert len(found) == 2
+    assert found[0].page_content == CORPUS[0]
+    assert all(SEGMENT_ID_KEY in d.metadata for d in found)
