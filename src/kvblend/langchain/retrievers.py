@@ -15,6 +15,7 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..engine import BlendEngine
@@ -137,7 +138,7 @@ class BlendRetriever(BaseRetriever):
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         k, kwargs = self._call_kwargs(kwargs)
-        config = {"callbacks": run_manager.get_child()}
+        config = RunnableConfig(callbacks=run_manager.get_child())
         documents = self.retriever.invoke(query, config=config, **kwargs)
         return self._prepare(documents, k)
 
@@ -145,6 +146,6 @@ class BlendRetriever(BaseRetriever):
         self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
         k, kwargs = self._call_kwargs(kwargs)
-        config = {"callbacks": run_manager.get_child()}
+        config = RunnableConfig(callbacks=run_manager.get_child())
         documents = await self.retriever.ainvoke(query, config=config, **kwargs)
         return await asyncio.to_thread(self._prepare, documents, k)
