@@ -173,6 +173,35 @@ class BlendEngine:
             list(messages), tokenize=False, add_generation_prompt=True
         )
 
+    def rag_segments(
+        self,
+        question: str,
+        documents: Sequence[str],
+        *,
+        system: str | None = None,
+        separator: str = "\n\n",
+    ) -> list[Segment]:
+        """Segments of a chat-formatted RAG prompt: template head, documents, question.
+
+        The template head (system prompt and the start of the user turn) is a cached prefix;
+        each document is a cached segment; separators, the question and the template tail are
+        computed in full.
+        """
+        if not question.strip():
+            raise ValueError("the question is empty")
+        sentinel = "\ue000"
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": sentinel}
+        ]
+        head, tail = self.apply_chat_template(messages).split(sentinel)
+        segments = [Segment(head + "Documents:" + separator, role="prefix")]
+        for index, document in enumerate(documents):
+            if index:
+                segments.append(Segment(separator, cache=False))
+            segments.append(Segment(document))
+        segments.append(Segment(f"{separator}Question: {question}{tail}", cache=False))
+        return segments
+
     # ------------------------------------------------------------------ parity
     def check_parity(self) -> float:
         """Compare the blend loop (strategy ``full``) with the model's forward; store the error."""

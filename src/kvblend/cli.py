@@ -1,0 +1,256 @@
+"""The ``kvblend`` command line: demo, precompute, ask, store stats/clear, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
+
+
+class CLIError(Exception):
+    """A user mistake: printed as one line, exit status 2."""
+
+
+def load_sample_corpus() -> dict[str, Any]:
+    """The demo corpus shipped inside the package."""
+    text = (resources.files("kvblend") / "data" / "sample_corpus.json").read_text("utf-8")
+    return json.loads(text)
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _config(args: argparse.Namespace) -> BlendConfig:
+    return BlendConfig(
+        strategy=args.strategy, recompute_ratio=args.ratio, deviation=args.deviation
+    )
+
+
+def _engine(args: argparse.Namespace) -> BlendEngine:
+    _quiet_transformers()
+    store = _store(args)
+    print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
+    started = time.perf_counter()
+    engine = BlendEngine.from_pretrained(args.model, store=store, device=args.device)
+    print(
+        f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
+        f"(parity self-check error {engine.parity_error:.1e})",
+        file=sys.stderr,
+    )
+    return engine
+
+
+def _store(args: argparse.Namespace):  # noqa: ANN202
+    from .store import MemoryKVStore, default_store
+
+    if getattr(args, "memory_only", False):
+        return MemoryKVStore()
+    return default_store(getattr(args, "store_dir", None))
+
+
+def _read_documents(paths: Sequence[str]) -> list[str]:
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise CLIError(f"no such file or folder: {raw}")
+    documents = []
+    for file in files:
+        try:
+            text = file.read_text("utf-8").strip()
+        except UnicodeDecodeError as error:
+            raise CLIError(f"{file} is not UTF-8 text ({error.reason})") from error
+        if text:
+            documents.append(text)
+    if not documents:
+        raise CLIError("no documents found (text files: " + ", ".join(sorted(TEXT_SUFFIXES)) + ")")
+    return documents
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Precompute the sample corpus, then answer its questions with full and blended prefill."""
+    corpus = load_sample_corpus()
+    documents = [d["text"] for d in corpus["documents"]]
+    questions = corpus["questions"][: args.questions]
+    engine = _engine(args)
+    engine.precompute(documents, progress=True)
+    config = _config(args)
+    rng = random.Random(args.seed)
+    print(f"\nstrategy: {config.strategy}, recompute ratio {config.recompute_ratio}, "
+          f"deviation {config.deviation}; {len(documents)} documents, shuffled per question\n")  # fmt: skip
+    header = f"{'question':<58} {'answer (blended)':<26} {'TTFT full':>9} {'blended':>8} {'speedup':>7}"
+    print(header)
+    print("-" * len(header))
+    speedups, correct = [], 0
+    for item in questions:
+        order = documents[:]
+        rng.shuffle(order)
+        segments = engine.rag_segments(item["question"], order, system=corpus.get("system"))
+        full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
+        blended = engine.generate(segments, config, max_new_tokens=args.max_new_tokens)
+        answer = " ".join(blended.text.split())
+        correct += item["answer"].lower() in answer.lower()
+        speedups.append(full.ttft_s / blended.ttft_s)
+        print(f"{item['question'][:58]:<58} {answer[:26]:<26} {full.ttft_s:>8.2f}s "
+              f"{blended.ttft_s:>7.2f}s {speedups[-1]:>6.1f}x")  # fmt: skip
+    stats = blended.stats
+    print(
+        f"\n{correct}/{len(questions)} blended answers contain the expected answer. Last prompt: "
+        f"{stats.prompt_tokens} tokens, {stats.reused_tokens} reused from cache, "
+        f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed in full. "
+        f"Median TTFT speedup {sorted(speedups)[len(speedups) // 2]:.1f}x."
+    )
+
+
+def cmd_precompute(args: argparse.Namespace) -> None:
+    """Precompute and store the KV of every document file."""
+    documents = _read_documents(args.paths)
+    engine = _engine(args)
+    started = time.perf_counter()
+    ids = engine.precompute(documents, progress=True)
+    print(f"precomputed {len(ids)} documents in {time.perf_counter() - started:.1f} s")
+    _print_stats(engine.store.stats())
+
+
+def cmd_ask(args: argparse.Namespace) -> None:
+    """Answer a question over documents with blended prefill."""
+    documents = _read_documents(args.docs)
+    engine = _engine(args)
+    engine.precompute(documents)
+    segments = engine.rag_segments(args.question, documents, system=args.system)
+    if args.compare:
+        full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
+        print(f"full prefill  ({full.ttft_s:.2f} s to first token): {full.text.strip()}")
+    out = engine.generate(segments, _config(args), max_new_tokens=args.max_new_tokens)
+    if args.compare:
+        print(f"blended       ({out.ttft_s:.2f} s to first token): {out.text.strip()}")
+    else:
+        print(out.text.strip())
+    stats = out.stats
+    print(
+        f"[{stats.prompt_tokens} prompt tokens: {stats.reused_tokens} reused, "
+        f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed; "
+        f"TTFT {out.ttft_s:.2f} s]",
+        file=sys.stderr,
+    )
+
+
+def _print_stats(stats: Any, indent: str = "") -> None:
+    print(f"{indent}entries: {stats.entries}")
+    print(f"{indent}bytes: {stats.bytes:,} ({stats.bytes / 2**20:.1f} MiB)")
+    print(f"{indent}hit rate: {stats.hit_rate:.0%} ({stats.hits} hits, {stats.misses} misses)")
+    print(f"{indent}evictions: {stats.evictions}, corrupt entries dropped: {stats.corrupt_dropped}")
+    for name, tier in stats.tiers.items():
+        print(f"{indent}{name} tier:")
+        _print_stats(tier, indent + "  ")
+
+
+def cmd_store(args: argparse.Namespace) -> None:
+    """Show or clear the on-disk store."""
+    from .store import DiskKVStore, default_store_dir
+
+    directory = args.store_dir or default_store_dir()
+    store = DiskKVStore(directory)
+    if args.action == "clear":
+        before = store.stats().entries
+        store.clear()
+        print(f"cleared {before} entries from {directory}")
+        return
+    print(f"store folder: {directory}")
+    _print_stats(store.stats())
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Run the TTFT benchmark script."""
+    from .bench import main as bench_main
+
+    bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kvblend`` command."""
+    parser = argparse.ArgumentParser(
+        prog="kvblend",
+        description="Reuse the KV cache of documents wherever they land in a RAG prompt.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
+        p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
+        p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
+        p.add_argument("--strategy", default=BlendConfig.strategy,
+                       choices=["cacheblend", "epic", "reuse", "full"])  # fmt: skip
+        p.add_argument("--ratio", type=float, default=BlendConfig.recompute_ratio,
+                       help="recompute ratio for cacheblend (default %(default)s)")  # fmt: skip
+        p.add_argument("--deviation", default=BlendConfig.deviation, choices=["value", "key"])
+        p.add_argument("--max-new-tokens", type=int, default=24)
+
+    demo = sub.add_parser("demo", help="answer the bundled sample corpus's questions, full vs blended")
+    model_options(demo)
+    demo.add_argument("--questions", type=int, default=6, help="how many questions (default 6)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the document shuffles")
+    demo.set_defaults(func=cmd_demo)
+
+    pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
+    model_options(pre)
+    pre.add_argument("paths", nargs="+", help="text files or folders (one document per file)")
+    pre.set_defaults(func=cmd_precompute)
+
+    ask = sub.add_parser("ask", help="answer a question over documents with blended prefill")
+    model_options(ask)
+    ask.add_argument("question")
+    ask.add_argument("--docs", nargs="+", required=True, help="text files or folders")
+    ask.add_argument("--system", default="Answer the question using only the documents.")
+    ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
+    ask.set_defaults(func=cmd_ask)
+
+    store = sub.add_parser("store", help="show or clear the on-disk KV store")
+    store.add_argument("action", choices=["stats", "clear"])
+    store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
+    store.set_defaults(func=cmd_store)
+
+    bench = sub.add_parser("bench", help="TTFT benchmark (see benchmarks/README)", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvblend`` command."""
+    logging.basicConfig(level=logging.WARNING, format="kvblend: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (CLIError, ModelNotFoundError, UnsupportedModelError, ValueError) as error:
+        print(f"kvblend: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Bad input gets a clear error, and nothing is half-done."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import byte_tokenizer, tiny_model
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from kvblend import (
+    BlendConfig,
+    BlendEngine,
+    BlendUnavailableError,
+    ModelNotFoundError,
+    Segment,
+    UnsupportedModelError,
+)
+from kvblend.store import MemoryKVStore
+
+
+@pytest.fixture
+def engine() -> BlendEngine:
+    return BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+
+
+def test_empty_segment_list(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="segment list is empty"):
+        engine.prefill([])
+
+
+def test_empty_text() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        Segment("")
+
+
+def test_precompute_rejects_empty_text_before_doing_any_work(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.precompute(["fine text", ""])
+    assert engine.known_documents() == {}
+
+
+def test_non_string_text() -> None:
+    with pytest.raises(TypeError, match="str"):
+        Segment(42)  # type: ignore[arg-type]
+
+
+def test_prefix_after_document(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="prefix segments must come before"):
+        engine.prefill([Segment("doc"), Segment("system", role="prefix")])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"strategy": "magic"}, "unknown strategy 'magic'"),
+        ({"recompute_ratio": 1.5}, r"recompute_ratio must be a number in \[0, 1\]"),
+        ({"recompute_ratio": -0.1}, r"recompute_ratio must be a number in \[0, 1\]"),
+        ({"deviation": "query"}, "unknown deviation metric"),
+        ({"check_layer": -1}, "check_layer must be a non-negative int"),
+        ({"ratio_schedule": ((2, 0.3), (1, 0.1))}, "layers must be increasing"),
+        ({"ratio_schedule": ((1, 0.1), (2, 0.3))}, "must not increase"),
+        ({"epic_tokens": -3}, "epic_tokens"),
+    ],
+)
+def test_config_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BlendConfig(**kwargs)
+
+
+def test_config_is_frozen() -> None:
+    config = BlendConfig()
+    with pytest.raises(AttributeError):
+        config.recompute_ratio = 0.5  # type: ignore[misc]
+
+
+def test_check_layer_outside_model(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="check layer 7 is outside the model, which has 3 layers"):
+        engine.prefill(["question"], BlendConfig(check_layer=7))
+
+
+def test_prompt_longer_than_context(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="longer than .* context window of 1024 tokens"):
+        engine.prefill([Segment("x" * 2000, cache=False)])
+
+
+def test_unsupported_architecture_is_named() -> None:
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=259)).eval()
+    with pytest.raises(UnsupportedModelError, match="gpt2.*GPT2LMHeadModel"):
+        BlendEngine(gpt2, byte_tokenizer(), store=MemoryKVStore())
+
+
+def test_parity_failure_refuses_to_blend(engine: BlendEngine) -> None:
+    engine.decoder.scaling *= 1.5  # a layer loop that no longer matches the model
+    assert engine.check_parity() > 1e-4
+    with pytest.raises(BlendUnavailableError, match="refusing to blend"):
+        engine.prefill([Segment("doc"), Segment("q", cache=False)], BlendConfig("cacheblend"))
+
+
+def test_generation_arguments_are_checked(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.generate(["q"], max_new_tokens=0)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(["q"], temperature=-1.0)
+
+
+def test_sampling_is_seeded(engine: BlendEngine) -> None:
+    first = engine.generate(["hello"], temperature=1.0, max_new_tokens=8, seed=3)
+    second = engine.generate(["hello"], temperature=1.0, max_new_tokens=8, seed=3)
+    assert first.token_ids == second.token_ids
+
+
+def test_missing_model_path_is_clear() -> None:
+    with pytest.raises(ModelNotFoundError, match="not found"):
+        BlendEngine.from_pretrained("./no/such/folder", store=MemoryKVStore())
+
+
+def test_unknown_dtype_is_clear() -> None:
+    with pytest.raises(ValueError, match="unknown dtype"):
+        BlendEngine.from_pretrained("./x", dtype="fp8", store=MemoryKVStore())
+
+
+def test_kv_dtype_is_honoured_in_the_store() -> None:
+    store = MemoryKVStore()
+    engine = BlendEngine(
+        tiny_model("qwen2"), byte_tokenizer(), store=store, kv_dtype=torch.bfloat16
+    )
+    (key,) = engine.precompute(["a document"])
+    entry = store.get(key)
+    assert entry is not None and entry["k.0"].dtype == torch.bfloat16
+    pre = engine.prefill([Segment("a document"), Segment("?", cache=False)])
+    assert torch.isfinite(pre.logits).all()
