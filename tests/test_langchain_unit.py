@@ -19,8 +19,8 @@ from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from kvblend import BlendConfig, BlendStats, GenerationResult, Segment
-from kvblend.langchain import BlendLLM, ChatBlend, _shared
+from kvblend import BlendConfig, BlendStats, GenerationResult, Segment, integrations
+from kvblend.langchain import BlendLLM, ChatBlend
 
 DOC_A = "Marta Quill lives in Lisbon."
 DOC_B = "Tomas Reed works as a baker."
@@ -144,8 +144,8 @@ def test_engine_is_loaded_lazily_and_once_per_model_spec(monkeypatch: pytest.Mon
         loads.append(model)
         return FakeEngine()
 
-    monkeypatch.setattr(_shared, "_ENGINES", {})
-    monkeypatch.setattr(_shared.BlendEngine, "from_pretrained", fake_load)
+    monkeypatch.setattr(integrations, "_ENGINES", {})
+    monkeypatch.setattr(integrations.BlendEngine, "from_pretrained", fake_load)
     models = [ChatBlend(model="spec-a") for _ in range(5)] + [BlendLLM(model="spec-a")]
     assert loads == []  # construction never loads
     engines = {id(m._get_engine()) for m in models}
@@ -288,7 +288,7 @@ async def test_astream_stops_the_producer_when_the_consumer_leaves() -> None:
             time.sleep(0.002)
             yield i
 
-    async for item in _shared.iterate_in_thread(numbers):
+    async for item in integrations.iterate_in_thread(numbers):
         if item == 3:
             break
     await asyncio.sleep(0.05)
@@ -301,7 +301,7 @@ async def test_astream_reraises_engine_errors() -> None:
         raise RuntimeError("engine failed")
 
     with pytest.raises(RuntimeError, match="engine failed"):
-        async for _ in _shared.iterate_in_thread(failing):
+        async for _ in integrations.iterate_in_thread(failing):
             pass
 
 

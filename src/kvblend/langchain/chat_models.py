@@ -14,7 +14,7 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread
+from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
@@ -80,7 +80,9 @@ class ChatBlend(BlendSettings, BaseChatModel):
     ) -> ChatResult:
         run = self._run(self._prompt(messages), stop, kwargs)
         message = AIMessage(
-            content=run.text, usage_metadata=run.usage(), response_metadata=self._metadata(run)
+            content=run.text,
+            usage_metadata=langchain_usage(run),
+            response_metadata=self._metadata(run),
         )
         return ChatResult(generations=[ChatGeneration(message=message)])
 
@@ -105,7 +107,7 @@ class ChatBlend(BlendSettings, BaseChatModel):
             if isinstance(item, BlendRun):
                 message = AIMessageChunk(
                     content="",
-                    usage_metadata=item.usage(),
+                    usage_metadata=langchain_usage(item),
                     response_metadata=self._metadata(item),
                     chunk_position="last",
                 )

@@ -10,7 +10,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread
+from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
 
 
 class BlendLLM(BlendSettings, BaseLLM):
@@ -67,7 +67,7 @@ class BlendLLM(BlendSettings, BaseLLM):
         return {
             "model_name": self.model_name,
             "finish_reason": run.finish_reason,
-            "usage_metadata": run.usage(),
+            "usage_metadata": langchain_usage(run),
             "kvblend": run.kvblend_metadata(),
         }
 

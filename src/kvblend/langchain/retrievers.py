@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -19,12 +18,7 @@ from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..engine import BlendEngine
-from ._shared import shared_engine
-
-logger = logging.getLogger(__name__)
-
-#: Metadata key holding the content id of a document's KV in the engine's store.
-SEGMENT_ID_KEY = "kvblend_segment_id"
+from ..integrations import SEGMENT_ID_KEY, precompute_texts, shared_engine
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -39,15 +33,6 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
                 max_workers=1, thread_name_prefix="kvblend-precompute"
             )
         return _EXECUTOR
-
-
-def _precompute(engine: BlendEngine, texts: Sequence[str]) -> None:
-    """Precompute each text's KV; a text the engine cannot cache is logged and left uncached."""
-    for text in texts:
-        try:
-            engine.precompute([text], progress=False)
-        except ValueError as error:  # e.g. longer than the model's context window
-            logger.warning("not caching a retrieved document: %s", error)
 
 
 class BlendRetriever(BaseRetriever):
@@ -118,9 +103,9 @@ class BlendRetriever(BaseRetriever):
         if texts and self.background:
             engine.register(texts)
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(_executor().submit(_precompute, engine, texts))
+            self._pending.append(_executor().submit(precompute_texts, engine, texts))
         elif texts:
-            _precompute(engine, texts)
+            precompute_texts(engine, texts)
         ids = engine.known_documents()
         tagged = [
             Document(
