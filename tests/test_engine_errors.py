@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import byte_tokenizer, tiny_model
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from conftest import byte_tokenizer, tiny_model
 from kvblend import (
     BlendConfig,
     BlendEngine,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import byte_tokenizer, tiny_model
 
+from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.engine.blend import COMPUTE, BlendInput, run_blend
 from kvblend.store import MemoryKVStore
@@ -81,7 +81,7 @@ def test_kv_from_real_context_makes_every_strategy_exact(
     for index in order:
         length = len(tiny_engine.tokenize(DOCS[index]))
         tensors = {}
-        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values)):
+        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values, strict=True)):
             tensors[f"k.{layer}"] = keys[:, cursor : cursor + length].clone()
             tensors[f"v.{layer}"] = values[:, cursor : cursor + length].clone()
         tiny_engine.store.put(tiny_engine.segment_id(DOCS[index]), tensors)
@@ -91,7 +91,7 @@ def test_kv_from_real_context_makes_every_strategy_exact(
     assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0), report(
         pre.logits, reference.logits
     )
-    for got, expected in zip(pre.keys, reference.keys):
+    for got, expected in zip(pre.keys, reference.keys, strict=True):
         assert torch.allclose(got, expected, atol=1e-4, rtol=0)
 
 
@@ -197,7 +197,9 @@ def test_stop_string_cuts_output(tiny_engine: BlendEngine) -> None:
     cut = tiny_engine.generate(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop])
     assert stop not in cut.text and whole.text.startswith(cut.text)
     assert cut.finish_reason == "stop"
-    streamed = "".join(tiny_engine.stream(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop]))
+    streamed = "".join(
+        tiny_engine.stream(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop])
+    )
     assert streamed == cut.text
 
 

@@ -75,7 +75,7 @@ class BlendConfig:
             object.__setattr__(self, "ratio_schedule", schedule)
 
     def schedule(self) -> tuple[tuple[int, float], ...]:
-        """The check layers and ratios ``cacheblend`` applies, as ``((layer, ratio), ...)``."""
+        """Return the check layers and ratios ``cacheblend`` applies: ``((layer, ratio), ...)``."""
         if self.ratio_schedule is not None:
             return self.ratio_schedule
         return ((self.check_layer, self.recompute_ratio),)

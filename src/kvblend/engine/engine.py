@@ -165,7 +165,7 @@ class BlendEngine:
         return full[: len(full) - len(plain)] if full[-len(plain) :] == plain else []
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The model's chat template over ``messages``, ready for the assistant's turn."""
+        """Render the model's chat template over ``messages``, ready for the assistant's turn."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             lines = [f"{m['role']}: {m['content']}" for m in messages]
             return "\n".join(lines) + "\nassistant:"
@@ -294,7 +294,7 @@ class BlendEngine:
         assert out.raw_keys is not None
         start = len(context)
         tensors: dict[str, torch.Tensor] = {}
-        for layer, (keys, values) in enumerate(zip(out.raw_keys, out.values)):
+        for layer, (keys, values) in enumerate(zip(out.raw_keys, out.values, strict=True)):
             tensors[f"k.{layer}"] = keys[:, start:].to(self.kv_dtype).contiguous()
             tensors[f"v.{layer}"] = values[:, start:].to(self.kv_dtype).contiguous()
         metadata = {
@@ -347,7 +347,16 @@ class BlendEngine:
             if kind == PREFIX:
                 prefix_ids.extend(ids)
             kinds.extend([kind] * len(ids))
-            pending.append((start, start + len(ids), kind, segment_key(self.fingerprint, context, ids), context, ids))
+            pending.append(
+                (
+                    start,
+                    start + len(ids),
+                    kind,
+                    segment_key(self.fingerprint, context, ids),
+                    context,
+                    ids,
+                )
+            )
         self._check_length(len(token_ids))
         if not token_ids:
             raise ValueError("the prompt has no tokens")
@@ -368,7 +377,9 @@ class BlendEngine:
 
         kind_tensor = torch.tensor(kinds, dtype=torch.int8)
         compute_started = time.perf_counter()
-        out = run_blend(self.decoder, BlendInput(torch.tensor(token_ids), kind_tensor, spans), config)
+        out = run_blend(
+            self.decoder, BlendInput(torch.tensor(token_ids), kind_tensor, spans), config
+        )
         assert out.logits is not None
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
@@ -437,8 +448,14 @@ def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> tor
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16,
-             "float16": torch.float16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}  # fmt: skip
+    names = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
     if dtype not in names:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
     return names[dtype]

@@ -53,9 +53,11 @@ class _FirstTokenClock(LogitsProcessor):
         return scores
 
 
-def _cache(model: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> DynamicCache:
-    """A transformers cache of every prompt token but the last."""
-    data = [(k[None, :, :-1], v[None, :, :-1]) for k, v in zip(keys, values)]
+def _cache(
+    model: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
+) -> DynamicCache:
+    """Build a transformers cache of every prompt token but the last."""
+    data = [(k[None, :, :-1], v[None, :, :-1]) for k, v in zip(keys, values, strict=True)]
     return DynamicCache(ddp_cache_data=data, config=model.config)
 
 

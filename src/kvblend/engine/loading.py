@@ -66,7 +66,7 @@ def resolve_model(model: str | os.PathLike[str] | None) -> str:
 
 
 def display_name(spec: str) -> str:
-    """A short human name for a model spec."""
+    """Return a short human name for a model spec."""
     path = Path(spec)
     if path.suffix == ".gguf":
         return BUNDLED_NAME if path.name == BUNDLED_FILE else path.stem
