@@ -31,7 +31,7 @@ PREFIX, MOVED, COMPUTE = 0, 1, 2
 
 # Query rows per attention call when the active tokens are sparse: each chunk attends only to
 # the keys up to its last position, which skips most of the causal upper triangle.
-_QUERY_CHUNK = 128
+_QUERY_CHUNK = 64
 
 
 class LayerKV(Protocol):
@@ -72,7 +72,9 @@ class BlendOutput:
     stats: dict[str, float] = field(default_factory=dict)
 
 
-def initial_active(kinds: torch.Tensor, spans: Sequence[CachedSpan], config: BlendConfig) -> torch.Tensor:
+def initial_active(
+    kinds: torch.Tensor, spans: Sequence[CachedSpan], config: BlendConfig
+) -> torch.Tensor:
     """Boolean mask of the tokens computed at layer 0 under ``config.strategy``."""
     if config.strategy == "full":
         return torch.ones_like(kinds, dtype=torch.bool)
@@ -88,13 +90,19 @@ def initial_active(kinds: torch.Tensor, spans: Sequence[CachedSpan], config: Ble
 
 
 def _attention_mask(
-    query_positions: torch.Tensor, key_count: int, window: int | None
+    query_positions: torch.Tensor, key_count: int, window: int | None, dtype: torch.dtype
 ) -> torch.Tensor:
+    """Additive mask ``[queries, keys]``: 0 where a query may attend, -inf elsewhere.
+
+    Built once per prompt in the compute dtype, so attention does not convert a boolean mask
+    at every layer.
+    """
     keys = torch.arange(key_count, device=query_positions.device)
-    mask = keys.unsqueeze(0) <= query_positions.unsqueeze(1)
+    allowed = keys.unsqueeze(0) <= query_positions.unsqueeze(1)
     if window is not None:
-        mask &= keys.unsqueeze(0) > (query_positions.unsqueeze(1) - window)
-    return mask
+        allowed &= keys.unsqueeze(0) > (query_positions.unsqueeze(1) - window)
+    mask = torch.zeros(allowed.shape, device=allowed.device, dtype=dtype)
+    return mask.masked_fill_(~allowed, float("-inf"))
 
 
 class _Attention:
@@ -105,9 +113,9 @@ class _Attention:
         self.positions = active_positions
         self.total = total
         self.dense = active_positions.numel() == total  # every row active: plain causal
-        self._masks: dict[int | None, list[tuple[int, int, int, torch.Tensor]]] = {}
+        self._masks: dict[int | None, list[tuple[int, int, int, int, torch.Tensor]]] = {}
 
-    def _chunks(self, window: int | None) -> list[tuple[int, int, int, torch.Tensor]]:
+    def _chunks(self, window: int | None) -> list[tuple[int, int, int, int, torch.Tensor]]:
         if window not in self._masks:
             chunks = []
             count = self.positions.numel()
@@ -116,8 +124,8 @@ class _Attention:
                 rows = self.positions[begin:end]
                 key_end = int(rows[-1]) + 1
                 key_begin = 0 if window is None else max(0, int(rows[0]) - window + 1)
-                mask = _attention_mask(rows, key_end, window)[:, key_begin:]
-                chunks.append((begin, end, key_begin, mask))
+                mask = _attention_mask(rows, key_end, window, self.decoder.dtype)
+                chunks.append((begin, end, key_begin, key_end, mask[:, key_begin:]))
             self._masks[window] = chunks
         return self._masks[window]
 
@@ -131,18 +139,16 @@ class _Attention:
             self.decoder.attend(
                 layer,
                 queries[:, begin:end],
-                keys[:, key_begin : int(self.positions[end - 1]) + 1],
-                values[:, key_begin : int(self.positions[end - 1]) + 1],
+                keys[:, key_begin:key_end],
+                values[:, key_begin:key_end],
                 mask,
             )
-            for begin, end, key_begin, mask in self._chunks(window)
+            for begin, end, key_begin, key_end, mask in self._chunks(window)
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
-def _select(
-    deviation: torch.Tensor, moved_rows: torch.Tensor, keep: int
-) -> torch.Tensor:
+def _select(deviation: torch.Tensor, moved_rows: torch.Tensor, keep: int) -> torch.Tensor:
     """Rows (indices into the active set) of the ``keep`` moved rows that deviate most."""
     if keep >= moved_rows.numel():
         return moved_rows
@@ -183,17 +189,23 @@ def run_blend(
     token_layers = 0
     last_layer = shape.num_layers - 1
     for i in range(shape.num_layers):
-        # Cached K/V of this layer, written into full-length buffers.
-        loaded = time.perf_counter()
-        raw_keys = torch.zeros(shape.num_kv_heads, total, shape.head_dim, device=device, dtype=dtype)
-        values = torch.zeros_like(raw_keys)
-        for span in blend_input.spans:
-            span_keys, span_values = span.source.layer(i)
-            raw_keys[:, span.start : span.end] = span_keys.to(device=device, dtype=dtype)
-            values[:, span.start : span.end] = span_values.to(device=device, dtype=dtype)
-        load_s += time.perf_counter() - loaded
-
         queries, fresh_keys, fresh_values = decoder.project(i, hidden)
+        dense = active.numel() == total and i not in checks
+        if dense:
+            # Every row is computed here: the fresh K/V are the layer's whole KV.
+            raw_keys, values = fresh_keys.contiguous(), fresh_values.contiguous()
+        else:
+            # Cached K/V of this layer, written into full-length buffers.
+            loaded = time.perf_counter()
+            raw_keys = torch.empty(
+                shape.num_kv_heads, total, shape.head_dim, device=device, dtype=dtype
+            )
+            values = torch.empty_like(raw_keys)
+            for span in blend_input.spans:
+                span_keys, span_values = span.source.layer(i)
+                raw_keys[:, span.start : span.end] = span_keys
+                values[:, span.start : span.end] = span_values
+            load_s += time.perf_counter() - loaded
         if i in checks:
             rows = _select(
                 _deviation(config, fresh_keys, fresh_values, raw_keys, values, active),
@@ -201,13 +213,16 @@ def run_blend(
                 round(checks[i] * moved_total),
             )
             rows = torch.cat([(kinds[active] == COMPUTE).nonzero().squeeze(1), rows]).sort().values
-            active = active[rows]
-            hidden = hidden[rows]
-            queries, fresh_keys, fresh_values = queries[:, rows], fresh_keys[:, rows], fresh_values[:, rows]
+            active = active.index_select(0, rows)
+            hidden = hidden.index_select(0, rows)
+            queries = queries.index_select(1, rows)
+            fresh_keys = fresh_keys.index_select(1, rows)
+            fresh_values = fresh_values.index_select(1, rows)
             attention = _Attention(decoder, active, total)
 
-        raw_keys[:, active] = fresh_keys
-        values[:, active] = fresh_values
+        if not dense:
+            raw_keys.index_copy_(1, active, fresh_keys)
+            values.index_copy_(1, active, fresh_values)
         keys = apply_rope(raw_keys, cos, sin)
         token_layers += active.numel()
         if i < last_layer or need_logits:

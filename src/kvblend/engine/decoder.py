@@ -91,7 +91,7 @@ class Decoder:
         return self.inner.embed_tokens(token_ids)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's own RoPE ``cos``/``sin`` ``[tokens, head_dim]`` at ``positions``."""
+        """Return the model's own RoPE ``cos``/``sin`` ``[tokens, head_dim]`` at ``positions``."""
         probe = torch.empty(0, device=self.device, dtype=self.dtype)
         cos, sin = self.inner.rotary_emb(probe, positions.unsqueeze(0))
         return cos[0], sin[0]
@@ -99,7 +99,10 @@ class Decoder:
     def project(
         self, layer: int, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Queries, un-rotated keys and values of ``hidden`` ``[tokens, hidden]`` at ``layer``."""
+        """Return queries, un-rotated keys and values of ``hidden`` at ``layer``.
+
+        ``hidden`` is ``[tokens, hidden]``; the outputs are ``[heads, tokens, head_dim]``.
+        """
         block = self.layers[layer]
         attention = block.self_attn
         x = block.input_layernorm(hidden)
@@ -123,7 +126,8 @@ class Decoder:
     ) -> torch.Tensor:
         """Attention output ``[tokens, hidden]`` (after ``o_proj``) of rotated inputs.
 
-        ``mask`` is a boolean ``[queries, keys]`` (True = may attend) or None for plain causal
+        ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf = may not) or a
+        boolean one (True = may attend), or None for plain causal
         attention over aligned queries and keys.
         """
         out = F.scaled_dot_product_attention(
@@ -140,7 +144,7 @@ class Decoder:
         return self.layers[layer].self_attn.o_proj(out)
 
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """The residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""
+        """Apply the residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""
         block = self.layers[layer]
         return hidden + block.mlp(block.post_attention_layernorm(hidden))
 
