@@ -189,12 +189,8 @@ def run_blend(
     token_layers = 0
     last_layer = shape.num_layers - 1
     for i in range(shape.num_layers):
-        queries, fresh_keys, fresh_values = decoder.project(i, hidden)
         dense = active.numel() == total and i not in checks
-        if dense:
-            # Every row is computed here: the fresh K/V are the layer's whole KV.
-            raw_keys, values = fresh_keys.contiguous(), fresh_values.contiguous()
-        else:
+        if not dense:
             # Cached K/V of this layer, written into full-length buffers.
             loaded = time.perf_counter()
             raw_keys = torch.empty(
@@ -207,19 +203,25 @@ def run_blend(
                 values[:, span.start : span.end] = span_values
             load_s += time.perf_counter() - loaded
         if i in checks:
+            # Only the compared projection runs over every active row; the rows kept after the
+            # selection get their queries, keys and values below.
+            use_keys = config.deviation == "key"
+            fresh = decoder.project_kv(i, hidden, keys=use_keys)
+            cached = (raw_keys if use_keys else values).index_select(1, active)
             rows = _select(
-                _deviation(config, fresh_keys, fresh_values, raw_keys, values, active),
+                (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2)),
                 (kinds[active] == MOVED).nonzero().squeeze(1),
                 round(checks[i] * moved_total),
             )
             rows = torch.cat([(kinds[active] == COMPUTE).nonzero().squeeze(1), rows]).sort().values
             active = active.index_select(0, rows)
             hidden = hidden.index_select(0, rows)
-            queries = queries.index_select(1, rows)
-            fresh_keys = fresh_keys.index_select(1, rows)
-            fresh_values = fresh_values.index_select(1, rows)
             attention = _Attention(decoder, active, total)
 
+        queries, fresh_keys, fresh_values = decoder.project(i, hidden)
+        if dense:
+            # Every row is computed here: the fresh K/V are the layer's whole KV.
+            raw_keys, values = fresh_keys.contiguous(), fresh_values.contiguous()
         if not dense:
             raw_keys.index_copy_(1, active, fresh_keys)
             values.index_copy_(1, active, fresh_values)
@@ -247,19 +249,3 @@ def run_blend(
         "moved_tokens": moved_total,
     }
     return BlendOutput(logits, keys_out, values_out, raw_out, stats)
-
-
-def _deviation(
-    config: BlendConfig,
-    fresh_keys: torch.Tensor,
-    fresh_values: torch.Tensor,
-    cached_keys: torch.Tensor,
-    cached_values: torch.Tensor,
-    active: torch.Tensor,
-) -> torch.Tensor:
-    """Squared L2 deviation per active row between fresh and cached K (un-rotated) or V."""
-    if config.deviation == "key":
-        fresh, cached = fresh_keys, cached_keys[:, active]
-    else:
-        fresh, cached = fresh_values, cached_values[:, active]
-    return (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))

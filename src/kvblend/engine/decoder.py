@@ -116,6 +116,23 @@ class Decoder:
             k = attention.k_norm(k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
+    def project_kv(self, layer: int, hidden: torch.Tensor, *, keys: bool) -> torch.Tensor:
+        """Return only the un-rotated keys (``keys=True``) or the values of ``hidden`` at ``layer``.
+
+        The same arithmetic as `project`, for the check layer's deviation, which needs one
+        projection of every row and the rest only for the rows it keeps.
+        """
+        block = self.layers[layer]
+        attention = block.self_attn
+        x = block.input_layernorm(hidden)
+        tokens = x.shape[0]
+        if keys:
+            k = attention.k_proj(x).view(tokens, -1, self.shape.head_dim)
+            if self.has_qk_norm:
+                k = attention.k_norm(k)
+            return k.transpose(0, 1)
+        return attention.v_proj(x).view(tokens, -1, self.shape.head_dim).transpose(0, 1)
+
     def attend(
         self,
         layer: int,
