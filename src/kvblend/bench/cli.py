@@ -1,0 +1,206 @@
+"""``kvblend bench`` subcommands: ttft, figures, quality, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path("benchmarks") / "results"
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    from ..engine import BlendEngine
+    from ..store import MemoryKVStore
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return BlendEngine.from_pretrained(
+        args.model, store=MemoryKVStore(8 << 30), device=args.device, dtype=args.dtype
+    )
+
+
+def _machine(engine: Any) -> dict[str, Any]:
+    device = engine.decoder.device
+    return {
+        "model": engine.name,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": str(engine.decoder.dtype).replace("torch.", ""),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _write(result: dict[str, Any], path: Path, table: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
+
+
+def cmd_ttft(args: argparse.Namespace) -> None:
+    """Time every strategy at every prompt length."""
+    from .strategies import parse_strategies
+    from .ttft import run_ttft, ttft_table
+
+    strategies = parse_strategies(args.strategies)
+    engine = _engine(args)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    result = run_ttft(
+        engine, lengths=lengths, strategies=strategies, repeats=args.repeats,
+        doc_tokens=args.doc_tokens, disk=not args.no_disk,
+        disk_strategies=args.disk_strategies.split(",") if args.disk_strategies else None,
+        decode_tokens=args.decode_tokens, seed=args.seed,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), ttft_table(result["summary"]))
+
+
+def cmd_figures(args: argparse.Namespace) -> None:
+    """Print the issue figures: 8 x 512-token documents, cacheblend 0.15 vs full, disk vs memory."""
+    from .strategies import parse_strategies
+    from .ttft import run_ttft, ttft_table
+
+    engine = _engine(args)
+    result = run_ttft(
+        engine, lengths=[args.docs * 512], strategies=parse_strategies("cacheblend-value-0.15"),
+        repeats=args.repeats, doc_tokens=512, decode_tokens=0,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    summary = {(s["strategy"], s["store"]): s for s in result["summary"]}
+    full = summary[("full", "memory")]
+    blend = summary[("cacheblend-value-0.15", "memory")]
+    disk = summary.get(("cacheblend-value-0.15", "disk"))
+    lines = [
+        f"{args.docs} documents x 512 tokens + question ({full['prompt_tokens']} prompt tokens), "
+        f"{args.repeats} interleaved repeats, medians:",
+        f"  full prefill TTFT             {full['ttft_median_s']:.3f} s",
+        f"  cacheblend 0.15 TTFT (memory) {blend['ttft_median_s']:.3f} s  "
+        f"-> blended/full = {blend['ttft_vs_full']:.3f} (target <= 0.25)",
+    ]
+    if disk is not None:
+        lines.append(
+            f"  cacheblend 0.15 TTFT (disk)   {disk['ttft_median_s']:.3f} s  "
+            f"-> disk/memory = {disk['disk_vs_memory']:.2f} (target <= 1.25)"
+        )
+    store = result["store"]
+    lines.append(
+        f"  store size per 1,000 document tokens: memory {store['memory_mib_per_1k_tokens']:.1f} "
+        f"MiB, disk {store['disk_mib_per_1k_tokens'] or 0:.1f} MiB"
+    )
+    text = "\n".join(lines)
+    _write(result, Path(args.output), text + "\n\n" + ttft_table(result["summary"]))
+
+
+def cmd_quality(args: argparse.Namespace) -> None:
+    """Accuracy and fidelity of every strategy on the generated QA task."""
+    from .qa import generate_qa
+    from .quality import quality_table, run_quality, type_table
+    from .strategies import parse_strategies
+
+    items = generate_qa(args.questions, seed=args.seed)
+    strategies = parse_strategies(args.strategies)
+    engine = _engine(args)
+    meta = {"machine": _machine(engine), "seed": args.seed}
+    result = run_quality(
+        engine, items, strategies, max_new_tokens=args.max_new_tokens,
+        output=Path(args.output), meta=meta,
+    )  # fmt: skip
+    _write(
+        result, Path(args.output),
+        quality_table(result["summary"]) + "\n\n" + type_table(result["summary"]),
+    )  # fmt: skip
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    """Tables and plots from saved results."""
+    from .report import write_report
+
+    print(write_report(Path(args.ttft), Path(args.quality), Path(args.img_dir)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of ``kvblend bench``."""
+    parser = argparse.ArgumentParser(prog="kvblend bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def model_options(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
+        p.add_argument("--device", default="auto")
+        p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: fp32 on CPU)")
+        p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+        p.add_argument("--seed", type=int, default=0)
+
+    ttft = sub.add_parser("ttft", help="TTFT of every strategy at several prompt lengths")
+    model_options(ttft)
+    ttft.add_argument("--lengths", default="1024,2048,4096,7680", help="prompt tokens, comma list")
+    ttft.add_argument("--strategies", default="all",
+                      help="comma list or 'all' (full, prefix, cacheblend-value|key-RATIO, epic, "
+                           "reuse); full is always run first")  # fmt: skip
+    ttft.add_argument("--repeats", type=int, default=3)
+    ttft.add_argument("--doc-tokens", type=int, default=512)
+    ttft.add_argument("--no-disk", action="store_true", help="skip the cold-disk runs")
+    ttft.add_argument("--disk-strategies", default="cacheblend-value-0.15,reuse",
+                      help="also timed from the cold disk tier ('' for all)")  # fmt: skip
+    ttft.add_argument("--decode-tokens", type=int, default=16, help="0 to skip decode speed")
+    ttft.add_argument("--output", default=str(RESULTS_DIR / "ttft.json"))
+    ttft.add_argument("--quick", action="store_true",
+                      help="1K and 2K tokens, 4 strategies, 3 repeats")  # fmt: skip
+    ttft.set_defaults(func=cmd_ttft)
+
+    figures = sub.add_parser("figures", help="the 8 x 512-token figures of issues 2 and 3")
+    model_options(figures)
+    figures.add_argument("--docs", type=int, default=8)
+    figures.add_argument("--repeats", type=int, default=5)
+    figures.add_argument("--output", default=str(RESULTS_DIR / "figures.json"))
+    figures.set_defaults(func=cmd_figures)
+
+    quality = sub.add_parser("quality", help="accuracy and KL of every strategy on the QA task")
+    model_options(quality)
+    quality.add_argument("--questions", type=int, default=200)
+    quality.add_argument("--strategies", default="reuse,epic,cacheblend-value-0.05,"
+                         "cacheblend-value-0.1,cacheblend-value-0.15,cacheblend-value-0.3,"
+                         "cacheblend-key-0.15,cacheblend-key-0.3")  # fmt: skip
+    quality.add_argument("--max-new-tokens", type=int, default=12)
+    quality.add_argument("--output", default=str(RESULTS_DIR / "quality.json"))
+    quality.set_defaults(func=cmd_quality)
+
+    report = sub.add_parser("report", help="markdown tables and PNG plots from saved results")
+    report.add_argument("--ttft", default=str(RESULTS_DIR / "ttft.json"))
+    report.add_argument("--quality", default=str(RESULTS_DIR / "quality.json"))
+    report.add_argument("--img-dir", default="docs/img")
+    report.set_defaults(func=cmd_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvblend bench`` and of the scripts in ``benchmarks/``."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "quick", False):
+        args.lengths, args.strategies, args.repeats = (
+            "1024,2048",
+            "prefix,cacheblend-value-0.15,reuse",
+            3,
+        )
+    if getattr(args, "disk_strategies", None) == "":
+        args.disk_strategies = None
+    args.func(args)
+    return 0

@@ -1,0 +1,107 @@
+"""Markdown tables and matplotlib plots (PNG) from saved benchmark results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from .quality import quality_table, type_table
+from .ttft import ttft_table
+
+
+def plot_ttft(result: dict[str, Any], path: Path) -> Path:
+    """TTFT (median over repeats) vs prompt length, one line per strategy, memory store."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[tuple[int, float, float, float]]] = {}
+    for s in result["summary"]:
+        if s["store"] == "memory":
+            lines.setdefault(s["strategy"], []).append(
+                (s["prompt_tokens"], s["ttft_median_s"], s["ttft_min_s"], s["ttft_max_s"])
+            )
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, points in lines.items():
+        points.sort()
+        xs = [p[0] for p in points]
+        ys = [p[1] for p in points]
+        err = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name,
+                    linewidth=2.5 if name == "full" else 1.2)  # fmt: skip
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (s, median, bars: min-max)")
+    ax.set_yscale("log")
+    ax.set_title("Time to first token by strategy (documents in memory)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_quality(result: dict[str, Any], path: Path) -> Path:
+    """Accuracy and mean KL vs recompute fraction; cacheblend lines per metric, other points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for metric in ("value", "key"):
+        points = sorted(
+            (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
+            for name, s in summary.items()
+            if name.startswith(f"cacheblend-{metric}-")
+        )
+        if points:
+            left.plot(
+                [p[0] for p in points], [p[1] for p in points], "o-", label=f"cacheblend {metric}"
+            )
+            right.plot(
+                [p[0] for p in points], [p[2] for p in points], "o-", label=f"cacheblend {metric}"
+            )
+    for name, marker in (("reuse", "s"), ("epic", "^")):
+        if name in summary:
+            s = summary[name]
+            left.plot([s["recompute_fraction"]], [s["accuracy"]], marker, label=name)
+            right.plot([s["recompute_fraction"]], [s["kl_mean"]], marker, label=name)
+    if "full" in summary:
+        left.axhline(summary["full"]["accuracy"], color="black", linestyle="--", label="full")
+    left.set_xlabel("recomputed fraction of moved tokens")
+    left.set_ylabel("accuracy")
+    left.set_title("QA accuracy")
+    right.set_xlabel("recomputed fraction of moved tokens")
+    right.set_ylabel("mean KL(full || strategy), nats")
+    right.set_title("Fidelity to full prefill")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_report(ttft_path: Path, quality_path: Path, img_dir: Path) -> str:
+    """Markdown of whichever result files exist, with their plots written under ``img_dir``."""
+    parts = []
+    if ttft_path.exists():
+        ttft = json.loads(ttft_path.read_text())
+        plot = plot_ttft(ttft, img_dir / "ttft_vs_length.png")
+        parts += ["## TTFT", "", ttft_table(ttft["summary"]), "", f"![TTFT]({plot})", ""]
+    if quality_path.exists():
+        quality = json.loads(quality_path.read_text())
+        plot = plot_quality(quality, img_dir / "quality_vs_ratio.png")
+        parts += [
+            f"## Quality ({quality['questions']} questions)", "",
+            quality_table(quality["summary"]), "", type_table(quality["summary"]), "",
+            f"![quality]({plot})", "",
+        ]  # fmt: skip
+    return "\n".join(parts) if parts else "no results found"

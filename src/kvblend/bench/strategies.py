@@ -1,0 +1,88 @@
+"""Named prefill strategies compared by the benchmarks, each a `BlendConfig` plus a segment rule.
+
+Names: ``full``, ``reuse``, ``epic``, ``prefix`` (exact-prefix reuse: only the cached system
+prompt is reused and every document is computed, as plain prefix caching would) and
+``cacheblend-<metric>-<ratio>`` such as ``cacheblend-value-0.15``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..engine import BlendConfig, Segment
+
+CACHEBLEND_RATIOS = (0.05, 0.1, 0.15, 0.3)
+CACHEBLEND_METRICS = ("value", "key")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A benchmarked strategy: its name, its config, and whether documents are cached."""
+
+    name: str
+    config: BlendConfig
+    cache_documents: bool = True
+
+    @property
+    def recompute_ratio(self) -> float | None:
+        """The configured ratio of a ``cacheblend`` strategy, else None."""
+        return self.config.recompute_ratio if self.config.strategy == "cacheblend" else None
+
+    def segments(self, segments: Sequence[Segment]) -> list[Segment]:
+        """Return the prompt as this strategy sees it: documents uncached for ``prefix``."""
+        if self.cache_documents:
+            return list(segments)
+        return [
+            s if s.role == "prefix" or not s.cache else Segment(s.text, cache=False)
+            for s in segments
+        ]
+
+
+def cacheblend_name(metric: str, ratio: float) -> str:
+    """``cacheblend-<metric>-<ratio>``, the ratio written as in ``0.15``."""
+    return f"cacheblend-{metric}-{ratio:g}"
+
+
+def strategy(name: str) -> Strategy:
+    """Return the `Strategy` called ``name``; ``ValueError`` lists the valid names otherwise."""
+    if name == "full":
+        return Strategy(name, BlendConfig("full"))
+    if name == "reuse":
+        return Strategy(name, BlendConfig("reuse"))
+    if name == "epic":
+        return Strategy(name, BlendConfig("epic"))
+    if name == "prefix":
+        return Strategy(name, BlendConfig("reuse"), cache_documents=False)
+    if name.startswith("cacheblend-"):
+        parts = name.split("-")
+        if len(parts) == 3 and parts[1] in CACHEBLEND_METRICS:
+            try:
+                ratio = float(parts[2])
+            except ValueError:
+                ratio = -1.0
+            if 0.0 <= ratio <= 1.0:
+                config = BlendConfig("cacheblend", recompute_ratio=ratio, deviation=parts[1])  # type: ignore[arg-type]
+                return Strategy(name, config)
+    raise ValueError(
+        f"unknown strategy {name!r}; use full, reuse, epic, prefix or "
+        f"cacheblend-<value|key>-<ratio> such as {cacheblend_name('value', 0.15)}"
+    )
+
+
+def all_strategy_names() -> list[str]:
+    """Every strategy the full benchmark runs."""
+    names = ["full", "prefix"]
+    names += [cacheblend_name(m, r) for m in CACHEBLEND_METRICS for r in CACHEBLEND_RATIOS]
+    return names + ["epic", "reuse"]
+
+
+def parse_strategies(text: str | Sequence[str]) -> list[Strategy]:
+    """Strategies from a comma-separated list (``all`` for every one); ``full`` comes first."""
+    names = text.split(",") if isinstance(text, str) else list(text)
+    names = [n.strip() for n in names if n.strip()]
+    if names == ["all"]:
+        names = all_strategy_names()
+    if "full" in names:
+        names.remove("full")
+    return [strategy("full")] + [strategy(n) for n in dict.fromkeys(names)]

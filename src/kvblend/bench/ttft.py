@@ -1,0 +1,364 @@
+"""TTFT benchmark: time to first token of every strategy at several prompt lengths.
+
+A prompt of about N tokens is a chat-formatted RAG prompt (`BlendEngine.rag_segments`) over
+N // doc_tokens synthetic documents. Documents are precomputed before timing, into a memory store
+and into a tiered store whose memory tier is cleared (and whose files are dropped from the OS
+page cache where the OS allows) before every cold-disk run. Runs are interleaved: each repeat
+times every (length, strategy, store) once, so a slower shared CPU slows all of them alike, and
+speedups are medians of per-repeat ratios to the full prefill of the same repeat.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engine import BlendConfig, BlendEngine, Segment
+from ..store import DiskKVStore, MemoryKVStore, TieredKVStore
+from .strategies import Strategy, strategy
+from .synthetic import synthetic_text
+
+QUESTION = "Summarize the documents above in a few sentences."
+SYSTEM = "You are a helpful assistant. Answer using the documents."
+DEFAULT_LENGTHS = (1024, 2048, 4096, 7680)
+
+
+def length_label(tokens: int) -> str:
+    """``1K``, ``2K``, ``7.5K`` ..."""
+    return f"{tokens / 1024:g}K"
+
+
+def build_documents(
+    engine: BlendEngine, prompt_tokens: int, doc_tokens: int, seed: int
+) -> list[str]:
+    """``prompt_tokens // doc_tokens`` (at least one) synthetic documents of ``doc_tokens``."""
+    count = max(1, prompt_tokens // doc_tokens)
+    return [synthetic_text(engine.tokenizer, doc_tokens, seed * 1000 + i) for i in range(count)]
+
+
+# ---------------------------------------------------------------------- memory
+def _peak_rss_reset() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs``); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as file:
+            for line in file:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+class PeakMemory:
+    """Peak memory of a block, in MiB above what was in use when it started.
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU on Linux: the process's peak RSS (VmHWM), reset
+    before the block; elsewhere the growth of ``getrusage`` maxrss (zero unless a new high).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.mib = 0.0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        elif _peak_rss_reset() and _rss_kib("VmRSS") is not None:
+            self._base = _rss_kib("VmRSS") or 0
+            self._mode = "hwm"
+        else:
+            self._base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            self._mode = "maxrss"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mib = (torch.cuda.max_memory_allocated(self.device) - self._base) / 2**20
+        elif self._mode == "hwm":
+            self.mib = ((_rss_kib("VmHWM") or 0) - self._base) / 1024
+        else:
+            self.mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - self._base) / 1024
+
+
+# ---------------------------------------------------------------------- stores
+def drop_page_cache(directory: Path) -> int:
+    """Ask the OS to drop ``directory``'s files from its page cache; return how many files."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    dropped = 0
+    for path in directory.rglob("*"):
+        if not path.is_file():
+            continue
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += 1
+            finally:
+                os.close(fd)
+    return dropped
+
+
+class ColdDisk:
+    """An engine over a tiered store whose memory tier is emptied before each run."""
+
+    def __init__(self, engine: BlendEngine, directory: Path) -> None:
+        self.directory = directory
+        self.store = TieredKVStore(MemoryKVStore(), DiskKVStore(directory))
+        self.engine = BlendEngine(
+            engine.model, engine.tokenizer, store=self.store, name=engine.name,
+            doc_prefix=engine.doc_prefix,
+        )  # fmt: skip
+
+    def make_cold(self) -> None:
+        """Empty the memory tier and drop the store's files from the page cache."""
+        self.store.memory.clear()
+        drop_page_cache(self.directory)
+
+
+# ---------------------------------------------------------------------- timing
+def time_prefill(
+    engine: BlendEngine, segments: Sequence[Segment], strat: Strategy
+) -> dict[str, Any]:
+    """Time one prompt under one strategy: TTFT (prefill + first token), phases, peak memory."""
+    with PeakMemory(engine.decoder.device) as peak:
+        out = engine.generate(strat.segments(segments), strat.config, max_new_tokens=1)
+    stats = out.stats
+    return {
+        "ttft_s": out.ttft_s,
+        "prefill_s": stats.timings.get("prefill_s"),
+        "lookup_s": stats.timings.get("lookup_s"),
+        "load_s": stats.timings.get("load_s"),
+        "blend_s": stats.timings.get("blend_s"),
+        "prompt_tokens": stats.prompt_tokens,
+        "recompute_fraction": stats.recompute_fraction,
+        "compute_fraction": stats.compute_fraction,
+        "segments_precomputed": stats.segments_precomputed,
+        "peak_mib": peak.mib,
+    }
+
+
+def time_decode(
+    engine: BlendEngine, segments: Sequence[Segment], config: BlendConfig, tokens: int
+) -> dict[str, Any]:
+    """Decode speed (tokens/s after the first token) following a prefill with ``config``."""
+    out = engine.generate(list(segments), config, max_new_tokens=tokens)
+    decoded = out.output_tokens - 1
+    seconds = out.total_s - out.ttft_s
+    return {
+        "decode_tokens": decoded,
+        "decode_s": seconds,
+        "decode_tok_s": decoded / seconds if decoded > 0 and seconds > 0 else None,
+    }
+
+
+def run_ttft(
+    engine: BlendEngine,
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    strategies: Sequence[Strategy],
+    repeats: int = 3,
+    doc_tokens: int = 512,
+    disk: bool = True,
+    disk_strategies: Sequence[str] | None = None,
+    decode_tokens: int = 16,
+    decode_config: str = "cacheblend-value-0.15",
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+    store_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run the interleaved TTFT benchmark; return every measurement and a summary."""
+    log = log or (lambda message: print(message, file=sys.stderr))
+    if not strategies or strategies[0].name != "full":
+        raise ValueError("the first strategy must be 'full', the baseline")
+    memory_engine = BlendEngine(
+        engine.model, engine.tokenizer, store=MemoryKVStore(8 << 30), name=engine.name,
+        doc_prefix=engine.doc_prefix,
+    )  # fmt: skip
+    temp = None
+    if disk and store_dir is None:
+        temp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
+        store_dir = Path(temp.name)
+    cold = ColdDisk(engine, store_dir) if disk and store_dir is not None else None
+    cached = [s for s in strategies if s.name != "full"]
+    if disk_strategies is not None:
+        disk_set = set(disk_strategies)
+        disk_list = [s for s in cached if s.name in disk_set]
+    else:
+        disk_list = cached
+    prompts: dict[int, list[Segment]] = {}
+    doc_token_total: dict[int, int] = {}
+    started = time.perf_counter()
+    for length in lengths:
+        documents = build_documents(engine, length, doc_tokens, seed + length)
+        prompts[length] = engine.rag_segments(QUESTION, documents, system=SYSTEM)
+        doc_token_total[length] = sum(len(engine.tokenize(d)) for d in documents)
+        memory_engine.precompute(documents, progress=False)
+        if cold is not None:
+            cold.engine.precompute(documents, progress=False)
+    log(f"precomputed documents in {time.perf_counter() - started:.1f} s")
+    # warm-up: store every prefix segment and touch every code path once
+    for length in lengths[:1]:
+        for strat in strategies:
+            time_prefill(memory_engine, prompts[length], strat)
+    for length in lengths:
+        for strat in cached:
+            memory_engine.prefill(strat.segments(prompts[length]), strat.config)
+            if cold is not None and strat in disk_list:
+                cold.engine.prefill(strat.segments(prompts[length]), strat.config)
+    rows: list[dict[str, Any]] = []
+    decode_strategy = strategy(decode_config)
+    for repeat in range(repeats):
+        for length in lengths:
+            segments = prompts[length]
+            for strat in strategies:
+                row = time_prefill(memory_engine, segments, strat)
+                rows.append(_row(repeat, length, strat, "memory", row))
+                if cold is not None and strat in disk_list:
+                    cold.make_cold()
+                    row = time_prefill(cold.engine, segments, strat)
+                    rows.append(_row(repeat, length, strat, "disk", row))
+            if decode_tokens > 1:
+                for strat in (strategies[0], decode_strategy):
+                    row = time_decode(memory_engine, segments, strat.config, decode_tokens)
+                    rows.append(_row(repeat, length, strat, "decode", row))
+            log(
+                f"repeat {repeat + 1}/{repeats}, {length_label(length)}: "
+                + ", ".join(
+                    f"{r['strategy']}{'(disk)' if r['store'] == 'disk' else ''} {r['ttft_s']:.2f}s"
+                    for r in rows
+                    if r["repeat"] == repeat and r["target_tokens"] == length and "ttft_s" in r
+                )
+            )
+    store_bytes = None
+    if cold is not None:
+        disk_stats = cold.store.stats().tiers.get("disk")
+        store_bytes = disk_stats.bytes if disk_stats is not None else None
+    memory_bytes = memory_engine.store.stats().bytes
+    stored_tokens = sum(doc_token_total.values())
+    result = {
+        "benchmark": "ttft",
+        "lengths": list(lengths),
+        "doc_tokens": doc_tokens,
+        "repeats": repeats,
+        "strategies": [s.name for s in strategies],
+        "disk_strategies": [s.name for s in disk_list] if cold is not None else [],
+        "elapsed_s": time.perf_counter() - started,
+        "store": {
+            "memory_bytes": memory_bytes,
+            "disk_bytes": store_bytes,
+            "document_tokens": stored_tokens,
+            "memory_mib_per_1k_tokens": memory_bytes / 2**20 / stored_tokens * 1000,
+            "disk_mib_per_1k_tokens": (
+                store_bytes / 2**20 / stored_tokens * 1000 if store_bytes else None
+            ),
+        },
+        "rows": rows,
+    }
+    result["summary"] = summarize_ttft(rows)
+    if cold is not None:
+        cold.store.close()
+    if temp is not None:
+        temp.cleanup()
+    return result
+
+
+def _row(repeat: int, length: int, strat: Strategy, store: str, data: dict) -> dict[str, Any]:
+    return {"repeat": repeat, "target_tokens": length, "strategy": strat.name,
+            "ratio": strat.recompute_ratio, "store": store, **data}  # fmt: skip
+
+
+def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Median, min and max TTFT per (length, strategy, store) and median speedup vs full.
+
+    The speedup of a run is full's TTFT in the same repeat and length divided by the run's TTFT;
+    the disk/memory ratio pairs each cold-disk run with the same strategy's memory run.
+    """
+    timed = [r for r in rows if r["store"] in ("memory", "disk")]
+    full = {
+        (r["repeat"], r["target_tokens"]): r["ttft_s"] for r in timed if r["strategy"] == "full"
+    }
+    memory = {
+        (r["repeat"], r["target_tokens"], r["strategy"]): r["ttft_s"]
+        for r in timed
+        if r["store"] == "memory"
+    }
+    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    for r in timed:
+        groups.setdefault((r["target_tokens"], r["strategy"], r["store"]), []).append(r)
+    decode: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        if r["store"] == "decode" and r.get("decode_tok_s"):
+            decode.setdefault((r["target_tokens"], r["strategy"]), []).append(r["decode_tok_s"])
+    out = []
+    for (length, name, store), group in groups.items():
+        ttfts = [r["ttft_s"] for r in group]
+        speedups = [full[(r["repeat"], length)] / r["ttft_s"] for r in group]
+        entry = {
+            "target_tokens": length,
+            "prompt_tokens": group[0]["prompt_tokens"],
+            "strategy": name,
+            "store": store,
+            "ratio": group[0]["ratio"],
+            "runs": len(group),
+            "ttft_median_s": statistics.median(ttfts),
+            "ttft_min_s": min(ttfts),
+            "ttft_max_s": max(ttfts),
+            "speedup_vs_full": statistics.median(speedups),
+            "ttft_vs_full": statistics.median(1 / s for s in speedups),
+            "recompute_fraction": group[0]["recompute_fraction"],
+            "compute_fraction": group[0]["compute_fraction"],
+            "peak_mib_median": statistics.median(r["peak_mib"] for r in group),
+            "load_s_median": statistics.median(r["load_s"] or 0.0 for r in group),
+        }
+        if store == "disk":
+            entry["disk_vs_memory"] = statistics.median(
+                r["ttft_s"] / memory[(r["repeat"], length, name)] for r in group
+            )
+        if store == "memory" and (length, name) in decode:
+            entry["decode_tok_s_median"] = statistics.median(decode[(length, name)])
+        out.append(entry)
+    return out
+
+
+def ttft_table(summary: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of a TTFT summary."""
+    lines = [
+        "| prompt | strategy | store | TTFT median (min-max) | TTFT / full | speedup | "
+        "recomputed (of moved) | peak mem | decode tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        extra = f"{s['disk_vs_memory']:.2f}x memory" if "disk_vs_memory" in s else ""
+        decode = s.get("decode_tok_s_median")
+        lines.append(
+            f"| {s['prompt_tokens']} | {s['strategy']} | {s['store']} | "
+            f"{s['ttft_median_s']:.3f} s ({s['ttft_min_s']:.3f}-{s['ttft_max_s']:.3f}) | "
+            f"{s['ttft_vs_full']:.3f} | {s['speedup_vs_full']:.1f}x {extra} | "
+            f"{s['recompute_fraction']:.1%} | {s['peak_mib_median']:.0f} MiB | "
+            f"{f'{decode:.1f}' if decode else ''} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,147 @@
+"""Benchmark code: the generated QA task, scoring, and both runners end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from conftest import byte_tokenizer, tiny_model
+from kvblend import BlendEngine
+from kvblend.bench import main as bench_main
+from kvblend.bench.qa import QUESTION_TYPES, generate_qa, normalize, score
+from kvblend.bench.quality import kl_divergence, run_quality, summarize
+from kvblend.bench.strategies import all_strategy_names, parse_strategies, strategy
+from kvblend.bench.synthetic import synthetic_text
+from kvblend.bench.ttft import run_ttft, summarize_ttft
+from kvblend.store import MemoryKVStore
+
+
+@pytest.fixture(scope="module")
+def engine() -> BlendEngine:
+    return BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="tiny")
+
+
+def test_qa_is_deterministic_and_large_enough():
+    first = [item.to_dict() for item in generate_qa(240, seed=3)]
+    again = [item.to_dict() for item in generate_qa(240, seed=3)]
+    other = [item.to_dict() for item in generate_qa(240, seed=4)]
+    assert first == again
+    assert first != other
+    assert len(first) >= 200
+    assert len({item["qid"] for item in first}) == len(first)
+
+
+def test_qa_has_every_question_type_and_two_document_questions():
+    items = generate_qa(240)
+    counts = Counter(item.qtype for item in items)
+    assert set(counts) == set(QUESTION_TYPES)
+    assert min(counts.values()) >= 10
+    assert any(len(item.evidence) == 2 for item in items)
+    lengths = [len(d) for item in items for d in item.documents]
+    assert min(lengths) < 80 and max(lengths) > 300  # one-line records and long profiles
+    assert all(3 <= len(item.documents) <= 5 for item in items)
+
+
+def test_qa_answers_appear_in_the_evidence_documents():
+    for item in generate_qa(240):
+        evidence = " ".join(item.documents[i] for i in item.evidence)
+        if item.qtype == "same_city":
+            assert item.answers in (["yes"], ["no"])
+            cities = [d.split(" lives in ")[1].split()[0].strip(".") for d in
+                      (item.documents[i] for i in item.evidence)]  # fmt: skip
+            assert (cities[0] == cities[1]) == (item.answers == ["yes"])
+        else:
+            assert any(answer in evidence for answer in item.answers), item
+        for wrong in item.wrong:
+            assert wrong not in item.answers
+
+
+def test_scoring_normalises_and_rejects_the_other_option():
+    assert normalize("  The Oslo!  ") == "oslo"
+    assert score("Alice Brown lives in Oslo.", ["Oslo"])
+    assert score("OSLO", ["Oslo"])
+    assert not score("Oslofjord", ["Oslo"])  # whole words only
+    assert not score("Paris", ["Oslo"])
+    assert score("a baker.", ["baker"])
+    assert not score("Alice and Bruno", ["Alice"], wrong=["Bruno"])
+    assert score("Yes, they do.", ["yes"])
+    assert not score("No, not yes.", ["yes"])
+
+
+def test_strategy_names_round_trip():
+    names = all_strategy_names()
+    assert len(names) == 12 and names[0] == "full"
+    assert strategy("cacheblend-key-0.3").config.deviation == "key"
+    assert strategy("cacheblend-key-0.3").config.recompute_ratio == 0.3
+    assert [s.name for s in parse_strategies("reuse,full")] == ["full", "reuse"]
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategy("cacheblend-value-2")
+
+
+def test_prefix_strategy_uncaches_documents(engine):
+    segments = engine.rag_segments("q?", ["doc one", "doc two"])
+    prefix = strategy("prefix").segments(segments)
+    assert [s.cache for s in prefix] == [True, False, False, False, False]
+    assert [s.text for s in prefix] == [s.text for s in segments]
+
+
+def test_synthetic_text_hits_the_target_length(engine):
+    text = synthetic_text(engine.tokenizer, 200, seed=1)
+    assert len(engine.tokenize(text)) == pytest.approx(200, abs=2)
+    assert text == synthetic_text(engine.tokenizer, 200, seed=1)
+    assert text != synthetic_text(engine.tokenizer, 200, seed=2)
+
+
+def test_kl_divergence():
+    import torch
+
+    logits = torch.tensor([1.0, 2.0, 3.0])
+    assert kl_divergence(logits, logits) == pytest.approx(0.0, abs=1e-12)
+    assert kl_divergence(logits, torch.tensor([3.0, 2.0, 1.0])) > 0.5
+
+
+def test_quality_runner_end_to_end(engine, tmp_path):
+    items = generate_qa(2, seed=0, docs_per_prompt=(3, 3), styles=("record",))
+    strategies = parse_strategies("reuse,cacheblend-value-0.15")
+    out = tmp_path / "quality.json"
+    result = run_quality(
+        engine, items, strategies, max_new_tokens=3, output=out, log=lambda m: None
+    )
+    assert json.loads(out.read_text())["questions"] == 2
+    summary = result["summary"]
+    assert list(summary) == ["full", "reuse", "cacheblend-value-0.15"]
+    assert summary["full"]["kl_mean"] == 0.0 and summary["full"]["agreement"] == 1.0
+    assert summary["reuse"]["recompute_fraction"] == 0.0
+    assert 0.1 < summary["cacheblend-value-0.15"]["recompute_fraction"] < 0.2
+    assert summary["reuse"]["kl_mean"] > 0.0  # reused KV without its context differs
+    assert summarize(result["rows"]) == summary
+
+
+def test_ttft_runner_end_to_end(engine, tmp_path):
+    strategies = parse_strategies("prefix,cacheblend-value-0.15,reuse")
+    result = run_ttft(
+        engine, lengths=[128], strategies=strategies, repeats=2, doc_tokens=48,
+        decode_tokens=3, store_dir=tmp_path / "store", log=lambda m: None,
+    )  # fmt: skip
+    summary = {(s["strategy"], s["store"]): s for s in result["summary"]}
+    assert set(summary) == {
+        ("full", "memory"), ("prefix", "memory"), ("cacheblend-value-0.15", "memory"),
+        ("reuse", "memory"), ("cacheblend-value-0.15", "disk"), ("prefix", "disk"),
+        ("reuse", "disk"),
+    }  # fmt: skip
+    assert summary[("full", "memory")]["speedup_vs_full"] == 1.0
+    assert summary[("full", "memory")]["runs"] == 2
+    assert summary[("reuse", "disk")]["disk_vs_memory"] > 0
+    assert summary[("reuse", "memory")]["compute_fraction"] < 0.5
+    assert summary[("prefix", "memory")]["recompute_fraction"] == 0.0
+    assert result["store"]["disk_bytes"] > 0 and result["store"]["document_tokens"] >= 96
+    decode = [r for r in result["rows"] if r["store"] == "decode"]
+    assert len(decode) == 4 and all(r["decode_tokens"] >= 0 for r in decode)
+    assert summarize_ttft(result["rows"]) == result["summary"]
+
+
+def test_bench_cli_rejects_unknown_subcommand():
+    with pytest.raises(SystemExit):
+        bench_main(["nope"])
