@@ -21,7 +21,7 @@ import contextvars
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -171,7 +171,7 @@ def precompute_texts(engine: BlendEngine, texts: Iterable[str]) -> None:
 _DONE = object()
 
 
-async def iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncIterator[_T]:
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncGenerator[_T, None]:
     """Run a blocking iterator in a thread and yield its items without blocking the loop.
 
     The thread runs in a copy of the caller's context (tracing callbacks keep working) and

@@ -147,8 +147,9 @@ class BlendLLM(CustomLLM):
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if formatted:
             return prompt
-        if self.completion_to_prompt is not default_completion_to_prompt:
-            return self.completion_to_prompt(prompt)
+        convert = self.completion_to_prompt
+        if convert is not None and convert is not default_completion_to_prompt:
+            return convert(prompt)
         if self.chat_template:
             system = (
                 [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -158,8 +159,9 @@ class BlendLLM(CustomLLM):
         return f"{self.system_prompt}\n\n{prompt}" if self.system_prompt else prompt
 
     def _chat_prompt(self, messages: Sequence[ChatMessage]) -> str:
-        if self.messages_to_prompt is not generic_messages_to_prompt or not self.chat_template:
-            return self.messages_to_prompt(messages)
+        render = self.messages_to_prompt or generic_messages_to_prompt
+        if render is not generic_messages_to_prompt or not self.chat_template:
+            return render(messages)
         chat = [{"role": _role(message), "content": _text(message)} for message in messages]
         return self.get_engine().apply_chat_template(chat)
 
@@ -201,7 +203,7 @@ class BlendLLM(CustomLLM):
         run = run_prompt(engine, segments, self.blend_config, options)
         return CompletionResponse(text=run.text, raw=self._raw(run))
 
-    def _stream(self, prompt: str, options: dict[str, Any]) -> Iterator[CompletionResponse]:
+    def _stream(self, prompt: str, options: dict[str, Any]) -> CompletionResponseGen:
         """Responses as text is decoded; a last one with an empty delta carries ``raw``."""
         engine = self.get_engine()
         segments = prompt_segments(
@@ -287,7 +289,7 @@ def _chat_response(response: CompletionResponse) -> ChatResponse:
     return ChatResponse(message=message, delta=response.delta, raw=response.raw)
 
 
-def _chat_stream(responses: Iterator[CompletionResponse]) -> Iterator[ChatResponse]:
+def _chat_stream(responses: Iterator[CompletionResponse]) -> ChatResponseGen:
     for response in responses:
         yield _chat_response(response)
 
