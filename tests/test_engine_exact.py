@@ -210,3 +210,20 @@ def test_no_bos_tokenizer_and_single_segment() -> None:
     assert pre.stats.computed_tokens == len(pre.token_ids)
     only_doc = engine.prefill([Segment("a cached document only")], BlendConfig())
     assert only_doc.stats.computed_tokens == 1  # the last token always produces the logits
+
+
+def test_apply_rope_matches_transformers_rotary_formula():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvblend.engine.decoder import apply_rope, signed_sin
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 37, 16, generator=generator)
+    k = torch.randn(2, 37, 16, generator=generator)
+    angles = torch.rand(37, 8, generator=generator) * 50
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
+    expected_q, expected_k = apply_rotary_pos_emb(q[None], k[None], cos[None], sin[None])
+    sin_signed = signed_sin(sin)
+    torch.testing.assert_close(apply_rope(q, cos, sin_signed), expected_q[0])
+    torch.testing.assert_close(apply_rope(k, cos, sin_signed), expected_k[0])

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from .config import BlendConfig
-from .decoder import Decoder, apply_rope
+from .decoder import Decoder, apply_rope, signed_sin
 
 PREFIX, MOVED, COMPUTE = 0, 1, 2
 
@@ -175,6 +175,7 @@ def run_blend(
     total = token_ids.numel()
     positions = torch.arange(total, device=device)
     cos, sin = decoder.rotary(positions)
+    sin = signed_sin(sin)
 
     active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
     moved_total = int((kinds == MOVED).sum())

@@ -42,9 +42,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos``/``sin`` ``[tokens, head_dim]``."""
-    return x * cos + rotate_half(x) * sin
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: the table `apply_rope` multiplies swapped halves by."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos``/``signed_sin(sin)`` ``[tokens, head_dim]``.
+
+    Computes transformers' ``x * cos + rotate_half(x) * sin`` with one product and two in-place
+    multiply-adds over the halves instead of four temporaries: the blend rotates every key of
+    the prompt at every layer, so this is on the hot path.
+    """
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half].addcmul_(x[..., half:], sin_signed[..., :half])
+    out[..., half:].addcmul_(x[..., :half], sin_signed[..., half:])
+    return out
 
 
 class Decoder:
