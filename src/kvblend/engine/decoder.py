@@ -49,7 +49,7 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos``/``signed_sin(sin)`` ``[tokens, head_dim]``.
+    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos`` and ``signed_sin(sin)``.
 
     Computes transformers' ``x * cos + rotate_half(x) * sin`` with one product and two in-place
     multiply-adds over the halves instead of four temporaries: the blend rotates every key of
