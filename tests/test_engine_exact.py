@@ -227,3 +227,30 @@ def test_apply_rope_matches_transformers_rotary_formula():
     sin_signed = signed_sin(sin)
     torch.testing.assert_close(apply_rope(q, cos, sin_signed), expected_q[0])
     torch.testing.assert_close(apply_rope(k, cos, sin_signed), expected_k[0])
+
+
+@pytest.mark.parametrize("pattern", ["sparse", "prefix-then-block"])
+def test_attention_of_active_rows_matches_dense_causal(
+    tiny_engine: BlendEngine, pattern: str
+) -> None:
+    """Masked query chunks (sparse rows) and scattered dense attention (mostly active rows)."""
+    from kvblend.engine.blend import _Attention, _attention_mask
+
+    decoder, shape = tiny_engine.decoder, tiny_engine.decoder.shape
+    total = 700
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(shape.num_heads, total, shape.head_dim, generator=generator)
+    k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    if pattern == "sparse":  # several query chunks, the last row always active
+        chosen = torch.randperm(total - 1, generator=generator)[:299]
+        positions = torch.cat([chosen, torch.tensor([total - 1])]).sort().values
+    else:  # BOS computed, a reused prefix, then every row computed
+        positions = torch.cat([torch.tensor([0]), torch.arange(120, total)])
+    attention = _Attention(decoder, positions, total)
+    assert attention.scatter == (pattern != "sparse")
+    for layer, window in enumerate(decoder.windows):
+        mask = _attention_mask(torch.arange(total), total, window, q.dtype)
+        expected = decoder.attend(layer, q, k, v, mask)[positions]
+        got = attention(layer, q[:, positions], k, v)
+        assert torch.allclose(got, expected, atol=1e-5, rtol=0), report(got, expected)

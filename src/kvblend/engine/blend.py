@@ -30,8 +30,10 @@ from .decoder import Decoder, apply_rope, signed_sin
 PREFIX, MOVED, COMPUTE = 0, 1, 2
 
 # Query rows per attention call when the active tokens are sparse: each chunk attends only to
-# the keys up to its last position, which skips most of the causal upper triangle.
-_QUERY_CHUNK = 64
+# the keys up to its last position, which skips most of the causal upper triangle. Smaller
+# chunks skip more of it but keep SDPA's kernels from running at full speed: on a CPU, 256
+# selected rows of a 4K prompt took about half the time of 64.
+_QUERY_CHUNK = 256
 
 
 class LayerKV(Protocol):
@@ -112,7 +114,13 @@ class _Attention:
         self.decoder = decoder
         self.positions = active_positions
         self.total = total
-        self.dense = active_positions.numel() == total  # every row active: plain causal
+        count = active_positions.numel()
+        self.dense = count == total  # every row active: plain causal
+        # Most rows active (a reused prefix followed by computed text, say): plain causal
+        # attention over queries scattered into a zero [heads, total, head_dim] tensor is exact
+        # for the active rows and, on the kernels that skip the upper triangle, cheaper than
+        # masked chunks. Sparse rows (cacheblend after its check layer) use the masked chunks.
+        self.scatter = not self.dense and 2 * count >= total
         self._masks: dict[int | None, list[tuple[int, int, int, int, torch.Tensor]]] = {}
 
     def _chunks(self, window: int | None) -> list[tuple[int, int, int, int, torch.Tensor]]:
@@ -135,6 +143,11 @@ class _Attention:
         window = self.decoder.windows[layer]
         if self.dense and window is None:
             return self.decoder.attend(layer, queries, keys, values, None)
+        if self.scatter and window is None:
+            heads, _, head_dim = queries.shape
+            padded = queries.new_zeros(heads, self.total, head_dim)
+            padded.index_copy_(1, self.positions, queries)
+            return self.decoder.attend(layer, padded, keys, values, None, rows=self.positions)
         outputs = [
             self.decoder.attend(
                 layer,

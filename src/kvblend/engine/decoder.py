@@ -155,12 +155,14 @@ class Decoder:
         keys: torch.Tensor,
         values: torch.Tensor,
         mask: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention output ``[tokens, hidden]`` (after ``o_proj``) of rotated inputs.
 
         ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf = may not) or a
         boolean one (True = may attend), or None for plain causal
-        attention over aligned queries and keys.
+        attention over aligned queries and keys. ``rows`` keeps only those query rows (before
+        ``o_proj``).
         """
         out = F.scaled_dot_product_attention(
             queries.unsqueeze(0),
@@ -173,6 +175,8 @@ class Decoder:
         )
         # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
         out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+        if rows is not None:
+            out = out.index_select(0, rows)
         return self.layers[layer].self_attn.o_proj(out)
 
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
