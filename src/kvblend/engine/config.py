@@ -53,8 +53,11 @@ class BlendConfig:
                 f"unknown deviation metric {self.deviation!r}; choose one of {', '.join(METRICS)}"
             )
         _check_ratio("recompute_ratio", self.recompute_ratio)
-        if not isinstance(self.check_layer, int) or self.check_layer < 0:
-            raise ValueError(f"check_layer must be a non-negative int, got {self.check_layer!r}")
+        if not isinstance(self.check_layer, int) or self.check_layer < 1:
+            raise ValueError(
+                f"check_layer must be an int >= 1, got {self.check_layer!r} (at layer 0 a token's "
+                "K/V depend on the token alone, so there is no deviation to measure)"
+            )
         if not isinstance(self.epic_tokens, int) or self.epic_tokens < 0:
             raise ValueError(f"epic_tokens must be a non-negative int, got {self.epic_tokens!r}")
         if self.ratio_schedule is not None:
@@ -66,8 +69,8 @@ class BlendConfig:
                 if len(step) != 2:
                     raise ValueError(f"ratio_schedule steps are (layer, ratio) pairs, got {step!r}")
                 layer, ratio = step
-                if not isinstance(layer, int) or layer <= previous_layer:
-                    raise ValueError("ratio_schedule layers must be increasing non-negative ints")
+                if not isinstance(layer, int) or layer < 1 or layer <= previous_layer:
+                    raise ValueError("ratio_schedule layers must be increasing ints >= 1")
                 _check_ratio("ratio_schedule ratio", ratio)
                 if ratio > previous_ratio:
                     raise ValueError("ratio_schedule ratios must not increase from step to step")
@@ -88,7 +91,7 @@ class BlendConfig:
             if layer >= num_layers:
                 raise ValueError(
                     f"check layer {layer} is outside the model, which has {num_layers} layers "
-                    f"(valid: 0..{num_layers - 1})"
+                    f"(valid: 1..{num_layers - 1})"
                 )
 
 

@@ -1,8 +1,8 @@
 """`BlendEngine`: precompute segment KV once, blend it into any prompt, decode from the fused cache.
 
 The engine is pure torch + transformers. It reads and writes segment KV through a store object
-(anything with ``get(key, device=None)`` returning a mapping of tensors or None, and
-``put(key, tensors, metadata)``); it never touches disk itself.
+(anything with ``get(key, device=None)`` returning a mapping of tensors or None,
+``put(key, tensors, metadata)`` and ``contains(key)``); it never touches disk itself.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class ChatBlend(BlendSettings, BaseChatModel):
             from kvblend.langchain import ChatBlend
 
             chat = ChatBlend(max_tokens=64)
-            chat.invoke([("system", "Be brief."), ("human", "Context: ...\\nQuestion: ...")])
+            chat.invoke([("system", "Be brief."), ("human", "Context: ...\nQuestion: ...")])
     """
 
     @property

@@ -26,7 +26,7 @@ class BlendLLM(BlendSettings, BaseLLM):
             from kvblend.langchain import BlendLLM
 
             llm = BlendLLM(max_tokens=64)
-            llm.invoke("Context: ...\\n\\nQuestion: ...")
+            llm.invoke("Context: ...\n\nQuestion: ...")
     """
 
     chat_template: bool = False
