@@ -99,12 +99,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
         f"\nstrategy: {config.strategy}, recompute ratio {config.recompute_ratio}, "
         f"deviation {config.deviation}; {len(documents)} documents, shuffled per question\n"
     )
-    header = (
-        f"{'question':<44} {'answer (full prefill)':<24} {'answer (blended)':<24} "
-        f"{'TTFT full':>9} {'blended':>8} {'speedup':>7}"
-    )
-    print(header)
-    print("-" * len(header))
     speedups, correct_full, correct_blended = [], 0, 0
     for item in questions:
         order = documents[:]
@@ -113,13 +107,17 @@ def cmd_demo(args: argparse.Namespace) -> None:
         full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
         blended = engine.generate(segments, config, max_new_tokens=args.max_new_tokens)
         full_answer, answer = " ".join(full.text.split()), " ".join(blended.text.split())
-        correct_full += item["answer"].lower() in full_answer.lower()
-        correct_blended += item["answer"].lower() in answer.lower()
+        full_ok = item["answer"].lower() in full_answer.lower()
+        blended_ok = item["answer"].lower() in answer.lower()
+        correct_full += full_ok
+        correct_blended += blended_ok
         speedups.append(full.ttft_s / blended.ttft_s)
+        print(f"Q: {item['question']}  (expected: {item['answer']})")
+        print(f"  full prefill  TTFT {full.ttft_s:5.2f} s  {'+' if full_ok else '-'} {full_answer}")
         print(
-            f"{item['question'][:44]:<44} {full_answer[:24]:<24} {answer[:24]:<24} "
-            f"{full.ttft_s:>8.2f}s {blended.ttft_s:>7.2f}s {speedups[-1]:>6.1f}x"
+            f"  blended       TTFT {blended.ttft_s:5.2f} s  {'+' if blended_ok else '-'} {answer}"
         )
+        print(f"  speedup {speedups[-1]:.1f}x\n")
     stats = blended.stats
     print(
         f"\nExpected answer found: full prefill {correct_full}/{len(questions)}, blended "
