@@ -63,6 +63,15 @@ def shared_engine(model: str | None = None) -> BlendEngine:
         return engine
 
 
+def lazy_engine(owner: Any) -> BlendEngine:
+    """Return an adapter's ``engine``, or the shared engine of its ``model`` kept in ``_engine``."""
+    if owner.engine is not None:
+        return owner.engine
+    if owner._engine is None:
+        owner._engine = shared_engine(owner.model)
+    return owner._engine
+
+
 def model_name(engine: BlendEngine | None, model: str | None) -> str:
     """Name of the model an adapter uses, without loading it when no engine exists yet."""
     if engine is not None:

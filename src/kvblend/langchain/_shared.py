@@ -18,6 +18,7 @@ from ..engine import BlendConfig, BlendEngine, Segment
 from ..integrations import (
     BlendRun,
     iterate_in_thread,
+    lazy_engine,
     model_name,
     prompt_segments,
     run_prompt,
@@ -83,11 +84,7 @@ class BlendSettings(BaseModel):
     _engine: BlendEngine | None = PrivateAttr(default=None)
 
     def _get_engine(self) -> BlendEngine:
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model)
-        return self._engine
+        return lazy_engine(self)
 
     @property
     def model_name(self) -> str:

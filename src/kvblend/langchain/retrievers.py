@@ -18,7 +18,7 @@ from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from ..engine import BlendEngine
-from ..integrations import SEGMENT_ID_KEY, precompute_texts, shared_engine
+from ..integrations import SEGMENT_ID_KEY, lazy_engine, precompute_texts
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -79,11 +79,7 @@ class BlendRetriever(BaseRetriever):
     _pending: list[concurrent.futures.Future[Any]] = PrivateAttr(default_factory=list)
 
     def _get_engine(self) -> BlendEngine:
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model)
-        return self._engine
+        return lazy_engine(self)
 
     def wait_precomputed(self, timeout: float | None = None) -> None:
         """Block until the background precomputation started by this retriever has finished."""

@@ -30,10 +30,10 @@ from ..engine import BlendConfig, BlendEngine
 from ..integrations import (
     BlendRun,
     iterate_in_thread,
+    lazy_engine,
     model_name,
     prompt_segments,
     run_prompt,
-    shared_engine,
     stream_prompt,
 )
 
@@ -122,11 +122,7 @@ class BlendLLM(CustomLLM):
 
     def get_engine(self) -> BlendEngine:
         """Return the engine, loading the shared one for ``model`` on first use."""
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model)
-        return self._engine
+        return lazy_engine(self)
 
     @property
     def model_name(self) -> str:

@@ -9,7 +9,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from ..engine import BlendEngine
-from ..integrations import SEGMENT_ID_KEY, precompute_texts, shared_engine
+from ..integrations import SEGMENT_ID_KEY, lazy_engine, precompute_texts
 
 
 class BlendNodePostprocessor(BaseNodePostprocessor):
@@ -61,11 +61,7 @@ class BlendNodePostprocessor(BaseNodePostprocessor):
 
     def get_engine(self) -> BlendEngine:
         """Return the engine, loading the shared one for ``model`` on first use."""
-        if self.engine is not None:
-            return self.engine
-        if self._engine is None:
-            self._engine = shared_engine(self.model)
-        return self._engine
+        return lazy_engine(self)
 
     def _postprocess_nodes(
         self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
