@@ -203,6 +203,40 @@ def test_stop_string_cuts_output(tiny_engine: BlendEngine) -> None:
     assert streamed == cut.text
 
 
+def test_first_token_is_picked_from_the_prefill_logits(tiny_engine: BlendEngine) -> None:
+    config = BlendConfig("cacheblend")
+    pre = tiny_engine.prefill(segments(), config)
+    one = tiny_engine.generate(pre, max_new_tokens=1)
+    assert one.token_ids == [int(pre.logits.argmax())]
+    assert one.finish_reason in ("stop", "length")
+    longer = tiny_engine.generate(pre, max_new_tokens=6)
+    assert longer.token_ids[0] == one.token_ids[0]
+    streamed = "".join(tiny_engine.stream(pre, max_new_tokens=1))
+    assert streamed == tiny_engine.tokenizer.decode(one.token_ids, skip_special_tokens=True)
+
+
+def test_sampling_with_a_tiny_top_p_is_greedy(tiny_engine: BlendEngine) -> None:
+    pre = tiny_engine.prefill(segments(), BlendConfig("cacheblend"))
+    greedy = tiny_engine.generate(pre, max_new_tokens=8)
+    sampled = tiny_engine.generate(pre, max_new_tokens=8, temperature=1.0, top_p=1e-9, seed=0)
+    assert sampled.token_ids == greedy.token_ids
+    first = tiny_engine.generate(pre, max_new_tokens=8, temperature=1.5, seed=3)
+    again = tiny_engine.generate(pre, max_new_tokens=8, temperature=1.5, seed=3)
+    assert first.token_ids == again.token_ids
+
+
+def test_end_of_sequence_as_first_token_ends_the_answer(tiny_engine: BlendEngine) -> None:
+    pre = tiny_engine.prefill(segments(), BlendConfig("cacheblend"))
+    eos = tiny_engine.model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    logits = torch.full_like(pre.logits, -10.0)
+    logits[eos] = 10.0
+    pre.logits = logits
+    out = tiny_engine.generate(pre, max_new_tokens=8)
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    assert list(tiny_engine.stream(pre, max_new_tokens=8)) == []
+
+
 def test_no_bos_tokenizer_and_single_segment() -> None:
     engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(bos=False), store=MemoryKVStore())
     pre = engine.prefill(["just a question"], BlendConfig())

@@ -412,7 +412,7 @@ class BlendEngine:
         started = time.perf_counter()
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         return decode(
-            self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values, pre.stats,
+            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
             started=started, max_new_tokens=max_new_tokens, temperature=temperature,
             top_p=top_p, stop=stop, seed=seed,
         )  # fmt: skip
@@ -431,7 +431,7 @@ class BlendEngine:
         """Like `generate`, yielding text pieces as they are decoded."""
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         yield from decode_stream(
-            self.model, self.tokenizer, pre.token_ids, pre.keys, pre.values,
+            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             stop=stop, seed=seed,
         )  # fmt: skip

@@ -1,13 +1,16 @@
 """Decoding from a fused KV cache through transformers' own `generate`.
 
-The blended prefill leaves rotated K and V for every prompt token. We hand transformers a
-`DynamicCache` holding all but the last prompt token; `generate` then runs only that last token
-(which the blend always computes in full, so its logits equal the blended ones) and decodes as
-usual: sampling, stop strings and streaming are transformers'.
+The blended prefill leaves rotated K and V for every prompt token and the next-token logits
+after the prompt. The first new token is picked from those logits (argmax, or transformers'
+temperature and top-p warpers when sampling), so the time to the first token is the prefill
+and nothing more. Transformers' `generate` then continues from a `DynamicCache` of the whole
+prompt with the first token as its only new input: sampling, stop strings and streaming of
+every later token are transformers'.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -18,9 +21,9 @@ import torch
 from transformers import (
     DynamicCache,
     GenerationConfig,
-    LogitsProcessor,
-    LogitsProcessorList,
+    TemperatureLogitsWarper,
     TextIteratorStreamer,
+    TopPLogitsWarper,
 )
 
 
@@ -41,38 +44,33 @@ class GenerationResult:
         return len(self.token_ids)
 
 
-class _FirstTokenClock(LogitsProcessor):
-    """Records when the first decoding step's logits are ready."""
-
-    def __init__(self) -> None:
-        self.first: float | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        if self.first is None:
-            self.first = time.perf_counter()
-        return scores
-
-
 def _cache(
     model: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
 ) -> DynamicCache:
-    """Build a transformers cache of every prompt token but the last."""
-    data = [(k[None, :, :-1], v[None, :, :-1]) for k, v in zip(keys, values, strict=True)]
+    """Build a transformers cache of every prompt token."""
+    data = [(k[None], v[None]) for k, v in zip(keys, values, strict=True)]
     return DynamicCache(ddp_cache_data=data, config=model.config)
 
 
-def _generation_kwargs(
+@dataclass
+class _Plan:
+    """The decoding settings shared by `decode` and `decode_stream`."""
+
+    config: GenerationConfig
+    eos_ids: frozenset[int]
+    stop: tuple[str, ...]
+
+
+def _plan(
     model: Any,
     tokenizer: Any,
-    token_ids: Sequence[int],
-    keys: Sequence[torch.Tensor],
-    values: Sequence[torch.Tensor],
+    prompt_tokens: int,
     max_new_tokens: int,
     temperature: float,
     top_p: float,
     stop: Sequence[str] | None,
     seed: int | None,
-) -> dict[str, Any]:
+) -> _Plan:
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     if temperature < 0:
@@ -80,8 +78,8 @@ def _generation_kwargs(
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     limit = getattr(model.config, "max_position_embeddings", None)
-    if limit and len(token_ids) + max_new_tokens > limit:
-        max_new_tokens = max(1, limit - len(token_ids))
+    if limit and prompt_tokens + max_new_tokens > limit:
+        max_new_tokens = max(1, limit - prompt_tokens)
     if seed is not None:
         torch.manual_seed(seed)
     eos = model.generation_config.eos_token_id
@@ -98,14 +96,45 @@ def _generation_kwargs(
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
         stop_strings=list(stop) if stop else None,
     )
-    device = keys[0].device
-    input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)
+    eos_ids = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    return _Plan(config, eos_ids, tuple(stop or ()))
+
+
+def _first_token(logits: torch.Tensor, config: GenerationConfig) -> int:
+    """Pick the first new token from the prefill's logits as `generate` would."""
+    if not config.do_sample:
+        return int(logits.argmax())
+    scores = logits.float()[None]
+    scores = TemperatureLogitsWarper(config.temperature)(None, scores)
+    if config.top_p is not None and config.top_p < 1.0:
+        scores = TopPLogitsWarper(config.top_p)(None, scores)
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1))
+
+
+def _continue_kwargs(
+    model: Any,
+    tokenizer: Any,
+    token_ids: Sequence[int],
+    first: int,
+    keys: Sequence[torch.Tensor],
+    values: Sequence[torch.Tensor],
+    plan: _Plan,
+) -> dict[str, Any] | None:
+    """`generate` arguments that decode after ``first``, or None when ``first`` ends it."""
+    config = plan.config
+    if first in plan.eos_ids or config.max_new_tokens <= 1:
+        return None
+    if plan.stop and _cut_at_stop(tokenizer.decode([first]), plan.stop)[1]:
+        return None
+    config = copy.deepcopy(config)
+    config.max_new_tokens -= 1
+    input_ids = torch.tensor([[*token_ids, first]], dtype=torch.long, device=keys[0].device)
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
         "past_key_values": _cache(model, keys, values),
         "generation_config": config,
-        "tokenizer": tokenizer if stop else None,
+        "tokenizer": tokenizer if plan.stop else None,
     }
 
 
@@ -119,6 +148,7 @@ def decode(
     model: Any,
     tokenizer: Any,
     token_ids: Sequence[int],
+    logits: torch.Tensor,
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     stats: Any,
@@ -131,32 +161,43 @@ def decode(
     seed: int | None = None,
 ) -> GenerationResult:
     """Decode after a blended prefill that began at ``started`` (a perf_counter time)."""
-    kwargs = _generation_kwargs(
-        model, tokenizer, token_ids, keys, values, max_new_tokens, temperature, top_p, stop, seed
-    )
-    clock = _FirstTokenClock()
-    with torch.inference_mode():
-        output = model.generate(**kwargs, logits_processor=LogitsProcessorList([clock]))
-    new_ids = output[0, len(token_ids) :].tolist()
+    plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
+    first = _first_token(logits, plan.config)
+    first_at = time.perf_counter()
+    new_ids = [first]
+    kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan)
+    if kwargs is not None:
+        with torch.inference_mode():
+            output = model.generate(**kwargs)
+        new_ids = output[0, len(token_ids) :].tolist()
     text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), stop)
-    eos = kwargs["generation_config"].eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    finished = stopped or bool(new_ids and new_ids[-1] in eos_ids)
+    finished = stopped or new_ids[-1] in plan.eos_ids
     end = time.perf_counter()
     return GenerationResult(
         text=text,
         token_ids=new_ids,
-        ttft_s=(clock.first or end) - started,
+        ttft_s=first_at - started,
         total_s=end - started,
         stats=stats,
         finish_reason="stop" if finished else "length",
     )
 
 
+class _FirstTokenStreamer(TextIteratorStreamer):
+    """A text streamer fed ``prompt + [first]`` first: it keeps only the first new token."""
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.next_tokens_are_prompt:
+            self.next_tokens_are_prompt = False
+            value = value.reshape(-1)[-1:]
+        super().put(value)
+
+
 def decode_stream(
     model: Any,
     tokenizer: Any,
     token_ids: Sequence[int],
+    logits: torch.Tensor,
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     *,
@@ -167,14 +208,18 @@ def decode_stream(
     seed: int | None = None,
 ) -> Iterator[str]:
     """Yield decoded text pieces as transformers produces them, cut at the first stop string."""
-    kwargs = _generation_kwargs(
-        model, tokenizer, token_ids, keys, values, max_new_tokens, temperature, top_p, stop, seed
-    )
-    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
+    first = _first_token(logits, plan.config)
+    kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan)
+    streamer = _FirstTokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
+            if kwargs is None:  # the first token ends the answer: stream it alone
+                streamer.put(torch.tensor([first]))
+                streamer.end()
+                return
             with torch.inference_mode():
                 model.generate(**kwargs, streamer=streamer)
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer
