@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from conftest import byte_tokenizer, tiny_model
-from kvblend import BlendEngine
+from kvblend import BlendConfig, BlendEngine
 from kvblend.bench import main as bench_main
 from kvblend.bench.qa import QUESTION_TYPES, generate_qa, normalize, score
 from kvblend.bench.quality import kl_divergence, run_quality, summarize
@@ -75,9 +75,13 @@ def test_strategy_names_round_trip():
     assert len(names) == 12 and names[0] == "full"
     assert strategy("cacheblend-key-0.3").config.deviation == "key"
     assert strategy("cacheblend-key-0.3").config.recompute_ratio == 0.3
+    assert strategy("cacheblend-value-0.15-L2").config.check_layer == 2
+    assert strategy("default").config == BlendConfig()
     assert [s.name for s in parse_strategies("reuse,full")] == ["full", "reuse"]
     with pytest.raises(ValueError, match="unknown strategy"):
         strategy("cacheblend-value-2")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategy("cacheblend-value-0.1-L0")
 
 
 def test_prefix_strategy_uncaches_documents(engine):

@@ -288,3 +288,42 @@ def test_attention_of_active_rows_matches_dense_causal(
         expected = decoder.attend(layer, q, k, v, mask)[positions]
         got = attention(layer, q[:, positions], k, v)
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), report(got, expected)
+
+
+def test_default_doc_context_is_the_rag_prompt_head(tiny_engine: BlendEngine) -> None:
+    """Documents are precomputed behind `rag_prefix`: placed first, they are reused exactly."""
+    engine = tiny_engine
+    assert engine.doc_prefix == engine.rag_prefix()
+    assert engine.system_prompt and engine.system_prompt in engine.doc_prefix
+    segments = engine.rag_segments("where does Marta live?", [DOCS[0], DOCS[1]])
+    assert segments[0].text == engine.rag_prefix()
+    engine.precompute(DOCS[:2])
+    full = engine.prefill(segments, BlendConfig("full"))
+    # Only the first document: its KV is the in-context KV, so reusing it changes nothing.
+    first_only = [segments[0], segments[1], Segment(segments[-1].text, cache=False)]
+    exact = engine.prefill(first_only, BlendConfig("reuse"))
+    expected = engine.prefill(first_only, BlendConfig("full"))
+    assert exact.stats.moved_tokens > 0 and exact.stats.recomputed_tokens == 0
+    assert torch.allclose(exact.logits, expected.logits, atol=1e-4, rtol=0), report(
+        exact.logits, expected.logits
+    )
+    # The second document follows the first instead of the head: it is moved, not exact.
+    moved = engine.prefill(segments, BlendConfig("reuse"))
+    assert not torch.allclose(moved.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def test_doc_context_is_part_of_the_segment_id() -> None:
+    model, tokenizer = tiny_model("llama"), byte_tokenizer()
+    ids = {
+        BlendEngine(model, tokenizer, store=MemoryKVStore(), **kwargs).segment_id(DOCS[0])
+        for kwargs in (
+            {},
+            {"system_prompt": "Other system prompt."},
+            {"doc_prefix": None},
+            {"doc_prefix": "Context:\n"},
+        )
+    }
+    assert len(ids) == 4
+    bos_only = BlendEngine(model, tokenizer, store=MemoryKVStore(), doc_prefix=None)
+    assert bos_only.doc_prefix is None
+    assert bos_only.rag_segments("q?", ["d"], system="")[0].text == bos_only.rag_prefix(system="")

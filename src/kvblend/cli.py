@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
+from .engine.engine import DEFAULT_SYSTEM_PROMPT
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 
@@ -41,12 +42,16 @@ def _config(args: argparse.Namespace) -> BlendConfig:
     return BlendConfig(strategy=args.strategy, recompute_ratio=args.ratio, deviation=args.deviation)
 
 
-def _engine(args: argparse.Namespace) -> BlendEngine:
+def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
     _quiet_transformers()
     store = _store(args)
     print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
     started = time.perf_counter()
-    engine = BlendEngine.from_pretrained(args.model, store=store, device=args.device)
+    system = system if args.system is None else args.system
+    engine = BlendEngine.from_pretrained(
+        args.model, store=store, device=args.device,
+        **({} if system is None else {"system_prompt": system}),
+    )  # fmt: skip
     print(
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
         f"(parity self-check error {engine.parity_error:.1e})",
@@ -91,7 +96,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     corpus = load_sample_corpus()
     documents = [d["text"] for d in corpus["documents"]]
     questions = corpus["questions"][: args.questions]
-    engine = _engine(args)
+    engine = _engine(args, corpus.get("system"))
     engine.precompute(documents, progress=True)
     config = _config(args)
     rng = random.Random(args.seed)
@@ -103,7 +108,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     for item in questions:
         order = documents[:]
         rng.shuffle(order)
-        segments = engine.rag_segments(item["question"], order, system=corpus.get("system"))
+        segments = engine.rag_segments(item["question"], order)
         full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
         blended = engine.generate(segments, config, max_new_tokens=args.max_new_tokens)
         full_answer, answer = " ".join(full.text.split()), " ".join(blended.text.split())
@@ -143,7 +148,7 @@ def cmd_ask(args: argparse.Namespace) -> None:
     documents = _read_documents(args.docs)
     engine = _engine(args)
     engine.precompute(documents)
-    segments = engine.rag_segments(args.question, documents, system=args.system)
+    segments = engine.rag_segments(args.question, documents)
     if args.compare:
         full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
         print(f"full prefill  ({full.ttft_s:.2f} s to first token): {full.text.strip()}")
@@ -214,6 +219,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recompute ratio for cacheblend (default %(default)s)")  # fmt: skip
         p.add_argument("--deviation", default=BlendConfig.deviation, choices=["value", "key"])
         p.add_argument("--max-new-tokens", type=int, default=24)
+        p.add_argument("--system", default=None,
+                       help="system prompt of the RAG prompt; documents are precomputed behind "
+                            "it, so use the same one for precompute and ask (default: "
+                            f"{DEFAULT_SYSTEM_PROMPT!r})")  # fmt: skip
 
     demo = sub.add_parser(
         "demo", help="answer the bundled sample corpus's questions, full vs blended"
@@ -232,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(ask)
     ask.add_argument("question")
     ask.add_argument("--docs", nargs="+", required=True, help="text files or folders")
-    ask.add_argument("--system", default="Answer the question using only the documents.")
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
 

@@ -17,7 +17,12 @@ import torch
 RESULTS_DIR = Path("benchmarks") / "results"
 
 
-def _engine(args: argparse.Namespace) -> Any:
+def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
+    """Load the benchmarked engine, configured as the docs tell users to.
+
+    Its system prompt is the one the benchmark's prompts use, so documents are precomputed
+    behind that prompt head (``--engine-system`` overrides it; ``--doc-prefix bos`` drops it).
+    """
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
@@ -28,9 +33,19 @@ def _engine(args: argparse.Namespace) -> Any:
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    doc_prefix = getattr(args, "doc_prefix", "auto")
+    engine_system = getattr(args, "engine_system", None)
     return BlendEngine.from_pretrained(
-        args.model, store=MemoryKVStore(8 << 30), device=args.device, dtype=args.dtype
-    )
+        args.model, store=MemoryKVStore(8 << 30), device=args.device, dtype=args.dtype,
+        system_prompt=system_prompt if engine_system is None else engine_system,
+        doc_prefix=None if doc_prefix == "bos" else "auto",
+    )  # fmt: skip
+
+
+def _default_config() -> Any:
+    from ..engine import BlendConfig
+
+    return BlendConfig()
 
 
 def _machine(engine: Any) -> dict[str, Any]:
@@ -59,10 +74,10 @@ def _write(result: dict[str, Any], path: Path, table: str) -> None:
 def cmd_ttft(args: argparse.Namespace) -> None:
     """Time every strategy at every prompt length."""
     from .strategies import parse_strategies
-    from .ttft import run_ttft, ttft_table
+    from .ttft import SYSTEM, run_ttft, ttft_table
 
     strategies = parse_strategies(args.strategies)
-    engine = _engine(args)
+    engine = _engine(args, SYSTEM)
     lengths = [int(x) for x in args.lengths.split(",")]
     result = run_ttft(
         engine, lengths=lengths, strategies=strategies, repeats=args.repeats,
@@ -77,9 +92,9 @@ def cmd_ttft(args: argparse.Namespace) -> None:
 def cmd_figures(args: argparse.Namespace) -> None:
     """Print the issue figures: 8 x 512-token documents, cacheblend 0.15 vs full, disk vs memory."""
     from .strategies import parse_strategies
-    from .ttft import run_ttft, ttft_table
+    from .ttft import SYSTEM, run_ttft, ttft_table
 
-    engine = _engine(args)
+    engine = _engine(args, SYSTEM)
     result = run_ttft(
         engine, lengths=[args.docs * 512], strategies=parse_strategies("cacheblend-value-0.15"),
         repeats=args.repeats, doc_tokens=512, decode_tokens=0,
@@ -112,14 +127,19 @@ def cmd_figures(args: argparse.Namespace) -> None:
 
 def cmd_quality(args: argparse.Namespace) -> None:
     """Accuracy and fidelity of every strategy on the generated QA task."""
-    from .qa import generate_qa
+    from .qa import SYSTEM_PROMPT, generate_qa
     from .quality import quality_table, run_quality, type_table
     from .strategies import parse_strategies
 
     items = generate_qa(args.questions, seed=args.seed)
     strategies = parse_strategies(args.strategies)
-    engine = _engine(args)
-    meta = {"machine": _machine(engine), "seed": args.seed}
+    engine = _engine(args, SYSTEM_PROMPT)
+    meta = {
+        "machine": _machine(engine),
+        "seed": args.seed,
+        "doc_prefix": engine.doc_prefix,
+        "default_config": repr(_default_config()),
+    }
     result = run_quality(
         engine, items, strategies, max_new_tokens=args.max_new_tokens,
         output=Path(args.output), meta=meta,
@@ -176,9 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     quality = sub.add_parser("quality", help="accuracy and KL of every strategy on the QA task")
     model_options(quality)
     quality.add_argument("--questions", type=int, default=200)
-    quality.add_argument("--strategies", default="reuse,epic,cacheblend-value-0.05,"
+    quality.add_argument("--strategies", default="default,reuse,epic,cacheblend-value-0.05,"
                          "cacheblend-value-0.1,cacheblend-value-0.15,cacheblend-value-0.3,"
                          "cacheblend-key-0.15,cacheblend-key-0.3")  # fmt: skip
+    quality.add_argument("--doc-prefix", choices=["auto", "bos"], default="auto",
+                         help="what documents are precomputed behind: the prompt head (auto, "
+                              "the engine default) or the BOS token alone")  # fmt: skip
+    quality.add_argument("--engine-system", default=None,
+                         help="the engine's system prompt, when it should differ from the one "
+                              "in the prompts (measures an unconfigured engine)")  # fmt: skip
     quality.add_argument("--max-new-tokens", type=int, default=12)
     quality.add_argument("--output", default=str(RESULTS_DIR / "quality.json"))
     quality.set_defaults(func=cmd_quality)

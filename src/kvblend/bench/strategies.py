@@ -1,8 +1,9 @@
 """Named prefill strategies compared by the benchmarks, each a `BlendConfig` plus a segment rule.
 
-Names: ``full``, ``reuse``, ``epic``, ``prefix`` (exact-prefix reuse: only the cached system
-prompt is reused and every document is computed, as plain prefix caching would) and
-``cacheblend-<metric>-<ratio>`` such as ``cacheblend-value-0.15``.
+Names: ``full``, ``default`` (``BlendConfig()``), ``reuse``, ``epic``, ``prefix`` (exact-prefix
+reuse: only the cached system prompt is reused and every document is computed, as plain prefix
+caching would) and ``cacheblend-<metric>-<ratio>[-L<check layer>]`` such as
+``cacheblend-value-0.15`` (check layer 1) or ``cacheblend-value-0.15-L2``.
 """
 
 from __future__ import annotations
@@ -39,15 +40,18 @@ class Strategy:
         ]
 
 
-def cacheblend_name(metric: str, ratio: float) -> str:
-    """``cacheblend-<metric>-<ratio>``, the ratio written as in ``0.15``."""
-    return f"cacheblend-{metric}-{ratio:g}"
+def cacheblend_name(metric: str, ratio: float, check_layer: int = 1) -> str:
+    """``cacheblend-<metric>-<ratio>[-L<layer>]``, the ratio written as in ``0.15``."""
+    name = f"cacheblend-{metric}-{ratio:g}"
+    return name if check_layer == 1 else f"{name}-L{check_layer}"
 
 
 def strategy(name: str) -> Strategy:
     """Return the `Strategy` called ``name``; ``ValueError`` lists the valid names otherwise."""
     if name == "full":
         return Strategy(name, BlendConfig("full"))
+    if name == "default":
+        return Strategy(name, BlendConfig())
     if name == "reuse":
         return Strategy(name, BlendConfig("reuse"))
     if name == "epic":
@@ -56,17 +60,26 @@ def strategy(name: str) -> Strategy:
         return Strategy(name, BlendConfig("reuse"), cache_documents=False)
     if name.startswith("cacheblend-"):
         parts = name.split("-")
-        if len(parts) == 3 and parts[1] in CACHEBLEND_METRICS:
+        layer = 1
+        if len(parts) == 4 and parts[3][:1] == "L" and parts[3][1:].isdigit():
+            layer = int(parts[3][1:])
+            parts = parts[:3]
+        if len(parts) == 3 and parts[1] in CACHEBLEND_METRICS and layer >= 1:
             try:
                 ratio = float(parts[2])
             except ValueError:
                 ratio = -1.0
             if 0.0 <= ratio <= 1.0:
-                config = BlendConfig("cacheblend", recompute_ratio=ratio, deviation=parts[1])  # type: ignore[arg-type]
+                config = BlendConfig(
+                    "cacheblend",
+                    recompute_ratio=ratio,
+                    deviation=parts[1],
+                    check_layer=layer,  # type: ignore[arg-type]
+                )
                 return Strategy(name, config)
     raise ValueError(
-        f"unknown strategy {name!r}; use full, reuse, epic, prefix or "
-        f"cacheblend-<value|key>-<ratio> such as {cacheblend_name('value', 0.15)}"
+        f"unknown strategy {name!r}; use full, default, reuse, epic, prefix or "
+        f"cacheblend-<value|key>-<ratio>[-L<layer>] such as {cacheblend_name('value', 0.15)}"
     )
 
 

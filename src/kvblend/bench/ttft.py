@@ -130,7 +130,7 @@ class ColdDisk:
         self.store = TieredKVStore(MemoryKVStore(), DiskKVStore(directory))
         self.engine = BlendEngine(
             engine.model, engine.tokenizer, store=self.store, name=engine.name,
-            doc_prefix=engine.doc_prefix,
+            doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
         )  # fmt: skip
 
     def make_cold(self) -> None:
@@ -196,7 +196,7 @@ def run_ttft(
         raise ValueError("the first strategy must be 'full', the baseline")
     memory_engine = BlendEngine(
         engine.model, engine.tokenizer, store=MemoryKVStore(8 << 30), name=engine.name,
-        doc_prefix=engine.doc_prefix,
+        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
     )  # fmt: skip
     temp = None
     if disk and store_dir is None:

@@ -34,6 +34,10 @@ _PARITY_TEXT = (
 )
 _KV_FORMAT = "kvblend-segment-kv/1"
 
+#: System prompt of the RAG prompts `BlendEngine.rag_segments` builds when none is given, and so
+#: part of the default document context (see `BlendEngine.rag_prefix`).
+DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents."
+
 
 class BlendUnavailableError(RuntimeError):
     """The model failed kvblend's parity self-check, so blending would produce wrong text."""
@@ -92,7 +96,8 @@ class BlendEngine:
         *,
         store: KVStore | None = None,
         kv_dtype: torch.dtype | None = None,
-        doc_prefix: str | None = None,
+        system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
+        doc_prefix: str | None = "auto",
         name: str | None = None,
         check_parity: bool = True,
     ) -> None:
@@ -103,8 +108,14 @@ class BlendEngine:
             tokenizer: its tokenizer.
             store: where segment KV lives; None builds `kvblend.store.default_store()`.
             kv_dtype: dtype of stored KV (default: the model's dtype).
+            system_prompt: system prompt of the prompts `rag_segments` builds when the call
+                names none ("" or None: no system message); with ``doc_prefix="auto"`` it is
+                also what documents are precomputed behind, so set it to the one your prompts use.
             doc_prefix: text every document is precomputed behind (its KV is discarded), so a
-                document's first tokens are not computed as the start of a sequence.
+                document's first tokens are not computed as the start of a sequence and see the
+                kind of text they follow in a prompt. ``"auto"`` (default): `rag_prefix`, the
+                head of a chat RAG prompt with ``system_prompt`` (a document placed first in
+                such a prompt is then reused exactly); None: behind the BOS token alone.
             name: model name reported to users (default: the model's config name).
             check_parity: run the parity self-check now (recommended).
         """
@@ -120,8 +131,9 @@ class BlendEngine:
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
         self._bos = self._leading_special_ids()
-        self.doc_prefix = doc_prefix
-        self._doc_context = self._bos + (self.tokenize(doc_prefix) if doc_prefix else [])
+        self.system_prompt = system_prompt or None
+        self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
+        self._doc_context = self._bos + (self.tokenize(self.doc_prefix) if self.doc_prefix else [])
         self.parity_error: float | None = None
         self._lock = threading.Lock()
         self._documents: dict[str, str] = {}  # text -> segment id, for finding them in prompts
@@ -173,6 +185,24 @@ class BlendEngine:
             list(messages), tokenize=False, add_generation_prompt=True
         )
 
+    def _chat_head_tail(self, system: str | None) -> tuple[str, str]:
+        """Return the chat template's text before and after the user's message."""
+        system = self.system_prompt if system is None else system
+        sentinel = "\ue000"
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": sentinel}
+        ]
+        head, tail = self.apply_chat_template(messages).split(sentinel)
+        return head, tail
+
+    def rag_prefix(self, system: str | None = None, separator: str = "\n\n") -> str:
+        """Return the head of the prompts `rag_segments` builds, up to the first document.
+
+        That is the chat template's head with the system prompt (``system=None``: the engine's
+        ``system_prompt``), then ``"Documents:"`` and ``separator``.
+        """
+        return self._chat_head_tail(system)[0] + "Documents:" + separator
+
     def rag_segments(
         self,
         question: str,
@@ -185,15 +215,11 @@ class BlendEngine:
 
         The template head (system prompt and the start of the user turn) is a cached prefix;
         each document is a cached segment; separators, the question and the template tail are
-        computed in full.
+        computed in full. ``system=None`` uses the engine's ``system_prompt``; ``""`` none.
         """
         if not question.strip():
             raise ValueError("the question is empty")
-        sentinel = "\ue000"
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": sentinel}
-        ]
-        head, tail = self.apply_chat_template(messages).split(sentinel)
+        head, tail = self._chat_head_tail(system)
         segments = [Segment(head + "Documents:" + separator, role="prefix")]
         for index, document in enumerate(documents):
             if index:
