@@ -25,19 +25,22 @@ def test_precompute_ask_and_store_stats(tmp_path: Path, capsys: pytest.CaptureFi
     (docs / "marta.txt").write_text("Marta Quill is a beekeeper who lives in Lisbon.\n")
     (docs / "tomas.md").write_text("Tomas Elm is a violin maker who lives in Cremona.\n")
     store = str(tmp_path / "store")
-    assert main(["precompute", str(docs), "--store-dir", store]) == 0
+    system = ["--system", "Answer from the documents."]
+    assert main(["precompute", str(docs), "--store-dir", store, *system]) == 0
     assert "precomputed 2 documents" in capsys.readouterr().out
     assert main(["store", "stats", "--store-dir", store]) == 0
     assert "entries: 2" in capsys.readouterr().out
     code = main(
         ["ask", "Where does Marta Quill live?", "--docs", str(docs), "--store-dir", store,
-         "--max-new-tokens", "12"]
+         "--max-new-tokens", "12", *system]
     )  # fmt: skip
     captured = capsys.readouterr()
     assert code == 0 and captured.out.strip()
     assert "reused" in captured.err
     assert main(["store", "clear", "--store-dir", store]) == 0
-    assert "cleared 3 entries" in capsys.readouterr().out  # two documents + the prompt head
+    # two documents + the prompt head: ask found the documents precompute stored (same system
+    # prompt, so the same document context and segment ids)
+    assert "cleared 3 entries" in capsys.readouterr().out
     assert main(["store", "stats", "--store-dir", store]) == 0
     assert "entries: 0" in capsys.readouterr().out
 

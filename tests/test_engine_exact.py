@@ -197,6 +197,12 @@ def test_stop_string_cuts_output(tiny_engine: BlendEngine) -> None:
     cut = tiny_engine.generate(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop])
     assert stop not in cut.text and whole.text.startswith(cut.text)
     assert cut.finish_reason == "stop"
+    # transformers' stop-string criterion scans the vocabulary once per tokenizer and stop tuple
+    from kvblend.engine.generation import _stop_criteria
+
+    assert _stop_criteria(tiny_engine.tokenizer, (stop,)) is _stop_criteria(
+        tiny_engine.tokenizer, (stop,)
+    )
     streamed = "".join(
         tiny_engine.stream(segments(), BlendConfig("full"), max_new_tokens=16, stop=[stop])
     )
