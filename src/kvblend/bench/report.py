@@ -66,10 +66,16 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
             right.plot(
                 [p[0] for p in points], [p[2] for p in points], "o-", label=f"cacheblend {metric}"
             )
-    for name, marker in (("reuse", "s"), ("epic", "^")):
+    for name, marker in (("default", "*"), ("reuse", "s"), ("epic", "^")):
         if name in summary:
             s = summary[name]
-            left.plot([s["recompute_fraction"]], [s["accuracy"]], marker, label=name)
+            left.plot(
+                [s["recompute_fraction"]],
+                [s["accuracy"]],
+                marker,
+                markersize=10 if name == "default" else 6,
+                label=name,
+            )
             right.plot([s["recompute_fraction"]], [s["kl_mean"]], marker, label=name)
     if "full" in summary:
         left.axhline(summary["full"]["accuracy"], color="black", linestyle="--", label="full")

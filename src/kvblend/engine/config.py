@@ -37,7 +37,7 @@ class BlendConfig:
     """
 
     strategy: Strategy = "cacheblend"
-    recompute_ratio: float = 0.15
+    recompute_ratio: float = 0.2
     check_layer: int = 1
     deviation: DeviationMetric = "value"
     ratio_schedule: tuple[tuple[int, float], ...] | None = field(default=None)
