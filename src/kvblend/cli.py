@@ -47,10 +47,11 @@ def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
     store = _store(args)
     print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
     started = time.perf_counter()
-    system = system if args.system is None else args.system
+    if args.system is not None:
+        system = args.system
     engine = BlendEngine.from_pretrained(
         args.model, store=store, device=args.device,
-        **({} if system is None else {"system_prompt": system}),
+        system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system,
     )  # fmt: skip
     print(
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "

@@ -42,12 +42,6 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
     )  # fmt: skip
 
 
-def _default_config() -> Any:
-    from ..engine import BlendConfig
-
-    return BlendConfig()
-
-
 def _machine(engine: Any) -> dict[str, Any]:
     device = engine.decoder.device
     return {
@@ -127,6 +121,7 @@ def cmd_figures(args: argparse.Namespace) -> None:
 
 def cmd_quality(args: argparse.Namespace) -> None:
     """Accuracy and fidelity of every strategy on the generated QA task."""
+    from ..engine import BlendConfig
     from .qa import SYSTEM_PROMPT, generate_qa
     from .quality import quality_table, run_quality, type_table
     from .strategies import parse_strategies
@@ -138,7 +133,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
         "machine": _machine(engine),
         "seed": args.seed,
         "doc_prefix": engine.doc_prefix,
-        "default_config": repr(_default_config()),
+        "default_config": repr(BlendConfig()),
     }
     result = run_quality(
         engine, items, strategies, max_new_tokens=args.max_new_tokens,

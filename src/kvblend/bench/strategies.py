@@ -73,8 +73,8 @@ def strategy(name: str) -> Strategy:
                 config = BlendConfig(
                     "cacheblend",
                     recompute_ratio=ratio,
-                    deviation=parts[1],
-                    check_layer=layer,  # type: ignore[arg-type]
+                    deviation=parts[1],  # type: ignore[arg-type]
+                    check_layer=layer,
                 )
                 return Strategy(name, config)
     raise ValueError(
