@@ -72,7 +72,9 @@ def test_scoring_normalises_and_rejects_the_other_option():
 
 def test_strategy_names_round_trip():
     names = all_strategy_names()
-    assert len(names) == 12 and names[0] == "full"
+    assert len(names) == 16 and names[0] == "full"
+    assert strategy("attention-0.2").config == BlendConfig("attention", recompute_ratio=0.2)
+    assert strategy("attention-0.2").recompute_ratio == 0.2
     assert strategy("cacheblend-key-0.3").config.deviation == "key"
     assert strategy("cacheblend-key-0.3").config.recompute_ratio == 0.3
     assert strategy("cacheblend-value-0.15-L2").config.check_layer == 2
@@ -82,6 +84,8 @@ def test_strategy_names_round_trip():
         strategy("cacheblend-value-2")
     with pytest.raises(ValueError, match="unknown strategy"):
         strategy("cacheblend-value-0.1-L0")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategy("attention-1.5")
 
 
 def test_prefix_strategy_uncaches_documents(engine):
@@ -108,17 +112,18 @@ def test_kl_divergence():
 
 def test_quality_runner_end_to_end(engine, tmp_path):
     items = generate_qa(2, seed=0, docs_per_prompt=(3, 3), styles=("record",))
-    strategies = parse_strategies("reuse,cacheblend-value-0.15")
+    strategies = parse_strategies("reuse,cacheblend-value-0.15,attention-0.2")
     out = tmp_path / "quality.json"
     result = run_quality(
         engine, items, strategies, max_new_tokens=3, output=out, log=lambda m: None
     )
     assert json.loads(out.read_text())["questions"] == 2
     summary = result["summary"]
-    assert list(summary) == ["full", "reuse", "cacheblend-value-0.15"]
+    assert list(summary) == ["full", "reuse", "cacheblend-value-0.15", "attention-0.2"]
     assert summary["full"]["kl_mean"] == 0.0 and summary["full"]["agreement"] == 1.0
     assert summary["reuse"]["recompute_fraction"] == 0.0
     assert 0.1 < summary["cacheblend-value-0.15"]["recompute_fraction"] < 0.2
+    assert 0.15 < summary["attention-0.2"]["recompute_fraction"] < 0.25
     assert summary["reuse"]["kl_mean"] > 0.0  # reused KV without its context differs
     assert summarize(result["rows"]) == summary
 

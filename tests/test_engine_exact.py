@@ -7,7 +7,15 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.engine.blend import COMPUTE, BlendInput, run_blend
+from kvblend.engine import engine as engine_module
+from kvblend.engine.blend import (
+    COMPUTE,
+    MOVED,
+    BlendInput,
+    run_blend,
+    select_by_attention,
+    tail_rows,
+)
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"
@@ -23,6 +31,7 @@ STRATEGIES = [
     BlendConfig("cacheblend", recompute_ratio=0.3, deviation="key", check_layer=2),
     BlendConfig("cacheblend", ratio_schedule=((1, 0.5), (2, 0.2))),
     BlendConfig("epic", epic_tokens=4),
+    BlendConfig("attention", recompute_ratio=0.3),
     BlendConfig("reuse"),
 ]
 
@@ -62,6 +71,27 @@ def test_token_ids_are_piecewise_concatenation(tiny_engine: BlendEngine) -> None
     assert pre.token_ids == expected
 
 
+def plant_in_context_kv(engine: BlendEngine, token_ids: list[int], order) -> None:
+    """Store each document's KV as computed in the full prompt, under its segment id."""
+    ids = torch.tensor(token_ids)
+    exact = run_blend(
+        engine.decoder,
+        BlendInput(ids, torch.full((len(ids),), COMPUTE, dtype=torch.int8), []),
+        BlendConfig("full"),
+        keep_raw_keys=True,
+    )
+    # Plant the in-context KV under each document's store key.
+    cursor = len(engine.tokenize(SYSTEM)) + 1  # after BOS and the system prompt
+    for index in order:
+        length = len(engine.tokenize(DOCS[index]))
+        tensors = {}
+        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values, strict=True)):
+            tensors[f"k.{layer}"] = keys[:, cursor : cursor + length].clone()
+            tensors[f"v.{layer}"] = values[:, cursor : cursor + length].clone()
+        engine.store.put(engine.segment_id(DOCS[index]), tensors)
+        cursor += length
+
+
 @pytest.mark.parametrize("config", STRATEGIES, ids=lambda c: f"{c.strategy}")
 def test_kv_from_real_context_makes_every_strategy_exact(
     tiny_engine: BlendEngine, config: BlendConfig
@@ -70,22 +100,7 @@ def test_kv_from_real_context_makes_every_strategy_exact(
     order = (1, 2, 0)
     reference = tiny_engine.prefill(segments(order), BlendConfig("full"))
     ids = torch.tensor(reference.token_ids)
-    exact = run_blend(
-        tiny_engine.decoder,
-        BlendInput(ids, torch.full((len(ids),), COMPUTE, dtype=torch.int8), []),
-        BlendConfig("full"),
-        keep_raw_keys=True,
-    )
-    # Plant the in-context KV under each document's store key.
-    cursor = len(tiny_engine.tokenize(SYSTEM)) + 1  # after BOS and the system prompt
-    for index in order:
-        length = len(tiny_engine.tokenize(DOCS[index]))
-        tensors = {}
-        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values, strict=True)):
-            tensors[f"k.{layer}"] = keys[:, cursor : cursor + length].clone()
-            tensors[f"v.{layer}"] = values[:, cursor : cursor + length].clone()
-        tiny_engine.store.put(tiny_engine.segment_id(DOCS[index]), tensors)
-        cursor += length
+    plant_in_context_kv(tiny_engine, reference.token_ids, order)
     pre = tiny_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids
     assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0), report(
@@ -144,6 +159,8 @@ def test_uncached_tokens_are_always_computed(tiny_engine: BlendEngine, config: B
         assert stats.recomputed_tokens == 0
     if config.strategy == "cacheblend":
         assert stats.recomputed_tokens == round(config.schedule()[-1][1] * moved)
+    if config.strategy == "attention":
+        assert stats.recomputed_tokens == round(config.recompute_ratio * moved)
 
 
 def test_cacheblend_ratio_one_equals_full(tiny_engine: BlendEngine) -> None:
@@ -333,3 +350,61 @@ def test_doc_context_is_part_of_the_segment_id() -> None:
     bos_only = BlendEngine(model, tokenizer, store=MemoryKVStore(), doc_prefix=None)
     assert bos_only.doc_prefix is None
     assert bos_only.rag_segments("q?", ["d"], system="")[0].text == bos_only.rag_prefix(system="")
+
+
+def test_attention_probe_equals_transformers_attention_weights(
+    tiny_engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe's scores are transformers' eager attention weights times value norms, summed.
+
+    With every document's KV from its real context, the probe pass (uncached tokens over
+    reused KV) computes exactly what the full forward computes for the question rows, so its
+    scores must equal the attention weights transformers returns for those rows, times the
+    norm of each key's value (from the model's own modules on its hidden states), summed over
+    layers, heads and rows (sliding windows and GQA included).
+    """
+    order = (2, 0, 1)
+    reference = tiny_engine.prefill(segments(order), BlendConfig("full"))
+    plant_in_context_kv(tiny_engine, reference.token_ids, order)
+    seen: list[BlendInput] = []
+
+    def recording_run_blend(decoder, blend_input, config, **kwargs):
+        seen.append(blend_input)
+        return run_blend(decoder, blend_input, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
+    pre = tiny_engine.prefill(segments(order), BlendConfig("attention", recompute_ratio=0.25))
+    assert pre.token_ids == reference.token_ids
+    model = tiny_engine.model
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = model(
+                torch.tensor([reference.token_ids]),
+                output_attentions=True,
+                output_hidden_states=True,
+            )
+            value_norms = []
+            for layer, hidden in zip(model.model.layers, out.hidden_states, strict=False):
+                values = layer.self_attn.v_proj(layer.input_layernorm(hidden[0]))
+                head_dim = layer.self_attn.head_dim
+                value_norms.append(values.view(len(hidden[0]), -1, head_dim).norm(dim=-1).T)
+    finally:
+        model.set_attn_implementation("sdpa")
+    inputs = seen[-1]  # the prompt the prefill ran
+    tail = tail_rows(inputs.kinds)
+    assert int(tail[0]) > int((inputs.kinds == MOVED).nonzero()[-1])
+    kv_heads = value_norms[0].shape[0]
+    expected = sum(
+        (weights[0][:, tail].sum(dim=1).view(kv_heads, -1, weights.shape[-1]).sum(dim=1) * norms)
+        .sum(dim=0)
+        for weights, norms in zip(out.attentions, value_norms, strict=True)
+    )
+    selected, scores = select_by_attention(tiny_engine.decoder, inputs, 0.25)
+    assert torch.allclose(scores, expected.float(), atol=1e-4), (scores - expected).abs().max()
+    moved = (inputs.kinds == MOVED).nonzero().squeeze(1)
+    assert selected.numel() == pre.stats.recomputed_tokens == round(0.25 * moved.numel())
+    # the selected rows are the moved rows the question attends to most
+    threshold = scores[selected].min()
+    others = moved[~torch.isin(moved, selected)]
+    assert bool((scores[others] <= threshold).all())

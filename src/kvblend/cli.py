@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
+from .engine.config import STRATEGIES
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
@@ -101,10 +102,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     engine.precompute(documents, progress=True)
     config = _config(args)
     rng = random.Random(args.seed)
-    print(
-        f"\nstrategy: {config.strategy}, recompute ratio {config.recompute_ratio}, "
-        f"deviation {config.deviation}; {len(documents)} documents, shuffled per question\n"
-    )
+    setting = f"strategy: {config.strategy}"
+    if config.strategy in ("attention", "cacheblend"):
+        setting += f", recompute ratio {config.recompute_ratio}"
+    if config.strategy == "cacheblend":
+        setting += f", deviation {config.deviation}"
+    print(f"\n{setting}; {len(documents)} documents, shuffled per question\n")
     speedups, correct_full, correct_blended = [], 0, 0
     for item in questions:
         order = documents[:]
@@ -214,10 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
         p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
-        p.add_argument("--strategy", default=BlendConfig.strategy,
-                       choices=["cacheblend", "epic", "reuse", "full"])  # fmt: skip
+        p.add_argument("--strategy", default=BlendConfig.strategy, choices=list(STRATEGIES),
+                       help="how reused tokens are chosen for recompute (default %(default)s)")
         p.add_argument("--ratio", type=float, default=BlendConfig.recompute_ratio,
-                       help="recompute ratio for cacheblend (default %(default)s)")  # fmt: skip
+                       help="recompute ratio for attention and cacheblend "
+                            "(default %(default)s)")  # fmt: skip
         p.add_argument("--deviation", default=BlendConfig.deviation, choices=["value", "key"])
         p.add_argument("--max-new-tokens", type=int, default=24)
         p.add_argument("--system", default=None,

@@ -45,7 +45,7 @@ def plot_ttft(result: dict[str, Any], path: Path) -> Path:
 
 
 def plot_quality(result: dict[str, Any], path: Path) -> Path:
-    """Accuracy and mean KL vs recompute fraction; cacheblend lines per metric, other points."""
+    """Accuracy and mean KL vs recompute fraction; a line per selection method, other points."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,19 +53,19 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
 
     summary = result["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for metric in ("value", "key"):
+    for prefix, label in (
+        ("attention-", "attention"),
+        ("cacheblend-value-", "cacheblend value"),
+        ("cacheblend-key-", "cacheblend key"),
+    ):
         points = sorted(
             (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
             for name, s in summary.items()
-            if name.startswith(f"cacheblend-{metric}-")
+            if name.startswith(prefix) and not name.endswith(("-L2", "-L3"))
         )
         if points:
-            left.plot(
-                [p[0] for p in points], [p[1] for p in points], "o-", label=f"cacheblend {metric}"
-            )
-            right.plot(
-                [p[0] for p in points], [p[2] for p in points], "o-", label=f"cacheblend {metric}"
-            )
+            left.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
+            right.plot([p[0] for p in points], [p[2] for p in points], "o-", label=label)
     for name, marker in (("default", "*"), ("reuse", "s"), ("epic", "^")):
         if name in summary:
             s = summary[name]

@@ -2,8 +2,9 @@
 
 Names: ``full``, ``default`` (``BlendConfig()``), ``reuse``, ``epic``, ``prefix`` (exact-prefix
 reuse: only the cached system prompt is reused and every document is computed, as plain prefix
-caching would) and ``cacheblend-<metric>-<ratio>[-L<check layer>]`` such as
-``cacheblend-value-0.15`` (check layer 1) or ``cacheblend-value-0.15-L2``.
+caching would), ``attention-<ratio>`` such as ``attention-0.2``, and
+``cacheblend-<metric>-<ratio>[-L<check layer>]`` such as ``cacheblend-value-0.15`` (check
+layer 1) or ``cacheblend-value-0.15-L2``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..engine import BlendConfig, Segment
 
 CACHEBLEND_RATIOS = (0.05, 0.1, 0.15, 0.3)
 CACHEBLEND_METRICS = ("value", "key")
+ATTENTION_RATIOS = (0.1, 0.15, 0.2, 0.3)
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,10 @@ class Strategy:
 
     @property
     def recompute_ratio(self) -> float | None:
-        """The configured ratio of a ``cacheblend`` strategy, else None."""
-        return self.config.recompute_ratio if self.config.strategy == "cacheblend" else None
+        """The configured ratio of an ``attention`` or ``cacheblend`` strategy, else None."""
+        if self.config.strategy in ("attention", "cacheblend"):
+            return self.config.recompute_ratio
+        return None
 
     def segments(self, segments: Sequence[Segment]) -> list[Segment]:
         """Return the prompt as this strategy sees it: documents uncached for ``prefix``."""
@@ -58,6 +62,10 @@ def strategy(name: str) -> Strategy:
         return Strategy(name, BlendConfig("epic"))
     if name == "prefix":
         return Strategy(name, BlendConfig("reuse"), cache_documents=False)
+    if name.startswith("attention-"):
+        ratio = _ratio(name.removeprefix("attention-"))
+        if ratio is not None:
+            return Strategy(name, BlendConfig("attention", recompute_ratio=ratio))
     if name.startswith("cacheblend-"):
         parts = name.split("-")
         layer = 1
@@ -65,11 +73,8 @@ def strategy(name: str) -> Strategy:
             layer = int(parts[3][1:])
             parts = parts[:3]
         if len(parts) == 3 and parts[1] in CACHEBLEND_METRICS and layer >= 1:
-            try:
-                ratio = float(parts[2])
-            except ValueError:
-                ratio = -1.0
-            if 0.0 <= ratio <= 1.0:
+            ratio = _ratio(parts[2])
+            if ratio is not None:
                 config = BlendConfig(
                     "cacheblend",
                     recompute_ratio=ratio,
@@ -78,14 +83,25 @@ def strategy(name: str) -> Strategy:
                 )
                 return Strategy(name, config)
     raise ValueError(
-        f"unknown strategy {name!r}; use full, default, reuse, epic, prefix or "
-        f"cacheblend-<value|key>-<ratio>[-L<layer>] such as {cacheblend_name('value', 0.15)}"
+        f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
+        "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
+        f"such as {cacheblend_name('value', 0.15)}"
     )
+
+
+def _ratio(text: str) -> float | None:
+    """``text`` as a ratio in [0, 1], else None."""
+    try:
+        ratio = float(text)
+    except ValueError:
+        return None
+    return ratio if 0.0 <= ratio <= 1.0 else None
 
 
 def all_strategy_names() -> list[str]:
     """Every strategy the full benchmark runs."""
     names = ["full", "prefix"]
+    names += [f"attention-{r:g}" for r in ATTENTION_RATIOS]
     names += [cacheblend_name(m, r) for m in CACHEBLEND_METRICS for r in CACHEBLEND_RATIOS]
     return names + ["epic", "reuse"]
 

@@ -72,6 +72,7 @@ class BlendOutput:
     values: list[torch.Tensor]
     raw_keys: list[torch.Tensor] | None  # per layer, un-rotated (when asked for)
     stats: dict[str, float] = field(default_factory=dict)
+    scores: torch.Tensor | None = None  # [tokens] tail attention, from a probe pass
 
 
 def initial_active(
@@ -171,6 +172,70 @@ def _select(deviation: torch.Tensor, moved_rows: torch.Tensor, keep: int) -> tor
     return moved_rows[top].sort().values
 
 
+def tail_rows(kinds: torch.Tensor) -> torch.Tensor:
+    """Positions of the uncached tail: the computed tokens after the last moved one.
+
+    In a RAG prompt that is the question and the template text after it, the part of the prompt
+    the answer is generated from.
+    """
+    moved = (kinds == MOVED).nonzero()
+    start = int(moved[-1]) + 1 if moved.numel() else 0
+    tail = (kinds[start:] == COMPUTE).nonzero().squeeze(1) + start
+    return tail if tail.numel() else torch.tensor([kinds.numel() - 1], device=kinds.device)
+
+
+def tail_attention(
+    decoder: Decoder,
+    layer: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+) -> torch.Tensor:
+    """How much each token contributes to the attention output of ``queries``: ``[tokens]``.
+
+    The attention weight each query pays each key, times the norm of that key's value (the
+    size of what it adds to the output: attention sinks take much weight and add little),
+    summed over heads and queries. ``queries`` are rotated ``[heads, rows, head_dim]`` at
+    ``query_positions``; ``keys`` (rotated) and ``values`` are ``[kv_heads, tokens, head_dim]``
+    (GQA: query head ``h`` reads KV head ``h // groups``, as transformers' ``repeat_kv``).
+    Causal and sliding-window masks apply per query.
+    """
+    kv_heads, total, head_dim = keys.shape
+    groups = queries.shape[0] // kv_heads
+    grouped = queries.reshape(kv_heads, groups * queries.shape[1], head_dim)
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * decoder.scaling
+    mask = _attention_mask(query_positions, total, decoder.windows[layer], torch.float32)
+    weights = (scores.view(kv_heads, groups, -1, total) + mask).softmax(dim=-1)
+    return (weights.sum(dim=(1, 2)) * values.float().norm(dim=-1)).sum(dim=0)
+
+
+@torch.inference_mode()
+def select_by_attention(
+    decoder: Decoder, blend_input: BlendInput, ratio: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Moved positions the question attends to most, and the per-token attention scores.
+
+    A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and
+    sums, over every layer, head and tail query, what each token contributes to the attention
+    output of the prompt's tail (`tail_attention`). The top ``ratio`` of moved tokens by that
+    score are returned, sorted.
+    """
+    kinds = blend_input.kinds.to(decoder.device)
+    moved = (kinds == MOVED).nonzero().squeeze(1)
+    keep = round(ratio * moved.numel())
+    probe = _forward(
+        decoder, blend_input, (kinds == COMPUTE).nonzero().squeeze(1), {},
+        need_logits=False, keep_raw_keys=False, probe_rows=tail_rows(kinds),
+    )  # fmt: skip
+    scores = probe.scores
+    assert scores is not None
+    if keep <= 0:
+        return moved[:0], scores
+    top = torch.topk(scores[moved], min(keep, moved.numel()), sorted=False).indices
+    return moved[top].sort().values, scores
+
+
 @torch.inference_mode()
 def run_blend(
     decoder: Decoder,
@@ -181,6 +246,44 @@ def run_blend(
     keep_raw_keys: bool = False,
 ) -> BlendOutput:
     """Run the blended prefill of one prompt and return logits and the fused KV cache."""
+    kinds = blend_input.kinds.to(decoder.device)
+    checks = dict(config.schedule()) if config.strategy == "cacheblend" else {}
+    probe_s = 0.0
+    if config.strategy == "attention" and bool((kinds == MOVED).any()):
+        started = time.perf_counter()
+        selected, _ = select_by_attention(decoder, blend_input, config.recompute_ratio)
+        active_mask = kinds == COMPUTE
+        active_mask[selected] = True
+        active = active_mask.nonzero().squeeze(1)
+        probe_s = time.perf_counter() - started
+    else:
+        active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
+    out = _forward(
+        decoder, blend_input, active, checks, deviation=config.deviation,
+        need_logits=need_logits, keep_raw_keys=keep_raw_keys,
+    )  # fmt: skip
+    out.stats["probe_s"] = probe_s
+    return out
+
+
+def _forward(
+    decoder: Decoder,
+    blend_input: BlendInput,
+    active: torch.Tensor,
+    checks: dict[int, float],
+    *,
+    deviation: str = "value",
+    need_logits: bool,
+    keep_raw_keys: bool,
+    probe_rows: torch.Tensor | None = None,
+) -> BlendOutput:
+    """The layer loop: compute the ``active`` positions, read every other row from the spans.
+
+    ``checks`` maps check layers to the ratio of moved tokens kept there (``cacheblend``, by
+    ``deviation`` of the value or key projection).
+    ``probe_rows`` (positions, a subset of ``active``): also sum the attention those rows pay
+    every token at every layer into ``BlendOutput.scores``.
+    """
     device, dtype = decoder.device, decoder.dtype
     shape = decoder.shape
     token_ids = blend_input.token_ids.to(device)
@@ -190,11 +293,14 @@ def run_blend(
     cos, sin = decoder.rotary(positions)
     sin = signed_sin(sin)
 
-    active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
     moved_total = int((kinds == MOVED).sum())
-    checks = dict(config.schedule()) if config.strategy == "cacheblend" else {}
     attention = _Attention(decoder, active, total)
     hidden = decoder.embed(token_ids[active])
+    scores = None
+    probe_local = None
+    if probe_rows is not None:
+        scores = torch.zeros(total, device=device, dtype=torch.float32)
+        probe_local = torch.searchsorted(active, probe_rows.to(device))
 
     keys_out: list[torch.Tensor] = []
     values_out: list[torch.Tensor] = []
@@ -219,7 +325,7 @@ def run_blend(
         if i in checks:
             # Only the compared projection runs over every active row; the rows kept after the
             # selection get their queries, keys and values below.
-            use_keys = config.deviation == "key"
+            use_keys = deviation == "key"
             fresh = decoder.project_kv(i, hidden, keys=use_keys)
             cached = (raw_keys if use_keys else values).index_select(1, active)
             rows = _select(
@@ -241,8 +347,12 @@ def run_blend(
             values.index_copy_(1, active, fresh_values)
         keys = apply_rope(raw_keys, cos, sin)
         token_layers += active.numel()
-        if i < last_layer or need_logits:
+        if i < last_layer or need_logits or scores is not None:
             queries = apply_rope(queries, cos[active], sin[active])
+            if scores is not None:
+                assert probe_rows is not None and probe_local is not None
+                rows_q = queries.index_select(1, probe_local)
+                scores += tail_attention(decoder, i, rows_q, keys, values, probe_rows.to(device))
             hidden = hidden + attention(i, queries, keys, values)
             hidden = decoder.feed_forward(i, hidden)
         keys_out.append(keys)
@@ -262,4 +372,4 @@ def run_blend(
         "token_layers_full": total * shape.num_layers,
         "moved_tokens": moved_total,
     }
-    return BlendOutput(logits, keys_out, values_out, raw_out, stats)
+    return BlendOutput(logits, keys_out, values_out, raw_out, stats, scores)

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Strategy = Literal["cacheblend", "epic", "reuse", "full"]
+Strategy = Literal["attention", "cacheblend", "epic", "reuse", "full"]
 DeviationMetric = Literal["value", "key"]
 
-STRATEGIES: tuple[str, ...] = ("cacheblend", "epic", "reuse", "full")
+STRATEGIES: tuple[str, ...] = ("attention", "cacheblend", "epic", "reuse", "full")
 METRICS: tuple[str, ...] = ("value", "key")
 
 
@@ -17,12 +17,16 @@ class BlendConfig:
     """How a blended prefill decides which reused tokens to recompute.
 
     Attributes:
-        strategy: ``"cacheblend"`` recomputes the reused tokens whose KV deviates most at the
+        strategy: ``"attention"`` recomputes the reused tokens that the prompt's uncached tail
+            (the question) attends to most, found by a first pass that computes only the
+            uncached tokens over the reused KV, and recomputes them at every layer;
+            ``"cacheblend"`` recomputes the reused tokens whose KV deviates most at the
             check layer(s); ``"epic"`` recomputes the first ``epic_tokens`` tokens of every moved
             segment; ``"reuse"`` recomputes nothing (the quality floor); ``"full"`` recomputes
             every token over the same token ids (the exact baseline).
-        recompute_ratio: fraction of the moved (reused, not prefix) tokens that ``cacheblend``
-            keeps recomputing after the last check layer, in ``[0, 1]``.
+        recompute_ratio: fraction of the moved (reused, not prefix) tokens that ``attention``
+            recomputes, and that ``cacheblend`` keeps recomputing after the last check layer,
+            in ``[0, 1]``.
         check_layer: index of the layer at which ``cacheblend`` measures the KV deviation. Every
             layer before it is computed in full for all moved tokens. Ignored when
             ``ratio_schedule`` is given.
