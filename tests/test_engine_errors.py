@@ -77,7 +77,7 @@ def test_config_is_frozen() -> None:
 
 def test_check_layer_outside_model(engine: BlendEngine) -> None:
     with pytest.raises(ValueError, match="check layer 7 is outside the model, which has 3 layers"):
-        engine.prefill(["question"], BlendConfig(check_layer=7))
+        engine.prefill(["question"], BlendConfig("cacheblend", check_layer=7))
 
 
 def test_prompt_longer_than_context(engine: BlendEngine) -> None:

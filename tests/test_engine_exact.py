@@ -400,7 +400,7 @@ def test_attention_probe_equals_transformers_attention_weights(
         .sum(dim=0)
         for weights, norms in zip(out.attentions, value_norms, strict=True)
     )
-    selected, scores = select_by_attention(tiny_engine.decoder, inputs, 0.25)
+    selected, scores, _ = select_by_attention(tiny_engine.decoder, inputs, 0.25)
     assert torch.allclose(scores, expected.float(), atol=1e-4), (scores - expected).abs().max()
     moved = (inputs.kinds == MOVED).nonzero().squeeze(1)
     assert selected.numel() == pre.stats.recomputed_tokens == round(0.25 * moved.numel())

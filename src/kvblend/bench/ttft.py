@@ -185,7 +185,7 @@ def run_ttft(
     disk: bool = True,
     disk_strategies: Sequence[str] | None = None,
     decode_tokens: int = 16,
-    decode_config: str = "cacheblend-value-0.15",
+    decode_config: str = "default",
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     store_dir: Path | None = None,

@@ -213,13 +213,14 @@ def tail_attention(
 @torch.inference_mode()
 def select_by_attention(
     decoder: Decoder, blend_input: BlendInput, ratio: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Moved positions the question attends to most, and the per-token attention scores.
+) -> tuple[torch.Tensor, torch.Tensor, BlendOutput]:
+    """Moved positions the question attends to most, the per-token scores and the probe pass.
 
     A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and
     sums, over every layer, head and tail query, what each token contributes to the attention
     output of the prompt's tail (`tail_attention`). The top ``ratio`` of moved tokens by that
-    score are returned, sorted.
+    score are returned, sorted. The probe's KV (reused rows in place, rotated) is a starting
+    point for the prefill that recomputes the selected rows.
     """
     kinds = blend_input.kinds.to(decoder.device)
     moved = (kinds == MOVED).nonzero().squeeze(1)
@@ -231,9 +232,9 @@ def select_by_attention(
     scores = probe.scores
     assert scores is not None
     if keep <= 0:
-        return moved[:0], scores
+        return moved[:0], scores, probe
     top = torch.topk(scores[moved], min(keep, moved.numel()), sorted=False).indices
-    return moved[top].sort().values, scores
+    return moved[top].sort().values, scores, probe
 
 
 @torch.inference_mode()
@@ -249,18 +250,20 @@ def run_blend(
     kinds = blend_input.kinds.to(decoder.device)
     checks = dict(config.schedule()) if config.strategy == "cacheblend" else {}
     probe_s = 0.0
-    if config.strategy == "attention" and bool((kinds == MOVED).any()):
+    start_kv = None
+    if config.strategy == "attention" and bool((kinds == MOVED).any()) and not keep_raw_keys:
         started = time.perf_counter()
-        selected, _ = select_by_attention(decoder, blend_input, config.recompute_ratio)
+        selected, _, probe = select_by_attention(decoder, blend_input, config.recompute_ratio)
         active_mask = kinds == COMPUTE
         active_mask[selected] = True
         active = active_mask.nonzero().squeeze(1)
+        start_kv = (probe.keys, probe.values)
         probe_s = time.perf_counter() - started
     else:
         active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
     out = _forward(
         decoder, blend_input, active, checks, deviation=config.deviation,
-        need_logits=need_logits, keep_raw_keys=keep_raw_keys,
+        need_logits=need_logits, keep_raw_keys=keep_raw_keys, start_kv=start_kv,
     )  # fmt: skip
     out.stats["probe_s"] = probe_s
     return out
@@ -276,8 +279,13 @@ def _forward(
     need_logits: bool,
     keep_raw_keys: bool,
     probe_rows: torch.Tensor | None = None,
+    start_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> BlendOutput:
     """The layer loop: compute the ``active`` positions, read every other row from the spans.
+
+    ``start_kv``: rotated keys and values per layer of an earlier pass over the same prompt
+    whose computed rows are a subset of ``active`` (the ``attention`` probe); they are updated
+    in place instead of loading and rotating every cached row again (no check layers then).
 
     ``checks`` maps check layers to the ratio of moved tokens kept there (``cacheblend``, by
     ``deviation`` of the value or key projection).
@@ -308,9 +316,13 @@ def _forward(
     load_s = 0.0
     token_layers = 0
     last_layer = shape.num_layers - 1
+    if start_kv is not None and (checks or keep_raw_keys):
+        raise ValueError("start_kv cannot be combined with check layers or raw keys")
     for i in range(shape.num_layers):
         dense = active.numel() == total and i not in checks
-        if not dense:
+        if start_kv is not None:
+            keys, values = start_kv[0][i], start_kv[1][i]
+        elif not dense:
             # Cached K/V of this layer, written into full-length buffers.
             loaded = time.perf_counter()
             raw_keys = torch.empty(
@@ -339,13 +351,18 @@ def _forward(
             attention = _Attention(decoder, active, total)
 
         queries, fresh_keys, fresh_values = decoder.project(i, hidden)
-        if dense:
-            # Every row is computed here: the fresh K/V are the layer's whole KV.
-            raw_keys, values = fresh_keys.contiguous(), fresh_values.contiguous()
-        if not dense:
-            raw_keys.index_copy_(1, active, fresh_keys)
+        if start_kv is not None:
+            # Only the computed rows change; the others are rotated already.
+            keys.index_copy_(1, active, apply_rope(fresh_keys, cos[active], sin[active]))
             values.index_copy_(1, active, fresh_values)
-        keys = apply_rope(raw_keys, cos, sin)
+        else:
+            if dense:
+                # Every row is computed here: the fresh K/V are the layer's whole KV.
+                raw_keys, values = fresh_keys.contiguous(), fresh_values.contiguous()
+            else:
+                raw_keys.index_copy_(1, active, fresh_keys)
+                values.index_copy_(1, active, fresh_values)
+            keys = apply_rope(raw_keys, cos, sin)
         token_layers += active.numel()
         if i < last_layer or need_logits or scores is not None:
             queries = apply_rope(queries, cos[active], sin[active])
@@ -353,8 +370,16 @@ def _forward(
                 assert probe_rows is not None and probe_local is not None
                 rows_q = queries.index_select(1, probe_local)
                 scores += tail_attention(decoder, i, rows_q, keys, values, probe_rows.to(device))
-            hidden = hidden + attention(i, queries, keys, values)
-            hidden = decoder.feed_forward(i, hidden)
+            if i < last_layer:
+                hidden = hidden + attention(i, queries, keys, values)
+                hidden = decoder.feed_forward(i, hidden)
+            elif need_logits:
+                # Only the last row's output is used (the logits); the other rows' K/V of
+                # this layer are already written.
+                last = positions[-1:]
+                mask = _attention_mask(last, total, decoder.windows[i], dtype)
+                out = decoder.attend(i, queries[:, -1:], keys, values, mask)
+                hidden = decoder.feed_forward(i, hidden[-1:] + out)
         keys_out.append(keys)
         values_out.append(values)
         if raw_out is not None:

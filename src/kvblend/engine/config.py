@@ -40,7 +40,7 @@ class BlendConfig:
         epic_tokens: how many leading tokens of each moved segment ``epic`` recomputes.
     """
 
-    strategy: Strategy = "cacheblend"
+    strategy: Strategy = "attention"
     recompute_ratio: float = 0.2
     check_layer: int = 1
     deviation: DeviationMetric = "value"
