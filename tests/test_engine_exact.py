@@ -326,13 +326,22 @@ def test_default_doc_context_is_the_rag_prompt_head(tiny_engine: BlendEngine) ->
     first_only = [segments[0], segments[1], Segment(segments[-1].text, cache=False)]
     exact = engine.prefill(first_only, BlendConfig("reuse"))
     expected = engine.prefill(first_only, BlendConfig("full"))
-    assert exact.stats.moved_tokens > 0 and exact.stats.recomputed_tokens == 0
+    # ... and it counts as exact reuse (a prefix), never as a candidate for recompute
+    first_tokens = len(engine.tokenize(DOCS[0]))
+    assert exact.stats.moved_tokens == 0 and exact.stats.recomputed_tokens == 0
+    assert exact.stats.prefix_tokens == len(engine.tokenize(segments[0].text)) + first_tokens
     assert torch.allclose(exact.logits, expected.logits, atol=1e-4, rtol=0), report(
         exact.logits, expected.logits
     )
     # The second document follows the first instead of the head: it is moved, not exact.
     moved = engine.prefill(segments, BlendConfig("reuse"))
+    assert moved.stats.moved_tokens == len(engine.tokenize(DOCS[1]))
     assert not torch.allclose(moved.logits, full.logits, atol=1e-4, rtol=0)
+    # A moved document whose text is placed first but behind another head is not exact.
+    other_head = [Segment("Other head:\n", role="prefix"), *segments[1:]]
+    assert engine.prefill(other_head, BlendConfig("reuse")).stats.moved_tokens == len(
+        engine.tokenize(DOCS[0])
+    ) + len(engine.tokenize(DOCS[1]))
 
 
 def test_doc_context_is_part_of_the_segment_id() -> None:

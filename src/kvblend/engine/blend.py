@@ -250,6 +250,7 @@ def run_blend(
     kinds = blend_input.kinds.to(decoder.device)
     checks = dict(config.schedule()) if config.strategy == "cacheblend" else {}
     probe_s = 0.0
+    probe_token_layers = 0
     start_kv = None
     if config.strategy == "attention" and bool((kinds == MOVED).any()) and not keep_raw_keys:
         started = time.perf_counter()
@@ -258,6 +259,7 @@ def run_blend(
         active_mask[selected] = True
         active = active_mask.nonzero().squeeze(1)
         start_kv = (probe.keys, probe.values)
+        probe_token_layers = int(probe.stats["token_layers"])
         probe_s = time.perf_counter() - started
     else:
         active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
@@ -266,6 +268,7 @@ def run_blend(
         need_logits=need_logits, keep_raw_keys=keep_raw_keys, start_kv=start_kv,
     )  # fmt: skip
     out.stats["probe_s"] = probe_s
+    out.stats["token_layers"] += probe_token_layers  # the probe's work counts too
     return out
 
 

@@ -372,6 +372,10 @@ class BlendEngine:
             context = list(prefix_ids) if kind == PREFIX else self._doc_context
             if kind == PREFIX:
                 prefix_ids.extend(ids)
+            elif token_ids[:start] == self._doc_context:
+                # A document right after the head it was precomputed behind: its cached KV is
+                # what a full prefill computes here, so it is reused exactly, like a prefix.
+                kind = PREFIX
             kinds.extend([kind] * len(ids))
             pending.append(
                 (
@@ -409,6 +413,8 @@ class BlendEngine:
         assert out.logits is not None
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
+        if config.strategy == "attention":
+            stats.timings["probe_s"] = out.stats["probe_s"]
         stats.timings["prefill_s"] = time.perf_counter() - started
         stats.prompt_tokens = len(token_ids)
         if config.strategy == "full":
