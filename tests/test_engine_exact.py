@@ -171,6 +171,19 @@ def test_cacheblend_ratio_one_equals_full(tiny_engine: BlendEngine) -> None:
     assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0)
 
 
+def test_attention_ratio_one_equals_full_and_zero_equals_reuse(tiny_engine: BlendEngine) -> None:
+    tiny_engine.precompute(DOCS)
+    prompt = segments((2, 0, 1))
+    full = tiny_engine.prefill(prompt, BlendConfig("full"))
+    everything = tiny_engine.prefill(prompt, BlendConfig("attention", recompute_ratio=1.0))
+    assert everything.stats.recomputed_tokens == everything.stats.moved_tokens > 0
+    assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
+    reuse = tiny_engine.prefill(prompt, BlendConfig("reuse"))
+    nothing = tiny_engine.prefill(prompt, BlendConfig("attention", recompute_ratio=0.0))
+    assert nothing.stats.recomputed_tokens == 0 and "probe_s" in nothing.stats.timings
+    assert torch.equal(nothing.logits, reuse.logits)
+
+
 def test_blending_reads_cached_kv_not_fresh(tiny_engine: BlendEngine) -> None:
     """Reuse must differ from full on moved documents (it really reads the cache)."""
     tiny_engine.precompute(DOCS)

@@ -252,7 +252,9 @@ def run_blend(
     probe_s = 0.0
     probe_token_layers = 0
     start_kv = None
-    if config.strategy == "attention" and bool((kinds == MOVED).any()) and not keep_raw_keys:
+    moved_count = int((kinds == MOVED).sum())
+    keep = round(config.recompute_ratio * moved_count)
+    if config.strategy == "attention" and 0 < keep < moved_count and not keep_raw_keys:
         started = time.perf_counter()
         selected, _, probe = select_by_attention(decoder, blend_input, config.recompute_ratio)
         active_mask = kinds == COMPUTE
@@ -261,6 +263,10 @@ def run_blend(
         start_kv = (probe.keys, probe.values)
         probe_token_layers = int(probe.stats["token_layers"])
         probe_s = time.perf_counter() - started
+    elif config.strategy == "attention":
+        # nothing or everything to choose: no probe needed
+        computed = kinds == COMPUTE if keep == 0 else kinds != PREFIX
+        active = computed.nonzero().squeeze(1)
     else:
         active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
     out = _forward(
