@@ -24,13 +24,16 @@ def plot_ttft(result: dict[str, Any], path: Path) -> Path:
                 (s["prompt_tokens"], s["ttft_median_s"], s["ttft_min_s"], s["ttft_max_s"])
             )
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, points in lines.items():
+    colors = plt.get_cmap("tab20").colors  # more strategies than the default cycle has colors
+    for index, (name, points) in enumerate(lines.items()):
         points.sort()
         xs = [p[0] for p in points]
         ys = [p[1] for p in points]
         err = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name,
-                    linewidth=2.5 if name == "full" else 1.2)  # fmt: skip
+                    color=colors[index % len(colors)],
+                    linestyle="--" if name.startswith("cacheblend") else "-",
+                    linewidth=2.5 if name in ("full", "default") else 1.2)  # fmt: skip
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s, median, bars: min-max)")
     ax.set_yscale("log")
@@ -58,10 +61,15 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
         ("cacheblend-value-", "cacheblend value"),
         ("cacheblend-key-", "cacheblend key"),
     ):
+        # the default belongs on its strategy's line too
+        default_strategy = "default" if result.get("default_config", "").startswith(
+            f"BlendConfig(strategy='{prefix.split('-')[0]}'"
+        ) and prefix != "cacheblend-key-" else None
         points = sorted(
             (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
             for name, s in summary.items()
-            if name.startswith(prefix) and not name.endswith(("-L2", "-L3"))
+            if (name.startswith(prefix) and not name.endswith(("-L2", "-L3")))
+            or name == default_strategy
         )
         if points:
             left.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
