@@ -99,7 +99,6 @@ def test_kv_from_real_context_makes_every_strategy_exact(
     """With each segment's cached KV taken from its real context, blending changes nothing."""
     order = (1, 2, 0)
     reference = tiny_engine.prefill(segments(order), BlendConfig("full"))
-    ids = torch.tensor(reference.token_ids)
     plant_in_context_kv(tiny_engine, reference.token_ids, order)
     pre = tiny_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids
@@ -418,8 +417,9 @@ def test_attention_probe_equals_transformers_attention_weights(
     assert int(tail[0]) > int((inputs.kinds == MOVED).nonzero()[-1])
     kv_heads = value_norms[0].shape[0]
     expected = sum(
-        (weights[0][:, tail].sum(dim=1).view(kv_heads, -1, weights.shape[-1]).sum(dim=1) * norms)
-        .sum(dim=0)
+        (
+            weights[0][:, tail].sum(dim=1).view(kv_heads, -1, weights.shape[-1]).sum(dim=1) * norms
+        ).sum(dim=0)
         for weights, norms in zip(out.attentions, value_norms, strict=True)
     )
     selected, scores, _ = select_by_attention(tiny_engine.decoder, inputs, 0.25)

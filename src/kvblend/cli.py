@@ -217,8 +217,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
         p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
-        p.add_argument("--strategy", default=BlendConfig.strategy, choices=list(STRATEGIES),
-                       help="how reused tokens are chosen for recompute (default %(default)s)")
+        p.add_argument(
+            "--strategy",
+            default=BlendConfig.strategy,
+            choices=list(STRATEGIES),
+            help="how reused tokens are chosen for recompute (default %(default)s)",
+        )
         p.add_argument("--ratio", type=float, default=BlendConfig.recompute_ratio,
                        help="recompute ratio for attention and cacheblend "
                             "(default %(default)s)")  # fmt: skip

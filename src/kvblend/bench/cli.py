@@ -84,7 +84,7 @@ def cmd_ttft(args: argparse.Namespace) -> None:
 
 
 def default_name() -> str:
-    """The default config in words, e.g. ``attention 0.2``."""
+    """Return the default config in words, e.g. ``attention 0.2``."""
     from ..engine import BlendConfig
 
     config = BlendConfig()
@@ -100,7 +100,8 @@ def cmd_figures(args: argparse.Namespace) -> None:
 
     engine = _engine(args, SYSTEM)
     result = run_ttft(
-        engine, lengths=[args.docs * 512], strategies=parse_strategies("cacheblend-value-0.15,default"),
+        engine, lengths=[args.docs * 512],
+        strategies=parse_strategies("cacheblend-value-0.15,default"),
         repeats=args.repeats, doc_tokens=512, decode_tokens=0,
     )  # fmt: skip
     result["machine"] = _machine(engine)
@@ -115,7 +116,8 @@ def cmd_figures(args: argparse.Namespace) -> None:
         f"  full prefill TTFT             {full['ttft_median_s']:.3f} s",
         f"  cacheblend 0.15 TTFT (memory) {blend['ttft_median_s']:.3f} s  "
         f"-> blended/full = {blend['ttft_vs_full']:.3f} (target <= 0.25)",
-        f"  default ({default_name()}) TTFT (memory) {default['ttft_median_s']:.3f} s  "
+        f"  default ({default_name()}) TTFT (memory) "
+        f"{default['ttft_median_s']:.3f} s  "
         f"-> blended/full = {default['ttft_vs_full']:.3f} (target <= 0.333)",
     ]
     if disk is not None:

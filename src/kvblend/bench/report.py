@@ -24,7 +24,8 @@ def plot_ttft(result: dict[str, Any], path: Path) -> Path:
                 (s["prompt_tokens"], s["ttft_median_s"], s["ttft_min_s"], s["ttft_max_s"])
             )
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    colors = plt.get_cmap("tab20").colors  # more strategies than the default cycle has colors
+    # more strategies than the default colour cycle has colours
+    colors = [plt.get_cmap("tab20")(i) for i in range(20)]
     for index, (name, points) in enumerate(lines.items()):
         points.sort()
         xs = [p[0] for p in points]
@@ -62,9 +63,14 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
         ("cacheblend-key-", "cacheblend key"),
     ):
         # the default belongs on its strategy's line too
-        default_strategy = "default" if result.get("default_config", "").startswith(
-            f"BlendConfig(strategy='{prefix.split('-')[0]}'"
-        ) and prefix != "cacheblend-key-" else None
+        default_strategy = (
+            "default"
+            if result.get("default_config", "").startswith(
+                f"BlendConfig(strategy='{prefix.split('-')[0]}'"
+            )
+            and prefix != "cacheblend-key-"
+            else None
+        )
         points = sorted(
             (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
             for name, s in summary.items()

@@ -214,7 +214,7 @@ def tail_attention(
 def select_by_attention(
     decoder: Decoder, blend_input: BlendInput, ratio: float
 ) -> tuple[torch.Tensor, torch.Tensor, BlendOutput]:
-    """Moved positions the question attends to most, the per-token scores and the probe pass.
+    """Return the moved positions the question draws most from, the scores and the probe pass.
 
     A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and
     sums, over every layer, head and tail query, what each token contributes to the attention
@@ -290,7 +290,7 @@ def _forward(
     probe_rows: torch.Tensor | None = None,
     start_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> BlendOutput:
-    """The layer loop: compute the ``active`` positions, read every other row from the spans.
+    """Run the layer loop: compute the ``active`` positions, read the other rows from spans.
 
     ``start_kv``: rotated keys and values per layer of an earlier pass over the same prompt
     whose computed rows are a subset of ``active`` (the ``attention`` probe); they are updated
