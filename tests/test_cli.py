@@ -56,5 +56,6 @@ def test_missing_documents_are_a_one_line_error(
 
 def test_bad_ratio_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["demo", "--memory-only", "--ratio", "1.5"])
-    err = capsys.readouterr().err
-    assert code == 2 and "recompute_ratio must be a number in [0, 1]" in err
+    captured = capsys.readouterr()
+    assert code == 2 and "recompute_ratio must be a number in [0, 1]" in captured.err
+    assert "loaded" not in captured.out + captured.err  # refused before loading the model

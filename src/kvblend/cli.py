@@ -269,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvblend: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "strategy"):
+            _config(args)  # a bad setting fails before the model loads
         args.func(args)
     except (CLIError, ModelNotFoundError, UnsupportedModelError, ValueError) as error:
         print(f"kvblend: error: {error}", file=sys.stderr)

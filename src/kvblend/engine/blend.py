@@ -162,13 +162,13 @@ class _Attention:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
-def _select(deviation: torch.Tensor, moved_rows: torch.Tensor, keep: int) -> torch.Tensor:
-    """Rows (indices into the active set) of the ``keep`` moved rows that deviate most."""
+def _select(score: torch.Tensor, moved_rows: torch.Tensor, keep: int) -> torch.Tensor:
+    """Return the ``keep`` entries of ``moved_rows`` (indices into ``score``) scoring most."""
     if keep >= moved_rows.numel():
         return moved_rows
     if keep <= 0:
         return moved_rows[:0]
-    top = torch.topk(deviation[moved_rows], keep, sorted=False).indices
+    top = torch.topk(score[moved_rows], keep, sorted=False).indices
     return moved_rows[top].sort().values
 
 
@@ -186,26 +186,24 @@ def tail_rows(kinds: torch.Tensor) -> torch.Tensor:
 
 def tail_attention(
     decoder: Decoder,
-    layer: int,
     queries: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    query_positions: torch.Tensor,
+    mask: torch.Tensor,
 ) -> torch.Tensor:
     """How much each token contributes to the attention output of ``queries``: ``[tokens]``.
 
     The attention weight each query pays each key, times the norm of that key's value (the
     size of what it adds to the output: attention sinks take much weight and add little),
-    summed over heads and queries. ``queries`` are rotated ``[heads, rows, head_dim]`` at
-    ``query_positions``; ``keys`` (rotated) and ``values`` are ``[kv_heads, tokens, head_dim]``
-    (GQA: query head ``h`` reads KV head ``h // groups``, as transformers' ``repeat_kv``).
-    Causal and sliding-window masks apply per query.
+    summed over heads and queries. ``queries`` are rotated ``[heads, rows, head_dim]``;
+    ``keys`` (rotated) and ``values`` are ``[kv_heads, tokens, head_dim]`` (GQA: query head ``h``
+    reads KV head ``h // groups``, as transformers' ``repeat_kv``); ``mask`` is the float32
+    additive ``[rows, tokens]`` causal (and sliding-window) mask of the queries' positions.
     """
     kv_heads, total, head_dim = keys.shape
     groups = queries.shape[0] // kv_heads
     grouped = queries.reshape(kv_heads, groups * queries.shape[1], head_dim)
     scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * decoder.scaling
-    mask = _attention_mask(query_positions, total, decoder.windows[layer], torch.float32)
     weights = (scores.view(kv_heads, groups, -1, total) + mask).softmax(dim=-1)
     return (weights.sum(dim=(1, 2)) * values.float().norm(dim=-1)).sum(dim=0)
 
@@ -224,17 +222,12 @@ def select_by_attention(
     """
     kinds = blend_input.kinds.to(decoder.device)
     moved = (kinds == MOVED).nonzero().squeeze(1)
-    keep = round(ratio * moved.numel())
     probe = _forward(
         decoder, blend_input, (kinds == COMPUTE).nonzero().squeeze(1), {},
         need_logits=False, keep_raw_keys=False, probe_rows=tail_rows(kinds),
     )  # fmt: skip
-    scores = probe.scores
-    assert scores is not None
-    if keep <= 0:
-        return moved[:0], scores, probe
-    top = torch.topk(scores[moved], min(keep, moved.numel()), sorted=False).indices
-    return moved[top].sort().values, scores, probe
+    assert probe.scores is not None
+    return _select(probe.scores, moved, round(ratio * moved.numel())), probe.scores, probe
 
 
 @torch.inference_mode()
@@ -254,19 +247,18 @@ def run_blend(
     start_kv = None
     moved_count = int((kinds == MOVED).sum())
     keep = round(config.recompute_ratio * moved_count)
-    if config.strategy == "attention" and 0 < keep < moved_count and not keep_raw_keys:
-        started = time.perf_counter()
-        selected, _, probe = select_by_attention(decoder, blend_input, config.recompute_ratio)
+    if config.strategy == "attention":
         active_mask = kinds == COMPUTE
-        active_mask[selected] = True
+        if 0 < keep < moved_count:  # otherwise nothing or everything is chosen: no probe
+            started = time.perf_counter()
+            selected, _, probe = select_by_attention(decoder, blend_input, config.recompute_ratio)
+            active_mask[selected] = True
+            start_kv = (probe.keys, probe.values)
+            probe_token_layers = int(probe.stats["token_layers"])
+            probe_s = time.perf_counter() - started
+        elif keep:
+            active_mask |= kinds == MOVED
         active = active_mask.nonzero().squeeze(1)
-        start_kv = (probe.keys, probe.values)
-        probe_token_layers = int(probe.stats["token_layers"])
-        probe_s = time.perf_counter() - started
-    elif config.strategy == "attention":
-        # nothing or everything to choose: no probe needed
-        computed = kinds == COMPUTE if keep == 0 else kinds != PREFIX
-        active = computed.nonzero().squeeze(1)
     else:
         active = initial_active(kinds, blend_input.spans, config).nonzero().squeeze(1)
     out = _forward(
@@ -315,9 +307,13 @@ def _forward(
     hidden = decoder.embed(token_ids[active])
     scores = None
     probe_local = None
+    probe_masks: dict[int | None, torch.Tensor] = {}  # per sliding window, built once
     if probe_rows is not None:
+        probe_rows = probe_rows.to(device)
         scores = torch.zeros(total, device=device, dtype=torch.float32)
-        probe_local = torch.searchsorted(active, probe_rows.to(device))
+        probe_local = torch.searchsorted(active, probe_rows)
+        for window in set(decoder.windows):
+            probe_masks[window] = _attention_mask(probe_rows, total, window, torch.float32)
 
     keys_out: list[torch.Tensor] = []
     values_out: list[torch.Tensor] = []
@@ -378,7 +374,8 @@ def _forward(
             if scores is not None:
                 assert probe_rows is not None and probe_local is not None
                 rows_q = queries.index_select(1, probe_local)
-                scores += tail_attention(decoder, i, rows_q, keys, values, probe_rows.to(device))
+                mask = probe_masks[decoder.windows[i]]
+                scores += tail_attention(decoder, rows_q, keys, values, mask)
             if i < last_layer:
                 hidden = hidden + attention(i, queries, keys, values)
                 hidden = decoder.feed_forward(i, hidden)

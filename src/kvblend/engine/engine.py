@@ -372,7 +372,7 @@ class BlendEngine:
             context = list(prefix_ids) if kind == PREFIX else self._doc_context
             if kind == PREFIX:
                 prefix_ids.extend(ids)
-            elif token_ids[:start] == self._doc_context:
+            elif start == len(self._doc_context) and token_ids[:start] == self._doc_context:
                 # A document right after the head it was precomputed behind: its cached KV is
                 # what a full prefill computes here, so it is reused exactly, like a prefix.
                 kind = PREFIX
