@@ -86,3 +86,13 @@ def test_docs_index_lists_every_page() -> None:
     linked = {target.partition("#")[0] for target in _links(DOCS / "index.md")}
     missing = [p.name for p in DOCS.glob("*.md") if p.name != "index.md" and p.name not in linked]
     assert not missing, f"docs/index.md does not link {missing}"
+
+
+def test_readme_has_the_two_commands_and_ci_runs_the_test_one() -> None:
+    """The README's set-up + demo and set-up + tests commands; `.ci/run` calls the latter."""
+    readme = (ROOT / "README.md").read_text()
+    demo = "bash scripts/install.sh && .venv/bin/kvblend demo"
+    tests = "bash scripts/install.sh && .venv/bin/python -m pytest"
+    assert demo in readme and tests in readme
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
+    assert ci[-1].strip() == tests
