@@ -59,3 +59,10 @@ def test_bad_ratio_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> No
     captured = capsys.readouterr()
     assert code == 2 and "recompute_ratio must be a number in [0, 1]" in captured.err
     assert "loaded" not in captured.out + captured.err  # refused before loading the model
+
+
+def test_bad_correction_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--memory-only", "--correction", "-0.1"])
+    captured = capsys.readouterr()
+    assert code == 2 and "correction must be a number in [0, 1]" in captured.err
+    assert "Traceback" not in captured.err

@@ -16,6 +16,7 @@ from kvblend.engine.blend import (
     select_by_attention,
     tail_rows,
 )
+from kvblend.engine.decoder import apply_rope, signed_sin
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"
@@ -430,3 +431,60 @@ def test_attention_probe_equals_transformers_attention_weights(
     threshold = scores[selected].min()
     others = moved[~torch.isin(moved, selected)]
     assert bool((scores[others] <= threshold).all())
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
+    tiny_engine: BlendEngine, monkeypatch: pytest.MonkeyPatch, share: float
+) -> None:
+    """Rows read from the cache move by ``share`` x the mean change of their document's
+    recomputed rows (fresh minus cached, keys before RoPE), at every layer; recomputed rows and
+    uncached rows are computed as without the correction's share on them."""
+    order = (2, 0, 1)
+    tiny_engine.precompute(DOCS)
+    seen: list[BlendInput] = []
+
+    def recording_run_blend(decoder, blend_input, config, **kwargs):
+        seen.append(blend_input)
+        return run_blend(decoder, blend_input, config, **kwargs)
+
+    monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
+    config = BlendConfig("attention", recompute_ratio=0.3, correction=share)
+    pre = tiny_engine.prefill(segments(order), config)
+    inputs = seen[-1]
+    selected, _, _ = select_by_attention(tiny_engine.decoder, inputs, 0.3)
+    decoder = tiny_engine.decoder
+    cos, sin = decoder.rotary(torch.arange(len(pre.token_ids)))
+    documents = []  # (rows, stored entry) of each moved document
+    cursor = len(tiny_engine.tokenize(SYSTEM)) + 1  # after BOS and the system prompt
+    for index in order:
+        length = len(tiny_engine.tokenize(DOCS[index]))
+        rows = torch.arange(cursor, cursor + length)
+        documents.append((rows, tiny_engine.store.get(tiny_engine.segment_id(DOCS[index]))))
+        cursor += length
+    assert bool((inputs.kinds[torch.cat([rows for rows, _ in documents])] == MOVED).all())
+    checked = 0
+    for layer in range(decoder.shape.num_layers):
+        raw_keys = apply_rope(pre.keys[layer], cos, -signed_sin(sin))  # undo RoPE
+        changes, fixed = [], []
+        for rows, entry in documents:
+            cached = {"k": entry[f"k.{layer}"], "v": entry[f"v.{layer}"]}
+            got = {"k": raw_keys[:, rows], "v": pre.values[layer][:, rows]}
+            recomputed = torch.isin(rows, selected)
+            change = {n: (got[n] - cached[n])[:, recomputed] for n in "kv"}
+            changes.append(change)
+            fixed.append((got, cached, recomputed, change))
+        everything = {n: torch.cat([c[n] for c in changes], dim=1).mean(dim=1) for n in "kv"}
+        for got, cached, recomputed, change in fixed:
+            for name in "kv":
+                mean = change[name].mean(dim=1) if bool(recomputed.any()) else everything[name]
+                expected = cached[name][:, ~recomputed] + share * mean.unsqueeze(1)
+                actual = got[name][:, ~recomputed]
+                assert torch.allclose(actual, expected, atol=1e-4), (
+                    f"layer {layer} {name}: {report(actual, expected)}"
+                )
+                checked += int((~recomputed).sum())
+    assert checked > 0 and selected.numel() > 0
+    if share:  # the correction changed something the question reads
+        plain = tiny_engine.prefill(segments(order), BlendConfig("attention", 0.3, correction=0))
+        assert not torch.allclose(plain.logits, pre.logits, atol=1e-5)

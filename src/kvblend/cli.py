@@ -40,7 +40,12 @@ def _quiet_transformers() -> None:
 
 
 def _config(args: argparse.Namespace) -> BlendConfig:
-    return BlendConfig(strategy=args.strategy, recompute_ratio=args.ratio, deviation=args.deviation)
+    return BlendConfig(
+        strategy=args.strategy,
+        recompute_ratio=args.ratio,
+        deviation=args.deviation,
+        correction=args.correction,
+    )
 
 
 def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
@@ -104,7 +109,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     setting = f"strategy: {config.strategy}"
     if config.strategy in ("attention", "cacheblend"):
-        setting += f", recompute ratio {config.recompute_ratio}"
+        setting += f", recompute ratio {config.recompute_ratio}, correction {config.correction}"
     if config.strategy == "cacheblend":
         setting += f", deviation {config.deviation}"
     print(f"\n{setting}; {len(documents)} documents, shuffled per question\n")
@@ -227,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recompute ratio for attention and cacheblend "
                             "(default %(default)s)")  # fmt: skip
         p.add_argument("--deviation", default=BlendConfig.deviation, choices=["value", "key"])
+        p.add_argument("--correction", type=float, default=BlendConfig.correction,
+                       help="share of the recomputed tokens' mean KV change added to the other "
+                            "tokens of their document (default %(default)s; 0: off)")  # fmt: skip
         p.add_argument("--max-new-tokens", type=int, default=24)
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "

@@ -4,13 +4,15 @@ Names: ``full``, ``default`` (``BlendConfig()``), ``reuse``, ``epic``, ``prefix`
 reuse: only the cached system prompt is reused and every document is computed, as plain prefix
 caching would), ``attention-<ratio>`` such as ``attention-0.2``, and
 ``cacheblend-<metric>-<ratio>[-L<check layer>]`` such as ``cacheblend-value-0.15`` (check
-layer 1) or ``cacheblend-value-0.15-L2``.
+layer 1) or ``cacheblend-value-0.15-L2``. ``cacheblend`` names are CacheBlend as published,
+without kvblend's stale-KV correction; the others use `BlendConfig`'s default correction. A
+``-c<share>`` suffix sets it: ``attention-0.2-c0`` (none), ``cacheblend-value-0.2-c0.5``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..engine import BlendConfig, Segment
 
@@ -52,6 +54,11 @@ def cacheblend_name(metric: str, ratio: float, check_layer: int = 1) -> str:
 
 def strategy(name: str) -> Strategy:
     """Return the `Strategy` called ``name``; ``ValueError`` lists the valid names otherwise."""
+    base, _, suffix = name.rpartition("-c")
+    share = _ratio(suffix) if base else None
+    if share is not None:
+        found = strategy(base)
+        return Strategy(name, replace(found.config, correction=share), found.cache_documents)
     if name == "full":
         return Strategy(name, BlendConfig("full"))
     if name == "default":
@@ -80,12 +87,13 @@ def strategy(name: str) -> Strategy:
                     recompute_ratio=ratio,
                     deviation=parts[1],  # type: ignore[arg-type]
                     check_layer=layer,
+                    correction=0.0,
                 )
                 return Strategy(name, config)
     raise ValueError(
         f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
-        f"such as {cacheblend_name('value', 0.15)}"
+        f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
     )
 
 

@@ -162,6 +162,60 @@ class _Attention:
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
 
+class _Correction:
+    """The stale-KV correction of one active set: what the recomputed rows say about the others.
+
+    A moved document's KV was computed without the text that now precedes it. Its recomputed
+    rows measure, at every layer, how much their fresh K and V differ from the cached ones; part
+    of that change is shared by the whole document (the context it missed is the same for all
+    of its tokens). ``share`` times the mean change of a document's recomputed rows is added to
+    its rows that are not recomputed; a document with no recomputed rows gets the mean over
+    every recomputed row. Keys are corrected before RoPE.
+    """
+
+    def __init__(
+        self, kinds: torch.Tensor, span_index: torch.Tensor, active: torch.Tensor, share: float
+    ) -> None:
+        self.share = share
+        moved = kinds == MOVED
+        self.local = moved[active].nonzero().squeeze(1)  # recomputed moved rows, within active
+        self.rows = active[self.local]
+        stale = moved.clone()
+        stale[active] = False
+        self.rest = stale.nonzero().squeeze(1)  # moved rows read from the cache
+        self.enabled = share > 0 and self.rows.numel() > 0 and self.rest.numel() > 0
+        if not self.enabled:
+            return
+        spans = int(span_index.max()) + 1
+        self.row_span = span_index[self.rows]
+        counts = torch.bincount(self.row_span, minlength=spans)
+        rest_span = span_index[self.rest]
+        # Column ``spans`` of the mean table holds the mean over every recomputed row.
+        self.rest_column = torch.where(counts[rest_span] > 0, rest_span, spans)
+        self.divisor = torch.cat([counts, counts.new_tensor([self.rows.numel()])]).clamp_min(1)
+        self.spans = spans
+
+    def deltas(self, fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+        """``share`` x the mean ``fresh - cached`` of each row's document, for `rest` rows.
+
+        ``fresh`` and ``cached`` are ``[kv_heads, len(rows), head_dim]``.
+        """
+        change = (fresh - cached).float()
+        sums = change.new_zeros(change.shape[0], self.spans + 1, change.shape[2])
+        sums.index_add_(1, self.row_span, change)
+        sums[:, self.spans] = change.sum(dim=1)
+        means = sums * (self.share / self.divisor.to(sums.dtype)).view(1, -1, 1)
+        return means[:, self.rest_column].to(fresh.dtype)
+
+
+def _span_index(kinds: torch.Tensor, spans: Sequence[CachedSpan]) -> torch.Tensor:
+    """``[tokens]``: the index of the moved span each moved row belongs to, -1 elsewhere."""
+    index = torch.full(kinds.shape, -1, dtype=torch.long, device=kinds.device)
+    for number, span in enumerate(s for s in spans if s.kind == MOVED):
+        index[span.start : span.end] = number
+    return index.masked_fill_(kinds != MOVED, -1)
+
+
 def _select(score: torch.Tensor, moved_rows: torch.Tensor, keep: int) -> torch.Tensor:
     """Return the ``keep`` entries of ``moved_rows`` (indices into ``score``) scoring most."""
     if keep >= moved_rows.numel():
@@ -264,6 +318,7 @@ def run_blend(
     out = _forward(
         decoder, blend_input, active, checks, deviation=config.deviation,
         need_logits=need_logits, keep_raw_keys=keep_raw_keys, start_kv=start_kv,
+        correction=config.correction,
     )  # fmt: skip
     out.stats["probe_s"] = probe_s
     out.stats["token_layers"] += probe_token_layers  # the probe's work counts too
@@ -281,6 +336,7 @@ def _forward(
     keep_raw_keys: bool,
     probe_rows: torch.Tensor | None = None,
     start_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    correction: float = 0.0,
 ) -> BlendOutput:
     """Run the layer loop: compute the ``active`` positions, read the other rows from spans.
 
@@ -292,6 +348,8 @@ def _forward(
     ``deviation`` of the value or key projection).
     ``probe_rows`` (positions, a subset of ``active``): also sum the attention those rows pay
     every token at every layer into ``BlendOutput.scores``.
+    ``correction``: the share of the mean K/V change of each moved document's recomputed rows
+    added to its other rows at every layer (`_Correction`; 0: none).
     """
     device, dtype = decoder.device, decoder.dtype
     shape = decoder.shape
@@ -304,6 +362,8 @@ def _forward(
 
     moved_total = int((kinds == MOVED).sum())
     attention = _Attention(decoder, active, total)
+    span_index = _span_index(kinds, blend_input.spans) if correction > 0 else None
+    fix = None if span_index is None else _Correction(kinds, span_index, active, correction)
     hidden = decoder.embed(token_ids[active])
     scores = None
     probe_local = None
@@ -354,8 +414,28 @@ def _forward(
             active = active.index_select(0, rows)
             hidden = hidden.index_select(0, rows)
             attention = _Attention(decoder, active, total)
+            if span_index is not None:
+                fix = _Correction(kinds, span_index, active, correction)
 
         queries, fresh_keys, fresh_values = decoder.project(i, hidden)
+        if fix is not None and fix.enabled:
+            # Before the recomputed rows overwrite their cached K/V: the rest move by part of
+            # the change those rows show (keys un-rotated on both sides).
+            cached_keys = (
+                raw_keys.index_select(1, fix.rows)
+                if start_kv is None
+                else apply_rope(keys.index_select(1, fix.rows), cos[fix.rows], -sin[fix.rows])
+            )
+            key_change = fix.deltas(fresh_keys.index_select(1, fix.local), cached_keys)
+            value_change = fix.deltas(
+                fresh_values.index_select(1, fix.local), values.index_select(1, fix.rows)
+            )
+            values.index_add_(1, fix.rest, value_change)
+            if start_kv is None:
+                raw_keys.index_add_(1, fix.rest, key_change)
+            else:
+                rest = fix.rest
+                keys.index_add_(1, rest, apply_rope(key_change, cos[rest], sin[rest]))
         if start_kv is not None:
             # Only the computed rows change; the others are rotated already.
             keys.index_copy_(1, active, apply_rope(fresh_keys, cos[active], sin[active]))

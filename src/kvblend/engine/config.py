@@ -38,6 +38,11 @@ class BlendConfig:
             the last ratio is the final recompute ratio and ``check_layer`` /
             ``recompute_ratio`` are not used.
         epic_tokens: how many leading tokens of each moved segment ``epic`` recomputes.
+        correction: at every layer, each moved segment's tokens that are not recomputed get
+            this share of the mean K/V change its recomputed tokens show (fresh minus cached;
+            the context the segment missed is partly the same for all of its tokens), in
+            ``[0, 1]``; 0 turns it off. A segment with no recomputed tokens gets the mean over
+            every recomputed token. Used by ``attention`` and ``cacheblend``.
     """
 
     strategy: Strategy = "attention"
@@ -46,6 +51,7 @@ class BlendConfig:
     deviation: DeviationMetric = "value"
     ratio_schedule: tuple[tuple[int, float], ...] | None = field(default=None)
     epic_tokens: int = 16
+    correction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -57,6 +63,7 @@ class BlendConfig:
                 f"unknown deviation metric {self.deviation!r}; choose one of {', '.join(METRICS)}"
             )
         _check_ratio("recompute_ratio", self.recompute_ratio)
+        _check_ratio("correction", self.correction)
         if not isinstance(self.check_layer, int) or self.check_layer < 1:
             raise ValueError(
                 f"check_layer must be an int >= 1, got {self.check_layer!r} (at layer 0 a token's "
