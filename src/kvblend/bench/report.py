@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from .quality import quality_table, type_table
 from .ttft import ttft_table
+
+_CORRECTION_SUFFIX = re.compile(r"-c[0-9.]+$")
 
 
 def plot_ttft(result: dict[str, Any], path: Path) -> Path:
@@ -74,7 +77,11 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
         points = sorted(
             (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
             for name, s in summary.items()
-            if (name.startswith(prefix) and not name.endswith(("-L2", "-L3")))
+            if (
+                name.startswith(prefix)
+                and not name.endswith(("-L2", "-L3"))
+                and not _CORRECTION_SUFFIX.search(name)  # each line is one correction setting
+            )
             or name == default_strategy
         )
         if points:
