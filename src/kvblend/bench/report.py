@@ -61,9 +61,9 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
     summary = result["summary"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for prefix, label in (
-        ("attention-", "attention"),
-        ("cacheblend-value-", "cacheblend value"),
-        ("cacheblend-key-", "cacheblend key"),
+        ("attention-", "attention, stale-KV correction"),
+        ("cacheblend-value-", "cacheblend value (as published)"),
+        ("cacheblend-key-", "cacheblend key (as published)"),
     ):
         # the default belongs on its strategy's line too
         default_strategy = (
