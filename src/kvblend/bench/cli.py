@@ -207,9 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(quality)
     quality.add_argument("--questions", type=int, default=200)
     quality.add_argument("--strategies", default="default,reuse,epic,attention-0.1,"
-                         "attention-0.15,attention-0.3,cacheblend-value-0.05,cacheblend-value-0.1,"
-                         "cacheblend-value-0.15,cacheblend-value-0.2,cacheblend-value-0.3,"
-                         "cacheblend-key-0.15,cacheblend-key-0.3")  # fmt: skip
+                         "attention-0.15,attention-0.3,attention-0.2-c0,cacheblend-value-0.05,"
+                         "cacheblend-value-0.1,cacheblend-value-0.15,cacheblend-value-0.2,"
+                         "cacheblend-value-0.3,cacheblend-key-0.15,cacheblend-key-0.3,"
+                         "cacheblend-value-0.2-c0.5")  # fmt: skip
     quality.add_argument("--doc-prefix", choices=["auto", "bos"], default="auto",
                          help="what documents are precomputed behind: the prompt head (auto, "
                               "the engine default) or the BOS token alone")  # fmt: skip

@@ -42,7 +42,7 @@ class BlendConfig:
             this share of the mean K/V change its recomputed tokens show (fresh minus cached;
             the context the segment missed is partly the same for all of its tokens), in
             ``[0, 1]``; 0 turns it off. A segment with no recomputed tokens gets the mean over
-            every recomputed token. Used by ``attention`` and ``cacheblend``.
+            every recomputed token. Used by ``attention``, ``cacheblend`` and ``epic``.
     """
 
     strategy: Strategy = "attention"
