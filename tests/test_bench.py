@@ -79,6 +79,16 @@ def test_strategy_names_round_trip():
     assert strategy("cacheblend-key-0.3").config.recompute_ratio == 0.3
     assert strategy("cacheblend-value-0.15-L2").config.check_layer == 2
     assert strategy("default").config == BlendConfig()
+    # cacheblend names are CacheBlend as published; -c<share> sets the stale-KV correction
+    assert strategy("cacheblend-value-0.15").config.correction == 0.0
+    assert strategy("cacheblend-value-0.15-L2-c0.5").config == BlendConfig(
+        "cacheblend", recompute_ratio=0.15, check_layer=2, correction=0.5
+    )
+    assert strategy("attention-0.2-c0").config == BlendConfig("attention", 0.2, correction=0.0)
+    assert strategy("epic-c0.3").config == BlendConfig("epic", correction=0.3)
+    assert not strategy("prefix-c0").cache_documents
+    with pytest.raises(ValueError, match="unknown strategy"):
+        strategy("attention-0.2-c2")
     assert [s.name for s in parse_strategies("reuse,full")] == ["full", "reuse"]
     with pytest.raises(ValueError, match="unknown strategy"):
         strategy("cacheblend-value-2")
