@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
 import torch
+
+from kvblend.store.records import MemoryRecordLogs
 
 #: Prefix of the metadata entries the store writes itself; callers may not use it.
 RESERVED_METADATA_PREFIX = "kvblend."
@@ -185,6 +187,24 @@ class KVStore(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release background threads and open handles; the store stays usable."""
+
+    # Record logs (see `kvblend.store.records`): small byte records every user of the store
+    # reads, such as the engine's registry of known documents. Stores whose entries other
+    # processes see keep their logs where those processes see them too; the default keeps them
+    # in this process.
+    def append_records(self, log: str, records: Sequence[bytes]) -> None:
+        """Append byte ``records`` to the record log ``log``."""
+        self._record_logs().append(log, records)
+
+    def read_records(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
+        """Return the records of ``log`` after sequence number ``cursor`` and the new cursor."""
+        return self._record_logs().read(log, cursor)
+
+    def _record_logs(self) -> MemoryRecordLogs:
+        logs = self.__dict__.get("_memory_record_logs")
+        if logs is None:
+            logs = self.__dict__.setdefault("_memory_record_logs", MemoryRecordLogs())
+        return logs
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self.contains(key)

@@ -16,7 +16,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import diskcache
@@ -34,6 +34,7 @@ from kvblend.store.base import (
 )
 from kvblend.store.entry_format import Payload, encode_entry, read_header, read_tensor
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool
+from kvblend.store.records import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class DiskKVStore(KVStore):
                 size_limit=self.size_limit,
                 cull_limit=0,
             )
+            self._records = DiskRecordLogs(self.directory / "records")
 
     @contextlib.contextmanager
     def _storage_errors(self, action: str) -> Iterator[None]:
@@ -258,14 +260,26 @@ class DiskKVStore(KVStore):
             )
 
     def clear(self) -> None:
-        """Remove every entry from the folder."""
+        """Remove every entry (and every record log) from the folder."""
         with self._storage_errors("clear"):
             self._cache.clear(retry=True)
+            self._records.clear()
+
+    def append_records(self, log: str, records: Sequence[bytes]) -> None:
+        """Append ``records`` to ``log`` in the folder, visible to every process."""
+        with self._storage_errors("append to a record log"):
+            self._records.append(log, records)
+
+    def read_records(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
+        """Return the records of ``log`` after ``cursor`` and the new cursor."""
+        with self._storage_errors("read a record log"):
+            return self._records.read(log, cursor)
 
     def close(self) -> None:
-        """Stop prefetch threads and close this process's database connection."""
+        """Stop prefetch threads and close this process's database connections."""
         self._pool.close()
         self._cache.close()
+        self._records.close()
 
     def _open(self, key: str) -> Payload | None:
         """Fetch the stored value of `key` as a `Payload`, or None (miss or foreign value)."""

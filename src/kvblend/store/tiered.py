@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -169,6 +170,25 @@ class TieredKVStore(KVStore):
                 capacity_bytes=backing.capacity_bytes,
                 tiers=tiers,
             )
+
+    def append_records(self, log: str, records: Sequence[bytes]) -> None:
+        """Append to ``log`` in the backing tier (disk, else memory); failures are logged."""
+        if self.disk is not None:
+            try:
+                self.disk.append_records(log, records)
+                return
+            except StoreError as error:
+                self._warn_once("records", f"KV store disk tier record log unusable: {error}")
+        self.memory.append_records(log, records)
+
+    def read_records(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
+        """Return the records of ``log`` after ``cursor`` from the backing tier."""
+        if self.disk is not None:
+            try:
+                return self.disk.read_records(log, cursor)
+            except StoreError as error:
+                self._warn_once("records", f"KV store disk tier record log unusable: {error}")
+        return self.memory.read_records(log, cursor)
 
     def clear(self) -> None:
         """Remove every entry from both tiers."""
