@@ -63,13 +63,12 @@ def test_full_matches_transformers_forward(tiny_engine: BlendEngine) -> None:
     assert tiny_engine.parity_error is not None and tiny_engine.parity_error < 1e-4
 
 
-def test_token_ids_are_piecewise_concatenation(tiny_engine: BlendEngine) -> None:
+def test_token_ids_are_the_whole_text_tokenized(tiny_engine: BlendEngine) -> None:
+    tiny_engine.precompute(DOCS)
     pre = tiny_engine.prefill(segments((2, 0, 1)), BlendConfig("reuse"))
-    tokenizer = tiny_engine.tokenizer
-    expected = [tokenizer.bos_token_id]
-    for text in [SYSTEM, DOCS[2], DOCS[0], DOCS[1], QUESTION]:
-        expected += tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert pre.token_ids == expected
+    text = "".join([SYSTEM, DOCS[2], DOCS[0], DOCS[1], QUESTION])
+    assert pre.token_ids == tiny_engine.tokenizer(text)["input_ids"]
+    assert pre.token_ids[0] == tiny_engine.tokenizer.bos_token_id
 
 
 def plant_in_context_kv(engine: BlendEngine, token_ids: list[int], order) -> None:
@@ -126,7 +125,7 @@ def test_prefix_is_reused_exactly_with_no_recompute(tiny_engine: BlendEngine) ->
     reference = tiny_engine.prefill(only_prefix, BlendConfig("full"))
     tiny_engine.prefill(only_prefix, BlendConfig("reuse"))  # caches the prefix
     pre = tiny_engine.prefill(only_prefix, BlendConfig("cacheblend", recompute_ratio=1.0))
-    system_tokens = len(tiny_engine.tokenize(SYSTEM))
+    system_tokens = len(tiny_engine.encode(SYSTEM))  # the BOS and the system prompt
     assert pre.stats.prefix_tokens == system_tokens
     assert pre.stats.reused_tokens == system_tokens
     assert pre.stats.recomputed_tokens == 0
@@ -147,7 +146,7 @@ def test_uncached_tokens_are_always_computed(tiny_engine: BlendEngine, config: B
         Segment(QUESTION, cache=False),
     ]
     pre = tiny_engine.prefill(prompt, config)
-    uncached = sum(len(tiny_engine.tokenize(s.text)) for s in prompt if not s.cache) + 1  # + BOS
+    uncached = sum(len(tiny_engine.tokenize(s.text)) for s in prompt if not s.cache)
     moved = len(tiny_engine.tokenize(DOCS[0])) + len(tiny_engine.tokenize(DOCS[1]))
     stats = pre.stats
     assert stats.computed_tokens == uncached
@@ -342,7 +341,7 @@ def test_default_doc_context_is_the_rag_prompt_head(tiny_engine: BlendEngine) ->
     # ... and it counts as exact reuse (a prefix), never as a candidate for recompute
     first_tokens = len(engine.tokenize(DOCS[0]))
     assert exact.stats.moved_tokens == 0 and exact.stats.recomputed_tokens == 0
-    assert exact.stats.prefix_tokens == len(engine.tokenize(segments[0].text)) + first_tokens
+    assert exact.stats.prefix_tokens == len(engine.encode(segments[0].text)) + first_tokens
     assert torch.allclose(exact.logits, expected.logits, atol=1e-4, rtol=0), report(
         exact.logits, expected.logits
     )

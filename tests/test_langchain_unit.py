@@ -21,6 +21,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from kvblend import BlendConfig, BlendStats, GenerationResult, Segment, integrations
 from kvblend.langchain import BlendLLM, ChatBlend
+from kvblend.matching import split_prompt
 
 DOC_A = "Marta Quill lives in Lisbon."
 DOC_B = "Tomas Reed works as a baker."
@@ -45,8 +46,14 @@ class FakeEngine:
         self.options: list[dict[str, Any]] = []
         self.configs: list[BlendConfig | None] = []
 
-    def known_documents(self) -> dict[str, str]:
-        return dict(self.documents)
+    def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
+        return split_prompt(prompt, self.documents, prefix_role=cache_prefix)
+
+    def is_known(self, text: str) -> bool:
+        return text in self.documents
+
+    def segment_id(self, text: str) -> str:
+        return self.documents[text]
 
     def tokenize(self, text: str) -> list[int]:
         return [len(word) for word in text.split()]

@@ -265,9 +265,10 @@ def test_postprocessor_tags_copies_and_precomputes_the_llm_text(engine: BlendEng
     llm_text = first.get_content(metadata_mode=MetadataMode.LLM)
     assert llm_text == f"file_name: notes.txt\n\n{DOC_A}"  # metadata printed before the text
     assert second.get_content(metadata_mode=MetadataMode.LLM) == DOC_C
-    known = engine.known_documents()
-    assert first.metadata[SEGMENT_ID_KEY] == known[llm_text] == engine.segment_id(llm_text)
-    assert second.metadata[SEGMENT_ID_KEY] == known[DOC_C]
+    assert engine.is_known(llm_text) and engine.is_known(DOC_C)
+    assert first.metadata[SEGMENT_ID_KEY] == engine.segment_id(llm_text)
+    assert second.metadata[SEGMENT_ID_KEY] == engine.segment_id(DOC_C)
+    assert engine.store.contains(engine.segment_id(DOC_C))
     assert SEGMENT_ID_KEY not in blank.metadata  # blank LLM text: not cached, not tagged
     for node in (first, second):
         assert SEGMENT_ID_KEY not in node.get_content(metadata_mode=MetadataMode.LLM)

@@ -94,8 +94,9 @@ def prompt_segments(
     With ``separator`` the prompt is split on it instead (see `kvblend.matching.split_prompt`);
     ``cache_prefix`` caches the text before the first document as a prefix.
     """
-    documents = () if separator is not None else engine.known_documents()
-    return split_prompt(prompt, documents, separator=separator, prefix_role=cache_prefix)
+    if separator is None:
+        return engine.segments_for(prompt, cache_prefix=cache_prefix)
+    return split_prompt(prompt, separator=separator, prefix_role=cache_prefix)
 
 
 @dataclass
@@ -120,6 +121,8 @@ class BlendRun:
             "computed_tokens": stats.computed_tokens,
             "segments_cached": stats.segments_cached,
             "segments_precomputed": stats.segments_precomputed,
+            "documents_found": stats.documents_found,
+            "documents_reused": stats.documents_reused,
             "ttft_s": self.ttft_s,
         }
 

@@ -7,21 +7,34 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import templates
 from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
+from .explain import Explanation
 from .generation import GenerationResult, decode, decode_stream
 from .loading import display_name, load_model, model_fingerprint, resolve_model
-from .segments import Segment, check_segments, segment_key
+from .prompt import (
+    CachedPiece,
+    DocumentLayout,
+    PrefillPlan,
+    document_layout,
+    encode_prompt,
+    plan_prefill,
+)
+from .registry import DEFAULT_CAPACITY, DocumentRegistry
+from .segments import KV_LAYOUT, Segment, check_segments, segment_key
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -32,7 +45,10 @@ _PARITY_TEXT = (
     "Blended prefill must match the model's own forward pass: the quick brown fox jumps over "
     "the lazy dog, 0123456789."
 )
-_KV_FORMAT = "kvblend-segment-kv/1"
+_LAYOUT_CACHE = 4096  # tokenized documents kept, by text
+
+#: A prompt: a string (known documents are found in it) or a list of segments.
+PromptLike = str | Sequence[Segment | str]
 
 #: System prompt of the RAG prompts `BlendEngine.rag_segments` builds when none is given, and so
 #: part of the default document context (see `BlendEngine.rag_prefix`).
@@ -54,8 +70,10 @@ class BlendStats:
     moved_tokens: int = 0  # cached tokens placed at a new position
     recomputed_tokens: int = 0  # moved tokens recomputed through the last layer
     computed_tokens: int = 0  # uncached tokens, computed in full
-    segments_cached: int = 0
+    segments_cached: int = 0  # store entries read (documents and prefix)
     segments_precomputed: int = 0  # cache misses computed during this prefill
+    documents_found: int = 0  # cached document segments in the prompt
+    documents_reused: int = 0  # of those, how many had tokens read from their cache
     compute_fraction: float = 0.0  # token-layers computed / token-layers of a full prefill
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -77,13 +95,16 @@ class PrefillResult:
 
 
 class _StoredKV:
-    """Adapts a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop."""
+    """Adapts rows of a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, key: str, tensors: Mapping[str, torch.Tensor], rows: slice) -> None:
+        self.key = key
         self.tensors = tensors
+        self.rows = rows
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        return keys[:, self.rows], values[:, self.rows]
 
 
 class BlendEngine:
@@ -100,6 +121,7 @@ class BlendEngine:
         doc_prefix: str | None = "auto",
         name: str | None = None,
         check_parity: bool = True,
+        max_documents: int = DEFAULT_CAPACITY,
     ) -> None:
         """Wrap a loaded model; prefer `BlendEngine.from_pretrained`.
 
@@ -118,6 +140,8 @@ class BlendEngine:
                 such a prompt is then reused exactly); None: behind the BOS token alone.
             name: model name reported to users (default: the model's config name).
             check_parity: run the parity self-check now (recommended).
+            max_documents: documents the registry keeps for finding them in prompt strings
+                (least recently matched dropped first).
         """
         self.decoder = Decoder(model)
         self.model = model
@@ -130,13 +154,15 @@ class BlendEngine:
         self.kv_dtype = kv_dtype or self.decoder.dtype
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
-        self._bos = self._leading_special_ids()
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
-        self._doc_context = self._bos + (self.tokenize(self.doc_prefix) if self.doc_prefix else [])
         self.parity_error: float | None = None
-        self._lock = threading.Lock()
-        self._documents: dict[str, str] = {}  # text -> segment id, for finding them in prompts
+        self._layouts: OrderedDict[str, DocumentLayout] = OrderedDict()  # recent, by text
+        self._layouts_lock = threading.Lock()
+        self._last_unmatched_warning = -float("inf")
+        #: The documents this engine finds in prompt strings, shared with every engine over the
+        #: same store, model and document context (see `kvblend.engine.registry`).
+        self.documents = DocumentRegistry(self.store, self._registry_log(), capacity=max_documents)
         if check_parity:
             self.check_parity()
 
@@ -171,29 +197,18 @@ class BlendEngine:
         """Token ids of ``text`` alone, without special tokens."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _leading_special_ids(self) -> list[int]:
-        plain = self.tokenize("kv")
-        full = list(self.tokenizer("kv")["input_ids"])
-        return full[: len(full) - len(plain)] if full[-len(plain) :] == plain else []
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids the model reads for ``prompt``: the whole text, tokenized once.
+
+        Equal to ``tokenizer(prompt)["input_ids"]``, except that a prompt already starting with
+        the BOS token (written by a chat template) gets no second one, as in transformers'
+        chat pipeline.
+        """
+        return encode_prompt(self.tokenizer, prompt).ids
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         """Render the model's chat template over ``messages``, ready for the assistant's turn."""
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            lines = [f"{m['role']}: {m['content']}" for m in messages]
-            return "\n".join(lines) + "\nassistant:"
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True
-        )
-
-    def _chat_head_tail(self, system: str | None) -> tuple[str, str]:
-        """Return the chat template's text before and after the user's message."""
-        system = self.system_prompt if system is None else system
-        sentinel = "\ue000"
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": sentinel}
-        ]
-        head, tail = self.apply_chat_template(messages).split(sentinel)
-        return head, tail
+        return templates.apply_chat_template(self.tokenizer, messages)
 
     def rag_prefix(self, system: str | None = None, separator: str = "\n\n") -> str:
         """Return the head of the prompts `rag_segments` builds, up to the first document.
@@ -201,7 +216,9 @@ class BlendEngine:
         That is the chat template's head with the system prompt (``system=None``: the engine's
         ``system_prompt``), then ``"Documents:"`` and ``separator``.
         """
-        return self._chat_head_tail(system)[0] + "Documents:" + separator
+        return templates.rag_prefix(
+            self.tokenizer, self.system_prompt if system is None else system, separator
+        )
 
     def rag_segments(
         self,
@@ -217,21 +234,18 @@ class BlendEngine:
         each document is a cached segment; separators, the question and the template tail are
         computed in full. ``system=None`` uses the engine's ``system_prompt``; ``""`` none.
         """
-        if not question.strip():
-            raise ValueError("the question is empty")
-        head, tail = self._chat_head_tail(system)
-        segments = [Segment(head + "Documents:" + separator, role="prefix")]
-        for index, document in enumerate(documents):
-            if index:
-                segments.append(Segment(separator, cache=False))
-            segments.append(Segment(document))
-        segments.append(Segment(f"{separator}Question: {question}{tail}", cache=False))
-        return segments
+        return templates.rag_segments(
+            self.tokenizer,
+            question,
+            documents,
+            system=self.system_prompt if system is None else system,
+            separator=separator,
+        )
 
     # ------------------------------------------------------------------ parity
     def check_parity(self) -> float:
         """Compare the blend loop (strategy ``full``) with the model's forward; store the error."""
-        ids = self._bos + self.tokenize(_PARITY_TEXT)
+        ids = self.encode(_PARITY_TEXT)
         token_ids = torch.tensor(ids, dtype=torch.long)
         with torch.inference_mode():
             expected = self.model(token_ids[None].to(self.decoder.device)).logits[0, -1].float()
@@ -256,18 +270,40 @@ class BlendEngine:
                 "than produce wrong text. Please report the model and transformers version."
             )
 
-    # ------------------------------------------------------------------ precompute
+    # ------------------------------------------------------------------ documents
+    def _registry_log(self) -> str:
+        context = self.doc_prefix or ""
+        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|{context}".encode()).hexdigest()
+        return f"documents-{digest[:32]}"
+
+    def _layout(self, text: str) -> DocumentLayout:
+        """How ``text`` is tokenized as cached: behind the document context (memoized)."""
+        with self._layouts_lock:
+            layout = self._layouts.get(text)
+            if layout is not None:
+                self._layouts.move_to_end(text)
+                return layout
+        layout = document_layout(self.tokenizer, self.doc_prefix or "", text)
+        with self._layouts_lock:
+            self._layouts[text] = layout
+            if len(self._layouts) > _LAYOUT_CACHE:
+                self._layouts.popitem(last=False)
+        return layout
+
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
-        return segment_key(self.fingerprint, self._doc_context, self.tokenize(text))
+        layout = self._layout(text)
+        return segment_key(self.fingerprint, layout.context_ids, layout.ids)
 
     def precompute(
         self, texts: Iterable[str], *, progress: bool | None = None, force: bool = False
     ) -> list[str]:
         """Compute and store the KV of each document text once; return their segment ids.
 
-        Texts already in the store are skipped unless ``force``. ``progress=None`` shows a
-        progress bar on a terminal for four or more texts.
+        A text whose entry is in the store and reads back intact is skipped (``force``: always
+        recomputed); an entry that cannot be read is dropped and recomputed. Every text becomes
+        known to the document registry, so any process sharing the store finds it in prompts.
+        ``progress=None`` shows a progress bar on a terminal for four or more texts.
         """
         from tqdm.auto import tqdm
 
@@ -282,26 +318,45 @@ class BlendEngine:
             disable=(len(items) < 4 if progress is None else not progress) or None,
         )
         for text in bar:
-            token_ids = self.tokenize(text)
-            key = segment_key(self.fingerprint, self._doc_context, token_ids)
-            if force or not self.store.contains(key):
-                self._compute_segment(key, self._doc_context, token_ids)
-            with self._lock:
-                self._documents[text] = key
+            layout = self._layout(text)
+            key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
+            if force or not self._entry_intact(key):
+                self._compute_segment(key, layout.context_ids, layout.ids)
+            self.documents.add([text])
             ids.append(key)
         return ids
 
-    def register(self, texts: Iterable[str]) -> None:
-        """Remember document texts (already precomputed, e.g. in another process) as known."""
-        items = [texts] if isinstance(texts, str) else list(texts)
-        with self._lock:
-            for text in items:
-                self._documents[text] = self.segment_id(text)
+    def _entry_intact(self, key: str) -> bool:
+        """Whether the store holds ``key`` and every tensor reads back; a damaged one is dropped."""
+        try:
+            entry = self.store.get(key)
+            if entry is None:
+                return False
+            for name in entry:
+                entry[name]
+            return True
+        except Exception as error:  # noqa: BLE001 - any unreadable entry is recomputed
+            logger.warning("dropping unreadable KV entry %s: %s", key, error)
+            self._drop(key)
+            return False
 
-    def known_documents(self) -> dict[str, str]:
-        """Document texts this engine has precomputed or registered, mapped to segment ids."""
-        with self._lock:
-            return dict(self._documents)
+    def _drop(self, key: str) -> None:
+        try:
+            self.store.delete(key)
+        except Exception as error:  # noqa: BLE001 - recomputing overwrites it anyway
+            logger.debug("could not delete KV entry %s: %s", key, error)
+
+    def register(self, texts: Iterable[str]) -> None:
+        """Make document texts known without computing anything (their KV is computed on use).
+
+        Rarely needed: documents precomputed by any process sharing the store are known.
+        """
+        items = [texts] if isinstance(texts, str) else list(texts)
+        self.documents.add(items)
+
+    def is_known(self, text: str) -> bool:
+        """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
+        return text in self.documents
 
     def _compute_segment(
         self, key: str, context: list[int], token_ids: list[int]
@@ -324,7 +379,7 @@ class BlendEngine:
             tensors[f"k.{layer}"] = keys[:, start:].to(self.kv_dtype).contiguous()
             tensors[f"v.{layer}"] = values[:, start:].to(self.kv_dtype).contiguous()
         metadata = {
-            "format": _KV_FORMAT,
+            "format": KV_LAYOUT,
             "model": self.name,
             "fingerprint": self.fingerprint,
             "layers": str(self.decoder.shape.num_layers),
@@ -345,88 +400,151 @@ class BlendEngine:
                 f"of {limit} tokens"
             )
 
+    # ------------------------------------------------------------------ planning
+    def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
+        """Cut a prompt string into segments: the known documents in it and the text between.
+
+        ``cache_prefix``: the text before the first document is cached as a prefix. A prompt
+        with no known document while documents are known logs a warning (at most once a
+        minute) saying why reuse may have failed.
+        """
+        if not isinstance(prompt, str):
+            raise TypeError(f"the prompt must be a str, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        matches = self.documents.find(prompt)
+        if not matches and len(self.documents):
+            now = time.monotonic()
+            if now - self._last_unmatched_warning > 60:
+                self._last_unmatched_warning = now
+                logger.warning(
+                    "no precomputed document found in the prompt although %d are known: a "
+                    "document is found only when its exact text occurs in the prompt (text "
+                    "trimmed, truncated, re-joined or escaped by a formatter is computed in "
+                    "full); engine.explain(prompt) or `kvblend explain` shows what is reused",
+                    len(self.documents),
+                )
+        pieces: list[Segment] = []
+        cursor = 0
+        for match in matches:
+            if match.start > cursor:
+                pieces.append(Segment(prompt[cursor : match.start], cache=False))
+            pieces.append(Segment(prompt[match.start : match.end]))
+            cursor = match.end
+        if cursor < len(prompt):
+            pieces.append(Segment(prompt[cursor:], cache=False))
+        if cache_prefix and matches and not pieces[0].cache:
+            pieces[0] = Segment(pieces[0].text, role="prefix")
+        return pieces
+
+    def _segments(self, prompt: PromptLike) -> list[Segment]:
+        if isinstance(prompt, str):
+            return self.segments_for(prompt)
+        return check_segments(prompt)
+
+    def plan(self, prompt: PromptLike) -> PrefillPlan:
+        """Tokenize the whole prompt once and decide where each token's KV comes from."""
+        items = self._segments(prompt)
+        text = "".join(segment.text for segment in items)
+        tokens = encode_prompt(self.tokenizer, text)
+        self._check_length(len(tokens.ids))
+        if not tokens.ids:
+            raise ValueError("the prompt has no tokens")
+        pieces, cursor = [], 0
+        for segment in items:
+            if segment.cache:
+                pieces.append(CachedPiece(cursor, cursor + len(segment.text), segment.role))
+            cursor += len(segment.text)
+        return plan_prefill(tokens, pieces, lambda start, end: self._layout(text[start:end]))
+
+    def explain(self, prompt: PromptLike) -> Explanation:
+        """Show, without computing anything, which parts of a prompt would be reused and why."""
+        items = self._segments(prompt)
+        plan = self.plan(items)
+        text = "".join(segment.text for segment in items)
+        stored = {
+            index: self.store.contains(
+                segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+            )
+            for index, span in enumerate(plan.spans)
+        }
+        return Explanation(text, plan, stored, len(self.documents))
+
     # ------------------------------------------------------------------ prefill
-    def prefill(
-        self, segments: Sequence[Segment | str], config: BlendConfig | None = None
-    ) -> PrefillResult:
-        """Blended prefill of ``segments``; cached segments missing from the store are computed."""
+    def prefill(self, prompt: PromptLike, config: BlendConfig | None = None) -> PrefillResult:
+        """Blended prefill of a prompt: a string (known documents are found in it) or segments.
+
+        Cached segments missing from the store, or whose entry cannot be read, are computed
+        (and stored) within the call.
+        """
         config = config or BlendConfig()
         config.validate_for(self.decoder.shape.num_layers)
-        items = check_segments(segments)
         if config.strategy != "full":
             self._require_parity()
         started = time.perf_counter()
+        plan = self.plan(prompt)
         stats = BlendStats(strategy=config.strategy)
-        token_ids: list[int] = list(self._bos)
-        kinds: list[int] = [COMPUTE] * len(token_ids)
-        pending: list[tuple[int, int, int, str, list[int], list[int]]] = []
-        prefix_ids: list[int] = list(self._bos)
-        for segment in items:
-            ids = self.tokenize(segment.text)
-            start = len(token_ids)
-            token_ids.extend(ids)
-            if not segment.cache or not ids:
-                kinds.extend([COMPUTE] * len(ids))
-                continue
-            kind = PREFIX if segment.role == "prefix" else MOVED
-            context = list(prefix_ids) if kind == PREFIX else self._doc_context
-            if kind == PREFIX:
-                prefix_ids.extend(ids)
-            elif start == len(self._doc_context) and token_ids[:start] == self._doc_context:
-                # A document right after the head it was precomputed behind: its cached KV is
-                # what a full prefill computes here, so it is reused exactly, like a prefix.
-                kind = PREFIX
-            kinds.extend([kind] * len(ids))
-            pending.append(
-                (
-                    start,
-                    start + len(ids),
-                    kind,
-                    segment_key(self.fingerprint, context, ids),
-                    context,
-                    ids,
-                )
-            )
-        self._check_length(len(token_ids))
-        if not token_ids:
-            raise ValueError("the prompt has no tokens")
-        kinds[-1] = COMPUTE  # the last token is always computed: it produces the logits
         stats.timings["tokenize_s"] = time.perf_counter() - started
-
-        spans: list[CachedSpan] = []
-        lookup_started = time.perf_counter()
-        if config.strategy != "full":
-            for start, end, kind, key, context, ids in pending:
-                entry = self.store.get(key, device=self.decoder.device)
-                if entry is None:
-                    entry = self._compute_segment(key, context, ids)
-                    stats.segments_precomputed += 1
-                stats.segments_cached += 1
-                spans.append(CachedSpan(start, end, _StoredKV(entry), kind))
-        stats.timings["lookup_s"] = time.perf_counter() - lookup_started
-
-        kind_tensor = torch.tensor(kinds, dtype=torch.int8)
-        compute_started = time.perf_counter()
-        out = run_blend(
-            self.decoder, BlendInput(torch.tensor(token_ids), kind_tensor, spans), config
-        )
+        documents = [row for row in plan.report if row.role == "document"]
+        stats.documents_found = len(documents)
+        stats.documents_reused = sum(1 for row in documents if row.reused)
+        kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
+        token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
+        for _ in range(len(plan.spans) + 1):
+            lookup_started = time.perf_counter()
+            spans = [] if config.strategy == "full" else self._load_spans(plan, stats)
+            stats.timings["lookup_s"] = time.perf_counter() - lookup_started
+            compute_started = time.perf_counter()
+            try:
+                out = run_blend(self.decoder, BlendInput(token_ids, kinds, spans), config)
+                break
+            except Exception as error:
+                # A store entry found damaged while its layers were read (the store's
+                # CorruptEntryError names it): drop it, recompute it, run again.
+                key = getattr(error, "key", None)
+                if key not in {span.source.key for span in spans}:
+                    raise
+                logger.warning("KV entry %s unreadable during prefill, recomputing it", key)
+                self._drop(key)
+        else:  # pragma: no cover - every retry drops one entry, so this cannot loop forever
+            raise RuntimeError("could not read the prompt's cached KV")
         assert out.logits is not None
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
         if config.strategy == "attention":
             stats.timings["probe_s"] = out.stats["probe_s"]
         stats.timings["prefill_s"] = time.perf_counter() - started
-        stats.prompt_tokens = len(token_ids)
+        stats.prompt_tokens = len(plan.token_ids)
         if config.strategy == "full":
-            stats.computed_tokens = len(token_ids)
+            stats.computed_tokens = len(plan.token_ids)
         else:
-            stats.prefix_tokens = int((kind_tensor == PREFIX).sum())
-            stats.moved_tokens = int((kind_tensor == MOVED).sum())
+            stats.prefix_tokens = int((kinds == PREFIX).sum())
+            stats.moved_tokens = int((kinds == MOVED).sum())
             stats.recomputed_tokens = int(out.stats["recomputed_tokens"])
-            stats.computed_tokens = int((kind_tensor == COMPUTE).sum())
+            stats.computed_tokens = int((kinds == COMPUTE).sum())
             stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
         stats.compute_fraction = out.stats["token_layers"] / out.stats["token_layers_full"]
-        return PrefillResult(out.logits, token_ids, stats, out.keys, out.values)
+        return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
+
+    def _load_spans(self, plan: PrefillPlan, stats: BlendStats) -> list[CachedSpan]:
+        """Open each planned span's store entry; compute and store the ones that are missing."""
+        spans = []
+        stats.segments_cached = stats.segments_precomputed = 0
+        for span in plan.spans:
+            key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+            try:
+                entry = self.store.get(key, device=self.decoder.device)
+            except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
+                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
+                self._drop(key)
+                entry = None
+            if entry is None:
+                entry = self._compute_segment(key, span.context_ids, span.cached_ids)
+                stats.segments_precomputed += 1
+            stats.segments_cached += 1
+            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
+            spans.append(CachedSpan(span.start, span.end, _StoredKV(key, entry, rows), span.kind))
+        return spans
 
     # ------------------------------------------------------------------ generation
     def generate(

@@ -1,4 +1,4 @@
-"""Prompt segments, piecewise tokenization and content-hash segment ids."""
+"""Prompt segments and content-hash segment ids."""
 
 from __future__ import annotations
 
@@ -11,14 +11,19 @@ import numpy as np
 
 Role = Literal["document", "prefix"]
 
+#: Version of the stored KV layout (un-rotated keys, values, per layer, whole-text token ids);
+#: part of every segment key, so entries of another layout are never read.
+KV_LAYOUT = "kvblend-segment-kv/2"
+
 
 @dataclass(frozen=True)
 class Segment:
     """One piece of a prompt.
 
     Attributes:
-        text: the exact text of the piece; tokenized on its own, so the prompt's token ids are the
-            concatenation of every segment's ids.
+        text: the exact text of the piece. The prompt is the concatenation of every segment's
+            text, tokenized as a whole (the model reads exactly that text); a cached segment's
+            tokens that tokenize differently there than in its cache are computed.
         role: ``"document"`` (default) for a cached piece that may land anywhere in the prompt;
             ``"prefix"`` for a leading piece (system prompt, template head) that is cached at its
             own position and reused exactly. Prefix segments must come first.
@@ -58,6 +63,8 @@ def check_segments(segments: Sequence[Segment | str]) -> list[Segment]:
 def segment_key(fingerprint: str, context_ids: Sequence[int], token_ids: Sequence[int]) -> str:
     """Stable content id of a segment's KV: model+tokenizer fingerprint, context and tokens."""
     digest = hashlib.sha256()
+    digest.update(KV_LAYOUT.encode())
+    digest.update(b"|")
     digest.update(fingerprint.encode())
     digest.update(b"|ctx|")
     digest.update(np.asarray(context_ids, dtype="<i8").tobytes())

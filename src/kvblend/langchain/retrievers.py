@@ -102,7 +102,7 @@ class BlendRetriever(BaseRetriever):
             self._pending.append(_executor().submit(precompute_texts, engine, texts))
         elif texts:
             precompute_texts(engine, texts)
-        ids = engine.known_documents()
+        ids = {text: engine.segment_id(text) for text in texts if engine.is_known(text)}
         tagged = [
             Document(
                 page_content=doc.page_content,

@@ -70,10 +70,9 @@ class BlendNodePostprocessor(BaseNodePostprocessor):
         copies = [NodeWithScore(node=_untagged(item.node), score=item.score) for item in nodes]
         contents = [item.node.get_content(metadata_mode=MetadataMode.LLM) for item in copies]
         precompute_texts(engine, dict.fromkeys(text for text in contents if text.strip()))
-        ids = engine.known_documents()
         for item, content in zip(copies, contents, strict=True):
-            if content in ids:
-                item.node.metadata[SEGMENT_ID_KEY] = ids[content]
+            if content.strip() and engine.is_known(content):
+                item.node.metadata[SEGMENT_ID_KEY] = engine.segment_id(content)
         return copies[::-1] if self.order == "most_relevant_last" else copies
 
 

@@ -1,0 +1,264 @@
+"""Whole-prompt tokenization and the prefill plan: which prompt tokens come from which cache.
+
+The model must read exactly the prompt the user wrote: the token ids its own tokenizer gives
+the whole text, as ``model.generate(**tokenizer(prompt))`` would. Tokenizing each piece of a
+prompt on its own and concatenating the ids is not the same text to the model (a BPE tokenizer
+glues a space to the next word, merges newlines across pieces; a SentencePiece tokenizer adds a
+``▁`` at the start of every piece), so a prompt is tokenized once, and cached documents are then
+located in that token sequence through the tokenizer's character offsets.
+
+A document's KV is cached for the tokens it has when it follows its document context (the text
+it is precomputed behind). In a prompt, the document's tokens whose ids and character offsets
+(relative to the document's start) equal cached ones reuse the cached rows; tokens at its edges
+that tokenize differently in context (a space glued to its first word, a word continuing past
+its end) are computed. `plan_prefill` is a pure function of token ids and offsets, so every
+tokenizer family follows the same rule and the plan can be tested without a model.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+__all__ = [
+    "DocumentLayout",
+    "PlannedSpan",
+    "PrefillPlan",
+    "PromptTokens",
+    "SpanReport",
+    "TokenKind",
+    "document_layout",
+    "encode_prompt",
+    "plan_prefill",
+    "CachedPiece",
+]
+
+
+class TokenKind(IntEnum):
+    """Where a prompt token's KV comes from."""
+
+    PREFIX = 0  # a cache computed over exactly the tokens before it: reused as is
+    MOVED = 1  # a document cache computed behind other text: reused, may be recomputed
+    COMPUTE = 2  # no cache: computed at every layer
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """Token ids of a text with each token's character span ``[start, end)`` in that text."""
+
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+def encode_prompt(tokenizer: Any, text: str) -> PromptTokens:
+    """Tokenize ``text`` as a whole, as transformers would before ``generate``.
+
+    Special tokens are added the way ``tokenizer(text)`` adds them, except when the text already
+    starts with the tokenizer's BOS token (a chat template wrote it): then none are added, as
+    transformers' ``apply_chat_template(..., tokenize=True)`` and text-generation pipeline do,
+    so the BOS is not doubled.
+    """
+    if not getattr(tokenizer, "is_fast", False):
+        raise TypeError(
+            "kvblend needs a fast (Rust) tokenizer to locate documents in a prompt; load the "
+            "tokenizer with use_fast=True"
+        )
+    bos = getattr(tokenizer, "bos_token", None)
+    add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
+    encoded = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    offsets = [(int(start), int(end)) for start, end in encoded["offset_mapping"]]
+    return PromptTokens(list(encoded["input_ids"]), offsets)
+
+
+@dataclass(frozen=True)
+class DocumentLayout:
+    """A document's tokens as cached: behind ``context_ids``, with offsets relative to its start.
+
+    ``ids`` / ``offsets`` are the tokens whose KV is stored (offsets may start below 0 for a
+    token that straddles the end of the context text).
+    """
+
+    context_ids: list[int]
+    ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+def document_layout(tokenizer: Any, context_text: str, text: str) -> DocumentLayout:
+    """Tokenize ``context_text + text`` as a whole and split it where the document starts."""
+    whole = encode_prompt(tokenizer, context_text + text)
+    boundary = len(context_text)
+    split = 0
+    while split < len(whole.ids) and whole.offsets[split][1] <= boundary:
+        split += 1
+    offsets = [(start - boundary, end - boundary) for start, end in whole.offsets[split:]]
+    return DocumentLayout(whole.ids[:split], whole.ids[split:], offsets)
+
+
+@dataclass(frozen=True)
+class PlannedSpan:
+    """Prompt rows ``[start, end)`` that read cached rows ``[cached_start, ...)`` of one entry.
+
+    The entry is the KV of ``cached_ids`` computed behind ``context_ids``.
+    """
+
+    start: int
+    end: int
+    cached_start: int
+    kind: TokenKind
+    context_ids: list[int]
+    cached_ids: list[int]
+
+
+@dataclass(frozen=True)
+class SpanReport:
+    """What the plan does with one segment of the prompt (for `BlendEngine.explain`)."""
+
+    char_start: int
+    char_end: int
+    tokens: int
+    role: str  # "prefix", "document" or "text"
+    reused: int  # tokens read from a cache
+    exact: bool  # reused at the position and context it was computed at
+    reason: str
+    span: int | None = None  # index of its `PlannedSpan` in the plan, if any
+
+
+@dataclass
+class PrefillPlan:
+    """Token ids of the whole prompt, each token's kind, and the cached spans to read."""
+
+    token_ids: list[int]
+    kinds: list[TokenKind]
+    spans: list[PlannedSpan] = field(default_factory=list)
+    report: list[SpanReport] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CachedPiece:
+    """A cached segment of the prompt: characters ``[start, end)``, ``role`` prefix or document."""
+
+    start: int
+    end: int
+    role: str
+
+
+def _tokens_within(
+    starts: Sequence[int], offsets: Sequence[tuple[int, int]], start: int, end: int
+) -> range:
+    """Return the indices of the tokens lying entirely inside characters ``[start, end)``."""
+    first = bisect.bisect_left(starts, start)
+    while first < len(offsets) and offsets[first][0] == offsets[first][1]:
+        first += 1  # zero-width (special) tokens belong to no document
+    last = first
+    while last < len(offsets) and offsets[last][1] <= end:
+        last += 1
+    return range(first, last)
+
+
+def _straddling(offsets: Sequence[tuple[int, int]], tokens: range, start: int, end: int) -> int:
+    """How many tokens just outside ``tokens`` also hold characters of ``[start, end)``."""
+    before = tokens.start > 0 and offsets[tokens.start - 1][1] > start
+    after = tokens.stop < len(offsets) and offsets[tokens.stop][0] < end
+    return int(before) + int(after)
+
+
+def _longest_run(
+    prompt: PromptTokens, tokens: range, char_start: int, layout: DocumentLayout
+) -> tuple[int, int, int]:
+    """Longest run of prompt tokens equal (id and relative offsets) to consecutive cached ones.
+
+    Returns ``(prompt_index, cached_index, length)``; length 0 when nothing matches.
+    """
+    where: dict[tuple[int, int, int], int] = {}
+    for index, (token, (start, end)) in enumerate(zip(layout.ids, layout.offsets, strict=True)):
+        where.setdefault((token, start, end), index)
+    best = (0, 0, 0)
+    run_start = run_cached = run_length = 0
+    for index in tokens:
+        start, end = prompt.offsets[index]
+        token = (prompt.ids[index], start - char_start, end - char_start)
+        expected = run_cached + run_length
+        if (
+            run_length
+            and expected < len(layout.ids)
+            and (layout.ids[expected], *layout.offsets[expected]) == token
+        ):
+            run_length += 1
+        else:
+            found = where.get(token)
+            run_start, run_cached, run_length = index, found or 0, int(found is not None)
+        if run_length > best[2]:
+            best = (run_start, run_cached, run_length)
+    return best
+
+
+def plan_prefill(
+    prompt: PromptTokens,
+    pieces: Sequence[CachedPiece],
+    layout_of: Callable[[int, int], DocumentLayout],
+) -> PrefillPlan:
+    """Decide, for every prompt token, where its KV comes from.
+
+    ``pieces`` are the cached segments, in order, prefixes first; ``layout_of(start, end)``
+    returns the cached layout of the document at characters ``[start, end)``. Text outside the
+    pieces, and document tokens that tokenize differently in context, are computed; the last
+    token is always computed (it gives the logits).
+    """
+    ids = prompt.ids
+    starts = [start for start, _ in prompt.offsets]
+    kinds = [TokenKind.COMPUTE] * len(ids)
+    plan = PrefillPlan(list(ids), kinds)
+    prefix_end = max((piece.end for piece in pieces if piece.role == "prefix"), default=0)
+    if prefix_end:
+        count = 0
+        while count < len(ids) and prompt.offsets[count][1] <= prefix_end:
+            count += 1
+        if count:
+            kinds[:count] = [TokenKind.PREFIX] * count
+            plan.spans.append(PlannedSpan(0, count, 0, TokenKind.PREFIX, [], ids[:count]))
+        plan.report.append(
+            SpanReport(
+                0, prefix_end, count, "prefix", count, True, "prompt head, reused exactly",
+                0 if count else None,
+            )
+        )  # fmt: skip
+    for piece in pieces:
+        if piece.role == "prefix":
+            continue
+        layout = layout_of(piece.start, piece.end)
+        tokens = _tokens_within(starts, prompt.offsets, piece.start, piece.end)
+        first, cached, length = _longest_run(prompt, tokens, piece.start, layout)
+        context = layout.context_ids
+        exact = (
+            length > 0
+            and cached == 0
+            and first == len(context)
+            and ids[: len(context)] == context
+            and all(kind != TokenKind.PREFIX for kind in kinds[first : first + length])
+        )
+        kind = TokenKind.PREFIX if exact else TokenKind.MOVED
+        span_index = len(plan.spans) if length else None
+        if length:
+            kinds[first : first + length] = [kind] * length
+            plan.spans.append(PlannedSpan(first, first + length, cached, kind, context, layout.ids))
+        overlapping = len(tokens) + _straddling(prompt.offsets, tokens, piece.start, piece.end)
+        edge = overlapping - length
+        if not length:
+            reason = "no token tokenizes as in the cache: computed"
+        elif exact:
+            reason = "right after the text it was precomputed behind: reused exactly"
+        else:
+            reason = "moved: reused at its new position"
+        if length and edge:
+            reason += f"; {edge} edge token(s) tokenize differently here and are computed"
+        plan.report.append(
+            SpanReport(
+                piece.start, piece.end, overlapping, "document", length, exact, reason, span_index
+            )
+        )
+    if kinds:
+        kinds[-1] = TokenKind.COMPUTE
+    return plan
