@@ -24,8 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config
-from transformers import AutoTokenizer, Qwen2ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from conftest import TINY, byte_tokenizer
 from kvblend import BlendConfig, BlendEngine, Segment
