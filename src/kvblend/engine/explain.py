@@ -10,8 +10,10 @@ __all__ = ["Explanation"]
 
 
 def _snippet(text: str, width: int = 48) -> str:
-    flat = text.replace("\n", "\\n")
-    return flat if len(flat) <= width else flat[: width - 3] + "..."
+    """Return the text's repr, cut to about ``width`` characters."""
+    if len(text) <= width:
+        return repr(text)
+    return repr(text[: width - 3]) + "..."
 
 
 @dataclass(frozen=True)
@@ -48,14 +50,14 @@ class Explanation:
         for row in sorted(self.plan.report, key=lambda row: row.char_start):
             if row.char_start > covered:
                 gap = self.text[covered : row.char_start]
-                lines.append(f"  text      {_snippet(gap)!r}: uncached, computed")
+                lines.append(f"  text      {_snippet(gap)}: uncached, computed")
             missing = row.span is not None and not self.stored.get(row.span, True)
             note = "; not in the store yet: computed and stored on first use" if missing else ""
             lines.append(
-                f"  {row.role:<9} {_snippet(self.text[row.char_start : row.char_end])!r}: "
+                f"  {row.role:<9} {_snippet(self.text[row.char_start : row.char_end])}: "
                 f"{row.reused}/{row.tokens} tokens reused; {row.reason}{note}"
             )
             covered = row.char_end
         if covered < len(self.text):
-            lines.append(f"  text      {_snippet(self.text[covered:])!r}: uncached, computed")
+            lines.append(f"  text      {_snippet(self.text[covered:])}: uncached, computed")
         return "\n".join(lines)

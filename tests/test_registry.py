@@ -1,0 +1,150 @@
+"""The document registry: exact matching in prompts, bounds, and sharing through the store."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conftest import byte_tokenizer, tiny_model
+from kvblend import BlendConfig, BlendEngine
+from kvblend.engine.registry import DocumentRegistry, Match
+from kvblend.store import DiskKVStore, MemoryKVStore, default_store
+
+A = "Marta Quill is a beekeeper who lives in Lisbon."
+B = "Tomas Elm is a violin maker who lives in Cremona."
+C = "Marta Quill is a beekeeper"  # a prefix of A
+
+
+def spans(prompt: str, matches: list[Match]) -> list[str]:
+    return [prompt[m.start : m.end] for m in matches]
+
+
+def test_finds_every_known_document_longest_first_without_overlap() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test")
+    registry.add([A, B, C])
+    prompt = f"Context: {B}\n\n{A}\nAnd again: {A} Q: {C}?"
+    assert spans(prompt, registry.find(prompt)) == [B, A, A, C]
+    assert registry.find("nothing known here at all") == []
+    assert A in registry and "unknown text here" not in registry
+
+
+def test_short_documents_are_not_registered() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test")
+    registry.add(["short", "eight ch"])
+    assert "short" not in registry and "eight ch" in registry
+    assert spans("x eight ch y", registry.find("x eight ch y")) == ["eight ch"]
+
+
+def test_least_recently_matched_documents_are_dropped_past_capacity() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test", capacity=2)
+    registry.add([A, B])
+    registry.find(f"{A}")  # A is now the most recently used
+    registry.add(["A third document, long enough."])
+    assert A in registry and B not in registry and len(registry) == 2
+
+
+def test_registries_over_one_folder_share_documents(tmp_path: Path) -> None:
+    writer = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
+    reader = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
+    other_model = DocumentRegistry(DiskKVStore(tmp_path), "documents-other")
+    writer.add([A])
+    assert spans(A, reader.find(A)) == [A]
+    writer.add([B])  # read incrementally on the next search
+    assert spans(f"{B} {A}", reader.find(f"{B} {A}")) == [B, A]
+    assert other_model.find(A) == []
+    # Records hold hashes, never the text.
+    blob = b"".join(path.read_bytes() for path in tmp_path.rglob("*") if path.is_file())
+    assert b"beekeeper" not in blob and "beekeeper".encode("utf-16-le") not in blob
+
+
+def test_a_broken_shared_log_leaves_the_local_registry_working(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Broken(MemoryKVStore):
+        def append_records(self, log, records):
+            raise OSError("disk gone")
+
+        def read_records(self, log, cursor=0):
+            raise OSError("disk gone")
+
+    registry = DocumentRegistry(Broken(), "documents-test")
+    with caplog.at_level(logging.WARNING):
+        registry.add([A])
+        assert spans(A, registry.find(A)) == [A]
+    assert "disk gone" in caplog.text
+
+
+def test_engine_warns_when_a_prompt_holds_no_known_document(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    engine.precompute([A])
+    with caplog.at_level(logging.WARNING, logger="kvblend.engine.engine"):
+        engine.prefill(f"{A.strip('.')}, trimmed.\nQ?", BlendConfig("reuse"))
+        engine.prefill("another prompt without it\nQ?", BlendConfig("reuse"))
+    warnings = [r for r in caplog.records if "no precomputed document" in r.message]
+    assert len(warnings) == 1  # rate limited
+    assert "exact text" in warnings[0].message and "explain" in warnings[0].message
+    stats = engine.prefill(f"Docs: {A}\nQ?", BlendConfig("reuse")).stats
+    assert (stats.documents_found, stats.documents_reused) == (1, 1)
+
+
+def test_explain_says_what_is_reused_and_why() -> None:
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    engine.precompute([A])
+    engine.register([B])  # known, not computed yet
+    explanation = engine.explain(f"Context: {A}\n\n{B}\nQuestion: where?")
+    text = str(explanation)
+    assert explanation.documents_found == 2
+    assert "moved: reused at its new position" in text
+    assert "not in the store yet" in text
+    assert "'\\nQuestion: where?': uncached, computed" in text
+    assert not engine.store.contains(engine.segment_id(B))  # explain computes nothing
+
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from conftest import byte_tokenizer, tiny_model
+    from kvblend import BlendConfig, BlendEngine
+    from kvblend.store import default_store
+
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=default_store({folder!r}))
+    if sys.argv[1] == "precompute":
+        engine.precompute(json.loads(sys.argv[2]))
+    else:
+        stats = engine.prefill(sys.argv[2], BlendConfig("reuse")).stats
+        print(json.dumps([stats.documents_reused, stats.reused_tokens,
+                          stats.segments_precomputed]))
+    """
+)
+
+
+def test_a_second_process_reuses_documents_it_never_precomputed(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(
+        WORKER.format(tests=str(Path(__file__).parent), folder=str(tmp_path / "store"))
+    )
+    import json
+
+    def run(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    run("precompute", json.dumps([A, B]))
+    reused, tokens, precomputed = json.loads(run("ask", f"Docs: {B}\n\n{A}\nWho keeps bees?"))
+    assert reused == 2 and tokens > 0 and precomputed == 0
+    # ... and the same holds for a new engine in this process (a restart).
+    engine = BlendEngine(
+        tiny_model("qwen2"), byte_tokenizer(), store=default_store(tmp_path / "store")
+    )
+    assert engine.is_known(A) and len(engine.documents) == 2
