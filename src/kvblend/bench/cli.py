@@ -1,4 +1,4 @@
-"""``kvblend bench`` subcommands: ttft, figures, quality, report."""
+"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report."""
 
 from __future__ import annotations
 
@@ -167,6 +167,17 @@ def cmd_report(args: argparse.Namespace) -> None:
     print(write_report(Path(args.ttft), Path(args.quality), Path(args.img_dir)))
 
 
+def cmd_registry(args: argparse.Namespace) -> None:
+    """Search cost of the document registry at several registry sizes."""
+    from .registry import registry_table, run_registry
+
+    counts = tuple(int(x) for x in args.counts.split(","))
+    result = run_registry(counts, docs_in_prompt=args.docs_in_prompt, repeats=args.repeats)
+    result["machine"] = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    _write(result, Path(args.output), registry_table(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
     parser = argparse.ArgumentParser(prog="kvblend bench", description=__doc__)
@@ -220,6 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--max-new-tokens", type=int, default=12)
     quality.add_argument("--output", default=str(RESULTS_DIR / "quality.json"))
     quality.set_defaults(func=cmd_quality)
+
+    registry = sub.add_parser(
+        "registry", help="document-finding cost with 100 vs 100,000 known documents"
+    )
+    registry.add_argument("--counts", default="100,100000", help="registry sizes, comma list")
+    registry.add_argument("--docs-in-prompt", type=int, default=10)
+    registry.add_argument("--repeats", type=int, default=20)
+    registry.add_argument("--output", default=str(RESULTS_DIR / "registry.json"))
+    registry.set_defaults(func=cmd_registry)
 
     report = sub.add_parser("report", help="markdown tables and PNG plots from saved results")
     report.add_argument("--ttft", default=str(RESULTS_DIR / "ttft.json"))

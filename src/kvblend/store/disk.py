@@ -133,7 +133,7 @@ class DiskKVStore(KVStore):
                 size_limit=self.size_limit,
                 cull_limit=0,
             )
-            self._records = DiskRecordLogs(self.directory / "records")
+            self._records = DiskRecordLogs(self.directory / "records.db")
 
     @contextlib.contextmanager
     def _storage_errors(self, action: str) -> Iterator[None]:
