@@ -161,6 +161,40 @@ def test_engine_is_loaded_lazily_and_once_per_model_spec(monkeypatch: pytest.Mon
     assert loads == ["spec-a", "spec-b"]
 
 
+def test_an_engine_given_to_one_adapter_serves_those_built_without_one(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from kvblend.langchain import BlendRetriever
+
+    loads: list[str | None] = []
+
+    def fake_load(model: str | None = None, **_: Any) -> FakeEngine:
+        loads.append(model)
+        return FakeEngine()
+
+    monkeypatch.setattr(integrations, "_ENGINES", {})
+    monkeypatch.setattr(integrations.BlendEngine, "from_pretrained", fake_load)
+    from conftest import byte_tokenizer, tiny_model
+    from kvblend import BlendEngine
+    from kvblend.store import MemoryKVStore
+
+    given = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="a")
+    given.model_spec = integrations.resolve_model("spec-a")  # as from_pretrained records it
+    ChatBlend(engine=given)
+    from langchain_core.retrievers import BaseRetriever
+
+    class NoDocuments(BaseRetriever):
+        def _get_relevant_documents(self, query: str, *, run_manager: Any) -> list[Any]:
+            return []
+
+    assert BlendRetriever(retriever=NoDocuments(), model="spec-a")._get_engine() is given
+    assert loads == []  # no second copy of the model
+    with caplog.at_level("WARNING"):
+        ChatBlend(model="spec-b")._get_engine()  # another model: loaded, and said so
+    assert loads == [integrations.resolve_model("spec-b")]
+    assert "another model in memory" in caplog.text
+
+
 def test_ls_params_do_not_load_the_model() -> None:
     chat = ChatBlend(model="some/model", max_tokens=7, stop=["x"])
     params = chat._get_ls_params()
@@ -239,7 +273,7 @@ def test_unknown_kwargs_and_model_override_are_refused() -> None:
 def test_blend_config_and_separator_mode_reach_the_engine() -> None:
     engine = FakeEngine([DOC_A])
     config = BlendConfig(strategy="epic", epic_tokens=4)
-    llm = llm_with(engine, blend_config=config, separator="<SEP>")
+    llm = llm_with(engine, blend_config=config, separator="<SEP>", chat_template=False)
     llm.invoke(f"Head<SEP>{DOC_B}<SEP>{DOC_A}<SEP>Question?")
     assert engine.configs[-1] is config
     assert [(s.text, s.cache) for s in engine.segments[-1]] == [
@@ -369,9 +403,11 @@ async def test_llm_astream_fires_async_token_callbacks() -> None:
     assert await llm.ainvoke("hi", stop=["dear"]) == "Hello there, "
 
 
-def test_llm_chat_template_option_wraps_the_prompt() -> None:
+def test_llm_applies_the_chat_template_by_default() -> None:
     engine = FakeEngine([DOC_A])
-    llm_with(engine, chat_template=True).invoke(f"Context: {DOC_A}")
+    llm_with(engine).invoke(f"Context: {DOC_A}")
     segments = engine.segments[-1]
     assert "".join(s.text for s in segments) == f"<user>Context: {DOC_A}</user><assistant>"
     assert [s.text for s in segments if s.cache] == [DOC_A]
+    llm_with(engine, chat_template=False).invoke(f"Context: {DOC_A}")
+    assert "".join(s.text for s in engine.segments[-1]) == f"Context: {DOC_A}"

@@ -2,8 +2,9 @@
 
 Each adapter only translates its framework's calls; what they have in common lives here, once:
 
-- `shared_engine`: engines built from a model spec, loaded once per spec and process, so building
-  many adapter objects (test suites build dozens) stays cheap;
+- `shared_engine` / `adopt_engine`: engines built from a model spec, loaded once per spec and
+  process (an engine given to one adapter serves the adapters of its spec built without one),
+  so building many adapter objects stays cheap and never loads a model twice unannounced;
 - `prompt_segments`: a finished prompt cut into segments over the engine's known documents;
 - `run_prompt` / `stream_prompt`: one prompt's blended prefill and decoding, summarised as a
   `BlendRun`, whose `BlendRun.kvblend_metadata` is the stats dict both adapters report;
@@ -21,6 +22,7 @@ import contextvars
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -31,6 +33,7 @@ from .matching import split_prompt
 
 __all__ = [
     "SEGMENT_ID_KEY",
+    "adopt_engine",
     "BlendRun",
     "iterate_in_thread",
     "model_name",
@@ -49,17 +52,47 @@ _T = TypeVar("_T")
 SEGMENT_ID_KEY = "kvblend_segment_id"
 
 _ENGINES: dict[str, BlendEngine] = {}
+_GIVEN: weakref.WeakSet[BlendEngine] = weakref.WeakSet()  # engines adapters were given
 _ENGINES_LOCK = threading.Lock()
 
 
+def adopt_engine(engine: BlendEngine | None) -> BlendEngine | None:
+    """Note an engine an adapter was given: adapters of its model spec built without one share it.
+
+    So ``ChatBlend(engine=e)`` and a ``BlendRetriever()`` built without ``engine=`` use one model
+    and one document registry, never a second copy of the model.
+    """
+    if engine is not None:
+        with _ENGINES_LOCK:
+            _GIVEN.add(engine)
+            spec = getattr(engine, "model_spec", None)
+            if spec is not None:
+                _ENGINES.setdefault(spec, engine)
+    return engine
+
+
 def shared_engine(model: str | None = None) -> BlendEngine:
-    """Return the engine for model spec ``model`` (None = default), loaded once per process."""
-    key = model or ""
+    """Return the engine for model spec ``model`` (None = default), loaded once per process.
+
+    An engine given to an adapter of the same (resolved) spec is reused. Loading a model while
+    adapters use engines of another one logs a warning: that is a second model in memory, and
+    documents precomputed by one engine are only found by engines over the same store.
+    """
+    spec = resolve_model(model)
     with _ENGINES_LOCK:
-        engine = _ENGINES.get(key)
+        engine = _ENGINES.get(spec)
         if engine is None:
-            engine = BlendEngine.from_pretrained(model)
-            _ENGINES[key] = engine
+            given = sorted({str(e.name) for e in _GIVEN})
+            if given:
+                logger.warning(
+                    "loading %s for an adapter built without engine=, while other adapters use "
+                    "an engine of %s: that is another model in memory; pass the same engine= "
+                    "to every adapter",
+                    display_name(spec),
+                    ", ".join(given),
+                )
+            engine = BlendEngine.from_pretrained(spec)
+            _ENGINES[spec] = engine
         return engine
 
 

@@ -154,6 +154,8 @@ class BlendEngine:
         self.kv_dtype = kv_dtype or self.decoder.dtype
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
+        #: The resolved model spec `from_pretrained` loaded (None for a model passed in).
+        self.model_spec: str | None = None
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
@@ -185,7 +187,9 @@ class BlendEngine:
         spec = resolve_model(model)
         hf_model, tokenizer = load_model(spec, resolved_device, resolved_dtype)
         kwargs.setdefault("name", display_name(spec))
-        return cls(hf_model, tokenizer, store=store, **kwargs)
+        engine = cls(hf_model, tokenizer, store=store, **kwargs)
+        engine.model_spec = spec
+        return engine
 
     # ------------------------------------------------------------------ tokens
     @property

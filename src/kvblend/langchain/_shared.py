@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from ..engine import BlendConfig, BlendEngine, Segment
 from ..integrations import (
     BlendRun,
+    adopt_engine,
     iterate_in_thread,
     lazy_engine,
     model_name,
@@ -82,6 +83,11 @@ class BlendSettings(BaseModel):
     """Whether ``invoke`` streams internally (so callbacks receive tokens)."""
 
     _engine: BlendEngine | None = PrivateAttr(default=None)
+
+    @field_validator("engine")
+    @classmethod
+    def _share_engine(cls, engine: BlendEngine | None) -> BlendEngine | None:
+        return adopt_engine(engine)
 
     def _get_engine(self) -> BlendEngine:
         return lazy_engine(self)

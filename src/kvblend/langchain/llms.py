@@ -29,9 +29,10 @@ class BlendLLM(BlendSettings, BaseLLM):
             llm.invoke("Context: ...\n\nQuestion: ...")
     """
 
-    chat_template: bool = False
-    """Wrap each prompt as one user message in the model's chat template (for instruct models
-    prompted with plain text)."""
+    chat_template: bool = True
+    """Wrap each prompt as one user message in the model's chat template, as instruct models
+    expect (the default, as in the LlamaIndex adapter). False sends the prompt text as is, for
+    prompts that are already chat-formatted or for base models."""
 
     @property
     def _llm_type(self) -> str:

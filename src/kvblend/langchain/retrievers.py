@@ -15,10 +15,10 @@ from langchain_core.callbacks import (
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from ..engine import BlendEngine
-from ..integrations import SEGMENT_ID_KEY, lazy_engine, precompute_texts
+from ..integrations import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()
@@ -76,6 +76,12 @@ class BlendRetriever(BaseRetriever):
     puts the best document nearest a question that follows the context."""
 
     _engine: BlendEngine | None = PrivateAttr(default=None)
+
+    @field_validator("engine")
+    @classmethod
+    def _share_engine(cls, engine: BlendEngine | None) -> BlendEngine | None:
+        return adopt_engine(engine)
+
     _pending: list[concurrent.futures.Future[Any]] = PrivateAttr(default_factory=list)
 
     def _get_engine(self) -> BlendEngine:

@@ -21,7 +21,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
@@ -29,6 +29,7 @@ from llama_index.core.llms.llm import default_completion_to_prompt
 from ..engine import BlendConfig, BlendEngine
 from ..integrations import (
     BlendRun,
+    adopt_engine,
     iterate_in_thread,
     lazy_engine,
     model_name,
@@ -114,6 +115,11 @@ class BlendLLM(CustomLLM):
     )
 
     _engine: BlendEngine | None = PrivateAttr(default=None)
+
+    @field_validator("engine")
+    @classmethod
+    def _share_engine(cls, engine: BlendEngine | None) -> BlendEngine | None:
+        return adopt_engine(engine)
 
     @classmethod
     def class_name(cls) -> str:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from ..engine import BlendEngine
-from ..integrations import SEGMENT_ID_KEY, lazy_engine, precompute_texts
+from ..integrations import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
 
 
 class BlendNodePostprocessor(BaseNodePostprocessor):
@@ -53,6 +53,11 @@ class BlendNodePostprocessor(BaseNodePostprocessor):
     )
 
     _engine: BlendEngine | None = PrivateAttr(default=None)
+
+    @field_validator("engine")
+    @classmethod
+    def _share_engine(cls, engine: BlendEngine | None) -> BlendEngine | None:
+        return adopt_engine(engine)
 
     @classmethod
     def class_name(cls) -> str:
