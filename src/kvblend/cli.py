@@ -1,22 +1,21 @@
-"""The ``kvblend`` command line: demo, precompute, ask, store stats/clear, bench."""
+"""The ``kvblend`` command line: demo, precompute, ask, explain, store stats/clear, bench."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
 import sys
 import time
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
 from .engine.config import STRATEGIES
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
+from .samples import sample_corpus
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 
@@ -26,9 +25,8 @@ class CLIError(Exception):
 
 
 def load_sample_corpus() -> dict[str, Any]:
-    """Load the demo corpus shipped inside the package."""
-    text = (resources.files("kvblend") / "data" / "sample_corpus.json").read_text("utf-8")
-    return json.loads(text)
+    """Load the demo corpus shipped inside the package (`kvblend.samples.sample_corpus`)."""
+    return sample_corpus()
 
 
 def _quiet_transformers() -> None:
@@ -106,7 +104,6 @@ def cmd_demo(args: argparse.Namespace) -> None:
     engine = _engine(args, corpus.get("system"))
     engine.precompute(documents, progress=True)
     config = _config(args)
-    rng = random.Random(args.seed)
     setting = f"strategy: {config.strategy}"
     if config.strategy in ("attention", "cacheblend"):
         setting += f", recompute ratio {config.recompute_ratio}, correction {config.correction}"
@@ -116,7 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     speedups, correct_full, correct_blended = [], 0, 0
     for item in questions:
         order = documents[:]
-        rng.shuffle(order)
+        random.Random(f"{args.seed}:{item['question']}").shuffle(order)  # per question
         segments = engine.rag_segments(item["question"], order)
         full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
         blended = engine.generate(segments, config, max_new_tokens=args.max_new_tokens)
@@ -173,6 +170,24 @@ def cmd_ask(args: argparse.Namespace) -> None:
         f"TTFT {out.ttft_s:.2f} s]",
         file=sys.stderr,
     )
+
+
+def cmd_explain(args: argparse.Namespace) -> None:
+    """Show which parts of a prompt would be reused, recomputed or computed, and why."""
+    if args.file is not None:
+        try:
+            prompt = Path(args.file).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CLIError(f"cannot read prompt file {args.file}: {error}") from error
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise CLIError("give the prompt text, or --file PATH")
+    documents = _read_documents(args.docs) if args.docs else []
+    engine = _engine(args)
+    if documents:
+        engine.precompute(documents)
+    print(engine.explain(prompt))
 
 
 def _print_stats(stats: Any, indent: str = "") -> None:
@@ -260,6 +275,15 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--docs", nargs="+", required=True, help="text files or folders")
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
+
+    explain = sub.add_parser(
+        "explain", help="show what a prompt would reuse from the store, and why (computes nothing)"
+    )
+    model_options(explain)
+    explain.add_argument("prompt", nargs="?", help="the final prompt text")
+    explain.add_argument("--file", help="read the prompt from this file instead")
+    explain.add_argument("--docs", nargs="+", help="precompute these text files or folders first")
+    explain.set_defaults(func=cmd_explain)
 
     store = sub.add_parser("store", help="show or clear the on-disk KV store")
     store.add_argument("action", choices=["stats", "clear"])
