@@ -274,3 +274,26 @@ def test_a_document_after_its_precompute_head_is_reused_exactly(engine: BlendEng
     full = engine.prefill(only_first, BlendConfig("full"))
     assert exact.stats.moved_tokens == 0
     assert (exact.logits - full.logits).abs().max() < 1e-4
+
+
+def test_full_through_the_adapters_equals_model_generate(engine: BlendEngine) -> None:
+    """The LangChain and LlamaIndex adapters feed the model the prompt text they were given."""
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from kvblend.langchain import BlendLLM as LangChainLLM
+    from kvblend.llamaindex import BlendLLM as LlamaIndexLLM
+
+    engine.precompute(DOCS, progress=False)
+    prompt = PROMPTS["numbered"]
+    ids = torch.tensor([expected_ids(engine, prompt)])
+    with torch.inference_mode():
+        reference = engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+            pad_token_id=engine.tokenizer.pad_token_id, eos_token_id=engine.tokenizer.eos_token_id,
+        )  # fmt: skip
+    expected = engine.tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
+    full = BlendConfig("full")
+    langchain = LangChainLLM(engine=engine, blend_config=full, chat_template=False, max_tokens=8)
+    assert langchain.invoke(prompt) == expected
+    llamaindex = LlamaIndexLLM(engine=engine, blend_config=full, max_tokens=8)
+    assert llamaindex.complete(prompt, formatted=True).text == expected
