@@ -169,7 +169,9 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
-    parser = argparse.ArgumentParser(prog="kvblend bench", description=__doc__)
+    from ..cli import OneLineParser
+
+    parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def model_options(p: argparse.ArgumentParser) -> None:

@@ -18,8 +18,10 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +92,7 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Pre
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(spec).expanduser()
-    extra: dict[str, str] = {}
+    extra: dict[str, Any] = {}
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -103,15 +105,37 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Pre
         )
     else:
         source = spec  # a hub id; needs a network or a populated Hugging Face cache
+        if _hub_offline():
+            extra["local_files_only"] = True  # fail at once instead of retrying for a minute
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, device_map=device, **extra
         )
     except OSError as error:
-        raise ModelNotFoundError(f"could not load model {spec!r}: {error}") from error
+        if extra.get("local_files_only"):
+            raise ModelNotFoundError(
+                f"model {spec!r} is not in the local Hugging Face cache and the hub cannot be "
+                "reached (offline); download it once with network access, or pass a local "
+                "folder or GGUF file"
+            ) from error
+        reason = " ".join(str(error).split())  # one line
+        raise ModelNotFoundError(f"could not load model {spec!r}: {reason}") from error
     model.eval()
     return model, tokenizer
+
+
+def _hub_offline(timeout_s: float = 3.0) -> bool:
+    """Whether hub downloads are off (``HF_HUB_OFFLINE``) or the hub endpoint is unreachable."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s):
+            return False
+    except OSError:
+        return True
 
 
 def converted_gguf_folder(path: Path) -> Path:

@@ -71,7 +71,7 @@ class MemoryRecordLogs:
             self._logs[log] = (first, kept)
 
     def read(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
-        """Records of ``log`` after sequence number ``cursor``, and the last sequence number."""
+        """Return the records of ``log`` after ``cursor``, and the last sequence number."""
         validate_log_name(log)
         with self._lock:
             first, kept = self._logs.get(log, (1, []))
@@ -124,7 +124,7 @@ class DiskRecordLogs:
             seq -= 1
 
     def read(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
-        """Records of ``log`` after sequence number ``cursor``, and the last sequence number."""
+        """Return the records of ``log`` after ``cursor``, and the last sequence number."""
         validate_log_name(log)
         head = int(self._cache.get(self._head(log), default=0))
         if head == cursor:
