@@ -109,6 +109,8 @@ def test_bench_help_and_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     err = _one_line_error(capsys, main(["bench"]))
     assert "choose a command: ttft, figures, quality, report" in err
     assert "bench" in _one_line_error(capsys, main([]))
+    err = _one_line_error(capsys, main(["bench", "quality", "--device", "gpu", "--questions", "1"]))
+    assert "unknown device 'gpu'" in err
 
 
 @pytest.mark.parametrize(

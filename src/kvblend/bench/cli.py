@@ -26,9 +26,11 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
+    from ..cli import check_device
     from ..engine import BlendEngine
     from ..store import MemoryKVStore
 
+    check_device(args.device)  # one line for `--device gpu`, before the model loads
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
