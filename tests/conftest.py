@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny random-init models of every supported family with a real tokenizer."""
+"""Shared fixtures: tiny random-init models of every supported family with a real tokenizer.
+
+Also the CI rule: with ``CI=true`` a test that would be skipped for a missing dependency (its
+skip reason starts with `MISSING_DEPENDENCY`: the bundled model, an extra) fails instead, so an
+install that lost the model or an extra cannot pass as a green run with tests quietly skipped.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,26 @@ from transformers import (
 )
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: How the skip reason of a test that needs something installed begins.
+MISSING_DEPENDENCY = "needs the "
+IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytest.TestReport:
+    """Under ``CI=true``, report a skip for a missing dependency as a failure."""
+    report: pytest.TestReport = yield
+    if IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        if reason.startswith(MISSING_DEPENDENCY):
+            report.outcome = "failed"
+            report.longrepr = f"CI=true and this test would be skipped: {reason}"
+    return report
+
+
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 # hidden_size=64, 3 layers, GQA 4/2 heads: small enough to be instant, big enough to be real.

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvblend.cli import main
 
@@ -66,3 +70,127 @@ def test_bad_correction_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) 
     captured = capsys.readouterr()
     assert code == 2 and "correction must be a number in [0, 1]" in captured.err
     assert "Traceback" not in captured.err
+
+
+def _one_line_error(captured: pytest.CaptureFixture[str], code: int, loads: bool = False) -> str:
+    """The error line of a refused command; ``loads``: refused while loading the model."""
+    out = captured.readouterr()
+    lines = out.err.strip().splitlines()
+    if loads:  # the progress line, then the error
+        assert lines[0].startswith("loading model"), out.err
+        lines = lines[1:]
+    assert code == 2, out.err
+    assert len(lines) == 1 and lines[0].startswith("kvblend"), out.err
+    assert "Traceback" not in out.err and "loaded" not in out.out + out.err
+    return lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: not a mistake")
+def test_cuda_on_a_cpu_only_torch_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line_error(capsys, main(["demo", "--memory-only", "--device", "cuda"]))
+    assert "--device cuda:" in err and "use --device cpu" in err
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [("gpu", "unknown device 'gpu'"), ("cuda:99", "cuda:99"), ("meta", "unsupported device")],
+)
+def test_unusable_devices_are_one_line(
+    capsys: pytest.CaptureFixture[str], device: str, message: str
+) -> None:
+    err = _one_line_error(capsys, main(["ask", "q?", "--docs", ".", "--device", device]))
+    assert message in err
+
+
+def test_bench_help_and_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: kvblend bench") and "ttft" in out and "quality" in out
+    err = _one_line_error(capsys, main(["bench"]))
+    assert "choose a command: ttft, figures, quality, registry, report" in err
+    assert "bench" in _one_line_error(capsys, main([]))
+    err = _one_line_error(capsys, main(["bench", "quality", "--device", "gpu", "--questions", "1"]))
+    assert "unknown device 'gpu'" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--questions", "0"],
+        ["demo", "--questions", "many"],
+        ["demo", "--max-new-tokens", "0"],
+        ["ask", "q?"],
+        ["demo", "--strategy", "nope"],
+    ],
+)
+def test_bad_options_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    _one_line_error(capsys, main([*argv, "--memory-only"]))
+
+
+def test_questions_zero_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line_error(capsys, main(["demo", "--memory-only", "--questions", "0"]))
+    assert "--questions: must be at least 1" in err
+
+
+def test_undecodable_question_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    err = _one_line_error(capsys, main(["ask", "Wh\udcffere?", "--docs", ".", "--memory-only"]))
+    assert "the question argument is not valid Unicode" in err
+
+
+def test_non_utf8_arguments_from_the_shell_are_one_line(tmp_path: Path) -> None:
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "LC_ALL": "C.UTF-8"}
+    bad = b"Wh\xffere?"
+    for argv in (
+        [b"ask", bad, b"--docs", str(tmp_path).encode(), b"--memory-only"],
+        [b"ask", b"q?", b"--docs", bytes(tmp_path) + b"/\xfe.txt", b"--memory-only"],
+    ):
+        done = subprocess.run(
+            [sys.executable.encode(), b"-m", b"kvblend.cli", *argv], env=env,
+            capture_output=True, timeout=300,
+        )  # fmt: skip
+        err = done.stderr.decode("utf-8")
+        assert done.returncode == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("kvblend: error:") and "Traceback" not in err
+
+
+def test_unknown_hub_id_offline_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "doc.txt").write_text("Marta lives in Lisbon.")
+    argv = ["ask", "q?", "--docs", str(tmp_path), "--memory-only", "--model", "nobody/no-model"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    err = _one_line_error(capsys, main(argv), loads=True)
+    assert "not in the local Hugging Face cache and the hub cannot be reached" in err
+    # not marked offline, but the hub endpoint refuses connections: the same, without retries
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    err = _one_line_error(capsys, main(argv), loads=True)
+    assert "hub cannot be reached" in err
+
+
+@pytest.mark.slow
+def test_non_utf8_files_are_skipped_with_a_warning_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "marta.txt").write_text("Marta Quill is a beekeeper who lives in Lisbon.\n")
+    (docs / "latin1.txt").write_bytes("Tomás Elm vive em Cremona.\n".encode("latin-1"))
+    (docs / "binary.md").write_bytes(b"\xff\xfe\x00garbage")
+    code = main(["precompute", str(docs), "--store-dir", str(tmp_path / "store")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "precomputed 1 documents" in captured.out
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
+    assert len(warnings) == 2 and all("not UTF-8 text" in line for line in warnings)
+
+
+def test_only_undecodable_files_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "latin1.txt").write_bytes("Tomás".encode("latin-1"))
+    err = _one_line_error(capsys, main(["precompute", str(tmp_path), "--memory-only"]))
+    assert err.startswith("kvblend: error: no documents found")
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == [
+        f"skipping {tmp_path / 'latin1.txt'}"
+    ]

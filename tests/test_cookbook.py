@@ -85,7 +85,7 @@ def test_committed_notebook_is_small(notebook: Path) -> None:
 def test_notebook_runs(notebook: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = _missing(RUNNER + NEEDS.get(notebook.name, []))
     if missing:
-        pytest.skip(f"{notebook.name} needs {', '.join(missing)} (the examples and dev extras)")
+        pytest.skip(f"needs the examples and dev extras: {notebook.name} imports {missing}")
     import nbformat
     from nbclient import NotebookClient
 

@@ -45,9 +45,7 @@ def test_the_docs_have_examples_with_expected_answers() -> None:
 @pytest.mark.slow
 @requires_model
 @pytest.mark.parametrize(("name", "code"), EXAMPLES, ids=[name for name, _ in EXAMPLES])
-def test_example_runs_and_prints_the_expected_answer(
-    name: str, code: str, tmp_path: Path
-) -> None:
+def test_example_runs_and_prints_the_expected_answer(name: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "example.py"
     script.write_text(code)
     env = {

@@ -184,7 +184,8 @@ def test_call_options_and_unknown_keywords(engine: BlendEngine) -> None:
     assert full.raw["usage"]["completion_tokens"] <= 6
     short = llm.complete("abc", formatted=True, max_tokens=2)
     assert short.raw["usage"]["completion_tokens"] <= 2 and full.text.startswith(short.text)
-    assert short.raw["finish_reason"] in ("stop", "length")
+    # the tiny model's greedy answer is longer than 2 tokens: cut by the limit
+    assert short.raw["usage"]["completion_tokens"] == 2 and short.raw["finish_reason"] == "length"
     with pytest.raises(TypeError, match="frequency_penalty"):
         llm.complete("abc", frequency_penalty=1.0)
 

@@ -269,7 +269,7 @@ def test_two_processes_share_one_folder_without_losing_entries(tmp_path):
     context = multiprocessing.get_context("spawn")
     with context.Pool(2) as pool:
         results = pool.starmap(_share_worker, [(directory, 0, count), (directory, 1, count)])
-    assert all(isinstance(verified, int) for verified in results)
+    del results  # each worker checked every entry it read back; a failure re-raises in starmap
     store = DiskKVStore(directory)
     for worker in (0, 1):
         for index in range(count):

@@ -1,4 +1,9 @@
-"""The ``kvblend`` command line: demo, precompute, ask, explain, store stats/clear, bench."""
+"""The ``kvblend`` command line: demo, precompute, ask, explain, store, bench.
+
+Every user mistake (a bad option, a missing file, an unknown device or model) is one line on
+stderr and exit status 2, found before the model loads wherever it can be: a traceback is for
+bugs, not for typos.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,101 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import torch
 
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
 from .engine.config import STRATEGIES
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
+from .engine.validation import check_text
 from .samples import sample_corpus
+
+logger = logging.getLogger("kvblend")
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
 
 
 class CLIError(Exception):
     """A user mistake: printed as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (``PROG: error: ...``), exit status 2.
+
+    argparse prints the usage block before the error; here the error line says where the help
+    is instead. A missing subcommand names the subcommands there are.
+    """
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse's hook
+        commands = _subcommands(self)
+        if commands and "required: COMMAND" in message:
+            message = f"choose a command: {', '.join(commands)}"
+        self.exit(2, _printable(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            return list(action.choices)
+    return []
+
+
+def _printable(text: str) -> str:
+    """``text`` with lone surrogates (undecodable bytes of arguments or file names) escaped."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def positive_int(text: str) -> int:
+    """Argparse type: an int of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def check_device(name: str) -> None:
+    """Refuse a device this machine's torch cannot use, before any model is loaded."""
+    if name == "auto":
+        return
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
+    if device.type == "cuda":
+        if not torch.backends.cuda.is_built():
+            raise CLIError(
+                f"--device {name}: this PyTorch ({torch.__version__}) is built without CUDA; "
+                "use --device cpu or install a CUDA build of PyTorch"
+            )
+        if not torch.cuda.is_available():
+            raise CLIError(f"--device {name}: no CUDA device is available; use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise CLIError(f"--device {name}: this machine has {count} CUDA device(s)")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise CLIError(f"--device {name}: MPS is not available on this machine")
+    elif device.type != "cpu":
+        raise CLIError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad settings and text arguments before the model loads."""
+    if hasattr(args, "strategy"):
+        _config(args)  # a bad setting fails before the model loads
+    if hasattr(args, "device"):
+        check_device(args.device)
+    for name in ("question", "system"):
+        value = getattr(args, name, None)
+        if value is not None:
+            try:
+                check_text(value, f"the {name} argument")
+            except ValueError as error:
+                raise CLIError(str(error)) from None
 
 
 def load_sample_corpus() -> dict[str, Any]:
@@ -88,7 +176,15 @@ def _read_documents(paths: Sequence[str]) -> list[str]:
         try:
             text = file.read_text("utf-8").strip()
         except UnicodeDecodeError as error:
-            raise CLIError(f"{file} is not UTF-8 text ({error.reason})") from error
+            logger.warning(
+                _printable(
+                    f"skipping {file}: not UTF-8 text ({error.reason} at byte {error.start})"
+                )
+            )
+            continue
+        except OSError as error:
+            logger.warning(_printable(f"skipping {file}: {error.strerror or error}"))
+            continue
         if text:
             documents.append(text)
     if not documents:
@@ -219,12 +315,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     """Run the TTFT benchmark script."""
     from .bench import main as bench_main
 
-    bench_main(args.bench_args)
+    code = bench_main(args.bench_args)
+    if code:
+        raise SystemExit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of the ``kvblend`` command."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="kvblend",
         description="Reuse the KV cache of documents wherever they land in a RAG prompt.",
     )
@@ -250,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--correction", type=float, default=BlendConfig.correction,
                        help="share of the recomputed tokens' mean KV change added to the other "
                             "tokens of their document (default %(default)s; 0: off)")  # fmt: skip
-        p.add_argument("--max-new-tokens", type=int, default=24)
+        p.add_argument("--max-new-tokens", type=positive_int, default=24)
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "
                             "it, so use the same one for precompute and ask (default: "
@@ -260,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="answer the bundled sample corpus's questions, full vs blended"
     )
     model_options(demo)
-    demo.add_argument("--questions", type=int, default=6, help="how many questions (default 6)")
+    demo.add_argument(
+        "--questions", type=positive_int, default=6, help="how many questions (default 6)"
+    )
     demo.add_argument("--seed", type=int, default=0, help="seed of the document shuffles")
     demo.set_defaults(func=cmd_demo)
 
@@ -290,23 +390,30 @@ def build_parser() -> argparse.ArgumentParser:
     store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
     store.set_defaults(func=cmd_store)
 
-    bench = sub.add_parser("bench", help="TTFT benchmark (see benchmarks/README)", add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
-    bench.set_defaults(func=cmd_bench)
+    # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
+    sub.add_parser(
+        "bench", help="benchmarks: ttft, figures, quality, report (see docs/benchmarks.md)"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvblend`` command."""
     logging.basicConfig(level=logging.WARNING, format="kvblend: %(message)s")
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if hasattr(args, "strategy"):
-            _config(args)  # a bad setting fails before the model loads
+        if argv[:1] == ["bench"]:  # its own parser: `kvblend bench --help` is the bench's help
+            args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
+        _check_arguments(args)
         args.func(args)
     except (CLIError, ModelNotFoundError, UnsupportedModelError, ValueError) as error:
-        print(f"kvblend: error: {error}", file=sys.stderr)
+        message = " ".join(str(error).split())  # one line, whatever the error holds
+        print(_printable(f"kvblend: error: {message}"), file=sys.stderr)
         return 2
+    except SystemExit as exit_:  # argparse: --help (0) or a one-line usage error (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
     except KeyboardInterrupt:
         return 130
     return 0

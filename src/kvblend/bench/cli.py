@@ -26,9 +26,11 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
+    from ..cli import check_device
     from ..engine import BlendEngine
     from ..store import MemoryKVStore
 
+    check_device(args.device)  # one line for `--device gpu`, before the model loads
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
@@ -180,7 +182,9 @@ def cmd_registry(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
-    parser = argparse.ArgumentParser(prog="kvblend bench", description=__doc__)
+    from ..cli import OneLineParser
+
+    parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def model_options(p: argparse.ArgumentParser) -> None:

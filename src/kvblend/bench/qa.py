@@ -157,11 +157,13 @@ def _name_answers(person: Person) -> list[str]:
     return [person.first, person.last]
 
 
-def _questions(
-    people: list[Person], styles: list[str], rng: random.Random
-) -> list[tuple[str, str, list[str], list[str], list[int], str]]:
+#: (type, question, answers, wrong answers, evidence document indices, answer prefix)
+_Question = tuple[str, str, list[str], list[str], list[int], str]
+
+
+def _questions(people: list[Person], styles: list[str], rng: random.Random) -> list[_Question]:
     """Candidate questions over one document set: (type, question, answers, wrong, evidence)."""
-    out = []
+    out: list[_Question] = []
     n = len(people)
     i, j = rng.sample(range(n), 2)
     a, b = people[i], people[j]
@@ -219,9 +221,7 @@ def _questions(
     return out
 
 
-def _same_city(
-    people: list[Person], rng: random.Random
-) -> tuple[list[Person], tuple[str, str, list[str], list[int], list[int], str]]:
+def _same_city(people: list[Person], rng: random.Random) -> tuple[list[Person], _Question]:
     """Make a yes/no question about two people; for "yes" the second moves to the first's city."""
     i, j = rng.sample(range(len(people)), 2)
     same = rng.random() < 0.5

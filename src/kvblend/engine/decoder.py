@@ -13,6 +13,7 @@ keys and values ``[kv_heads, tokens, head_dim]`` (only the KV heads are kept: GQ
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,45 @@ SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
 
 class UnsupportedModelError(ValueError):
     """The model's architecture is not one kvblend can blend."""
+
+
+class _Attention(Protocol):
+    """The attention module of a supported decoder layer (``q_norm``/``k_norm``: Qwen3 only)."""
+
+    head_dim: int
+    scaling: float
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+    q_norm: nn.Module
+    k_norm: nn.Module
+
+
+class _Layer(Protocol):
+    """One decoder layer: pre-norm attention and MLP halves."""
+
+    self_attn: _Attention
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+
+
+class _Backbone(Protocol):
+    """The ``model.model`` of a transformers causal LM of a supported family."""
+
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    rotary_emb: nn.Module
+    norm: nn.Module
+
+
+class CausalLM(Protocol):
+    """The parts of a transformers Llama-style causal LM that `Decoder` calls."""
+
+    config: Any  # a transformers PretrainedConfig
+    model: _Backbone
+    lm_head: nn.Linear
 
 
 @dataclass(frozen=True)
@@ -66,7 +106,7 @@ class Decoder:
     """Pure-torch steps over one transformers decoder model (no state per request)."""
 
     def __init__(self, model: nn.Module) -> None:
-        config = model.config
+        config: Any = getattr(model, "config", None)
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_FAMILIES:
             architectures = getattr(config, "architectures", None) or [type(model).__name__]
@@ -74,10 +114,11 @@ class Decoder:
                 f"kvblend cannot blend model type {model_type!r} ({', '.join(architectures)}); "
                 f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
             )
-        self.model = model
+        lm = cast(CausalLM, model)  # the family check above vouches for the structure
+        self.model: CausalLM = lm
         self.model_type: str = model_type
-        self.inner = model.model
-        self.layers = list(self.inner.layers)
+        self.inner: _Backbone = lm.model
+        self.layers: list[_Layer] = [cast(_Layer, layer) for layer in self.inner.layers]
         first_attention = self.layers[0].self_attn
         head_dim = first_attention.head_dim
         self.shape = DecoderShape(

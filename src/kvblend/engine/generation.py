@@ -4,8 +4,14 @@ The blended prefill leaves rotated K and V for every prompt token and the next-t
 after the prompt. The first new token is picked from those logits (argmax, or transformers'
 temperature and top-p warpers when sampling), so the time to the first token is the prefill
 and nothing more. Transformers' `generate` then continues from a `DynamicCache` of the whole
-prompt with the first token as its only new input: sampling, stop strings and streaming of
-every later token are transformers'.
+prompt with the first token as its only new input: stop strings and streaming of every later
+token are transformers'.
+
+Sampling draws from a `torch.Generator` of the call (seeded by ``seed``), never from the
+process-wide RNG, so seeded calls on several threads each get their own reproducible text:
+`generate` runs greedy over scores where `_SeededSampler` has already kept only the token it
+drew. A stream closed early sets an event that a stopping criterion checks after every token,
+so decoding stops within one token instead of running to ``max_new_tokens`` in the background.
 """
 
 from __future__ import annotations
@@ -22,12 +28,17 @@ import torch
 from transformers import (
     DynamicCache,
     GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
     StoppingCriteriaList,
     StopStringCriteria,
     TemperatureLogitsWarper,
     TextIteratorStreamer,
     TopPLogitsWarper,
 )
+
+from .validation import check_sampling, check_stop
 
 # transformers' StopStringCriteria scans the whole vocabulary when it is built (0.75 s for a
 # 151K-token Qwen2.5 vocabulary), and `generate(stop_strings=...)` builds one per call. It is
@@ -80,9 +91,53 @@ def _cache(
 class _Plan:
     """The decoding settings shared by `decode` and `decode_stream`."""
 
-    config: GenerationConfig
+    config: GenerationConfig  # greedy over the sampler's scores (see `_SeededSampler`)
     eos_ids: frozenset[int]
     stop: tuple[str, ...]
+    sampler: _SeededSampler | None  # None: greedy decoding
+
+
+class _SeededSampler(LogitsProcessor):
+    """Draw the next token with the call's own generator; leave only that token possible.
+
+    Applies transformers' temperature and top-p warpers, samples one token per row with
+    ``generator``, and returns scores that are ``-inf`` everywhere else, so greedy decoding in
+    `generate` picks exactly the drawn token.
+    """
+
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator) -> None:
+        self.temperature = TemperatureLogitsWarper(temperature)
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+        self.generator = generator
+
+    def draw(self, scores: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[batch]`` drawn from ``scores`` ``[batch, vocab]``."""
+        warped = self.temperature(None, scores.float())
+        if self.top_p is not None:
+            warped = self.top_p(None, warped)
+        probs = torch.softmax(warped, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        chosen = self.draw(scores)
+        out = torch.full_like(scores, float("-inf"))
+        out.scatter_(1, chosen[:, None], 0.0)
+        return out  # type: ignore[return-value]  # FloatTensor is a Tensor alias for typing
+
+
+class _Cancelled(StoppingCriteria):
+    """Stop `generate` once ``event`` is set (the stream's consumer went away)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(
+        self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any
+    ) -> torch.BoolTensor:
+        done = self.event.is_set()
+        return torch.full(  # type: ignore[return-value]  # BoolTensor is a Tensor alias
+            (input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device
+        )
 
 
 def _plan(
@@ -92,46 +147,44 @@ def _plan(
     max_new_tokens: int,
     temperature: float,
     top_p: float,
-    stop: Sequence[str] | None,
+    stop: str | Sequence[str] | None,
     seed: int | None,
 ) -> _Plan:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(max_new_tokens, temperature, top_p)
+    stops = check_stop(stop)
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and prompt_tokens + max_new_tokens > limit:
         max_new_tokens = max(1, limit - prompt_tokens)
-    if seed is not None:
-        torch.manual_seed(seed)
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id
-    sampling = temperature > 0
+    sampler = None
+    if temperature > 0:
+        device = next(model.parameters()).device
+        generator = torch.Generator(device=device)
+        if seed is None:
+            generator.seed()  # fresh entropy, without touching the process-wide RNG
+        else:
+            generator.manual_seed(int(seed))
+        sampler = _SeededSampler(float(temperature), float(top_p), generator)
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
-        do_sample=sampling,
-        temperature=temperature if sampling else None,
-        top_p=top_p if sampling else None,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
         top_k=None,
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
     )
     eos_ids = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return _Plan(config, eos_ids, tuple(stop or ()))
+    return _Plan(config, eos_ids, stops, sampler)
 
 
-def _first_token(logits: torch.Tensor, config: GenerationConfig) -> int:
+def _first_token(logits: torch.Tensor, plan: _Plan) -> int:
     """Pick the first new token from the prefill's logits as `generate` would."""
-    if not config.do_sample:
+    if plan.sampler is None:
         return int(logits.argmax())
-    scores = logits.float()[None]
-    scores = TemperatureLogitsWarper(config.temperature)(None, scores)
-    if config.top_p is not None and config.top_p < 1.0:
-        scores = TopPLogitsWarper(config.top_p)(None, scores)
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1))
+    return int(plan.sampler.draw(logits.float()[None].to(plan.sampler.generator.device))[0])
 
 
 def _continue_kwargs(
@@ -142,6 +195,7 @@ def _continue_kwargs(
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
     plan: _Plan,
+    cancel: threading.Event | None = None,
 ) -> dict[str, Any] | None:
     """`generate` arguments that decode after ``first``, or None when ``first`` ends it."""
     config = plan.config
@@ -151,21 +205,23 @@ def _continue_kwargs(
         return None
     config = copy.deepcopy(config)
     config.max_new_tokens -= 1
+    criteria: list[StoppingCriteria] = [_stop_criteria(tokenizer, plan.stop)] if plan.stop else []
+    if cancel is not None:
+        criteria.append(_Cancelled(cancel))
     input_ids = torch.tensor([[*token_ids, first]], dtype=torch.long, device=keys[0].device)
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
         "past_key_values": _cache(model, keys, values),
         "generation_config": config,
-        "stopping_criteria": StoppingCriteriaList(
-            [_stop_criteria(tokenizer, plan.stop)] if plan.stop else []
-        ),
+        "stopping_criteria": StoppingCriteriaList(criteria),
+        "logits_processor": LogitsProcessorList([plan.sampler] if plan.sampler else []),
     }
 
 
-def _cut_at_stop(text: str, stop: Sequence[str] | None) -> tuple[str, bool]:
+def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     """``text`` up to the first stop string, and whether one was found."""
-    cut = min((i for i in (text.find(s) for s in stop or ()) if i >= 0), default=-1)
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
@@ -182,12 +238,15 @@ def decode(
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    stop: Sequence[str] | None = None,
+    stop: str | Sequence[str] | None = None,
     seed: int | None = None,
 ) -> GenerationResult:
-    """Decode after a blended prefill that began at ``started`` (a perf_counter time)."""
+    """Decode after a blended prefill that began at ``started`` (a perf_counter time).
+
+    ``stop`` is one stop sequence (a str) or several; ``seed`` seeds this call's own sampler.
+    """
     plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
-    first = _first_token(logits, plan.config)
+    first = _first_token(logits, plan)
     first_at = time.perf_counter()
     new_ids = [first]
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan)
@@ -195,7 +254,7 @@ def decode(
         with torch.inference_mode():
             output = model.generate(**kwargs)
         new_ids = output[0, len(token_ids) :].tolist()
-    text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), stop)
+    text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
     finished = stopped or new_ids[-1] in plan.eos_ids
     end = time.perf_counter()
     return GenerationResult(
@@ -229,13 +288,18 @@ def decode_stream(
     max_new_tokens: int = 64,
     temperature: float = 0.0,
     top_p: float = 1.0,
-    stop: Sequence[str] | None = None,
+    stop: str | Sequence[str] | None = None,
     seed: int | None = None,
 ) -> Iterator[str]:
-    """Yield decoded text pieces as transformers produces them, cut at the first stop string."""
+    """Yield decoded text pieces as transformers produces them, cut at the first stop string.
+
+    Closing the iterator early (``close()``, ``break`` in a for loop, garbage collection) stops
+    decoding within one token and waits for the decoding thread to finish.
+    """
     plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
-    first = _first_token(logits, plan.config)
-    kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan)
+    first = _first_token(logits, plan)
+    cancel = threading.Event()
+    kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
     streamer = _FirstTokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     failure: list[BaseException] = []
 
@@ -253,22 +317,29 @@ def decode_stream(
 
     worker = threading.Thread(target=run, name="kvblend-decode", daemon=True)
     worker.start()
+    try:
+        yield from _pieces(streamer, plan.stop)
+    finally:
+        cancel.set()  # a no-op when decoding already ended; else it stops after this token
+        worker.join()
+    if failure:
+        raise failure[0]
+
+
+def _pieces(streamer: Iterator[str], stop: tuple[str, ...]) -> Iterator[str]:
+    """Text pieces of ``streamer``, holding back what may begin a stop string, cut at one."""
     held = ""  # text not yet emitted because it may begin a stop string
-    longest_stop = max((len(s) for s in stop or ()), default=0)
+    longest_stop = max((len(s) for s in stop), default=0)
     for piece in streamer:
         held += piece
         text, stopped = _cut_at_stop(held, stop)
         if stopped:
             if text:
                 yield text
-            break
+            return
         safe = len(held) - max(0, longest_stop - 1)
         if safe > 0:
             yield held[:safe]
             held = held[safe:]
-    else:
-        if held:
-            yield held
-    worker.join()
-    if failure:
-        raise failure[0]
+    if held:
+        yield held

@@ -1,22 +1,36 @@
 """Finding and loading a causal LM: the bundled default, a folder, a hub id or a GGUF file.
 
 A GGUF file is dequantized by transformers on first load (seconds to tens of seconds); the result
-is saved once as safetensors in the user's cache folder so later loads take a couple of seconds.
+is saved once as safetensors in the user's cache folder, under the GGUF file's content hash, so
+later loads take a couple of seconds and a different file never loads another's weights.
+
+`model_fingerprint` is the model part of every segment key, so two models must never share
+one: it covers every element of every weight. A model loaded from a folder is identified by the
+sha256 of its weight files, each hashed once and remembered by path, size and mtime (see
+`file_digest`); any other model (built in memory, from a hub id) has its tensors hashed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
+import threading
+import urllib.parse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
 import safetensors.torch
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +87,12 @@ def display_name(spec: str) -> str:
     return path.name if path.exists() else spec
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype):  # noqa: ANN201
+def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     """Load ``(model, tokenizer)`` for ``spec`` on ``device`` in ``dtype``, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(spec).expanduser()
-    extra: dict[str, str] = {}
+    extra: dict[str, Any] = {}
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -91,23 +105,47 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype):  # noqa: AN
         )
     else:
         source = spec  # a hub id; needs a network or a populated Hugging Face cache
+        if _hub_offline():
+            extra["local_files_only"] = True  # fail at once instead of retrying for a minute
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, device_map=device, **extra
+        )
     except OSError as error:
-        raise ModelNotFoundError(f"could not load model {spec!r}: {error}") from error
-    model.to(device)
+        if extra.get("local_files_only"):
+            raise ModelNotFoundError(
+                f"model {spec!r} is not in the local Hugging Face cache and the hub cannot be "
+                "reached (offline); download it once with network access, or pass a local "
+                "folder or GGUF file"
+            ) from error
+        reason = " ".join(str(error).split())  # one line
+        raise ModelNotFoundError(f"could not load model {spec!r}: {reason}") from error
     model.eval()
     return model, tokenizer
 
 
+def _hub_offline(timeout_s: float = 3.0) -> bool:
+    """Whether hub downloads are off (``HF_HUB_OFFLINE``) or the hub endpoint is unreachable."""
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        with socket.create_connection((endpoint.hostname or "", port), timeout=timeout_s):
+            return False
+    except OSError:
+        return True
+
+
+def converted_gguf_folder(path: Path) -> Path:
+    """Where the safetensors conversion of GGUF file ``path`` lives, named by its content hash."""
+    return cache_dir() / "models" / f"{path.stem}-{file_digest(path)[:16]}"
+
+
 def _converted_gguf(path: Path) -> Path:
     """Folder holding ``path`` dequantized to safetensors, converting it on first use."""
-    stat = path.stat()
-    identity = hashlib.sha256(f"{path.name}|{stat.st_size}".encode())
-    with path.open("rb") as handle:
-        identity.update(handle.read(1 << 20))
-    folder = cache_dir() / "models" / f"{path.stem}-{identity.hexdigest()[:16]}"
+    folder = converted_gguf_folder(path)
     if (folder / "config.json").is_file():
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,17 +177,117 @@ def _converted_gguf(path: Path) -> Path:
     return folder
 
 
-def model_fingerprint(model: torch.nn.Module, tokenizer: object, kv_dtype: torch.dtype) -> str:
-    """Content fingerprint of weights, config, tokenizer and KV dtype (stable across machines)."""
+_WEIGHT_SUFFIXES = (".safetensors", ".bin")
+_DIGESTS_LOCK = threading.Lock()
+_DIGESTS: dict[str, tuple[int, int, str]] = {}  # resolved path -> (size, mtime_ns, sha256)
+
+
+def _digest_index() -> Path:
+    return cache_dir() / "file-digests.json"
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's content, computed once per (path, size, mtime) and remembered on disk.
+
+    The record lives in ``<cache dir>/file-digests.json``, so a model file is read in full once
+    per machine, not once per process; a file rewritten in place gets a new mtime and is hashed
+    again.
+    """
+    resolved = Path(path).resolve()
+    stat = resolved.stat()
+    identity = (stat.st_size, stat.st_mtime_ns)
+    name = str(resolved)
+    with _DIGESTS_LOCK:
+        if not _DIGESTS:
+            _DIGESTS.update(_read_digest_index())
+        known = _DIGESTS.get(name)
+        if known is not None and known[:2] == identity:
+            return known[2]
     digest = hashlib.sha256()
-    digest.update(model.config.to_json_string(use_diff=False).encode())
+    with resolved.open("rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    value = digest.hexdigest()
+    with _DIGESTS_LOCK:
+        _DIGESTS.update(_read_digest_index())  # keep what other processes recorded meanwhile
+        _DIGESTS[name] = (*identity, value)
+        _write_digest_index(_DIGESTS)
+    return value
+
+
+def _read_digest_index() -> dict[str, tuple[int, int, str]]:
+    try:
+        raw = json.loads(_digest_index().read_text("utf-8"))
+        return {str(k): (int(v[0]), int(v[1]), str(v[2])) for k, v in raw.items()}
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return {}  # missing or damaged: files are hashed again
+
+
+def _write_digest_index(records: dict[str, tuple[int, int, str]]) -> None:
+    index = _digest_index()
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".digests-", dir=index.parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump({k: list(v) for k, v in records.items()}, out)
+        os.replace(temporary, index)
+    except OSError as error:  # a read-only cache folder only costs hashing again next time
+        logger.debug("could not record file digests in %s: %s", index, error)
+
+
+def _weight_files(model: torch.nn.Module) -> list[Path]:
+    """Return the weight files ``model`` was loaded from, when it came from a local folder."""
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    folder = Path(source)
+    if not source or not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every element of every weight of ``model`` (and its compute dtype).
+
+    From the weight files' cached content hashes when the model was loaded from a local folder;
+    otherwise from the tensors themselves (each storage once: tied weights are named, not hashed
+    twice).
+    """
+    digest = hashlib.sha256()
+    first = next(iter(model.parameters()), None)
+    digest.update(str(None if first is None else first.dtype).encode())
+    files = _weight_files(model)
+    if files:
+        for file in files:
+            digest.update(f"{file.name}={file_digest(file)};".encode())
+        return digest.hexdigest()
+    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
+        alias = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        if tensor.numel() and alias in seen:
+            digest.update(f"={seen[alias]};".encode())
+            continue
+        seen[alias] = name
+        data = tensor.to("cpu").contiguous().reshape(-1)
+        digest.update(data.view(torch.uint8).numpy().data if data.numel() else b"")
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer: object, kv_dtype: torch.dtype) -> str:
+    """Content fingerprint of all weights, config, tokenizer and KV dtype (stable across machines).
+
+    Two models that differ in any weight element, config field or vocabulary entry get
+    different fingerprints, so they never read each other's stored KV.
+    """
+    digest = hashlib.sha256()
+    config = getattr(model, "config", None)
+    if config is not None:
+        digest.update(config.to_json_string(use_diff=False).encode())
     digest.update(str(kv_dtype).encode())
-    for name, tensor in sorted(model.state_dict().items())[:64]:
-        digest.update(name.encode())
-        sample = tensor.detach().reshape(-1)[:4096].to("cpu", torch.float32).contiguous()
-        digest.update(sample.numpy().tobytes())
-    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    digest.update(weights_digest(model).encode())
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    vocab: dict[str, int] = get_vocab() if callable(get_vocab) else {}
     digest.update(str(len(vocab)).encode())
-    for token in sorted(vocab)[:: max(1, len(vocab) // 2048)]:
+    for token in sorted(vocab):
         digest.update(f"{token}={vocab[token]};".encode())
     return digest.hexdigest()[:32]

