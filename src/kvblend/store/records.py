@@ -14,7 +14,7 @@ from the oldest record still kept.
 - `MemoryRecordLogs`: the process's own logs (memory-only stores);
 - `DiskRecordLogs`: logs in a `diskcache` folder, shared by every process that opens it. Keys
   are strings and values are bytes or integers, which diskcache stores as they are: nothing is
-  pickled.
+  pickled, and a pickled value someone else left in the folder is never unpickled.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import diskcache
+from kvblend.store.files import PRIVATE, FileModes, ForeignValueError, RecordDisk, prepare_folder
+from kvblend.store.index import open_index
 
 __all__ = ["DEFAULT_MAX_RECORDS", "DiskRecordLogs", "MemoryRecordLogs", "validate_log_name"]
 
@@ -71,7 +72,7 @@ class MemoryRecordLogs:
             self._logs[log] = (first, kept)
 
     def read(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
-        """Records of ``log`` after sequence number ``cursor``, and the last sequence number."""
+        """Return the records of ``log`` after sequence number ``cursor`` and the last number."""
         validate_log_name(log)
         with self._lock:
             first, kept = self._logs.get(log, (1, []))
@@ -86,13 +87,32 @@ class MemoryRecordLogs:
 
 
 class DiskRecordLogs:
-    """Record logs in a diskcache folder, shared by processes (SQLite transactions)."""
+    """Record logs in a diskcache folder, shared by processes (SQLite transactions).
+
+    The folder gets the store's `modes`; a damaged index is set aside and rebuilt on open (see
+    `kvblend.store.index`), and a value this class did not write reads as missing.
+    """
 
     _TRIM_EVERY = 1024
 
-    def __init__(self, directory: str | Path, max_records: int = DEFAULT_MAX_RECORDS) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        *,
+        modes: FileModes = PRIVATE,
+    ) -> None:
         self.max_records = max_records
-        self._cache = diskcache.Cache(str(directory), eviction_policy="none", size_limit=2**62)
+        prepare_folder(directory, modes)
+        self._cache, _ = open_index(
+            Path(directory), modes, RecordDisk, eviction_policy="none", size_limit=2**62
+        )
+
+    def _get(self, key: str) -> object:
+        try:
+            return self._cache.get(key)
+        except ForeignValueError:
+            return None
 
     @staticmethod
     def _head(log: str) -> str:
@@ -124,16 +144,17 @@ class DiskRecordLogs:
             seq -= 1
 
     def read(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
-        """Records of ``log`` after sequence number ``cursor``, and the last sequence number."""
+        """Return the records of ``log`` after sequence number ``cursor`` and the last number."""
         validate_log_name(log)
-        head = int(self._cache.get(self._head(log), default=0))
+        stored_head = self._get(self._head(log))
+        head = stored_head if type(stored_head) is int else 0
         if head == cursor:
             return [], head
         oldest = max(1, head - self.max_records + 1)
         start = oldest if cursor > head else max(cursor + 1, oldest)  # a cleared log restarts
         found = []
         for seq in range(start, head + 1):
-            record = self._cache.get(self._item(log, seq))
+            record = self._get(self._item(log, seq))
             if isinstance(record, bytes):
                 found.append(record)
         return found, head
