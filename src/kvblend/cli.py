@@ -1,4 +1,4 @@
-"""The ``kvblend`` command line: demo, precompute, ask, store stats/clear, bench."""
+"""The ``kvblend`` command line: demo, precompute, ask, store stats/clear/repair, bench."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from .cli_store import add_store_parser
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
 from .engine.config import STRATEGIES
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
@@ -185,21 +186,6 @@ def _print_stats(stats: Any, indent: str = "") -> None:
         _print_stats(tier, indent + "  ")
 
 
-def cmd_store(args: argparse.Namespace) -> None:
-    """Show or clear the on-disk store."""
-    from .store import DiskKVStore, default_store_dir
-
-    directory = args.store_dir or default_store_dir()
-    store = DiskKVStore(directory)
-    if args.action == "clear":
-        before = store.stats().entries
-        store.clear()
-        print(f"cleared {before} entries from {directory}")
-        return
-    print(f"store folder: {directory}")
-    _print_stats(store.stats())
-
-
 def cmd_bench(args: argparse.Namespace) -> None:
     """Run the TTFT benchmark script."""
     from .bench import main as bench_main
@@ -261,10 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
 
-    store = sub.add_parser("store", help="show or clear the on-disk KV store")
-    store.add_argument("action", choices=["stats", "clear"])
-    store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
-    store.set_defaults(func=cmd_store)
+    add_store_parser(sub)
 
     bench = sub.add_parser("bench", help="TTFT benchmark (see benchmarks/README)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
