@@ -10,6 +10,7 @@ import os
 import pathlib
 import sqlite3
 import stat
+import threading
 
 import diskcache
 import pytest
@@ -326,4 +327,25 @@ def test_damage_at_any_layer_raises_corrupt_entry_and_drops_it(tmp_path, where, 
     store.put("a", kv)
     fresh = store.get("a")
     assert all(torch.equal(fresh[name], kv[name]) for name in kv)
+    store.close()
+
+
+def test_a_fifo_in_place_of_a_value_file_is_dropped_without_blocking(tmp_path):
+    folder = tmp_path / "kv"
+    store = DiskKVStore(folder)
+    store.put("a", make_kv())
+    (path,) = value_files(folder)
+    path.unlink()
+    os.mkfifo(path)  # opening it for reading would wait for a writer forever
+    outcome = []
+    reader = threading.Thread(target=lambda: outcome.append(store.get("a")), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    if reader.is_alive():  # unblock the reader so that the failure is reported, not a hang
+        with open(path, "wb"):
+            pass
+        reader.join()
+        pytest.fail("get() blocked on a FIFO")
+    assert outcome == [None] and store.stats().corrupt_dropped == 1
+    assert not store.contains("a")
     store.close()

@@ -7,8 +7,9 @@ deployment opts in (``shared=True`` or ``KVBLEND_STORE_SHARED=1``) to group acce
 ``0660``.
 
 The diskcache index names each value file; a row whose name is not one diskcache writes
-(``ab/cd/<28 hex>.val``, inside the folder, not through a symbolic link) is treated as a foreign
-value: never opened, never deleted. Writes retry when another process removes an emptied
+(``ab/cd/<28 hex>.val``, inside the folder, not through a symbolic link) or that names something
+other than a regular file (a FIFO would block the reader) is treated as a foreign value: never
+read, never deleted. Writes retry when another process removes an emptied
 sub-folder between creating it and opening the file in it, as diskcache's own writer does.
 """
 
@@ -191,6 +192,11 @@ def remove_value_file(directory: str, filename: object) -> None:
         folder = os.path.dirname(folder)
 
 
+def _open_no_wait(path: str, flags: int) -> int:
+    """Open without following a final symbolic link or blocking on a FIFO someone put there."""
+    return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+
+
 class ForeignValueError(Exception):
     """The folder holds a value kvblend did not write (pickled, text, or a file elsewhere)."""
 
@@ -232,9 +238,19 @@ class BytesOnlyDisk(diskcache.Disk):
     ) -> object:
         if mode not in (MODE_RAW, MODE_BINARY):
             raise ForeignValueError(f"diskcache mode {mode}")
-        if mode == MODE_BINARY and confined_path(self._real_directory, filename) is None:
+        if mode == MODE_RAW:
+            return super().fetch(mode, filename, value, read)
+        full = confined_path(self._real_directory, filename)
+        if full is None:
             raise ForeignValueError(f"file name {filename!r} outside the store folder")
-        return super().fetch(mode, filename, value, read)
+        handle = open(full, "rb", opener=_open_no_wait)  # noqa: SIM115 - the caller closes it
+        if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
+            handle.close()
+            raise ForeignValueError(f"{filename!r} is not a regular file")
+        if read:
+            return handle
+        with handle:
+            return handle.read()
 
     def remove(self, file_path: str) -> None:  # noqa: D102
         remove_value_file(self._real_directory, file_path)
