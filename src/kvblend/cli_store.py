@@ -60,7 +60,8 @@ def cmd_store(args: argparse.Namespace) -> None:
         if not _check_folder(directory, args.action):
             print(f"no KV store at {directory}: nothing to clear")
             return
-        with DiskKVStore(directory) as store:
+        store = DiskKVStore(directory)
+        try:
             if args.action == "clear":
                 before = store.stats().entries
                 store.clear()
@@ -69,6 +70,8 @@ def cmd_store(args: argparse.Namespace) -> None:
                 _print_repair(directory, store)
             else:
                 _print_stats(directory, store)
+        finally:
+            store.close()
     except (StoreError, OSError) as error:
         raise _user_error(str(error)) from error
 

@@ -105,6 +105,11 @@ def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
     set_mode(path, modes.folder)  # makedirs' mode is masked by the umask
 
 
+def _fchmod(descriptor: int, mode: int) -> None:
+    if hasattr(os, "fchmod"):  # POSIX; elsewhere permission bits mean little
+        os.fchmod(descriptor, mode)
+
+
 def prepare_index_file(directory: str | os.PathLike[str], modes: FileModes) -> None:
     """Create the folder's SQLite index file with `modes` before SQLite does (with 0644).
 
@@ -115,7 +120,7 @@ def prepare_index_file(directory: str | os.PathLike[str], modes: FileModes) -> N
     try:
         info = os.fstat(descriptor)
         if info.st_size == 0 and stat.S_IMODE(info.st_mode) != modes.file:
-            os.fchmod(descriptor, modes.file)
+            _fchmod(descriptor, modes.file)
     finally:
         os.close(descriptor)
 
@@ -167,7 +172,7 @@ def write_value_file(directory: str, filename: str, data: bytes, modes: FileMode
                 raise
     try:
         with open(descriptor, "wb") as file:
-            os.fchmod(descriptor, modes.file)  # the umask may have masked group bits
+            _fchmod(descriptor, modes.file)  # the umask may have masked group bits
             file.write(data)
     except BaseException:
         with contextlib.suppress(OSError):

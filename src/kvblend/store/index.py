@@ -133,7 +133,7 @@ def index_is_damaged(directory: Path) -> bool:
         connection.close()
 
 
-def set_aside_damaged_index(directory: Path, error: BaseException) -> float | None:
+def set_aside_damaged_index(directory: Path, error: BaseException | str) -> float | None:
     """Rename a damaged index (with its WAL files) to ``cache.db.damaged``.
 
     Returns the time it was set aside, or None if, under the folder lock, the index turned out
