@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import shutil
 import sqlite3
 import time
 
@@ -94,6 +95,18 @@ def test_a_store_follows_an_index_another_process_rebuilt(tmp_path):
     assert second.contains("b")  # the write went to the index every process uses now
     first.close()
     second.close()
+
+
+def test_a_store_folder_deleted_while_open_is_made_again(tmp_path):
+    folder = tmp_path / "kv"
+    store = DiskKVStore(folder)
+    store.put("a", make_kv())
+    shutil.rmtree(folder)  # an operator "clears the cache" under a running service
+    assert not store.contains("a")
+    store.put("b", make_kv(1))
+    assert torch.equal(store.get("b")["v.0"], make_kv(1)["v.0"])
+    assert (folder / "cache.db").exists()
+    store.close()
 
 
 def test_repair_collects_orphans_and_drops_rows_without_a_file(tmp_path):

@@ -127,6 +127,7 @@ class DiskKVStore(KVStore):
         with self._reopen_lock:
             if self._damaged or index_identity(self.directory) != self._identity:
                 old = self._cache
+                prepare_folder(self.directory, self.modes)  # it may have been deleted
                 self._cache, self._identity = self._open_index()
                 self._damaged = False
                 with contextlib.suppress(*_STORAGE_ERRORS):
