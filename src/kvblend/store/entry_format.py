@@ -237,7 +237,7 @@ def _parse_header(payload: Payload, key: str) -> EntryHeader:
             numel = 1
             for size in shape:
                 numel *= int(size)
-            if end - begin != numel * dtype.itemsize or begin < 0:
+            if end - begin != numel * dtype.itemsize or not 0 <= begin <= end:
                 raise ValueError(f"tensor {name!r} has inconsistent offsets")
             infos.append(
                 TensorInfo(
@@ -273,11 +273,15 @@ def read_tensor(
 
     The bytes go straight from the file into the tensor's own buffer (pinned when the target
     is a CUDA device). Raises `CorruptEntryError` on a short read, a checksum mismatch, a read
-    error or any other failure to decode the bytes; moving to `device` is not decoding, so an
-    out-of-memory error there is raised as it is.
+    error or any other failure to decode the bytes; allocating the buffer and moving to `device`
+    are not decoding, so an out-of-memory error there is raised as it is.
     """
+    # Allocating is not decoding (the header bounds the size by the file's): its errors, such
+    # as failing to pin memory, are raised as they are.
+    pin = device is not None and device.type == "cuda"
+    buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
     try:
-        tensor = _decode_tensor(payload, info, key, device)
+        tensor = _decode_tensor(payload, info, key, buffer)
     except (CorruptEntryError, StoreError):
         raise
     except Exception as error:  # noqa: BLE001 - an unreadable tensor means a damaged entry
@@ -290,10 +294,8 @@ def read_tensor(
 
 
 def _decode_tensor(
-    payload: Payload, info: TensorInfo, key: str, device: torch.device | None
+    payload: Payload, info: TensorInfo, key: str, buffer: torch.Tensor
 ) -> torch.Tensor:
-    pin = device is not None and device.type == "cuda"
-    buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
     view = buffer.numpy().data
     filled = payload.read_into(info.offset, view)
     if filled != info.nbytes:
