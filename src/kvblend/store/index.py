@@ -101,7 +101,9 @@ def open_index(
 def _open_checked(directory: Path, settings: dict[str, object]) -> diskcache.Cache:
     cache = diskcache.Cache(str(directory), **settings)
     try:
-        cache._sql("SELECT COUNT(*), SUM(size) FROM Cache").fetchall()  # noqa: SLF001
+        # diskcache has read its settings; the last rows are what a truncation cuts off, and
+        # reaching them costs a few pages whatever the size of the index.
+        cache._sql("SELECT MAX(rowid) FROM Cache").fetchall()  # noqa: SLF001
     except BaseException:
         cache.close()
         raise
