@@ -109,6 +109,18 @@ def test_an_old_world_readable_store_folder_is_made_private(tmp_path, umask_022,
     assert mode_of(folder) == 0o700 and mode_of(folder / "cache.db") == 0o600
 
 
+def test_a_group_shared_store_folder_is_left_to_its_group_with_a_warning(
+    tmp_path, umask_022, monkeypatch, caplog
+):
+    monkeypatch.delenv(SHARED_ENV, raising=False)
+    folder = tmp_path / "kv"
+    DiskKVStore(folder, shared=True).close()
+    with caplog.at_level(logging.WARNING, logger="kvblend.store"):
+        DiskKVStore(folder).close()  # a process that forgot KVBLEND_STORE_SHARED=1
+    assert mode_of(folder) == 0o770
+    assert any("open to other users" in r.getMessage() for r in caplog.records)
+
+
 def test_a_readable_folder_that_is_no_store_is_left_alone_with_a_warning(
     tmp_path, umask_022, monkeypatch, caplog
 ):
@@ -119,7 +131,7 @@ def test_a_readable_folder_that_is_no_store_is_left_alone_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="kvblend.store"):
         DiskKVStore(folder).close()
     assert mode_of(folder) == 0o755
-    assert any("readable by other users" in r.getMessage() for r in caplog.records)
+    assert any("open to other users" in r.getMessage() for r in caplog.records)
 
 
 # --- file names in the index stay inside the folder -------------------------------------------

@@ -74,9 +74,11 @@ def set_mode(path: str | os.PathLike[str], mode: int) -> None:
 def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
     """Create the store folder `path` with `modes`, or make an existing one private.
 
-    A private store tightens a folder it owns when the folder is empty or already a store (holds
-    an index), since files kept by older versions may be readable by others. Any other existing
-    folder is left as it is, with a warning if other users can read it.
+    A private store tightens a folder it owns that any user may enter (as older versions left
+    them, ``0755``) when the folder is empty or already a store (holds an index). Any other
+    existing folder is left as it is, with a warning if users other than the owner can enter
+    it: a folder only its group may enter is probably shared on purpose by processes that
+    did not all set ``KVBLEND_STORE_SHARED=1``, and locking them out would break them.
     """
     path = os.fspath(path)
     try:
@@ -88,7 +90,8 @@ def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
         if modes.shared or not stat.S_IMODE(info.st_mode) & 0o077:
             return
         ours = info.st_uid == getattr(os, "geteuid", lambda: info.st_uid)()
-        if ours and (not os.listdir(path) or os.path.exists(os.path.join(path, INDEX_NAME))):
+        store = not os.listdir(path) or os.path.exists(os.path.join(path, INDEX_NAME))
+        if ours and store and stat.S_IMODE(info.st_mode) & 0o007:
             set_mode(path, modes.folder)
             for name in os.listdir(path):
                 if name.startswith(INDEX_NAME):
@@ -96,7 +99,7 @@ def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
                         set_mode(os.path.join(path, name), modes.file)
         else:
             logger.warning(
-                "KV store folder %s is readable by other users, and stored KV reveals the "
+                "KV store folder %s is open to other users, and stored KV reveals the "
                 "documents: make it private (chmod 700) or set %s=1 if it is shared on purpose",
                 path,
                 SHARED_ENV,
