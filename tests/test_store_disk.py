@@ -13,7 +13,7 @@ import diskcache
 import pytest
 import torch
 
-import kvblend.store.disk as disk_module
+import kvblend.store.files as files_module
 from kvblend.store import (
     CorruptEntryError,
     DiskKVStore,
@@ -172,7 +172,7 @@ def test_foreign_values_are_never_unpickled(store, tmp_path, value_kind):
 
 
 def test_the_store_serializer_refuses_to_pickle(tmp_path):
-    disk = disk_module._BytesOnlyDisk(str(tmp_path))
+    disk = files_module.BytesOnlyDisk(str(tmp_path))
     with pytest.raises(TypeError, match="only stores bytes"):
         disk.store({"a": 1}, read=False)
     with pytest.raises(TypeError, match="str keys"):
@@ -198,8 +198,8 @@ def test_default_store_falls_back_to_memory_with_one_warning(tmp_path, caplog):
     assert store.stats().hits == 1
 
 
-def _fail_file_write(path, data):
-    raise OSError(errno.ENOSPC, "No space left on device", path)
+def _fail_file_write(directory, filename, data, modes):
+    raise OSError(errno.ENOSPC, "No space left on device", filename)
 
 
 def _fail_sqlite_set(self, *args, **kwargs):
@@ -211,7 +211,7 @@ def test_full_disk_gives_store_error_and_tiered_keeps_working(
     tmp_path, monkeypatch, caplog, failure
 ):
     if failure == "file":
-        monkeypatch.setattr(disk_module, "_write_file", _fail_file_write)
+        monkeypatch.setattr(files_module, "write_value_file", _fail_file_write)
     else:
         monkeypatch.setattr(diskcache.Cache, "set", _fail_sqlite_set)
     disk = DiskKVStore(tmp_path / "kv")
@@ -233,9 +233,10 @@ def test_full_disk_gives_store_error_and_tiered_keeps_working(
 
 
 def test_failed_file_write_leaves_no_partial_file(tmp_path):
-    target = tmp_path / "ab" / "cd" / "entry.val"
-    with pytest.raises(TypeError):
-        disk_module._write_file(str(target), "not bytes")  # fails after the file is opened
+    name = "ab/cd/" + "0" * 28 + ".val"
+    target = tmp_path / name
+    with pytest.raises(TypeError):  # fails after the file is opened
+        files_module.write_value_file(str(tmp_path), name, "not bytes", files_module.PRIVATE)
     assert target.parent.is_dir() and not target.exists()
 
 

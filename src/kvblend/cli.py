@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from .cli_store import add_store_parser
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
 from .engine.config import STRATEGIES
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
@@ -296,21 +297,6 @@ def _print_stats(stats: Any, indent: str = "") -> None:
         _print_stats(tier, indent + "  ")
 
 
-def cmd_store(args: argparse.Namespace) -> None:
-    """Show or clear the on-disk store."""
-    from .store import DiskKVStore, default_store_dir
-
-    directory = args.store_dir or default_store_dir()
-    store = DiskKVStore(directory)
-    if args.action == "clear":
-        before = store.stats().entries
-        store.clear()
-        print(f"cleared {before} entries from {directory}")
-        return
-    print(f"store folder: {directory}")
-    _print_stats(store.stats())
-
-
 def cmd_bench(args: argparse.Namespace) -> None:
     """Run the TTFT benchmark script."""
     from .bench import main as bench_main
@@ -385,14 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--docs", nargs="+", help="precompute these text files or folders first")
     explain.set_defaults(func=cmd_explain)
 
-    store = sub.add_parser("store", help="show or clear the on-disk KV store")
-    store.add_argument("action", choices=["stats", "clear"])
-    store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
-    store.set_defaults(func=cmd_store)
+    add_store_parser(sub)
 
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
     sub.add_parser(
-        "bench", help="benchmarks: ttft, figures, quality, report (see docs/benchmarks.md)"
+        "bench",
+        help="benchmarks: ttft, figures, quality, registry, report (see docs/benchmarks.md)",
     )
     return parser
 

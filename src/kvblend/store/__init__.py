@@ -6,6 +6,7 @@ returns a `TieredKVStore` (memory in front of disk); see docs/store.md.
 
 from kvblend.store.base import CorruptEntryError, KVStore, StoreError, StoreStats
 from kvblend.store.disk import DiskKVStore, default_store_dir
+from kvblend.store.index import RepairReport
 from kvblend.store.lazy import LazyTensors
 from kvblend.store.memory import MemoryKVStore
 from kvblend.store.tiered import TieredKVStore, default_store
@@ -16,6 +17,7 @@ __all__ = [
     "KVStore",
     "LazyTensors",
     "MemoryKVStore",
+    "RepairReport",
     "StoreError",
     "StoreStats",
     "TieredKVStore",

@@ -2,10 +2,14 @@
 
 `diskcache.Cache` provides the index (SQLite), LRU eviction by size and safe concurrent use by
 several processes. Values are always `bytes`, so diskcache keeps small entries as SQLite blobs and
-writes large ones to files as they are; the `_BytesOnlyDisk` serializer refuses anything else
-and refuses to unpickle what another program may have left in the folder, so nothing is ever
-pickled. Reads open the entry's file and parse only its header; tensors are read one at a time
-by the lazy mapping `get()` returns, each checked against its checksum.
+writes large ones to files as they are; the serializer (`files.BytesOnlyDisk`) refuses anything
+else, refuses to unpickle what another program may have left in the folder, and only opens or
+deletes files inside the folder. Reads open the entry's file and parse only its header; tensors
+are read one at a time by the lazy mapping `get()` returns, each checked against its checksum.
+
+The folder is private to its owner unless opened as shared (`files`). An index found damaged,
+on open or later, is set aside and rebuilt (`index`), so the disk tier heals instead of failing
+for the life of the process.
 """
 
 from __future__ import annotations
@@ -16,13 +20,13 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import diskcache
 import platformdirs
 import torch
-from diskcache.core import MODE_BINARY, MODE_RAW, UNKNOWN
 
 from kvblend.store.base import (
     CorruptEntryError,
@@ -33,6 +37,18 @@ from kvblend.store.base import (
     validate_key,
 )
 from kvblend.store.entry_format import Payload, encode_entry, read_header, read_tensor
+from kvblend.store.files import ForeignValueError, file_modes, prepare_folder
+from kvblend.store.index import (
+    ORPHAN_GRACE_S,
+    RepairReport,
+    collect_orphans,
+    drop_broken_rows,
+    index_identity,
+    index_is_damaged,
+    is_damage,
+    open_index,
+    set_aside_damaged_index,
+)
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool
 from kvblend.store.records import DiskRecordLogs
 
@@ -54,56 +70,14 @@ def default_store_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvblend")) / "kv"
 
 
-class _ForeignValueError(Exception):
-    """The folder holds a value kvblend did not write (pickled, text, number)."""
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """Write `data` to a new file at `path`; leave no partial file behind on failure."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    try:
-        with open(path, "xb") as file:
-            file.write(data)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path)
-        raise
-
-
-class _BytesOnlyDisk(diskcache.Disk):
-    """diskcache serializer for str keys and bytes values only: never pickles or unpickles."""
-
-    def put(self, key: object) -> tuple[object, bool]:
-        if type(key) is not str:
-            raise TypeError("the KV store only uses str keys")
-        return super().put(key)
-
-    def get(self, key: object, raw: bool) -> object:
-        if not raw:
-            raise _ForeignValueError("pickled key")
-        return super().get(key, raw)
-
-    def store(self, value: object, read: bool, key: object = UNKNOWN) -> tuple:
-        if type(value) is not bytes:
-            raise TypeError("the KV store only stores bytes")
-        if len(value) < self.min_file_size:
-            return 0, MODE_RAW, None, sqlite3.Binary(value)
-        filename, full_path = self.filename(key, value)
-        _write_file(full_path, value)
-        return len(value), MODE_BINARY, filename, None
-
-    def fetch(self, mode: int, filename: str | None, value: object, read: bool) -> object:
-        if mode not in (MODE_RAW, MODE_BINARY):
-            raise _ForeignValueError(f"diskcache mode {mode}")
-        return super().fetch(mode, filename, value, read)
-
-
 class DiskKVStore(KVStore):
     """Store in a folder, bounded by `size_limit` bytes, least recently used entries evicted.
 
     Several processes may open the same folder at once. `directory` defaults to
-    `default_store_dir()`. Raises `StoreError` if the folder cannot be created or opened for
-    writing; `put()` raises `StoreError` when the disk is full or read-only.
+    `default_store_dir()`. The folder is private (``0700``, files ``0600``) unless `shared` is
+    True (group access, ``0770``/``0660``); `shared=None` reads ``$KVBLEND_STORE_SHARED``.
+    Raises `StoreError` if the folder cannot be created or opened for writing; `put()` raises
+    `StoreError` when the disk is full or read-only.
     """
 
     def __init__(
@@ -113,33 +87,60 @@ class DiskKVStore(KVStore):
         *,
         prefetch_ahead: int = DEFAULT_PREFETCH_AHEAD,
         timeout: float = 60.0,
+        shared: bool | None = None,
     ) -> None:
         if size_limit <= 0:
             raise ValueError(f"size_limit must be > 0, got {size_limit}")
         self.directory = Path(directory) if directory is not None else default_store_dir()
         self.size_limit = int(size_limit)
+        self.modes = file_modes(shared)
         self._prefetch_ahead = prefetch_ahead
+        self._timeout = timeout
         self._pool = PrefetchPool()
         self._lock = threading.Lock()
+        self._reopen_lock = threading.Lock()
+        self._damaged = False
+        self._set_aside = 0
         self._hits = self._misses = self._evictions = self._corrupt = 0
         with self._storage_errors("open the KV store"):
-            self.directory.mkdir(parents=True, exist_ok=True)
-            # cull_limit=0: set() never evicts by itself; put() evicts (and counts) itself.
-            self._cache = diskcache.Cache(
-                str(self.directory),
-                timeout=timeout,
-                disk=_BytesOnlyDisk,
-                eviction_policy="least-recently-used",
-                size_limit=self.size_limit,
-                cull_limit=0,
-            )
-            self._records = DiskRecordLogs(self.directory / "records.db")
+            prepare_folder(self.directory, self.modes)
+            self._cache, self._identity = self._open_index()
+            self._records = DiskRecordLogs(self.directory / "records", modes=self.modes)
+
+    def _open_index(self) -> tuple[diskcache.Cache, tuple[int, int] | None]:
+        # cull_limit=0: set() never evicts by itself; put() evicts (and counts) itself.
+        cache, set_aside = open_index(
+            self.directory,
+            self.modes,
+            timeout=self._timeout,
+            eviction_policy="least-recently-used",
+            size_limit=self.size_limit,
+            cull_limit=0,
+        )
+        self._set_aside += set_aside
+        return cache, index_identity(self.directory)
+
+    def _index(self) -> diskcache.Cache:
+        """Return the open index, reopened first if found damaged or replaced by another process."""
+        if not self._damaged and index_identity(self.directory) == self._identity:
+            return self._cache
+        with self._reopen_lock:
+            if self._damaged or index_identity(self.directory) != self._identity:
+                old = self._cache
+                prepare_folder(self.directory, self.modes)  # it may have been deleted
+                self._cache, self._identity = self._open_index()
+                self._damaged = False
+                with contextlib.suppress(*_STORAGE_ERRORS):
+                    old.close()
+        return self._cache
 
     @contextlib.contextmanager
     def _storage_errors(self, action: str) -> Iterator[None]:
         try:
             yield
         except _STORAGE_ERRORS as error:
+            if is_damage(error):
+                self._damaged = True  # the next call sets the index aside and rebuilds it
             raise StoreError(f"cannot {action} in folder {self.directory}: {error}") from error
 
     def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
@@ -190,12 +191,13 @@ class DiskKVStore(KVStore):
                 f"{self.size_limit} of the KV store in {self.directory}"
             )
         with self._storage_errors(f"write entry {key!r} ({len(data)} bytes)"):
-            self._cache.set(key, data, retry=True)
-            evicted = self._evict_until_under_limit(keep=key)
+            cache = self._index()
+            cache.set(key, data, retry=True)
+            evicted = self._evict_until_under_limit(cache, keep=key)
         with self._lock:
             self._evictions += evicted
 
-    def _evict_until_under_limit(self, keep: str) -> int:
+    def _evict_until_under_limit(self, cache: diskcache.Cache, keep: str) -> int:
         """Delete least recently used entries, one at a time, until the folder fits the limit.
 
         diskcache's own `cull()` removes entries in batches of 10, which in a store holding
@@ -205,30 +207,30 @@ class DiskKVStore(KVStore):
         ever fails (a different diskcache version), the batch `cull()` is used instead.
         """
         evicted = 0
-        while self._cache.volume() > self.size_limit:
+        while cache.volume() > self.size_limit:
             try:
-                rows = self._cache._sql(  # noqa: SLF001 - see docstring
+                rows = cache._sql(  # noqa: SLF001 - see docstring
                     "SELECT key FROM Cache WHERE raw = 1 AND key != ? ORDER BY access_time LIMIT 1",
                     (keep,),
                 ).fetchall()
             except (AttributeError, sqlite3.Error):
-                return evicted + self._cache.cull(retry=True)
+                return evicted + cache.cull(retry=True)
             if not rows:
                 break
-            evicted += int(self._cache.delete(rows[0][0], retry=True))
+            evicted += int(cache.delete(rows[0][0], retry=True))
         return evicted
 
     def contains(self, key: str) -> bool:
         """Return True if the folder has an entry under `key` (not verified)."""
         validate_key(key)
         with self._storage_errors(f"look up {key!r}"):
-            return key in self._cache
+            return key in self._index()
 
     def delete(self, key: str) -> bool:
         """Remove the entry under `key`; return True if there was one."""
         validate_key(key)
         with self._storage_errors(f"delete {key!r}"):
-            return bool(self._cache.delete(key, retry=True))
+            return bool(self._index().delete(key, retry=True))
 
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, reading only the entry's header."""
@@ -247,7 +249,8 @@ class DiskKVStore(KVStore):
     def stats(self) -> StoreStats:
         """Return counters; `entries` and `bytes` cover every process's writes."""
         with self._storage_errors("read statistics"):
-            entries, volume = len(self._cache), self._cache.volume()
+            cache = self._index()
+            entries, volume = len(cache), cache.volume()
         with self._lock:
             return StoreStats(
                 entries=entries,
@@ -262,8 +265,36 @@ class DiskKVStore(KVStore):
     def clear(self) -> None:
         """Remove every entry (and every record log) from the folder."""
         with self._storage_errors("clear"):
-            self._cache.clear(retry=True)
+            self._index().clear(retry=True)
             self._records.clear()
+
+    def repair(self) -> RepairReport:
+        """Check the folder and fix what can be fixed; safe while other processes use it.
+
+        Sets a damaged index aside (a new one is started; see `kvblend.store.index`), drops
+        index rows whose file is missing or lies outside the folder, deletes value files no row
+        names (unless younger than `ORPHAN_GRACE_S`: they may be entries being written).
+        Raises `StoreError` if the folder cannot be used.
+        """
+        with self._storage_errors("repair the KV store"):
+            moment = None
+            with self._reopen_lock:
+                if index_is_damaged(self.directory):
+                    moment = set_aside_damaged_index(self.directory, "found by repair")
+                    self._damaged = True
+            cache = self._index()
+            dropped = drop_broken_rows(cache, self.directory)
+            older_than = moment if moment is not None else time.time() - ORPHAN_GRACE_S
+            deleted, freed = collect_orphans(cache, self.directory, older_than)
+            entries, volume = len(cache), cache.volume()
+        return RepairReport(
+            index_set_aside=self._set_aside > 0 or moment is not None,
+            rows_dropped=dropped,
+            orphans_deleted=deleted,
+            orphan_bytes=freed,
+            entries=entries,
+            bytes=volume,
+        )
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:
         """Append ``records`` to ``log`` in the folder, visible to every process."""
@@ -285,8 +316,8 @@ class DiskKVStore(KVStore):
         """Fetch the stored value of `key` as a `Payload`, or None (miss or foreign value)."""
         try:
             with self._storage_errors(f"read entry {key!r}"):
-                value = self._cache.get(key, read=True, retry=True)
-        except _ForeignValueError as error:
+                value = self._index().get(key, read=True, retry=True)
+        except ForeignValueError as error:
             self._drop_corrupt(key, None, CorruptEntryError(key, f"foreign value ({error})"))
             return None
         if value is None:
@@ -302,19 +333,20 @@ class DiskKVStore(KVStore):
             self._corrupt += 1
         logger.warning("dropping a corrupt entry of the KV store in %s: %s", self.directory, error)
         try:
-            with self._cache.transact(retry=True):
-                current = self._identity_of(key) if identity is not None else None
+            cache = self._index()
+            with cache.transact(retry=True):
+                current = self._identity_of(cache, key) if identity is not None else None
                 if identity is not None and current not in (identity, "foreign"):
                     return  # gone, or rewritten by another process since we read it
-                self._cache.delete(key, retry=True)
+                cache.delete(key, retry=True)
         except _STORAGE_ERRORS as failure:
             logger.warning("could not drop corrupt entry %r: %s", key, failure)
 
-    def _identity_of(self, key: str) -> str | None:
+    def _identity_of(self, cache: diskcache.Cache, key: str) -> str | None:
         """Return the identity of the value stored under `key` now, "foreign", or None."""
         try:
-            value = self._cache.get(key, read=True, retry=True)
-        except _ForeignValueError:
+            value = cache.get(key, read=True, retry=True)
+        except ForeignValueError:
             return "foreign"
         if value is None:
             return None

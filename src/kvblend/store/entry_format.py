@@ -183,9 +183,21 @@ def read_header(payload: Payload, key: str) -> EntryHeader:
     """Parse and verify the header of `payload` stored under `key`.
 
     Raises `CorruptEntryError` if the bytes are not a kvblend entry for `key`, the header is
-    damaged, or the payload is truncated or has trailing bytes.
+    damaged, tensors overlap or leave gaps, the payload is truncated or has trailing bytes, or
+    decoding fails in any other way (a crafted header may make the JSON parser or an integer
+    conversion raise anything): whatever the bytes, no other error leaves this function, except
+    `StoreError` for a payload that was already closed.
     """
+    try:
+        return _parse_header(payload, key)
+    except (CorruptEntryError, StoreError):
+        raise
+    except Exception as error:  # noqa: BLE001 - any decoding failure means a damaged entry
+        reason = f"undecodable header ({type(error).__name__}: {error})"
+        raise CorruptEntryError(key, reason) from error
 
+
+def _parse_header(payload: Payload, key: str) -> EntryHeader:
     def corrupt(reason: str) -> CorruptEntryError:
         return CorruptEntryError(key, reason)
 
@@ -214,7 +226,6 @@ def read_header(payload: Payload, key: str) -> EntryHeader:
         raise corrupt(f"unknown checksum {metadata.get('kvblend.checksum')!r}")
     data_start = 8 + header_size
     infos = []
-    data_end = 0
     try:
         listing = json.loads(metadata["kvblend.tensors"])
         for name, dtype_name, shape, tensor_checksum in listing:
@@ -226,7 +237,7 @@ def read_header(payload: Payload, key: str) -> EntryHeader:
             numel = 1
             for size in shape:
                 numel *= int(size)
-            if end - begin != numel * dtype.itemsize or begin < 0:
+            if end - begin != numel * dtype.itemsize or not 0 <= begin <= end:
                 raise ValueError(f"tensor {name!r} has inconsistent offsets")
             infos.append(
                 TensorInfo(
@@ -238,11 +249,17 @@ def read_header(payload: Payload, key: str) -> EntryHeader:
                     tensor_checksum,
                 )
             )
-            data_end = max(data_end, end)
     except (ValueError, KeyError, TypeError) as error:
         raise corrupt(f"inconsistent tensor listing ({error})") from None
     if header:
         raise corrupt(f"unlisted tensors {sorted(header)[:3]}")
+    # Tensors must tile the data section, as safetensors requires: a crafted header pointing
+    # many tensors at the same bytes would otherwise cost their sum in memory.
+    data_end = 0
+    for info in sorted(infos, key=lambda info: (info.offset, info.nbytes)):
+        if info.offset != data_start + data_end:
+            raise corrupt(f"tensor {info.name!r} overlaps another or leaves a gap")
+        data_end += info.nbytes
     if data_start + data_end != payload.size:
         raise corrupt(f"size {payload.size} bytes, expected {data_start + data_end}")
     user = {k: v for k, v in metadata.items() if not k.startswith("kvblend.")}
@@ -255,20 +272,34 @@ def read_tensor(
     """Read one tensor from `payload`, verify its checksum, and return it on `device`.
 
     The bytes go straight from the file into the tensor's own buffer (pinned when the target
-    is a CUDA device). Raises `CorruptEntryError` on a short read or checksum mismatch.
+    is a CUDA device). Raises `CorruptEntryError` on a short read, a checksum mismatch, a read
+    error or any other failure to decode the bytes; allocating the buffer and moving to `device`
+    are not decoding, so an out-of-memory error there is raised as it is.
     """
+    # Allocating is not decoding (the header bounds the size by the file's): its errors, such
+    # as failing to pin memory, are raised as they are.
     pin = device is not None and device.type == "cuda"
     buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
-    view = buffer.numpy().data
     try:
-        filled = payload.read_into(info.offset, view)
-    except OSError as error:
-        raise StoreError(f"cannot read tensor {info.name!r} of entry {key!r}: {error}") from error
+        tensor = _decode_tensor(payload, info, key, buffer)
+    except (CorruptEntryError, StoreError):
+        raise
+    except Exception as error:  # noqa: BLE001 - an unreadable tensor means a damaged entry
+        raise CorruptEntryError(
+            key, f"tensor {info.name!r} unreadable ({type(error).__name__}: {error})"
+        ) from error
+    if device is not None and device != tensor.device:
+        tensor = tensor.to(device)
+    return tensor
+
+
+def _decode_tensor(
+    payload: Payload, info: TensorInfo, key: str, buffer: torch.Tensor
+) -> torch.Tensor:
+    view = buffer.numpy().data
+    filled = payload.read_into(info.offset, view)
     if filled != info.nbytes:
         raise CorruptEntryError(key, f"tensor {info.name!r} truncated")
     if checksum(view) != info.checksum:
         raise CorruptEntryError(key, f"tensor {info.name!r} checksum mismatch")
-    tensor = buffer.view(info.dtype).reshape(info.shape)
-    if device is not None and device != tensor.device:
-        tensor = tensor.to(device)
-    return tensor
+    return buffer.view(info.dtype).reshape(info.shape)

@@ -20,10 +20,17 @@ from the oldest record still kept.
 
 from __future__ import annotations
 
+import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+from kvblend.store.files import PRIVATE, FileModes, prepare_folder, set_mode
+from kvblend.store.index import is_damage
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_RECORDS", "DiskRecordLogs", "MemoryRecordLogs", "validate_log_name"]
 
@@ -86,25 +93,59 @@ class MemoryRecordLogs:
 
 
 class DiskRecordLogs:
-    """Record logs in an SQLite file in the store folder, shared by processes.
+    """Record logs in an SQLite file inside the store folder, shared by processes.
 
     One table holds every log's records under a global, increasing sequence number, so a
-    reader's cursor is the last number it has seen and a read is one indexed range query.
+    reader's cursor is the last number it has seen and a read is one indexed range query. The
+    sub-folder and file get the store's `modes` (SQLite gives its ``-wal``/``-shm`` files the
+    database file's mode); a damaged file is set aside as ``records.db.damaged`` and a new, empty
+    one is started: records only help find documents, so losing them costs reuse, never answers.
     """
 
     _TRIM_EVERY = 1024
+    FILE_NAME = "records.db"
 
-    def __init__(self, path: str | Path, max_records: int = DEFAULT_MAX_RECORDS) -> None:
-        self.path = Path(path)
+    def __init__(
+        self,
+        directory: str | Path,
+        max_records: int = DEFAULT_MAX_RECORDS,
+        *,
+        modes: FileModes = PRIVATE,
+    ) -> None:
+        self.directory = Path(directory)
+        self.path = self.directory / self.FILE_NAME
         self.max_records = max_records
+        self.modes = modes
         self._local = threading.local()
         self._appended = 0
-        with self._connection() as db:
+        prepare_folder(self.directory, modes)
+        try:
+            self._create()
+        except sqlite3.DatabaseError as error:
+            if not is_damage(error):
+                raise
+            logger.warning(
+                "record log %s is damaged (%s): set aside, starting anew", self.path, error
+            )
+            self.close()
+            for suffix in ("", "-wal", "-shm"):
+                damaged = Path(f"{self.path}{suffix}")
+                if damaged.exists():
+                    os.replace(damaged, f"{self.path}.damaged{suffix}")
+            self._create()
+
+    def _create(self) -> None:
+        descriptor = os.open(self.path, os.O_RDONLY | os.O_CREAT, self.modes.file)
+        os.close(descriptor)
+        set_mode(self.path, self.modes.file)
+        db = self._connection()
+        with db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                 "log TEXT NOT NULL, data BLOB NOT NULL)"
             )
             db.execute("CREATE INDEX IF NOT EXISTS records_log ON records (log, seq)")
+        db.execute("SELECT seq FROM records ORDER BY seq DESC LIMIT 1").fetchall()
 
     def _connection(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)

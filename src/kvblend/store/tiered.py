@@ -4,7 +4,9 @@
 all of its tensors (which the engine does during prefill), so promotion costs no extra disk read.
 `put()` writes both tiers. Storage failures never reach the caller: a disk that is full, read-only
 or gone is logged once (`logging.warning`), counted in `stats().put_errors`, and the store keeps
-working from memory. Invalid keys or tensors still raise, since they are programming errors.
+working from memory. A disk folder that cannot be opened at all is tried again every
+`disk_retry_s` seconds, so a folder made writable (or repaired) later is used without a restart.
+Invalid keys or tensors still raise, since they are programming errors.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -23,6 +26,9 @@ from kvblend.store.memory import DEFAULT_MEMORY_BYTES, MemoryKVStore
 
 logger = logging.getLogger(__name__)
 
+#: Seconds between attempts at opening a disk tier that could not be opened.
+DEFAULT_DISK_RETRY_S = 30.0
+
 
 class TieredKVStore(KVStore):
     """Memory tier in front of an optional disk tier (`disk=None`: memory only).
@@ -30,23 +36,63 @@ class TieredKVStore(KVStore):
     Summary stats: `hits`/`misses` are lookups through this store; `entries`, `bytes`,
     `evictions` and `capacity_bytes` are the backing tier's (disk, or memory without disk);
     `corrupt_dropped` adds both tiers; `tiers` holds each tier's own stats.
+
+    `open_disk`, when given, builds the disk tier: while `disk` is None (the folder could not be
+    opened), it is called again at most every `disk_retry_s` seconds, and the first success
+    becomes the disk tier.
     """
 
     def __init__(
-        self, memory: MemoryKVStore | None = None, disk: DiskKVStore | None = None
+        self,
+        memory: MemoryKVStore | None = None,
+        disk: DiskKVStore | None = None,
+        *,
+        open_disk: Callable[[], DiskKVStore] | None = None,
+        disk_retry_s: float = DEFAULT_DISK_RETRY_S,
     ) -> None:
+        if disk_retry_s < 0:
+            raise ValueError(f"disk_retry_s must be >= 0, got {disk_retry_s}")
         self.memory = memory if memory is not None else MemoryKVStore()
         self.disk = disk
+        self._open_disk = open_disk
+        self._disk_retry_s = float(disk_retry_s)
+        self._disk_retry_at = time.monotonic() + self._disk_retry_s
         self._lock = threading.Lock()
         self._hits = self._misses = self._put_errors = 0
         self._warned: set[str] = set()
+
+    def _disk_tier(self) -> DiskKVStore | None:
+        """Return the disk tier, trying to open it again once the back-off has passed."""
+        if self.disk is not None or self._open_disk is None:
+            return self.disk
+        with self._lock:
+            now = time.monotonic()
+            if now < self._disk_retry_at:
+                return None
+            self._disk_retry_at = now + self._disk_retry_s
+        try:
+            disk = self._open_disk()
+        except StoreError as error:
+            logger.debug("KV store disk tier still unavailable: %s", error)
+            return None
+        with self._lock:
+            adopted = self.disk is None
+            if adopted:
+                self.disk = disk
+                self._warned.clear()
+        if adopted:
+            logger.warning("KV store disk tier in %s is available again", disk.directory)
+        else:
+            disk.close()
+        return self.disk
 
     def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
         """Return the tensors of `key` from memory, else from disk (promoted once fully read)."""
         validate_key(key)
         found = self.memory.get(key, device)
-        if found is None and self.disk is not None:
-            found = self._get_from_disk(key, device)
+        disk = self._disk_tier() if found is None else None
+        if disk is not None:
+            found = self._get_from_disk(disk, key, device)
         with self._lock:
             if found is None:
                 self._misses += 1
@@ -54,11 +100,12 @@ class TieredKVStore(KVStore):
                 self._hits += 1
         return found
 
-    def _get_from_disk(self, key: str, device: torch.device | str | None) -> LazyTensors | None:
-        assert self.disk is not None
+    def _get_from_disk(
+        self, disk: DiskKVStore, key: str, device: torch.device | str | None
+    ) -> LazyTensors | None:
         keep_on = self.memory.device if self.memory.device is not None else torch.device("cpu")
         try:
-            stored = self.disk.get(key, device=keep_on)
+            stored = disk.get(key, device=keep_on)
         except StoreError as error:
             self._warn_once("get", f"KV store disk tier unreadable, using memory only: {error}")
             return None
@@ -98,9 +145,10 @@ class TieredKVStore(KVStore):
             self.memory.put(key, tensors, metadata)
         except Exception as error:  # noqa: BLE001 - e.g. device out of memory; never fatal
             self._count_put_error("memory", error)
-        if self.disk is not None:
+        disk = self._disk_tier()
+        if disk is not None:
             try:
-                self.disk.put(key, tensors, metadata)
+                disk.put(key, tensors, metadata)
             except StoreError as error:
                 self._count_put_error("disk", error)
 
@@ -126,8 +174,9 @@ class TieredKVStore(KVStore):
         """Return True if either tier holds `key`."""
         if self.memory.contains(key):
             return True
+        disk = self._disk_tier()
         try:
-            return self.disk is not None and self.disk.contains(key)
+            return disk is not None and disk.contains(key)
         except StoreError as error:
             self._warn_once("get", f"KV store disk tier unreadable, using memory only: {error}")
             return False
@@ -135,16 +184,18 @@ class TieredKVStore(KVStore):
     def delete(self, key: str) -> bool:
         """Remove `key` from both tiers; return True if either held it."""
         removed = self.memory.delete(key)
-        if self.disk is not None:
-            removed = self.disk.delete(key) or removed
+        disk = self._disk_tier()
+        if disk is not None:
+            removed = disk.delete(key) or removed
         return removed
 
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key` from memory, else from disk."""
         found = self.memory.metadata(key)
-        if found is None and self.disk is not None:
+        disk = self._disk_tier() if found is None else None
+        if disk is not None:
             try:
-                found = self.disk.metadata(key)
+                found = disk.metadata(key)
             except StoreError as error:
                 self._warn_once("get", f"KV store disk tier unreadable, using memory only: {error}")
         return found
@@ -152,9 +203,10 @@ class TieredKVStore(KVStore):
     def stats(self) -> StoreStats:
         """Return lookups through this store, the backing tier's content, and per-tier stats."""
         tiers = {"memory": self.memory.stats()}
-        if self.disk is not None:
+        disk = self._disk_tier()
+        if disk is not None:
             try:
-                tiers["disk"] = self.disk.stats()
+                tiers["disk"] = disk.stats()
             except StoreError as error:
                 self._warn_once("get", f"KV store disk tier unreadable, using memory only: {error}")
         backing = tiers.get("disk", tiers["memory"])
@@ -173,9 +225,10 @@ class TieredKVStore(KVStore):
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:
         """Append to ``log`` in the backing tier (disk, else memory); failures are logged."""
-        if self.disk is not None:
+        disk = self._disk_tier()
+        if disk is not None:
             try:
-                self.disk.append_records(log, records)
+                disk.append_records(log, records)
                 return
             except StoreError as error:
                 self._warn_once("records", f"KV store disk tier record log unusable: {error}")
@@ -183,9 +236,10 @@ class TieredKVStore(KVStore):
 
     def read_records(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
         """Return the records of ``log`` after ``cursor`` from the backing tier."""
-        if self.disk is not None:
+        disk = self._disk_tier()
+        if disk is not None:
             try:
-                return self.disk.read_records(log, cursor)
+                return disk.read_records(log, cursor)
             except StoreError as error:
                 self._warn_once("records", f"KV store disk tier record log unusable: {error}")
         return self.memory.read_records(log, cursor)
@@ -193,8 +247,9 @@ class TieredKVStore(KVStore):
     def clear(self) -> None:
         """Remove every entry from both tiers."""
         self.memory.clear()
-        if self.disk is not None:
-            self.disk.clear()
+        disk = self._disk_tier()
+        if disk is not None:
+            disk.clear()
 
     def close(self) -> None:
         """Release both tiers' threads and handles."""
@@ -209,17 +264,29 @@ def default_store(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     disk_bytes: int = DEFAULT_DISK_BYTES,
     device: torch.device | str | None = None,
+    shared: bool | None = None,
+    disk_retry_s: float = DEFAULT_DISK_RETRY_S,
 ) -> TieredKVStore:
     """Build the default store: 2 GiB in memory in front of 20 GiB on disk.
 
     The disk folder is `directory`, else `$KVBLEND_STORE_DIR`, else the user cache folder (see
-    `default_store_dir`). `device` places the memory tier (e.g. "cuda"). If the folder cannot be
-    opened (read-only, not a folder), a warning is logged and the store is memory only.
+    `default_store_dir`); it is private unless `shared` (see `DiskKVStore`). `device` places
+    the memory tier (e.g. "cuda"). If the folder cannot be opened (read-only, not a folder), a
+    warning is logged, the store works from memory, and the folder is tried again every
+    `disk_retry_s` seconds.
     """
     memory = MemoryKVStore(memory_bytes, device=device)
+
+    def open_disk() -> DiskKVStore:
+        return DiskKVStore(directory, size_limit=disk_bytes, shared=shared)
+
     try:
-        disk: DiskKVStore | None = DiskKVStore(directory, size_limit=disk_bytes)
+        disk: DiskKVStore | None = open_disk()
     except StoreError as error:
-        logger.warning("KV store disk tier unavailable, using memory only: %s", error)
+        logger.warning(
+            "KV store disk tier unavailable, using memory only and trying again every %g s: %s",
+            disk_retry_s,
+            error,
+        )
         disk = None
-    return TieredKVStore(memory, disk)
+    return TieredKVStore(memory, disk, open_disk=open_disk, disk_retry_s=disk_retry_s)

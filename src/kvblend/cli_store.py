@@ -1,0 +1,96 @@
+"""The ``kvblend store`` commands: stats, clear and repair of an on-disk KV store folder.
+
+They open the folder only, never a model, and report every problem as one line with exit
+status 2 (through the command line's `CLIError`): a folder that does not exist, is not a KV
+store, or cannot be used. A damaged index is set aside and rebuilt when the folder is opened,
+so these commands work on the folders that need them most.
+
+Hit and miss counters are kept per process by the store object that serves lookups; a fresh
+process has none, so ``stats`` shows what the folder holds, not a hit rate (which would always
+read 0%). A service reads its own hit rate from ``engine.store.stats()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .store import DiskKVStore, StoreError, default_store_dir
+from .store.files import INDEX_NAME
+from .store.index import DAMAGED_NAME
+
+
+def add_store_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparsers action
+    """Add the ``store`` command to the ``kvblend`` subcommands `sub`."""
+    store = sub.add_parser("store", help="show, clear or repair the on-disk KV store")
+    store.add_argument(
+        "action",
+        choices=["stats", "clear", "repair"],
+        help="stats: what the folder holds; clear: delete every entry; repair: set a damaged "
+        "index aside, drop index rows without a file, delete files no entry names",
+    )
+    store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
+    store.set_defaults(func=cmd_store)
+
+
+def _user_error(message: str) -> Exception:
+    from .cli import CLIError  # the command line's one-line error, exit status 2
+
+    return CLIError(message)
+
+
+def _check_folder(directory: Path, action: str) -> bool:
+    """Return False if there is no folder (nothing to do); raise for a folder that is no store."""
+    if not directory.exists():
+        if action == "clear":
+            return False
+        raise _user_error(f"no KV store at {directory} (nothing precomputed there yet?)")
+    if not directory.is_dir():
+        raise _user_error(f"{directory} is not a folder")
+    if not (directory / INDEX_NAME).exists() and any(directory.iterdir()):
+        raise _user_error(f"{directory} is not a KV store folder (it has no {INDEX_NAME})")
+    return True
+
+
+def cmd_store(args: argparse.Namespace) -> None:
+    """Show, clear or repair the on-disk store."""
+    directory = Path(args.store_dir).expanduser() if args.store_dir else default_store_dir()
+    try:
+        if not _check_folder(directory, args.action):
+            print(f"no KV store at {directory}: nothing to clear")
+            return
+        store = DiskKVStore(directory)
+        try:
+            if args.action == "clear":
+                before = store.stats().entries
+                store.clear()
+                print(f"cleared {before} entries from {directory}")
+            elif args.action == "repair":
+                _print_repair(directory, store)
+            else:
+                _print_stats(directory, store)
+        finally:
+            store.close()
+    except (StoreError, OSError) as error:
+        raise _user_error(str(error)) from error
+
+
+def _print_stats(directory: Path, store: DiskKVStore) -> None:
+    stats = store.stats()
+    print(f"store folder: {directory}")
+    print(f"entries: {stats.entries}")
+    print(f"bytes: {stats.bytes:,} ({stats.bytes / 2**20:.1f} MiB)")
+    print(f"access: {'shared with the group' if store.modes.shared else 'private to the owner'}")
+    if (directory / DAMAGED_NAME).exists():
+        print(f"a damaged index was set aside as {directory / DAMAGED_NAME} (safe to delete)")
+
+
+def _print_repair(directory: Path, store: DiskKVStore) -> None:
+    report = store.repair()
+    print(f"store folder: {directory}")
+    set_aside = f"set aside as {DAMAGED_NAME} and rebuilt" if report.index_set_aside else "ok"
+    print(f"index: {set_aside}")
+    print(f"index rows without a valid file dropped: {report.rows_dropped}")
+    print(f"orphan files deleted: {report.orphans_deleted} ({report.orphan_bytes:,} bytes)")
+    print(f"entries: {report.entries}, bytes: {report.bytes:,}")
