@@ -19,6 +19,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from conftest_redis import make_redis_server, redis_server  # noqa: F401 - shared fixtures
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

@@ -7,15 +7,17 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..store.base import StoreError
 from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
@@ -77,13 +79,30 @@ class PrefillResult:
 
 
 class _StoredKV:
-    """Adapts a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop."""
+    """Adapts a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop.
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    A lazy entry reads its tensors while the loop runs; if a read fails there (a remote store
+    gone mid-prompt, a damaged tensor), ``recompute`` produces the segment's KV instead, so the
+    answer never depends on the store staying up.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        recompute: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ) -> None:
         self.tensors = tensors
+        self._recompute = recompute
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        try:
+            return self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        except StoreError as error:
+            if self._recompute is None:
+                raise
+            logger.warning("KV store read failed mid-prompt, recomputing the segment: %s", error)
+            self.tensors, self._recompute = self._recompute(), None
+            return self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
 
 
 class BlendEngine:
@@ -402,7 +421,8 @@ class BlendEngine:
                     entry = self._compute_segment(key, context, ids)
                     stats.segments_precomputed += 1
                 stats.segments_cached += 1
-                spans.append(CachedSpan(start, end, _StoredKV(entry), kind))
+                recompute = functools.partial(self._compute_segment, key, context, ids)
+                spans.append(CachedSpan(start, end, _StoredKV(entry, recompute), kind))
         stats.timings["lookup_s"] = time.perf_counter() - lookup_started
 
         kind_tensor = torch.tensor(kinds, dtype=torch.int8)

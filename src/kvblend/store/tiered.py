@@ -209,12 +209,16 @@ def default_store(
     memory_bytes: int = DEFAULT_MEMORY_BYTES,
     disk_bytes: int = DEFAULT_DISK_BYTES,
     device: torch.device | str | None = None,
+    redis_url: str | None = None,
+    redis_ttl_s: float | None = None,
 ) -> TieredKVStore:
-    """Build the default store: 2 GiB in memory in front of 20 GiB on disk.
+    """Build the default store: 2 GiB in memory in front of 20 GiB on disk, then Redis if set.
 
     The disk folder is `directory`, else `$KVBLEND_STORE_DIR`, else the user cache folder (see
     `default_store_dir`). `device` places the memory tier (e.g. "cuda"). If the folder cannot be
     opened (read-only, not a folder), a warning is logged and the store is memory only.
+    With `redis_url`, else `$KVBLEND_REDIS_URL`, a `RedisKVStore` (entries expiring after
+    `redis_ttl_s`, if given) becomes a third, shared tier (`RemoteTieredKVStore`).
     """
     memory = MemoryKVStore(memory_bytes, device=device)
     try:
@@ -222,4 +226,11 @@ def default_store(
     except StoreError as error:
         logger.warning("KV store disk tier unavailable, using memory only: %s", error)
         disk = None
+    redis_url = redis_url or os.environ.get("KVBLEND_REDIS_URL")
+    if redis_url:
+        from kvblend.store.redis import RedisKVStore
+        from kvblend.store.remote_tier import RemoteTieredKVStore
+
+        remote = RedisKVStore(redis_url, ttl_s=redis_ttl_s)
+        return RemoteTieredKVStore(memory, disk, remote=remote)
     return TieredKVStore(memory, disk)
