@@ -248,3 +248,43 @@ def test_password_is_kept_out_of_messages(make_redis_server):
     with pytest.raises(StoreError) as raised:
         wrong.get("doc")
     assert "wrong" not in str(raised.value)
+
+
+class _EvictedAfterOpening(RedisKVStore):
+    """A real Redis store whose entries disappear (as if evicted) right after `get()`."""
+
+    def get(self, key, device=None):
+        entry = super().get(key, device)
+        self.client.delete(self._entry_key(key))
+        return entry
+
+
+def test_an_entry_lost_mid_prompt_is_recomputed_not_raised(redis_server, caplog):
+    from conftest import byte_tokenizer, tiny_model
+    from kvblend import BlendEngine
+
+    # ~250 byte tokens: 190 KB of KV each, more than get()'s first read, so tensors are fetched
+    # after the entry is gone.
+    docs = ["Lena Park plays the violin. " * 9, "Marta Quill lives in Lisbon. " * 9]
+    reference = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    reference.precompute(docs)
+    expected = reference.generate(reference.rag_segments("Who?", docs[::-1]), max_new_tokens=6)
+    remote = _EvictedAfterOpening(redis_server.url, prefetch_ahead=0)
+    store = RemoteTieredKVStore(MemoryKVStore(0), None, remote=remote)
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=store)
+    engine.precompute(docs)
+    caplog.set_level(logging.WARNING)
+    out = engine.generate(engine.rag_segments("Who?", docs[::-1]), max_new_tokens=6)
+    assert out.text == expected.text
+    assert any("recomputing the segment" in record.getMessage() for record in caplog.records)
+
+
+def test_cli_store_stats_shows_the_redis_tier(redis_server, tmp_path, monkeypatch, capsys):
+    from kvblend.cli import main
+
+    RedisKVStore(redis_server.url).put("doc", make_kv())
+    monkeypatch.setenv("KVBLEND_REDIS_URL", redis_server.url)
+    assert main(["store", "stats", "--store-dir", str(tmp_path / "kv")]) == 0
+    out = capsys.readouterr().out
+    assert f"redis: {redis_server.url}" in out
+    assert "redis tier:\n  entries: 1" in out

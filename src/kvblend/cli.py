@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -197,7 +198,18 @@ def cmd_store(args: argparse.Namespace) -> None:
         print(f"cleared {before} entries from {directory}")
         return
     print(f"store folder: {directory}")
-    _print_stats(store.stats())
+    stats = store.stats()
+    redis_url = os.environ.get("KVBLEND_REDIS_URL")
+    if redis_url:  # the shared tier: shown, never cleared from here
+        from .store import RedisKVStore, StoreError
+
+        remote = RedisKVStore(redis_url)
+        print(f"redis: {remote.url}")
+        try:
+            stats = dataclasses.replace(stats, tiers={"redis": remote.stats()})
+        except StoreError as error:
+            print(f"redis tier unavailable: {error}")
+    _print_stats(stats)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
