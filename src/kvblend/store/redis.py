@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
@@ -142,12 +142,14 @@ class _RangePayload(Payload):
             if self._closed:
                 raise StoreError("read from a closed KV store entry")
         end = min(offset + len(buffer), self.size)
+        if end <= offset:
+            return 0
         if end <= len(self._head):
             chunk = self._head[offset:end]
         else:
             chunk = self._store._call(
                 f"read entry {self._redis_key!r}",
-                lambda: self._store.client.getrange(self._redis_key, offset, end - 1),
+                lambda: cast(bytes, self._store.client.getrange(self._redis_key, offset, end - 1)),
             )
             if len(chunk) < end - offset:
                 raise StoreError(f"entry {self._redis_key!r} was evicted or replaced while read")

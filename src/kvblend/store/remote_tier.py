@@ -23,11 +23,14 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvblend.store.base import KVStore, StoreError, StoreStats, validate_key
+from kvblend.store.disk import DiskKVStore
 from kvblend.store.lazy import LazyTensors, PrefetchPool
+from kvblend.store.memory import MemoryKVStore
 from kvblend.store.tiered import TieredKVStore
 
 logger = logging.getLogger(__name__)
@@ -47,13 +50,21 @@ WARNING_INTERVAL_S = 60.0
 class RemoteTieredKVStore(TieredKVStore):
     """`TieredKVStore` (memory -> disk) in front of a `remote` store shared by processes.
 
-    Other arguments are `TieredKVStore`'s. `tiers` in `stats()` gains the remote tier under its
-    ``tier_name`` ("redis"); the summary's `entries`, `bytes`, `evictions` and `capacity_bytes`
-    are the remote tier's while it answers, and `hits`/`misses` count lookups through this store.
+    `memory`, `disk` and `options` are `TieredKVStore`'s. `tiers` in `stats()` gains the remote
+    tier under its ``tier_name`` ("redis"); the summary's `entries`, `bytes`, `evictions` and
+    `capacity_bytes` are the remote tier's while it answers, and `hits`/`misses` count lookups
+    through this store.
     """
 
-    def __init__(self, *args: object, remote: KVStore, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        memory: MemoryKVStore | None = None,
+        disk: DiskKVStore | None = None,
+        *,
+        remote: KVStore,
+        **options: Any,
+    ) -> None:
+        super().__init__(memory, disk, **options)
         self.remote = remote
         self.remote_name = str(getattr(remote, "tier_name", "remote"))
         self._remote_lock = threading.Lock()
