@@ -93,17 +93,18 @@ def _reader(url: str, folder: str, network_only: bool, started, go) -> list:
 
 
 def test_readers_reuse_what_the_writer_stored_and_survive_a_restart(redis_server, tmp_path):
+    # A generous timeout (a redis-py URL option): on a loaded machine a slow reply must not
+    # turn into a miss in the first run, where nothing may be computed.
+    url = redis_server.url + "?socket_timeout=30"
     context = multiprocessing.get_context("spawn")
     with context.Pool(5) as pool:
         reference = pool.apply_async(_reference)
-        assert pool.apply(_writer, (redis_server.url, str(tmp_path / "writer"))) == len(CORPUS)
+        assert pool.apply(_writer, (url, str(tmp_path / "writer"))) == len(CORPUS)
         manager = context.Manager()
         started, go = manager.Semaphore(0), manager.Event()
         go.set()
         readers = [
-            pool.apply_async(
-                _reader, (redis_server.url, str(tmp_path / f"r{n}"), False, started, go)
-            )
+            pool.apply_async(_reader, (url, str(tmp_path / f"r{n}"), False, started, go))
             for n in range(4)
         ]
         expected = reference.get(600)
