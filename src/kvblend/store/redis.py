@@ -13,7 +13,8 @@ writes, which `put()` reports as `StoreError`. `ttl_s` sets an expiry on every e
 on each hit.
 
 Record logs (`append_records` / `read_records`) live on the server too, as a counter and a list
-per log updated by Lua scripts (atomic), so every process sees one sequence.
+per log changed by Lua scripts (`kvblend.store.redis_records`), so every process sees one
+sequence.
 
 Failures: every server error is raised as `StoreError` (`RemoteUnavailableError` when the server
 cannot be reached, which the store logs itself, at most once a minute). After a connection error
@@ -53,7 +54,8 @@ from kvblend.store.entry_format import (
     read_tensor,
 )
 from kvblend.store.lazy import LazyTensors, PrefetchPool
-from kvblend.store.records import DEFAULT_MAX_RECORDS, _validate_records, validate_log_name
+from kvblend.store.records import DEFAULT_MAX_RECORDS
+from kvblend.store.redis_records import RedisRecordLogs
 from kvblend.store.remote_tier import RemoteUnavailableError
 
 try:
@@ -75,35 +77,6 @@ _HEAD_BYTES = 64 << 10
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 _T = TypeVar("_T")
 
-# Append records to a log: KEYS = counter, list; ARGV = max records, records...
-_APPEND = """
-local head = tonumber(redis.call('GET', KEYS[1]) or '0')
-if redis.call('LLEN', KEYS[2]) > head then
-  redis.call('DEL', KEYS[2])  -- the counter was evicted: start the log again
-  head = 0
-end
-for i = 2, #ARGV, 1000 do
-  redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
-end
-redis.call('LTRIM', KEYS[2], -tonumber(ARGV[1]), -1)
-head = head + #ARGV - 1
-redis.call('SET', KEYS[1], head)
-return head
-"""
-# Records after a cursor: KEYS = counter, list; ARGV = cursor. Returns {head, records...}.
-_READ = """
-local head = tonumber(redis.call('GET', KEYS[1]) or '0')
-local cursor = tonumber(ARGV[1])
-if cursor == head then return {head} end
-local kept = redis.call('LLEN', KEYS[2])
-if kept > head then return {0} end
-local first = head - kept + 1
-local start = first
-if cursor < head then start = math.max(cursor + 1, first) end
-local found = redis.call('LRANGE', KEYS[2], start - first, -1)
-table.insert(found, 1, head)
-return found
-"""
 # Delete an entry only if it still starts with the header that was read: KEYS = entry;
 # ARGV = last header byte, header bytes.
 _DROP_IF_SAME = """
@@ -195,7 +168,6 @@ class RedisKVStore(KVStore):
         self.url = redacted(url)
         self.prefix = prefix
         self.ttl_s = ttl_s
-        self.max_records = max_records
         # One retry on a broken connection (a restarted server); a timeout is not retried.
         self.client = redis.Redis.from_url(
             url,
@@ -203,8 +175,7 @@ class RedisKVStore(KVStore):
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         )
-        self._append_script = self.client.register_script(_APPEND)
-        self._read_script = self.client.register_script(_READ)
+        self._records = RedisRecordLogs(self.client, prefix, max_records)
         self._drop_script = self.client.register_script(_DROP_IF_SAME)
         self._retry_after_s = retry_after_s
         self._max_retry_after_s = max_retry_after_s
@@ -266,10 +237,6 @@ class RedisKVStore(KVStore):
     # ------------------------------------------------------------------ keys
     def _entry_key(self, key: str) -> str:
         return f"{self.prefix}kv:v{FORMAT_VERSION}:{validate_key(key)}"
-
-    def _log_keys(self, log: str) -> list[str]:
-        name = validate_log_name(log)
-        return [f"{self.prefix}log:{{{name}}}:head", f"{self.prefix}log:{{{name}}}:records"]
 
     # ------------------------------------------------------------------ entries
     def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
@@ -422,19 +389,11 @@ class RedisKVStore(KVStore):
 
     # ------------------------------------------------------------------ record logs
     def append_records(self, log: str, records: Sequence[bytes]) -> None:
-        """Append ``records`` to ``log`` on the server, atomically."""
-        keys = self._log_keys(log)
-        checked = _validate_records(records)
-        if checked:
-            self._call(
-                "append to a record log",
-                lambda: self._append_script(keys=keys, args=[self.max_records, *checked]),
-            )
+        """Append ``records`` to ``log`` on the server, atomically (one Lua script)."""
+        checked = RedisRecordLogs.check(log, records)
+        self._call("append to a record log", lambda: self._records.append(log, checked))
 
     def read_records(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
         """Return the records of ``log`` after ``cursor`` and the new cursor."""
-        keys = self._log_keys(log)
-        reply = self._call(
-            "read a record log", lambda: self._read_script(keys=keys, args=[int(cursor)])
-        )
-        return [bytes(record) for record in reply[1:]], int(reply[0])
+        RedisRecordLogs.check(log, [])
+        return self._call("read a record log", lambda: self._records.read(log, cursor))
