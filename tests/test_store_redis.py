@@ -288,3 +288,13 @@ def test_cli_store_stats_shows_the_redis_tier(redis_server, tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert f"redis: {redis_server.url}" in out
     assert "redis tier:\n  entries: 1" in out
+
+
+def test_the_core_package_does_not_import_redis():
+    import subprocess
+    import sys
+
+    code = "import sys, kvblend, kvblend.store; print('redis' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"  # redis-py is an optional extra
