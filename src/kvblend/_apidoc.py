@@ -26,7 +26,7 @@ from typing import Any
 #: when their module exists in the source tree (their extras are part of ``kvblend[all]``).
 MODULES: tuple[tuple[str, str], ...] = (
     ("kvblend", "The engine: `BlendEngine`, `BlendConfig`, `Segment` and their results."),
-    ("kvblend.store", "KV stores: memory, disk and tiered (see [store.md](store.md))."),
+    ("kvblend.store", "KV stores: memory, disk, tiered and Redis (see [store.md](store.md))."),
     ("kvblend.matching", "Finding known documents inside a finished prompt."),
     ("kvblend.integrations", "Framework-neutral glue shared by the adapters."),
     ("kvblend.langchain", "LangChain adapters (see [langchain.md](langchain.md))."),

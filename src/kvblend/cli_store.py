@@ -13,6 +13,7 @@ read 0%). A service reads its own hit rate from ``engine.store.stats()``.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,19 @@ def _print_stats(directory: Path, store: DiskKVStore) -> None:
     print(f"access: {'shared with the group' if store.modes.shared else 'private to the owner'}")
     if (directory / DAMAGED_NAME).exists():
         print(f"a damaged index was set aside as {directory / DAMAGED_NAME} (safe to delete)")
+    redis_url = os.environ.get("KVBLEND_REDIS_URL")
+    if redis_url:  # the shared tier: shown, never cleared or repaired from here
+        from .store import RedisKVStore
+
+        remote = RedisKVStore(redis_url)
+        print(f"redis: {remote.url}")
+        try:
+            remote_stats = remote.stats()
+        except StoreError as error:
+            print(f"redis tier unavailable: {error}")
+        else:
+            print(f"redis entries: {remote_stats.entries}")
+            print(f"redis bytes: {remote_stats.bytes:,} ({remote_stats.bytes / 2**20:.1f} MiB)")
 
 
 def _print_repair(directory: Path, store: DiskKVStore) -> None:

@@ -7,12 +7,13 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -95,15 +96,32 @@ class PrefillResult:
 
 
 class _StoredKV:
-    """Adapts rows of a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop."""
+    """Adapts rows of a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop.
 
-    def __init__(self, key: str, tensors: Mapping[str, torch.Tensor], rows: slice) -> None:
-        self.key = key
+    A lazy entry reads its tensors while the loop runs; if a read fails there (a damaged tensor,
+    a remote store gone mid-prompt: whatever the store raises), ``recompute`` produces the
+    segment's KV instead and stores it again, so the answer never depends on the store.
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        rows: slice,
+        recompute: Callable[[], Mapping[str, torch.Tensor]],
+    ) -> None:
         self.tensors = tensors
         self.rows = rows
+        self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        try:
+            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
+            if self._recompute is None:
+                raise
+            logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
+            self.tensors, self._recompute = self._recompute(), None
+            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
         return keys[:, self.rows], values[:, self.rows]
 
 
@@ -494,24 +512,11 @@ class BlendEngine:
         stats.documents_reused = sum(1 for row in documents if row.reused)
         kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
-        for _ in range(len(plan.spans) + 1):
-            lookup_started = time.perf_counter()
-            spans = [] if config.strategy == "full" else self._load_spans(plan, stats)
-            stats.timings["lookup_s"] = time.perf_counter() - lookup_started
-            compute_started = time.perf_counter()
-            try:
-                out = run_blend(self.decoder, BlendInput(token_ids, kinds, spans), config)
-                break
-            except Exception as error:
-                # A store entry found damaged while its layers were read (the store's
-                # CorruptEntryError names it): drop it, recompute it, run again.
-                key = getattr(error, "key", None)
-                if key not in {span.source.key for span in spans}:
-                    raise
-                logger.warning("KV entry %s unreadable during prefill, recomputing it", key)
-                self._drop(key)
-        else:  # pragma: no cover - every retry drops one entry, so this cannot loop forever
-            raise RuntimeError("could not read the prompt's cached KV")
+        lookup_started = time.perf_counter()
+        spans = [] if config.strategy == "full" else self._load_spans(plan, stats)
+        stats.timings["lookup_s"] = time.perf_counter() - lookup_started
+        compute_started = time.perf_counter()
+        out = run_blend(self.decoder, BlendInput(token_ids, kinds, spans), config)
         assert out.logits is not None
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
@@ -547,7 +552,12 @@ class BlendEngine:
                 stats.segments_precomputed += 1
             stats.segments_cached += 1
             rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            spans.append(CachedSpan(span.start, span.end, _StoredKV(key, entry, rows), span.kind))
+            recompute = functools.partial(
+                self._compute_segment, key, span.context_ids, span.cached_ids
+            )
+            spans.append(
+                CachedSpan(span.start, span.end, _StoredKV(entry, rows, recompute), span.kind)
+            )
         return spans
 
     # ------------------------------------------------------------------ generation

@@ -173,8 +173,8 @@ def _longest_run(
     Returns ``(prompt_index, cached_index, length)``; length 0 when nothing matches.
     """
     where: dict[tuple[int, int, int], int] = {}
-    for index, (token, (start, end)) in enumerate(zip(layout.ids, layout.offsets, strict=True)):
-        where.setdefault((token, start, end), index)
+    for index, (token_id, (start, end)) in enumerate(zip(layout.ids, layout.offsets, strict=True)):
+        where.setdefault((token_id, start, end), index)
     best = (0, 0, 0)
     run_start = run_cached = run_length = 0
     for index in tokens:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.messages.ai import InputTokenDetails, OutputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from ..engine import BlendConfig, BlendEngine, Segment
@@ -144,4 +144,5 @@ def langchain_usage(run: BlendRun) -> UsageMetadata:
         output_tokens=run.output_tokens,
         total_tokens=run.stats.prompt_tokens + run.output_tokens,
         input_token_details=InputTokenDetails(cache_read=run.stats.reused_tokens),
+        output_token_details=OutputTokenDetails(),
     )

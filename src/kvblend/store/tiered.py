@@ -266,14 +266,18 @@ def default_store(
     device: torch.device | str | None = None,
     shared: bool | None = None,
     disk_retry_s: float = DEFAULT_DISK_RETRY_S,
+    redis_url: str | None = None,
+    redis_ttl_s: float | None = None,
 ) -> TieredKVStore:
-    """Build the default store: 2 GiB in memory in front of 20 GiB on disk.
+    """Build the default store: 2 GiB in memory in front of 20 GiB on disk, then Redis if set.
 
     The disk folder is `directory`, else `$KVBLEND_STORE_DIR`, else the user cache folder (see
     `default_store_dir`); it is private unless `shared` (see `DiskKVStore`). `device` places
     the memory tier (e.g. "cuda"). If the folder cannot be opened (read-only, not a folder), a
     warning is logged, the store works from memory, and the folder is tried again every
-    `disk_retry_s` seconds.
+    `disk_retry_s` seconds. With `redis_url`, else `$KVBLEND_REDIS_URL`, a `RedisKVStore`
+    (entries expiring after `redis_ttl_s`, if given) becomes a third, shared tier
+    (`RemoteTieredKVStore`).
     """
     memory = MemoryKVStore(memory_bytes, device=device)
 
@@ -289,4 +293,13 @@ def default_store(
             error,
         )
         disk = None
+    redis_url = redis_url or os.environ.get("KVBLEND_REDIS_URL")
+    if redis_url:
+        from kvblend.store.redis import RedisKVStore
+        from kvblend.store.remote_tier import RemoteTieredKVStore
+
+        remote = RedisKVStore(redis_url, ttl_s=redis_ttl_s)
+        return RemoteTieredKVStore(
+            memory, disk, remote=remote, open_disk=open_disk, disk_retry_s=disk_retry_s
+        )
     return TieredKVStore(memory, disk, open_disk=open_disk, disk_retry_s=disk_retry_s)
