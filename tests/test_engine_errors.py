@@ -131,3 +131,26 @@ def test_kv_dtype_is_honoured_in_the_store() -> None:
     assert entry is not None and entry["k.0"].dtype == torch.bfloat16
     pre = engine.prefill([Segment("a document"), Segment("?", cache=False)])
     assert torch.isfinite(pre.logits).all()
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    tokenizer_call = type(engine.tokenizer).__call__
+
+    def counting(self, text, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        calls.append(len(text) if isinstance(text, str) else 0)
+        return tokenizer_call(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine.tokenizer), "__call__", counting)
+    with pytest.raises(ValueError, match="context window"):
+        engine.prefill("x" * (engine.context_window * 300), BlendConfig("full"))
+    assert all(length < 1000 for length in calls)  # only short texts were tokenized
+
+
+def test_a_lone_surrogate_is_one_clear_error(engine: BlendEngine) -> None:
+    with pytest.raises(ValueError, match="lone surrogate U\\+DC80"):
+        engine.prefill("bad \udc80 text", BlendConfig("full"))
+    with pytest.raises(ValueError, match="lone surrogate"):
+        Segment("bad \udc80 text")

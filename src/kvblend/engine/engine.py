@@ -36,6 +36,7 @@ from .prompt import (
 )
 from .registry import DEFAULT_CAPACITY, DocumentRegistry
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
+from .validation import check_text
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -180,6 +181,7 @@ class BlendEngine:
         self._layouts: OrderedDict[str, DocumentLayout] = OrderedDict()  # recent, by text
         self._layouts_lock = threading.Lock()
         self._last_unmatched_warning = -float("inf")
+        self._max_token_chars: int | None = None
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store, model and document context (see `kvblend.engine.registry`).
         self.documents = DocumentRegistry(self.store, self._registry_log(), capacity=max_documents)
@@ -414,6 +416,25 @@ class BlendEngine:
             logger.warning("could not store segment %s: %s", key, error)
         return tensors
 
+    def _check_chars(self, chars: int) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context window in any case.
+
+        No token covers more characters than the vocabulary's longest token, so a text longer
+        than that many characters per position of the window cannot fit: tokenizing megabytes
+        only to reject them would cost seconds and gigabytes.
+        """
+        limit = self.context_window
+        if not limit:
+            return
+        if self._max_token_chars is None:
+            vocabulary = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+            self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
+        if chars > limit * self._max_token_chars:
+            raise ValueError(
+                f"prompt of {chars:,} characters is longer than {self.name}'s context window "
+                f"of {limit} tokens can hold (at most {self._max_token_chars} characters a token)"
+            )
+
     def _check_length(self, tokens: int) -> None:
         limit = self.context_window
         if limit and tokens > limit:
@@ -430,8 +451,7 @@ class BlendEngine:
         with no known document while documents are known logs a warning (at most once a
         minute) saying why reuse may have failed.
         """
-        if not isinstance(prompt, str):
-            raise TypeError(f"the prompt must be a str, got {type(prompt).__name__}")
+        check_text(prompt, "the prompt")
         if not prompt:
             raise ValueError("the prompt is empty")
         matches = self.documents.find(prompt)
@@ -468,6 +488,7 @@ class BlendEngine:
         """Tokenize the whole prompt once and decide where each token's KV comes from."""
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
+        self._check_chars(len(text))
         tokens = encode_prompt(self.tokenizer, text)
         self._check_length(len(tokens.ids))
         if not tokens.ids:

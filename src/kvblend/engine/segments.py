@@ -9,6 +9,8 @@ from typing import Literal
 
 import numpy as np
 
+from .validation import check_text
+
 Role = Literal["document", "prefix"]
 
 #: Version of the stored KV layout (un-rotated keys, values, per layer, whole-text token ids);
@@ -39,6 +41,7 @@ class Segment:
             raise TypeError(f"Segment text must be a str, got {type(self.text).__name__}")
         if self.text == "":
             raise ValueError("Segment text is empty; drop the segment instead")
+        check_text(self.text, "Segment text")
         if self.role not in ("document", "prefix"):
             raise ValueError(f"Segment role must be 'document' or 'prefix', got {self.role!r}")
         if self.role == "prefix" and not self.cache:
