@@ -7,14 +7,10 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,16 +21,23 @@ from .config import BlendConfig
 from .decoder import Decoder
 from .explain import Explanation
 from .generation import GenerationResult, decode, decode_stream
-from .loading import display_name, load_model, model_fingerprint, resolve_model
+from .loading import (
+    display_name,
+    load_model,
+    model_fingerprint,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from .prompt import (
     CachedPiece,
-    DocumentLayout,
     PrefillPlan,
-    document_layout,
     encode_prompt,
     plan_prefill,
 )
 from .registry import DEFAULT_CAPACITY, DocumentRegistry
+from .results import BlendStats, BlendUnavailableError, PrefillResult
+from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
 from .validation import check_text
 
@@ -47,7 +50,6 @@ _PARITY_TEXT = (
     "Blended prefill must match the model's own forward pass: the quick brown fox jumps over "
     "the lazy dog, 0123456789."
 )
-_LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 
 #: A prompt: a string (known documents are found in it) or a list of segments.
 PromptLike = str | Sequence[Segment | str]
@@ -55,75 +57,6 @@ PromptLike = str | Sequence[Segment | str]
 #: System prompt of the RAG prompts `BlendEngine.rag_segments` builds when none is given, and so
 #: part of the default document context (see `BlendEngine.rag_prefix`).
 DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents."
-
-
-class BlendUnavailableError(RuntimeError):
-    """The model failed kvblend's parity self-check, so blending would produce wrong text."""
-
-
-@dataclass
-class BlendStats:
-    """What a prefill did: token counts by origin and where the time went."""
-
-    strategy: str
-    prompt_tokens: int = 0
-    reused_tokens: int = 0  # tokens whose KV came from a cache (prefix + moved - recomputed)
-    prefix_tokens: int = 0
-    moved_tokens: int = 0  # cached tokens placed at a new position
-    recomputed_tokens: int = 0  # moved tokens recomputed through the last layer
-    computed_tokens: int = 0  # uncached tokens, computed in full
-    segments_cached: int = 0  # store entries read (documents and prefix)
-    segments_precomputed: int = 0  # cache misses computed during this prefill
-    documents_found: int = 0  # cached document segments in the prompt
-    documents_reused: int = 0  # of those, how many had tokens read from their cache
-    compute_fraction: float = 0.0  # token-layers computed / token-layers of a full prefill
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def recompute_fraction(self) -> float:
-        """Recomputed share of the moved tokens."""
-        return self.recomputed_tokens / self.moved_tokens if self.moved_tokens else 0.0
-
-
-@dataclass
-class PrefillResult:
-    """Next-token logits after the prompt, the prompt's token ids and the fused KV cache."""
-
-    logits: torch.Tensor  # [vocab] float32
-    token_ids: list[int]
-    stats: BlendStats
-    keys: list[torch.Tensor] = field(repr=False)  # per layer [kv_heads, tokens, head_dim], rotated
-    values: list[torch.Tensor] = field(repr=False)
-
-
-class _StoredKV:
-    """Adapts rows of a store entry (tensors ``k.{layer}``/``v.{layer}``) to the blend loop.
-
-    A lazy entry reads its tensors while the loop runs; if a read fails there (a damaged tensor,
-    a remote store gone mid-prompt: whatever the store raises), ``recompute`` produces the
-    segment's KV instead and stores it again, so the answer never depends on the store.
-    """
-
-    def __init__(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        rows: slice,
-        recompute: Callable[[], Mapping[str, torch.Tensor]],
-    ) -> None:
-        self.tensors = tensors
-        self.rows = rows
-        self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        try:
-            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
-        except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
-            if self._recompute is None:
-                raise
-            logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
-            self.tensors, self._recompute = self._recompute(), None
-            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
-        return keys[:, self.rows], values[:, self.rows]
 
 
 class BlendEngine:
@@ -178,8 +111,12 @@ class BlendEngine:
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
-        self._layouts: OrderedDict[str, DocumentLayout] = OrderedDict()  # recent, by text
-        self._layouts_lock = threading.Lock()
+        #: Computes, checks and opens the store entries of segment KV.
+        self.segment_kv = SegmentKV(
+            self.decoder, tokenizer, self.store, fingerprint=self.fingerprint,
+            doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
+            check_length=self._check_length,
+        )  # fmt: skip
         self._last_unmatched_warning = -float("inf")
         self._max_token_chars: int | None = None
         #: The documents this engine finds in prompt strings, shared with every engine over the
@@ -202,8 +139,8 @@ class BlendEngine:
         ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
         and fp32 on CPU. Other keyword arguments go to `BlendEngine`.
         """
-        resolved_device = _resolve_device(device)
-        resolved_dtype = _resolve_dtype(dtype, resolved_device)
+        resolved_device = resolve_device(device)
+        resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
         hf_model, tokenizer = load_model(spec, resolved_device, resolved_dtype)
         kwargs.setdefault("name", display_name(spec))
@@ -300,24 +237,9 @@ class BlendEngine:
         digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|{context}".encode()).hexdigest()
         return f"documents-{digest[:32]}"
 
-    def _layout(self, text: str) -> DocumentLayout:
-        """How ``text`` is tokenized as cached: behind the document context (memoized)."""
-        with self._layouts_lock:
-            layout = self._layouts.get(text)
-            if layout is not None:
-                self._layouts.move_to_end(text)
-                return layout
-        layout = document_layout(self.tokenizer, self.doc_prefix or "", text)
-        with self._layouts_lock:
-            self._layouts[text] = layout
-            if len(self._layouts) > _LAYOUT_CACHE:
-                self._layouts.popitem(last=False)
-        return layout
-
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
-        layout = self._layout(text)
-        return segment_key(self.fingerprint, layout.context_ids, layout.ids)
+        return self.segment_kv.key(text)
 
     def precompute(
         self, texts: Iterable[str], *, progress: bool | None = None, force: bool = False
@@ -342,33 +264,9 @@ class BlendEngine:
             disable=(len(items) < 4 if progress is None else not progress) or None,
         )
         for text in bar:
-            layout = self._layout(text)
-            key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
-            if force or not self._entry_intact(key):
-                self._compute_segment(key, layout.context_ids, layout.ids)
+            ids.append(self.segment_kv.ensure(text, force=force))
             self.documents.add([text])
-            ids.append(key)
         return ids
-
-    def _entry_intact(self, key: str) -> bool:
-        """Whether the store holds ``key`` and every tensor reads back; a damaged one is dropped."""
-        try:
-            entry = self.store.get(key)
-            if entry is None:
-                return False
-            for name in entry:
-                entry[name]
-            return True
-        except Exception as error:  # noqa: BLE001 - any unreadable entry is recomputed
-            logger.warning("dropping unreadable KV entry %s: %s", key, error)
-            self._drop(key)
-            return False
-
-    def _drop(self, key: str) -> None:
-        try:
-            self.store.delete(key)
-        except Exception as error:  # noqa: BLE001 - recomputing overwrites it anyway
-            logger.debug("could not delete KV entry %s: %s", key, error)
 
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything (their KV is computed on use).
@@ -381,40 +279,6 @@ class BlendEngine:
     def is_known(self, text: str) -> bool:
         """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
         return text in self.documents
-
-    def _compute_segment(
-        self, key: str, context: list[int], token_ids: list[int]
-    ) -> dict[str, torch.Tensor]:
-        """KV of ``token_ids`` computed behind ``context``; stored under ``key`` and returned."""
-        self._check_length(len(context) + len(token_ids))
-        ids = torch.tensor(context + token_ids, dtype=torch.long)
-        kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
-        out = run_blend(
-            self.decoder,
-            BlendInput(ids, kinds, []),
-            BlendConfig("full"),
-            need_logits=False,
-            keep_raw_keys=True,
-        )
-        assert out.raw_keys is not None
-        start = len(context)
-        tensors: dict[str, torch.Tensor] = {}
-        for layer, (keys, values) in enumerate(zip(out.raw_keys, out.values, strict=True)):
-            tensors[f"k.{layer}"] = keys[:, start:].to(self.kv_dtype).contiguous()
-            tensors[f"v.{layer}"] = values[:, start:].to(self.kv_dtype).contiguous()
-        metadata = {
-            "format": KV_LAYOUT,
-            "model": self.name,
-            "fingerprint": self.fingerprint,
-            "layers": str(self.decoder.shape.num_layers),
-            "tokens": str(len(token_ids)),
-            "context_tokens": str(len(context)),
-        }
-        try:
-            self.store.put(key, tensors, metadata)
-        except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer
-            logger.warning("could not store segment %s: %s", key, error)
-        return tensors
 
     def _check_chars(self, chars: int) -> None:
         """Refuse, before tokenizing it, a text too long to fit the context window in any case.
@@ -498,7 +362,9 @@ class BlendEngine:
             if segment.cache:
                 pieces.append(CachedPiece(cursor, cursor + len(segment.text), segment.role))
             cursor += len(segment.text)
-        return plan_prefill(tokens, pieces, lambda start, end: self._layout(text[start:end]))
+        return plan_prefill(
+            tokens, pieces, lambda start, end: self.segment_kv.layout(text[start:end])
+        )
 
     def explain(self, prompt: PromptLike) -> Explanation:
         """Show, without computing anything, which parts of a prompt would be reused and why."""
@@ -534,7 +400,10 @@ class BlendEngine:
         kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
         lookup_started = time.perf_counter()
-        spans = [] if config.strategy == "full" else self._load_spans(plan, stats)
+        spans: list[CachedSpan] = []
+        if config.strategy != "full":
+            spans, stats.segments_precomputed = self.segment_kv.open_spans(plan)
+            stats.segments_cached = len(spans)
         stats.timings["lookup_s"] = time.perf_counter() - lookup_started
         compute_started = time.perf_counter()
         out = run_blend(self.decoder, BlendInput(token_ids, kinds, spans), config)
@@ -555,31 +424,6 @@ class BlendEngine:
             stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
         stats.compute_fraction = out.stats["token_layers"] / out.stats["token_layers_full"]
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
-
-    def _load_spans(self, plan: PrefillPlan, stats: BlendStats) -> list[CachedSpan]:
-        """Open each planned span's store entry; compute and store the ones that are missing."""
-        spans = []
-        stats.segments_cached = stats.segments_precomputed = 0
-        for span in plan.spans:
-            key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
-            try:
-                entry = self.store.get(key, device=self.decoder.device)
-            except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
-                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
-                self._drop(key)
-                entry = None
-            if entry is None:
-                entry = self._compute_segment(key, span.context_ids, span.cached_ids)
-                stats.segments_precomputed += 1
-            stats.segments_cached += 1
-            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            recompute = functools.partial(
-                self._compute_segment, key, span.context_ids, span.cached_ids
-            )
-            spans.append(
-                CachedSpan(span.start, span.end, _StoredKV(entry, rows, recompute), span.kind)
-            )
-        return spans
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -620,27 +464,3 @@ class BlendEngine:
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             stop=stop, seed=seed,
         )  # fmt: skip
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, str) and device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {
-        "fp32": torch.float32,
-        "float32": torch.float32,
-        "fp16": torch.float16,
-        "float16": torch.float16,
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-    }
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
-    return names[dtype]

@@ -291,3 +291,29 @@ def model_fingerprint(model: torch.nn.Module, tokenizer: object, kv_dtype: torch
     for token in sorted(vocab):
         digest.update(f"{token}={vocab[token]};".encode())
     return digest.hexdigest()[:32]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"``: CUDA when present, else the CPU; anything else as given."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """None: bf16 on CUDA, fp32 elsewhere; a dtype or its name (fp32, bf16, fp16...)."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {
+        "fp32": torch.float32,
+        "float32": torch.float32,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+    }
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
+    return names[dtype]

@@ -1,0 +1,195 @@
+"""Segment KV in the store: computing, checking and opening the entries a prefill reads.
+
+`SegmentKV` is the engine's only path to stored KV. It knows how a document is tokenized for
+its cache (behind the document context, memoized), computes an entry with the engine's own
+layer loop and writes it, checks that an entry reads back, and opens the entries a prefill plan
+needs. A store that fails never fails an answer: a missing or unreadable entry is computed,
+and one that fails while its layers are being read (a damaged tensor, a remote tier gone
+mid-prompt) is recomputed in place (`StoredRows`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .blend import COMPUTE, BlendInput, CachedSpan, run_blend
+from .config import BlendConfig
+from .decoder import Decoder
+from .prompt import DocumentLayout, PrefillPlan, document_layout
+from .segments import KV_LAYOUT, segment_key
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SegmentKV", "StoredRows"]
+
+_LAYOUT_CACHE = 4096  # tokenized documents kept, by text
+
+
+class StoredRows:
+    """Rows of a store entry (tensors ``k.{layer}``/``v.{layer}``), read a layer at a time.
+
+    A lazy entry reads its tensors while the blend loop runs; if a read fails there, whatever
+    the store raised, ``recompute`` produces the segment's KV instead (and stores it again).
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        rows: slice,
+        recompute: Callable[[], Mapping[str, torch.Tensor]],
+    ) -> None:
+        self.tensors = tensors
+        self.rows = rows
+        self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Un-rotated keys and values of layer ``index`` for these rows."""
+        try:
+            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
+            if self._recompute is None:
+                raise
+            logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
+            self.tensors, self._recompute = self._recompute(), None
+            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        return keys[:, self.rows], values[:, self.rows]
+
+
+class SegmentKV:
+    """Compute, store, check and open segment KV for one model, store and document context."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        tokenizer: Any,
+        store: Any,
+        *,
+        fingerprint: str,
+        doc_prefix: str | None,
+        kv_dtype: torch.dtype,
+        model_name: str,
+        check_length: Callable[[int], None],
+    ) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.store = store
+        self.fingerprint = fingerprint
+        self.doc_prefix = doc_prefix
+        self.kv_dtype = kv_dtype
+        self.model_name = model_name
+        self._check_length = check_length
+        self._layouts: OrderedDict[str, DocumentLayout] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def layout(self, text: str) -> DocumentLayout:
+        """How ``text`` is tokenized for its cache: behind the document context (memoized)."""
+        with self._lock:
+            found = self._layouts.get(text)
+            if found is not None:
+                self._layouts.move_to_end(text)
+                return found
+        layout = document_layout(self.tokenizer, self.doc_prefix or "", text)
+        with self._lock:
+            self._layouts[text] = layout
+            if len(self._layouts) > _LAYOUT_CACHE:
+                self._layouts.popitem(last=False)
+        return layout
+
+    def key(self, text: str) -> str:
+        """Return the segment id of a document text."""
+        layout = self.layout(text)
+        return segment_key(self.fingerprint, layout.context_ids, layout.ids)
+
+    def ensure(self, text: str, *, force: bool = False) -> str:
+        """Store the KV of ``text`` unless an intact entry is there; return its segment id."""
+        layout = self.layout(text)
+        key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
+        if force or not self.intact(key):
+            self.compute(key, layout.context_ids, layout.ids)
+        return key
+
+    def intact(self, key: str) -> bool:
+        """Whether the store holds ``key`` and every tensor reads back; a damaged one is dropped."""
+        try:
+            entry = self.store.get(key)
+            if entry is None:
+                return False
+            for name in entry:
+                entry[name]
+            return True
+        except Exception as error:  # noqa: BLE001 - any unreadable entry is recomputed
+            logger.warning("dropping unreadable KV entry %s: %s", key, error)
+            self.drop(key)
+            return False
+
+    def drop(self, key: str) -> None:
+        """Delete ``key`` from the store, if the store can."""
+        try:
+            self.store.delete(key)
+        except Exception as error:  # noqa: BLE001 - recomputing overwrites it anyway
+            logger.debug("could not delete KV entry %s: %s", key, error)
+
+    def compute(
+        self, key: str, context: list[int], token_ids: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """KV of ``token_ids`` computed behind ``context``; stored under ``key`` and returned."""
+        self._check_length(len(context) + len(token_ids))
+        ids = torch.tensor(context + token_ids, dtype=torch.long)
+        kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
+        out = run_blend(
+            self.decoder,
+            BlendInput(ids, kinds, []),
+            BlendConfig("full"),
+            need_logits=False,
+            keep_raw_keys=True,
+        )
+        assert out.raw_keys is not None
+        start = len(context)
+        tensors: dict[str, torch.Tensor] = {}
+        for layer, (keys, values) in enumerate(zip(out.raw_keys, out.values, strict=True)):
+            tensors[f"k.{layer}"] = keys[:, start:].to(self.kv_dtype).contiguous()
+            tensors[f"v.{layer}"] = values[:, start:].to(self.kv_dtype).contiguous()
+        metadata = {
+            "format": KV_LAYOUT,
+            "model": self.model_name,
+            "fingerprint": self.fingerprint,
+            "layers": str(self.decoder.shape.num_layers),
+            "tokens": str(len(token_ids)),
+            "context_tokens": str(len(context)),
+        }
+        try:
+            self.store.put(key, tensors, metadata)
+        except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer
+            logger.warning("could not store segment %s: %s", key, error)
+        return tensors
+
+    def open_spans(self, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
+        """Open each planned span's entry, computing missing or unreadable ones.
+
+        Returns the spans for the blend loop and how many entries were computed now.
+        """
+        spans, computed = [], 0
+        for span in plan.spans:
+            key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+            try:
+                entry = self.store.get(key, device=self.decoder.device)
+            except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
+                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
+                self.drop(key)
+                entry = None
+            if entry is None:
+                entry = self.compute(key, span.context_ids, span.cached_ids)
+                computed += 1
+            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
+            recompute = functools.partial(self.compute, key, span.context_ids, span.cached_ids)
+            spans.append(
+                CachedSpan(span.start, span.end, StoredRows(entry, rows, recompute), span.kind)
+            )
+        return spans, computed
