@@ -298,6 +298,7 @@ def run_blend(
     checks = dict(config.schedule()) if config.strategy == "cacheblend" else {}
     probe_s = 0.0
     probe_token_layers = 0
+    probe_load_s = 0.0
     start_kv = None
     moved_count = int((kinds == MOVED).sum())
     keep = round(config.recompute_ratio * moved_count)
@@ -309,6 +310,7 @@ def run_blend(
             active_mask[selected] = True
             start_kv = (probe.keys, probe.values)
             probe_token_layers = int(probe.stats["token_layers"])
+            probe_load_s = float(probe.stats["load_s"])  # the probe read the cached KV
             probe_s = time.perf_counter() - started
         elif keep:
             active_mask |= kinds == MOVED
@@ -321,6 +323,7 @@ def run_blend(
         correction=config.correction,
     )  # fmt: skip
     out.stats["probe_s"] = probe_s
+    out.stats["load_s"] += probe_load_s
     out.stats["token_layers"] += probe_token_layers  # the probe's work counts too
     return out
 
