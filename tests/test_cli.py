@@ -15,11 +15,12 @@ from kvblend.cli import main
 
 @pytest.mark.slow
 def test_demo_answers_with_full_and_blended_prefill(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--memory-only", "--questions", "1", "--max-new-tokens", "8"]) == 0
+    assert main(["demo", "--memory-only", "--questions", "1"]) == 0
     out = capsys.readouterr().out
-    assert "Q: In which city does Marta Quill live?" in out
+    assert "Q: What is the name of Marta Quill's dog?" in out
     assert "full prefill  TTFT" in out and "blended       TTFT" in out
-    assert "Expected answer found: full prefill" in out and "reused from cache" in out
+    # the demo's questions are ones full prefill answers right on the bundled model
+    assert "Expected answer found: full prefill 1/1" in out and "reused from cache" in out
 
 
 @pytest.mark.slow
