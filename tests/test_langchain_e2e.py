@@ -36,10 +36,12 @@ pytestmark = [requires_model, pytest.mark.slow]
 # prefill's (on the QA benchmark the default keeps ~92% of full accuracy, docs/benchmarks.md):
 # with the default config the first is answered right and the second, where the moved
 # documents come first, wrongly (it was right only with documents behind BOS at ratio 0.15).
-# So the blended chains must get the first right and the full-prefill chains both.
+# So the blended chains must get the first right and the full-prefill chains both. (With the
+# prompt read exactly as tokenized whole, full prefill answers "Where does Marta Quill live?"
+# about Lena Park in the chat template, so the second question names her occupation.)
 QUESTIONS = [
     ("What instrument does Lena Park play?", "violin"),
-    ("Where does Marta Quill live?", "lisbon"),
+    ("Which city does the painter Marta Quill live in?", "lisbon"),
 ]
 RAG_TEMPLATE = (
     "Answer the question using only the context.\n\nContext:\n{context}\n\nQuestion: {question}"
@@ -195,7 +197,9 @@ def test_separator_mode_and_cached_prefix() -> None:
     engine = session_engine()
     docs = CORPUS[2:4]
     separator = "<|kvblend|>"
-    llm = BlendLLM(engine=engine, max_tokens=4, separator=separator, cache_prefix=True)
+    llm = BlendLLM(
+        engine=engine, max_tokens=4, separator=separator, cache_prefix=True, chat_template=False
+    )
     head = "You answer questions about a small town.\nContext:\n"
     prompt = f"{head}{separator}{docs[0]}{separator}{docs[1]}{separator}\nWhen does the cafe open?"
     recorder = BlendStatsRecorder()
@@ -235,7 +239,7 @@ def test_retriever_returns_tagged_copies_and_precomputes() -> None:
     assert found[1].metadata == {"n": 2} and found[2].id == "x"
     for document in (found[0], found[2]):
         assert engine.store.contains(document.metadata[SEGMENT_ID_KEY])
-        assert document.page_content in engine.known_documents()
+        assert document.page_content in engine.documents
     assert len(retriever.invoke("bees", k=1)) == 1  # cut even when the base ignores k
     reordered = BlendRetriever(
         retriever=FixedRetriever(documents=originals), engine=engine, order="most_relevant_last"
@@ -253,7 +257,7 @@ def test_retriever_background_precompute() -> None:
     )
     found = retriever.invoke("lamp")
     ids = segment_ids(found)
-    assert all(d.page_content in engine.known_documents() for d in docs)  # findable at once
+    assert all(d.page_content in engine.documents for d in docs)  # findable at once
     retriever.wait_precomputed(timeout=60)
     assert all(engine.store.contains(segment_id) for segment_id in ids)
 
