@@ -42,6 +42,12 @@ def test_precompute_ask_and_store_stats(tmp_path: Path, capsys: pytest.CaptureFi
     captured = capsys.readouterr()
     assert code == 0 and captured.out.strip()
     assert "reused" in captured.err
+    # explain, in a new engine over the same store: the documents are known from the store
+    prompt = "Context: Tomas Elm is a violin maker who lives in Cremona.\nWho makes violins?"
+    assert main(["explain", prompt, "--store-dir", store, *system]) == 0
+    explained = capsys.readouterr().out
+    assert "1 cached segment(s) found (2 documents known)" in explained
+    assert "moved: reused at its new position" in explained
     assert main(["store", "clear", "--store-dir", store]) == 0
     # two documents + the prompt head: ask found the documents precompute stored (same system
     # prompt, so the same document context and segment ids)

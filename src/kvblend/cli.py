@@ -15,10 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import torch
-
+from .cli_args import CLIError, OneLineParser, check_device, positive_int, printable
 from .cli_store import add_store_parser
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
 from .engine.config import STRATEGIES
@@ -29,73 +28,6 @@ from .samples import sample_corpus
 logger = logging.getLogger("kvblend")
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
-
-
-class CLIError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line (``PROG: error: ...``), exit status 2.
-
-    argparse prints the usage block before the error; here the error line says where the help
-    is instead. A missing subcommand names the subcommands there are.
-    """
-
-    def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse's hook
-        commands = _subcommands(self)
-        if commands and "required: COMMAND" in message:
-            message = f"choose a command: {', '.join(commands)}"
-        self.exit(2, _printable(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
-
-
-def _subcommands(parser: argparse.ArgumentParser) -> list[str]:
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps subparsers only here
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
-            return list(action.choices)
-    return []
-
-
-def _printable(text: str) -> str:
-    """``text`` with lone surrogates (undecodable bytes of arguments or file names) escaped."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def positive_int(text: str) -> int:
-    """Argparse type: an int of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def check_device(name: str) -> None:
-    """Refuse a device this machine's torch cannot use, before any model is loaded."""
-    if name == "auto":
-        return
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise CLIError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda":
-        if not torch.backends.cuda.is_built():
-            raise CLIError(
-                f"--device {name}: this PyTorch ({torch.__version__}) is built without CUDA; "
-                "use --device cpu or install a CUDA build of PyTorch"
-            )
-        if not torch.cuda.is_available():
-            raise CLIError(f"--device {name}: no CUDA device is available; use --device cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise CLIError(f"--device {name}: this machine has {count} CUDA device(s)")
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise CLIError(f"--device {name}: MPS is not available on this machine")
-    elif device.type != "cpu":
-        raise CLIError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -178,13 +110,11 @@ def _read_documents(paths: Sequence[str]) -> list[str]:
             text = file.read_text("utf-8").strip()
         except UnicodeDecodeError as error:
             logger.warning(
-                _printable(
-                    f"skipping {file}: not UTF-8 text ({error.reason} at byte {error.start})"
-                )
+                printable(f"skipping {file}: not UTF-8 text ({error.reason} at byte {error.start})")
             )
             continue
         except OSError as error:
-            logger.warning(_printable(f"skipping {file}: {error.strerror or error}"))
+            logger.warning(printable(f"skipping {file}: {error.strerror or error}"))
             continue
         if text:
             documents.append(text)
@@ -394,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.func(args)
     except (CLIError, ModelNotFoundError, UnsupportedModelError, ValueError) as error:
         message = " ".join(str(error).split())  # one line, whatever the error holds
-        print(_printable(f"kvblend: error: {message}"), file=sys.stderr)
+        print(printable(f"kvblend: error: {message}"), file=sys.stderr)
         return 2
     except SystemExit as exit_:  # argparse: --help (0) or a one-line usage error (2)
         return exit_.code if isinstance(exit_.code, int) else 2

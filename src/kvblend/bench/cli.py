@@ -26,7 +26,7 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
-    from ..cli import check_device
+    from ..cli_args import check_device
     from ..engine import BlendEngine
     from ..store import MemoryKVStore
 
@@ -182,7 +182,7 @@ def cmd_registry(args: argparse.Namespace) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
-    from ..cli import OneLineParser
+    from ..cli_args import OneLineParser
 
     parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
