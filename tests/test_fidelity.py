@@ -166,6 +166,18 @@ def expected_ids(engine: BlendEngine, prompt: str) -> list[int]:
     return list(engine.tokenizer(prompt)["input_ids"])
 
 
+def reference_tokens(engine: BlendEngine, prompt: str, max_new_tokens: int) -> list[int]:
+    """New token ids of transformers' own greedy `generate` on the prompt text."""
+    ids = torch.tensor([expected_ids(engine, prompt)])
+    with torch.inference_mode():
+        output = engine.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=engine.tokenizer.pad_token_id,
+            eos_token_id=engine.tokenizer.eos_token_id,
+        )  # fmt: skip
+    return list(output[0, ids.shape[1] :].tolist())
+
+
 @pytest.mark.parametrize("shape", sorted(PROMPTS))
 def test_prompt_ids_equal_the_tokenizer_on_the_whole_text(engine: BlendEngine, shape: str) -> None:
     engine.precompute(DOCS, progress=False)
@@ -191,13 +203,7 @@ def test_full_greedy_output_equals_model_generate_on_the_text(engine: BlendEngin
     engine.precompute(DOCS, progress=False)
     prompt = PROMPTS["after-space"]
     out = engine.generate(prompt, BlendConfig("full"), max_new_tokens=10)
-    ids = torch.tensor([expected_ids(engine, prompt)])
-    with torch.inference_mode():
-        reference = engine.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-            pad_token_id=engine.tokenizer.pad_token_id, eos_token_id=engine.tokenizer.eos_token_id,
-        )  # fmt: skip
-    assert out.token_ids == reference[0, ids.shape[1] :].tolist()
+    assert out.token_ids == reference_tokens(engine, prompt, 10)
 
 
 def test_chat_template_prompt_equals_apply_chat_template(engine: BlendEngine) -> None:
@@ -285,13 +291,8 @@ def test_full_through_the_adapters_equals_model_generate(engine: BlendEngine) ->
 
     engine.precompute(DOCS, progress=False)
     prompt = PROMPTS["numbered"]
-    ids = torch.tensor([expected_ids(engine, prompt)])
-    with torch.inference_mode():
-        reference = engine.model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-            pad_token_id=engine.tokenizer.pad_token_id, eos_token_id=engine.tokenizer.eos_token_id,
-        )  # fmt: skip
-    expected = engine.tokenizer.decode(reference[0, ids.shape[1] :], skip_special_tokens=True)
+    reference = reference_tokens(engine, prompt, 8)
+    expected = engine.tokenizer.decode(reference, skip_special_tokens=True)
     full = BlendConfig("full")
     langchain = LangChainLLM(engine=engine, blend_config=full, chat_template=False, max_tokens=8)
     assert langchain.invoke(prompt) == expected
