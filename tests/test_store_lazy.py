@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-import kvblend.store.disk as disk_module
+import kvblend.store.lazy as lazy_module
 from kvblend.store import DiskKVStore, LazyTensors, MemoryKVStore, StoreError
 from kvblend.store.base import layer_order
 
@@ -29,14 +29,14 @@ def reads(monkeypatch):
     """Record (tensor name, thread name) for every tensor the disk store reads."""
     log: list[tuple[str, str]] = []
     lock = threading.Lock()
-    real_read = disk_module.read_tensor
+    real_read = lazy_module.read_tensor
 
     def counting_read(payload, info, key, device=None):
         with lock:
             log.append((info.name, threading.current_thread().name))
         return real_read(payload, info, key, device)
 
-    monkeypatch.setattr(disk_module, "read_tensor", counting_read)
+    monkeypatch.setattr(lazy_module, "read_tensor", counting_read)
     return log
 
 

@@ -36,7 +36,7 @@ from kvblend.store.base import (
     validate_entry,
     validate_key,
 )
-from kvblend.store.entry_format import Payload, encode_entry, read_header, read_tensor
+from kvblend.store.entry_format import Payload, encode_entry, read_header
 from kvblend.store.files import ForeignValueError, file_modes, prepare_folder
 from kvblend.store.index import (
     ORPHAN_GRACE_S,
@@ -49,7 +49,7 @@ from kvblend.store.index import (
     open_index,
     set_aside_damaged_index,
 )
-from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool
+from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
@@ -166,17 +166,11 @@ class DiskKVStore(KVStore):
                 self._hits += 1
         if payload is None or header is None:
             return None
-        infos = {info.name: info for info in header.tensors}
         identity = payload.identity
-        return LazyTensors(
-            [info.name for info in header.tensors],
-            lambda name: read_tensor(payload, infos[name], key, target),
-            metadata=header.metadata,
-            pool=self._pool,
-            prefetch_ahead=self._prefetch_ahead,
+        return lazy_entry(
+            payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
             on_corrupt=lambda error: self._drop_corrupt(key, identity, error),
-            on_close=payload.close,
-        )
+        )  # fmt: skip
 
     def put(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None

@@ -264,32 +264,6 @@ class BytesOnlyDisk(diskcache.Disk):
         remove_value_file(self._real_directory, file_path)
 
 
-class RecordDisk(diskcache.Disk):
-    """diskcache serializer of the record logs: str keys, small bytes and int values, no pickle."""
-
-    def put(self, key: object) -> tuple[object, bool]:  # noqa: D102 - diskcache.Disk API
-        if type(key) is not str:
-            raise TypeError("record logs only use str keys")
-        return super().put(key)
-
-    def get(self, key: object, raw: bool) -> object:  # noqa: D102
-        if not raw:
-            raise ForeignValueError("pickled key")
-        return super().get(key, raw)
-
-    def store(self, value: object, read: bool, key: object = UNKNOWN) -> tuple:  # noqa: D102
-        if type(value) is int or (type(value) is bytes and len(value) < self.min_file_size):
-            return super().store(value, read, key)
-        raise TypeError("record logs only store ints and small bytes")
-
-    def fetch(  # noqa: D102
-        self, mode: int, filename: str | None, value: object, read: bool
-    ) -> object:
-        if mode != MODE_RAW:
-            raise ForeignValueError(f"diskcache mode {mode}")
-        return super().fetch(mode, filename, value, read)
-
-
 def disk_class(modes: FileModes) -> type[BytesOnlyDisk]:
     """Return the serializer class that writes files with `modes` (diskcache takes a class)."""
     return _SharedDisk if modes.shared else BytesOnlyDisk

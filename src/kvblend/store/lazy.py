@@ -17,11 +17,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import cast
+from typing import Any, cast
 
 import torch
 
 from kvblend.store.base import CorruptEntryError, StoreError
+from kvblend.store.entry_format import EntryHeader, read_tensor
 
 #: Default number of tensors read ahead of the one accessed (two layers of k and v).
 DEFAULT_PREFETCH_AHEAD = 4
@@ -227,3 +228,59 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         future, owner = self._claim(name)
         if owner and future is not None:
             self._run(name, future)
+
+
+def lazy_entry(
+    payload: Any,
+    header: EntryHeader,
+    key: str,
+    target: torch.device | None,
+    *,
+    pool: PrefetchPool,
+    prefetch_ahead: int,
+    on_corrupt: Callable[[CorruptEntryError], None],
+) -> LazyTensors:
+    """Return the lazy mapping over an entry's `payload` whose `header` is read and checked.
+
+    Each tensor is read from the payload and verified on first access (on `target`), the next
+    ones prefetched on `pool`; a damaged tensor is reported to `on_corrupt`. Shared by every
+    store that keeps entries in the disk tier's format.
+    """
+    infos = {info.name: info for info in header.tensors}
+    return LazyTensors(
+        [info.name for info in header.tensors],
+        lambda name: read_tensor(payload, infos[name], key, target),
+        metadata=header.metadata,
+        pool=pool,
+        prefetch_ahead=prefetch_ahead,
+        on_corrupt=on_corrupt,
+        on_close=payload.close,
+    )
+
+
+def copy_then_keep(
+    stored: Mapping[str, torch.Tensor],
+    target: torch.device,
+    keep: Callable[[dict[str, torch.Tensor]], None],
+    metadata: dict[str, str],
+    on_close: Callable[[], None] | None,
+) -> LazyTensors:
+    """Return a lazy view of a slower tier's entry that hands out copies on `target`.
+
+    Once every tensor has been read (as a prefill does), ``keep(tensors)`` receives the pristine
+    tensors, to keep them in a faster tier without a second read.
+    """
+    names = list(stored)
+    collected: dict[str, torch.Tensor] = {}
+    collected_lock = threading.Lock()
+
+    def load(name: str) -> torch.Tensor:
+        pristine = stored[name]
+        with collected_lock:
+            collected[name] = pristine
+            complete = len(collected) == len(names)
+        if complete:
+            keep(dict(collected))
+        return pristine.to(target, copy=True)  # the caller may patch it in place
+
+    return LazyTensors(names, load, metadata=metadata, on_close=on_close)

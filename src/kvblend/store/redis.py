@@ -51,9 +51,8 @@ from kvblend.store.entry_format import (
     checksum,
     encode_entry,
     read_header,
-    read_tensor,
 )
-from kvblend.store.lazy import LazyTensors, PrefetchPool
+from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DEFAULT_MAX_RECORDS
 from kvblend.store.redis_records import RedisRecordLogs
 from kvblend.store.remote_tier import RemoteUnavailableError
@@ -255,16 +254,10 @@ class RedisKVStore(KVStore):
             return None
         payload, header, header_bytes = opened
         target = torch.device(device) if device is not None else None
-        infos = {info.name: info for info in header.tensors}
-        return LazyTensors(
-            [info.name for info in header.tensors],
-            lambda name: read_tensor(payload, infos[name], key, target),
-            metadata=header.metadata,
-            pool=self._pool,
-            prefetch_ahead=self._prefetch_ahead,
+        return lazy_entry(
+            payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
             on_corrupt=lambda error: self._drop_corrupt(key, header_bytes, error),
-            on_close=payload.close,
-        )
+        )  # fmt: skip
 
     def _open(self, key: str) -> tuple[_RangePayload, EntryHeader, bytes] | None:
         """Fetch the length and head of `key`'s entry and verify its header (None: a miss)."""

@@ -29,7 +29,7 @@ import torch
 
 from kvblend.store.base import KVStore, StoreError, StoreStats, validate_key
 from kvblend.store.disk import DiskKVStore
-from kvblend.store.lazy import LazyTensors, PrefetchPool
+from kvblend.store.lazy import LazyTensors, PrefetchPool, copy_then_keep
 from kvblend.store.memory import MemoryKVStore
 from kvblend.store.tiered import TieredKVStore
 
@@ -105,21 +105,12 @@ class RemoteTieredKVStore(TieredKVStore):
         if stored is None:
             return None
         target = torch.device(device) if device is not None else torch.device("cpu")
-        names = list(stored)
         metadata = dict(getattr(stored, "metadata", {}))
-        collected: dict[str, torch.Tensor] = {}
-        collected_lock = threading.Lock()
 
-        def load(name: str) -> torch.Tensor:
-            pristine = stored[name]
-            with collected_lock:
-                collected[name] = pristine
-                complete = len(collected) == len(names)
-            if complete:
-                self._promotions.submit(lambda: self._promote(key, dict(collected), metadata))
-            return pristine.to(target, copy=True)  # the caller may patch it in place
+        def keep(tensors: dict[str, torch.Tensor]) -> None:
+            self._promotions.submit(lambda: self._promote(key, tensors, metadata))
 
-        return LazyTensors(names, load, metadata=metadata, on_close=getattr(stored, "close", None))
+        return copy_then_keep(stored, target, keep, metadata, getattr(stored, "close", None))
 
     def _promote(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]

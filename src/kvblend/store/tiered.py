@@ -21,7 +21,7 @@ import torch
 
 from kvblend.store.base import KVStore, StoreError, StoreStats, validate_entry, validate_key
 from kvblend.store.disk import DEFAULT_DISK_BYTES, DiskKVStore
-from kvblend.store.lazy import LazyTensors
+from kvblend.store.lazy import LazyTensors, copy_then_keep
 from kvblend.store.memory import DEFAULT_MEMORY_BYTES, MemoryKVStore
 
 logger = logging.getLogger(__name__)
@@ -112,20 +112,11 @@ class TieredKVStore(KVStore):
         if stored is None:
             return None
         target = torch.device(device) if device is not None else keep_on
-        names = list(stored)
-        collected: dict[str, torch.Tensor] = {}
-        collected_lock = threading.Lock()
-
-        def load(name: str) -> torch.Tensor:
-            pristine = stored[name]
-            with collected_lock:
-                collected[name] = pristine
-                complete = len(collected) == len(names)
-            if complete:
-                self._promote(key, dict(collected), stored.metadata)
-            return pristine.to(target, copy=True)
-
-        return LazyTensors(names, load, metadata=stored.metadata, on_close=stored.close)
+        metadata = stored.metadata
+        return copy_then_keep(
+            stored, target, lambda tensors: self._promote(key, tensors, metadata), metadata,
+            stored.close,
+        )  # fmt: skip
 
     def _promote(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
