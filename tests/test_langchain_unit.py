@@ -144,15 +144,21 @@ def test_core_package_does_not_import_langchain() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_engine_is_loaded_lazily_and_once_per_model_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    loads: list[str | None] = []
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
+    """Model specs `BlendEngine.from_pretrained` was asked to load (each gives a FakeEngine)."""
+    specs: list[str | None] = []
 
     def fake_load(model: str | None = None, **_: Any) -> FakeEngine:
-        loads.append(model)
+        specs.append(model)
         return FakeEngine()
 
     monkeypatch.setattr(integrations, "_ENGINES", {})
     monkeypatch.setattr(integrations.BlendEngine, "from_pretrained", fake_load)
+    return specs
+
+
+def test_engine_is_loaded_lazily_and_once_per_model_spec(loads: list[str | None]) -> None:
     models = [ChatBlend(model="spec-a") for _ in range(5)] + [BlendLLM(model="spec-a")]
     assert loads == []  # construction never loads
     engines = {id(m._get_engine()) for m in models}
@@ -162,20 +168,11 @@ def test_engine_is_loaded_lazily_and_once_per_model_spec(monkeypatch: pytest.Mon
 
 
 def test_an_engine_given_to_one_adapter_serves_those_built_without_one(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    loads: list[str | None], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from kvblend.langchain import BlendRetriever
-
-    loads: list[str | None] = []
-
-    def fake_load(model: str | None = None, **_: Any) -> FakeEngine:
-        loads.append(model)
-        return FakeEngine()
-
-    monkeypatch.setattr(integrations, "_ENGINES", {})
-    monkeypatch.setattr(integrations.BlendEngine, "from_pretrained", fake_load)
     from conftest import byte_tokenizer, tiny_model
     from kvblend import BlendEngine
+    from kvblend.langchain import BlendRetriever
     from kvblend.store import MemoryKVStore
 
     given = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="a")
