@@ -84,9 +84,12 @@ def test_strategy_names_round_trip():
     assert strategy("cacheblend-value-0.15-L2-c0.5").config == BlendConfig(
         "cacheblend", recompute_ratio=0.15, check_layer=2, correction=0.5
     )
-    assert strategy("attention-0.2-c0").config == BlendConfig("attention", 0.2, correction=0.0)
+    assert strategy("attention-0.2-c0").config == BlendConfig(
+        "attention", recompute_ratio=0.2, correction=0.0
+    )
     assert strategy("epic-c0.3").config == BlendConfig("epic", correction=0.3)
-    assert not strategy("prefix-c0").cache_documents
+    with pytest.raises(ValueError, match="'reuse' does not use 'correction'"):
+        strategy("prefix-c0")  # nothing recomputed: no correction to set
     with pytest.raises(ValueError, match="unknown strategy"):
         strategy("attention-0.2-c2")
     assert [s.name for s in parse_strategies("reuse,full")] == ["full", "reuse"]

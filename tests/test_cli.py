@@ -201,3 +201,12 @@ def test_only_undecodable_files_is_one_line(
     assert [r.getMessage().split(":")[0] for r in caplog.records] == [
         f"skipping {tmp_path / 'latin1.txt'}"
     ]
+
+
+def test_a_flag_the_strategy_does_not_use_is_a_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["demo", "--memory-only", "--strategy", "epic", "--ratio", "0.3"])
+    captured = capsys.readouterr()
+    assert code == 2 and "strategy 'epic' does not use --ratio" in captured.err
+    assert "Traceback" not in captured.err and "loaded" not in captured.out + captured.err

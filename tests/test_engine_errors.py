@@ -55,13 +55,19 @@ def test_prefix_after_document(engine: BlendEngine) -> None:
         ({"strategy": "magic"}, "unknown strategy 'magic'"),
         ({"recompute_ratio": 1.5}, r"recompute_ratio must be a number in \[0, 1\]"),
         ({"recompute_ratio": -0.1}, r"recompute_ratio must be a number in \[0, 1\]"),
-        ({"deviation": "query"}, "unknown deviation metric"),
-        ({"check_layer": -1}, "check_layer must be an int >= 1"),
-        ({"check_layer": 0}, "no deviation to measure"),
-        ({"ratio_schedule": ((0, 0.3), (2, 0.1))}, "layers must be increasing ints >= 1"),
-        ({"ratio_schedule": ((2, 0.3), (1, 0.1))}, "layers must be increasing"),
-        ({"ratio_schedule": ((1, 0.1), (2, 0.3))}, "must not increase"),
-        ({"epic_tokens": -3}, "epic_tokens"),
+        ({"strategy": "cacheblend", "deviation": "query"}, "unknown deviation metric"),
+        ({"strategy": "cacheblend", "check_layer": -1}, "check_layer must be an int >= 1"),
+        ({"strategy": "cacheblend", "check_layer": 0}, "no deviation to measure"),
+        (
+            {"strategy": "cacheblend", "ratio_schedule": ((0, 0.3), (2, 0.1))},
+            "layers must be increasing ints >= 1",
+        ),
+        (
+            {"strategy": "cacheblend", "ratio_schedule": ((2, 0.3), (1, 0.1))},
+            "layers must be increasing",
+        ),
+        ({"strategy": "cacheblend", "ratio_schedule": ((1, 0.1), (2, 0.3))}, "must not increase"),
+        ({"strategy": "epic", "epic_tokens": -3}, "epic_tokens"),
     ],
 )
 def test_config_validation(kwargs: dict, message: str) -> None:

@@ -13,10 +13,10 @@ from kvblend.engine.blend import (
     MOVED,
     BlendInput,
     run_blend,
-    select_by_attention,
-    tail_rows,
+    selection_context,
 )
 from kvblend.engine.decoder import apply_rope, signed_sin
+from kvblend.engine.selectors.attention import AttentionSelector, tail_rows
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"
@@ -157,7 +157,8 @@ def test_uncached_tokens_are_always_computed(tiny_engine: BlendEngine, config: B
     if config.strategy == "reuse":
         assert stats.recomputed_tokens == 0
     if config.strategy == "cacheblend":
-        assert stats.recomputed_tokens == round(config.schedule()[-1][1] * moved)
+        schedule = config.ratio_schedule or ((config.check_layer, config.recompute_ratio),)
+        assert stats.recomputed_tokens == round(schedule[-1][1] * moved)
     if config.strategy == "attention":
         assert stats.recomputed_tokens == round(config.recompute_ratio * moved)
 
@@ -165,7 +166,9 @@ def test_uncached_tokens_are_always_computed(tiny_engine: BlendEngine, config: B
 def test_cacheblend_ratio_one_equals_full(tiny_engine: BlendEngine) -> None:
     tiny_engine.precompute(DOCS)
     reference = tiny_engine.prefill(segments((2, 0, 1)), BlendConfig("full"))
-    pre = tiny_engine.prefill(segments((2, 0, 1)), BlendConfig(recompute_ratio=1.0))
+    config = BlendConfig("cacheblend", recompute_ratio=1.0)
+    pre = tiny_engine.prefill(segments((2, 0, 1)), config)
+    assert pre.stats.strategy == "cacheblend"
     assert pre.stats.recomputed_tokens == pre.stats.moved_tokens > 0
     assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0)
 
@@ -304,7 +307,7 @@ def test_attention_of_active_rows_matches_dense_causal(
     tiny_engine: BlendEngine, pattern: str
 ) -> None:
     """Masked query chunks (sparse rows) and scattered dense attention (mostly active rows)."""
-    from kvblend.engine.blend import _Attention, _attention_mask
+    from kvblend.engine.row_attention import RowAttention, attention_mask
 
     decoder, shape = tiny_engine.decoder, tiny_engine.decoder.shape
     total = 700
@@ -317,10 +320,10 @@ def test_attention_of_active_rows_matches_dense_causal(
         positions = torch.cat([chosen, torch.tensor([total - 1])]).sort().values
     else:  # BOS computed, a reused prefix, then every row computed
         positions = torch.cat([torch.tensor([0]), torch.arange(120, total)])
-    attention = _Attention(decoder, positions, total)
+    attention = RowAttention(decoder, positions, total)
     assert attention.scatter == (pattern != "sparse")
     for layer, window in enumerate(decoder.windows):
-        mask = _attention_mask(torch.arange(total), total, window, q.dtype)
+        mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
         expected = decoder.attend(layer, q, k, v, mask)[positions]
         got = attention(layer, q[:, positions], k, v)
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), report(got, expected)
@@ -423,7 +426,7 @@ def test_attention_probe_equals_transformers_attention_weights(
         ).sum(dim=0)
         for weights, norms in zip(out.attentions, value_norms, strict=True)
     )
-    selected, scores, _ = select_by_attention(tiny_engine.decoder, inputs, 0.25)
+    selected, scores = attention_selection(tiny_engine, inputs, 0.25)
     assert torch.allclose(scores, expected.float(), atol=1e-4), (scores - expected).abs().max()
     moved = (inputs.kinds == MOVED).nonzero().squeeze(1)
     assert selected.numel() == pre.stats.recomputed_tokens == round(0.25 * moved.numel())
@@ -431,6 +434,17 @@ def test_attention_probe_equals_transformers_attention_weights(
     threshold = scores[selected].min()
     others = moved[~torch.isin(moved, selected)]
     assert bool((scores[others] <= threshold).all())
+
+
+def attention_selection(
+    engine: BlendEngine, inputs: BlendInput, ratio: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The moved rows the `attention` selector picks at ``ratio``, and its probe's scores."""
+    selector = AttentionSelector(BlendConfig("attention", recompute_ratio=ratio).settings)
+    with torch.inference_mode():
+        selection = selector.select(selection_context(engine.decoder, inputs))
+    chosen = selection.computed[inputs.kinds[selection.computed] == MOVED]
+    return chosen, selector.scores
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
@@ -452,7 +466,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
     config = BlendConfig("attention", recompute_ratio=0.3, correction=share)
     pre = tiny_engine.prefill(segments(order), config)
     inputs = seen[-1]
-    selected, _, _ = select_by_attention(tiny_engine.decoder, inputs, 0.3)
+    selected, _ = attention_selection(tiny_engine, inputs, 0.3)
     decoder = tiny_engine.decoder
     cos, sin = decoder.rotary(torch.arange(len(pre.token_ids)))
     documents = []  # (rows, stored entry) of each moved document
@@ -486,5 +500,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
                 checked += int((~recomputed).sum())
     assert checked > 0 and selected.numel() > 0
     if share:  # the correction changed something the question reads
-        plain = tiny_engine.prefill(segments(order), BlendConfig("attention", 0.3, correction=0))
+        plain = tiny_engine.prefill(
+            segments(order), BlendConfig("attention", recompute_ratio=0.3, correction=0)
+        )
         assert not torch.allclose(plain.logits, pre.logits, atol=1e-5)

@@ -20,8 +20,8 @@ from typing import Any
 from .cli_args import CLIError, OneLineParser, check_device, positive_int, printable
 from .cli_store import add_store_parser
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
-from .engine.config import STRATEGIES
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
+from .engine.selectors import strategy_names
 from .engine.validation import check_text
 from .samples import sample_corpus
 
@@ -59,12 +59,22 @@ def _quiet_transformers() -> None:
 
 
 def _config(args: argparse.Namespace) -> BlendConfig:
-    return BlendConfig(
-        strategy=args.strategy,
-        recompute_ratio=args.ratio,
-        deviation=args.deviation,
-        correction=args.correction,
-    )
+    """Return the blend settings given on the command line.
+
+    A setting the strategy does not use is an error (one line), never silently ignored.
+    """
+    options = {"recompute_ratio": args.ratio, "deviation": args.deviation,
+               "correction": args.correction}  # fmt: skip
+    given = {name: value for name, value in options.items() if value is not None}
+    try:
+        return BlendConfig(args.strategy, **given)
+    except ValueError as error:
+        flags = {"recompute_ratio": "--ratio", "deviation": "--deviation",
+                 "correction": "--correction"}  # fmt: skip
+        message = str(error)
+        for name, flag in flags.items():
+            message = message.replace(repr(name), flag)
+        raise ValueError(message) from None
 
 
 def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
@@ -131,11 +141,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
     engine = _engine(args, corpus.get("system"))
     engine.precompute(documents, progress=True)
     config = _config(args)
-    setting = f"strategy: {config.strategy}"
-    if config.strategy in ("attention", "cacheblend"):
-        setting += f", recompute ratio {config.recompute_ratio}, correction {config.correction}"
-    if config.strategy == "cacheblend":
-        setting += f", deviation {config.deviation}"
+    setting = f"strategy: {config.strategy}" + "".join(
+        f", {name.replace('_', ' ')} {value}" for name, value in config.settings.items()
+    )
     print(f"\n{setting}; {len(documents)} documents, shuffled per question\n")
     speedups, correct_full, correct_blended = [], 0, 0
     for item in questions:
@@ -253,17 +261,21 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
         p.add_argument(
             "--strategy",
-            default=BlendConfig.strategy,
-            choices=list(STRATEGIES),
+            default=BlendConfig().strategy,
+            choices=list(strategy_names()),
             help="how reused tokens are chosen for recompute (default %(default)s)",
         )
-        p.add_argument("--ratio", type=float, default=BlendConfig.recompute_ratio,
-                       help="recompute ratio for attention and cacheblend "
-                            "(default %(default)s)")  # fmt: skip
-        p.add_argument("--deviation", default=BlendConfig.deviation, choices=["value", "key"])
-        p.add_argument("--correction", type=float, default=BlendConfig.correction,
+        p.add_argument("--ratio", type=float, default=None,
+                       help="recompute ratio, attention and cacheblend (default 0.2)")  # fmt: skip
+        p.add_argument(
+            "--deviation",
+            default=None,
+            choices=["value", "key"],
+            help="cacheblend's deviation metric (default value)",
+        )
+        p.add_argument("--correction", type=float, default=None,
                        help="share of the recomputed tokens' mean KV change added to the other "
-                            "tokens of their document (default %(default)s; 0: off)")  # fmt: skip
+                            "tokens of their document (default 0.5; 0: off)")  # fmt: skip
         p.add_argument("--max-new-tokens", type=positive_int, default=24)
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "

@@ -12,7 +12,7 @@ without kvblend's stale-KV correction; the others use `BlendConfig`'s default co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..engine import BlendConfig, Segment
 
@@ -58,7 +58,7 @@ def strategy(name: str) -> Strategy:
     share = _ratio(suffix) if base else None
     if share is not None:
         found = strategy(base)
-        return Strategy(name, replace(found.config, correction=share), found.cache_documents)
+        return Strategy(name, found.config.replace(correction=share), found.cache_documents)
     if name == "full":
         return Strategy(name, BlendConfig("full"))
     if name == "default":
@@ -85,7 +85,7 @@ def strategy(name: str) -> Strategy:
                 config = BlendConfig(
                     "cacheblend",
                     recompute_ratio=ratio,
-                    deviation=parts[1],  # type: ignore[arg-type]
+                    deviation=parts[1],
                     check_layer=layer,
                     correction=0.0,
                 )

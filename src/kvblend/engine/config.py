@@ -1,111 +1,117 @@
-"""`BlendConfig`: every knob of a blended prefill, in one frozen, validated dataclass."""
+"""`BlendConfig`: a strategy name and the settings that strategy declares, validated at once.
+
+Each strategy is a selector class (`kvblend.engine.selectors`) that declares its own settings
+with defaults and checks. A config holds only settings its strategy uses: a setting it would
+ignore is an error, because a benchmark row or an example that silently ran another setting
+than the one it names is worse than a clear line at construction.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any
 
-Strategy = Literal["attention", "cacheblend", "epic", "reuse", "full"]
-DeviationMetric = Literal["value", "key"]
-
-STRATEGIES: tuple[str, ...] = ("attention", "cacheblend", "epic", "reuse", "full")
-METRICS: tuple[str, ...] = ("value", "key")
+from .decoder import DecoderShape
+from .selectors import selector_class
 
 
-@dataclass(frozen=True)
 class BlendConfig:
     """How a blended prefill decides which reused tokens to recompute.
 
-    Attributes:
-        strategy: ``"attention"`` recomputes the reused tokens that the prompt's uncached tail
-            (the question) attends to most, found by a first pass that computes only the
-            uncached tokens over the reused KV, and recomputes them at every layer;
-            ``"cacheblend"`` recomputes the reused tokens whose KV deviates most at the
-            check layer(s); ``"epic"`` recomputes the first ``epic_tokens`` tokens of every moved
-            segment; ``"reuse"`` recomputes nothing (the quality floor); ``"full"`` recomputes
-            every token over the same token ids (the exact baseline).
-        recompute_ratio: fraction of the moved (reused, not prefix) tokens that ``attention``
-            recomputes, and that ``cacheblend`` keeps recomputing after the last check layer,
-            in ``[0, 1]``.
-        check_layer: index of the layer at which ``cacheblend`` measures the KV deviation. Every
-            layer before it is computed in full for all moved tokens. Ignored when
-            ``ratio_schedule`` is given.
-        deviation: ``"value"`` (squared L2 of V, original CacheBlend) or ``"key"`` (squared L2 of
-            the un-rotated K, LMCache) deviation between fresh and reused KV.
-        ratio_schedule: optional gradual filtering, ``((layer, ratio), ...)`` with increasing
-            layers and non-increasing ratios: at each listed layer the recomputed set shrinks to
-            the top ``ratio`` of moved tokens (chosen among those still recomputed). When given,
-            the last ratio is the final recompute ratio and ``check_layer`` /
-            ``recompute_ratio`` are not used.
-        epic_tokens: how many leading tokens of each moved segment ``epic`` recomputes.
-        correction: at every layer, each moved segment's tokens that are not recomputed get
-            this share of the mean K/V change its recomputed tokens show (fresh minus cached;
-            the context the segment missed is partly the same for all of its tokens), in
-            ``[0, 1]``; 0 turns it off. A segment with no recomputed tokens gets the mean over
-            every recomputed token. Used by ``attention``, ``cacheblend`` and ``epic``.
+    ``BlendConfig(strategy="attention", **settings)``. Strategies and their settings:
+
+    - ``"attention"`` (default): a first pass computes only the uncached tokens over the reused
+      KV; the reused tokens the prompt's uncached tail (the question) attends to most are then
+      recomputed at every layer. Settings: ``recompute_ratio`` (0.2, share of moved tokens
+      recomputed), ``correction`` (0.5).
+    - ``"cacheblend"``: every moved token is computed up to a check layer, where the ones whose
+      KV deviates most from the cache are kept. Settings: ``recompute_ratio`` (0.2),
+      ``check_layer`` (1), ``deviation`` (``"value"``, or ``"key"`` as LMCache),
+      ``ratio_schedule`` (gradual filtering ``((layer, ratio), ...)``: increasing layers,
+      non-increasing ratios; replaces ``recompute_ratio`` and ``check_layer``),
+      ``correction`` (0.5).
+    - ``"epic"``: the first ``epic_tokens`` (16) tokens of every moved document are recomputed.
+      Settings: ``epic_tokens``, ``correction`` (0.5).
+    - ``"reuse"``: nothing is recomputed (the quality floor). No settings.
+    - ``"full"``: every token is computed over the same token ids (the exact baseline). No
+      settings.
+
+    ``correction``: at every layer, each moved document's tokens that are not recomputed get
+    this share of the mean K/V change its recomputed tokens show (the context the document
+    missed is partly the same for all of its tokens), in ``[0, 1]``; 0 turns it off.
+
+    A setting the strategy does not use raises ``ValueError``. Configs are immutable and
+    hashable; `replace` returns a changed copy. Settings read as attributes
+    (``config.recompute_ratio``).
     """
 
-    strategy: Strategy = "attention"
-    recompute_ratio: float = 0.2
-    check_layer: int = 1
-    deviation: DeviationMetric = "value"
-    ratio_schedule: tuple[tuple[int, float], ...] | None = field(default=None)
-    epic_tokens: int = 16
-    correction: float = 0.5
+    __slots__ = ("_given", "_settings", "strategy")
 
-    def __post_init__(self) -> None:
-        if self.strategy not in STRATEGIES:
-            raise ValueError(
-                f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
-            )
-        if self.deviation not in METRICS:
-            raise ValueError(
-                f"unknown deviation metric {self.deviation!r}; choose one of {', '.join(METRICS)}"
-            )
-        _check_ratio("recompute_ratio", self.recompute_ratio)
-        _check_ratio("correction", self.correction)
-        if not isinstance(self.check_layer, int) or self.check_layer < 1:
-            raise ValueError(
-                f"check_layer must be an int >= 1, got {self.check_layer!r} (at layer 0 a token's "
-                "K/V depend on the token alone, so there is no deviation to measure)"
-            )
-        if not isinstance(self.epic_tokens, int) or self.epic_tokens < 0:
-            raise ValueError(f"epic_tokens must be a non-negative int, got {self.epic_tokens!r}")
-        if self.ratio_schedule is not None:
-            schedule = tuple(tuple(step) for step in self.ratio_schedule)
-            if not schedule:
-                raise ValueError("ratio_schedule must hold at least one (layer, ratio) step")
-            previous_layer, previous_ratio = -1, 1.0
-            for step in schedule:
-                if len(step) != 2:
-                    raise ValueError(f"ratio_schedule steps are (layer, ratio) pairs, got {step!r}")
-                layer, ratio = step
-                if not isinstance(layer, int) or layer < 1 or layer <= previous_layer:
-                    raise ValueError("ratio_schedule layers must be increasing ints >= 1")
-                _check_ratio("ratio_schedule ratio", ratio)
-                if ratio > previous_ratio:
-                    raise ValueError("ratio_schedule ratios must not increase from step to step")
-                previous_layer, previous_ratio = layer, ratio
-            object.__setattr__(self, "ratio_schedule", schedule)
+    strategy: str
+    _settings: dict[str, Any]
+    _given: dict[str, Any]
 
-    def schedule(self) -> tuple[tuple[int, float], ...]:
-        """Return the check layers and ratios ``cacheblend`` applies: ``((layer, ratio), ...)``."""
-        if self.ratio_schedule is not None:
-            return self.ratio_schedule
-        return ((self.check_layer, self.recompute_ratio),)
+    def __init__(self, strategy: str = "attention", **settings: Any) -> None:
+        selector = selector_class(strategy)
+        object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "_given", dict(settings))
+        object.__setattr__(self, "_settings", selector.resolve(settings))
 
-    def validate_for(self, num_layers: int) -> None:
-        """Raise ``ValueError`` if a check layer does not exist in a model of ``num_layers``."""
-        if self.strategy != "cacheblend":
-            return
-        for layer, _ in self.schedule():
-            if layer >= num_layers:
-                raise ValueError(
-                    f"check layer {layer} is outside the model, which has {num_layers} layers "
-                    f"(valid: 1..{num_layers - 1})"
-                )
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return self._settings[name]
+        except KeyError:
+            raise AttributeError(
+                f"strategy {self.strategy!r} has no setting {name!r}"
+                f" (its settings: {', '.join(self._settings) or 'none'})"
+            ) from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError("BlendConfig is immutable; use config.replace(...)")
+
+    @property
+    def settings(self) -> Mapping[str, Any]:
+        """Every setting of the strategy, defaults filled in."""
+        return dict(self._settings)
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether the strategy reads cached KV (``full`` does not)."""
+        return selector_class(self.strategy).reads_cache
+
+    def check_model(self, shape: DecoderShape) -> None:
+        """Raise ``ValueError`` if a setting does not fit the model.
+
+        For example a check layer past the model's last layer.
+        """
+        selector_class(self.strategy)(self._settings).check_model(shape)
+
+    def replace(self, **changes: Any) -> BlendConfig:
+        """Return a copy with ``changes`` applied.
+
+        ``strategy=`` switches strategy, keeping the settings given explicitly, which the new
+        strategy must use.
+        """
+        strategy = changes.pop("strategy", self.strategy)
+        return BlendConfig(strategy, **{**self._given, **changes})
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BlendConfig):
+            return NotImplemented
+        return (self.strategy, self._settings) == (other.strategy, other._settings)
+
+    def __hash__(self) -> int:
+        return hash((self.strategy, tuple(sorted(self._settings.items()))))
+
+    def __repr__(self) -> str:
+        settings = "".join(f", {name}={value!r}" for name, value in self._settings.items())
+        return f"BlendConfig({self.strategy!r}{settings})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.strategy, self._given))
 
 
-def _check_ratio(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+def _rebuild(strategy: str, settings: dict[str, Any]) -> BlendConfig:
+    return BlendConfig(strategy, **settings)

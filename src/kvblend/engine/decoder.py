@@ -76,10 +76,13 @@ class DecoderShape:
     max_positions: int
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Rotate half the hidden dims of ``x`` (the RoPE helper of transformers' Llama)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Repeat each KV head ``groups`` times: ``[kv_heads, tokens, d] -> [heads, tokens, d]``.
+
+    Query head ``h`` reads KV head ``h // groups``, as transformers' ``repeat_kv``.
+    """
+    kv_heads, tokens, head_dim = x.shape
+    return x[:, None].expand(kv_heads, groups, tokens, head_dim).reshape(-1, tokens, head_dim)
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -205,6 +208,11 @@ class Decoder:
         attention over aligned queries and keys. ``rows`` keeps only those query rows (before
         ``o_proj``).
         """
+        groups = self.shape.num_heads // self.shape.num_kv_heads
+        if mask is not None and groups > 1:
+            # SDPA's enable_gqa together with a mask falls back to the math kernel on CUDA;
+            # expand the KV heads instead, as transformers' sdpa_attention does (repeat_kv).
+            keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
         out = F.scaled_dot_product_attention(
             queries.unsqueeze(0),
             keys.unsqueeze(0),
@@ -212,7 +220,7 @@ class Decoder:
             attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
             is_causal=mask is None,
             scale=self.scaling,
-            enable_gqa=self.shape.num_heads != self.shape.num_kv_heads,
+            enable_gqa=mask is None and groups > 1,
         )
         # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
         out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)

@@ -387,8 +387,8 @@ class BlendEngine:
         (and stored) within the call.
         """
         config = config or BlendConfig()
-        config.validate_for(self.decoder.shape.num_layers)
-        if config.strategy != "full":
+        config.check_model(self.decoder.shape)
+        if config.reads_cache:
             self._require_parity()
         started = time.perf_counter()
         plan = self.plan(prompt)
@@ -401,7 +401,7 @@ class BlendEngine:
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
         lookup_started = time.perf_counter()
         spans: list[CachedSpan] = []
-        if config.strategy != "full":
+        if config.reads_cache:
             spans, stats.segments_precomputed = self.segment_kv.open_spans(plan)
             stats.segments_cached = len(spans)
         stats.timings["lookup_s"] = time.perf_counter() - lookup_started
@@ -410,11 +410,10 @@ class BlendEngine:
         assert out.logits is not None
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
-        if config.strategy == "attention":
-            stats.timings["probe_s"] = out.stats["probe_s"]
+        stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
         stats.prompt_tokens = len(plan.token_ids)
-        if config.strategy == "full":
+        if not config.reads_cache:
             stats.computed_tokens = len(plan.token_ids)
         else:
             stats.prefix_tokens = int((kinds == PREFIX).sum())

@@ -1,0 +1,68 @@
+"""What goes into and comes out of a blended prefill, shared by the loop and the selectors.
+
+Every prompt token is one of three kinds (`TokenKind`):
+
+- ``PREFIX``: reused from a cache computed at the same positions and context (exact, never
+  recomputed unless the strategy is ``full``);
+- ``MOVED``: reused from a segment cache computed elsewhere; a selector picks which of these are
+  recomputed;
+- ``COMPUTE``: not cached (question, template text, separators, new documents): computed in full
+  at every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .prompt import TokenKind
+
+PREFIX, MOVED, COMPUTE = TokenKind.PREFIX, TokenKind.MOVED, TokenKind.COMPUTE
+
+
+class LayerKV(Protocol):
+    """A cached segment's KV, readable one layer at a time."""
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Un-rotated keys and values ``[kv_heads, tokens, head_dim]`` of layer ``index``."""
+        ...
+
+
+@dataclass
+class CachedSpan:
+    """Prompt rows ``[start, end)`` whose KV comes from ``source``."""
+
+    start: int
+    end: int
+    source: LayerKV
+    kind: int = MOVED
+
+
+@dataclass
+class BlendInput:
+    """Everything the loop needs about one prompt."""
+
+    token_ids: torch.Tensor  # [tokens] long
+    kinds: torch.Tensor  # [tokens] int8: PREFIX / MOVED / COMPUTE
+    spans: list[CachedSpan]
+
+
+@dataclass
+class BlendOutput:
+    """What a pass returns: logits, the fused KV cache and what it did."""
+
+    logits: torch.Tensor | None  # [vocab] float32
+    keys: list[torch.Tensor]  # per layer, rotated [kv_heads, tokens, head_dim]
+    values: list[torch.Tensor]
+    raw_keys: list[torch.Tensor] | None  # per layer, un-rotated (when asked for)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def moved_span_index(kinds: torch.Tensor, spans: list[CachedSpan]) -> torch.Tensor:
+    """``[tokens]``: the index of the moved span each moved row belongs to, -1 elsewhere."""
+    index = torch.full(kinds.shape, -1, dtype=torch.long, device=kinds.device)
+    for number, span in enumerate(s for s in spans if s.kind == MOVED):
+        index[span.start : span.end] = number
+    return index.masked_fill_(kinds != MOVED, -1)

@@ -1,0 +1,106 @@
+"""``attention``: recompute the reused tokens the question draws most from.
+
+A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and
+sums, over every layer, head and query of the prompt's uncached tail (the question and the
+template text after it), how much each token contributes to the attention output
+(`tail_attention`). The top ``recompute_ratio`` of the moved tokens by that score are recomputed
+at every layer. The probe's KV (reused rows in place, already rotated) is the prefill's
+starting point, so the cached KV is loaded and rotated once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..blend_io import COMPUTE, MOVED
+from ..decoder import Decoder
+from ..row_attention import attention_mask
+from .base import (
+    CORRECTION,
+    RECOMPUTE_RATIO,
+    Selection,
+    SelectionContext,
+    Selector,
+    top_scoring,
+)
+
+
+def tail_rows(kinds: torch.Tensor) -> torch.Tensor:
+    """Positions of the uncached tail: the computed tokens after the last moved one.
+
+    In a RAG prompt that is the question and the template text after it, the part of the prompt
+    the answer is generated from.
+    """
+    moved = (kinds == MOVED).nonzero()
+    start = int(moved[-1]) + 1 if moved.numel() else 0
+    tail = (kinds[start:] == COMPUTE).nonzero().squeeze(1) + start
+    return tail if tail.numel() else torch.tensor([kinds.numel() - 1], device=kinds.device)
+
+
+def tail_attention(
+    decoder: Decoder,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """How much each token contributes to the attention output of ``queries``: ``[tokens]``.
+
+    The attention weight each query pays each key, times the norm of that key's value (the
+    size of what it adds to the output: attention sinks take much weight and add little),
+    summed over heads and queries. ``queries`` are rotated ``[heads, rows, head_dim]``;
+    ``keys`` (rotated) and ``values`` are ``[kv_heads, tokens, head_dim]`` (GQA: query head ``h``
+    reads KV head ``h // groups``, as transformers' ``repeat_kv``); ``mask`` is the float32
+    additive ``[rows, tokens]`` causal (and sliding-window) mask of the queries' positions.
+    """
+    kv_heads, total, head_dim = keys.shape
+    groups = queries.shape[0] // kv_heads
+    grouped = queries.reshape(kv_heads, groups * queries.shape[1], head_dim)
+    scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * decoder.scaling
+    weights = (scores.view(kv_heads, groups, -1, total) + mask).softmax(dim=-1)
+    return (weights.sum(dim=(1, 2)) * values.float().norm(dim=-1)).sum(dim=0)
+
+
+class TailAttention:
+    """A probe pass's observer: sums `tail_attention` of the tail rows over every layer."""
+
+    def __init__(self, decoder: Decoder, computed: torch.Tensor, tail: torch.Tensor, total: int):
+        self.decoder = decoder
+        self.local = torch.searchsorted(computed, tail)  # the tail among the computed rows
+        self.scores = torch.zeros(total, device=computed.device, dtype=torch.float32)
+        self.masks = {
+            window: attention_mask(tail, 0, total, window, torch.float32)
+            for window in set(decoder.windows)
+        }
+
+    def observe(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Add this layer's tail attention to the scores."""
+        tail_queries = queries.index_select(1, self.local)
+        mask = self.masks[self.decoder.windows[layer]]
+        self.scores += tail_attention(self.decoder, tail_queries, keys, values, mask)
+
+
+class AttentionSelector(Selector):
+    """Recompute the top ``recompute_ratio`` of moved tokens by the probe's tail attention."""
+
+    name = "attention"
+    settings = {"recompute_ratio": RECOMPUTE_RATIO, "correction": CORRECTION}
+
+    def select(self, context: SelectionContext) -> Selection:
+        """Run the probe and pick the moved rows scoring most."""
+        kinds = context.kinds
+        computed = context.uncached.clone()
+        moved = context.moved
+        keep = round(self.options["recompute_ratio"] * moved.numel())
+        if keep >= moved.numel():
+            computed[moved] = True
+        if not 0 < keep < moved.numel():  # nothing or everything chosen: no probe needed
+            return Selection(computed.nonzero().squeeze(1))
+        probe_rows = computed.nonzero().squeeze(1)
+        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.numel())
+        probe = context.run_pass(probe_rows, observer)
+        computed[top_scoring(observer.scores, moved, keep)] = True
+        self.scores = observer.scores
+        return Selection(computed.nonzero().squeeze(1), start=probe)

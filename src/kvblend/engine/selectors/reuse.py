@@ -1,0 +1,15 @@
+"""``reuse``: no reused token recomputed, the quality floor of a blend."""
+
+from __future__ import annotations
+
+from .base import Selection, SelectionContext, Selector
+
+
+class ReuseSelector(Selector):
+    """Compute only the uncached rows; every cached row is read as stored."""
+
+    name = "reuse"
+
+    def select(self, context: SelectionContext) -> Selection:
+        """Compute the uncached rows only."""
+        return Selection(context.uncached.nonzero().squeeze(1))

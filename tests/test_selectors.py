@@ -1,0 +1,220 @@
+"""Strategies as selector classes: settings declared per strategy, unused ones rejected, the
+registry open to a new selector, and the row attention's mask memory bounded."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from conftest import byte_tokenizer, tiny_model
+from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.engine import selectors
+from kvblend.engine.blend_io import MOVED
+from kvblend.engine.decoder import Decoder
+from kvblend.engine.row_attention import QUERY_CHUNK, RowAttention, attention_mask
+from kvblend.engine.selectors.base import Selection, SelectionContext, Selector, Setting, ratio
+from kvblend.store import MemoryKVStore
+
+
+def test_defaults_and_settings_of_each_strategy() -> None:
+    assert BlendConfig().strategy == "attention"
+    assert BlendConfig().settings == {"recompute_ratio": 0.2, "correction": 0.5}
+    assert BlendConfig("cacheblend").settings == {
+        "recompute_ratio": 0.2,
+        "check_layer": 1,
+        "deviation": "value",
+        "ratio_schedule": None,
+        "correction": 0.5,
+    }
+    assert BlendConfig("epic").settings == {"epic_tokens": 16, "correction": 0.5}
+    assert BlendConfig("reuse").settings == {} == BlendConfig("full").settings
+    assert BlendConfig("epic", epic_tokens=4).epic_tokens == 4
+
+
+@pytest.mark.parametrize(
+    ("strategy", "settings", "named"),
+    [
+        ("attention", {"check_layer": 2}, "'check_layer'"),
+        ("attention", {"epic_tokens": 8}, "'epic_tokens'"),
+        ("attention", {"ratio_schedule": ((1, 0.5),)}, "'ratio_schedule'"),
+        ("epic", {"recompute_ratio": 0.1}, "'recompute_ratio'"),
+        ("reuse", {"correction": 0.5}, "'correction'"),
+        ("full", {"recompute_ratio": 1.0}, "'recompute_ratio'"),
+        ("cacheblend", {"epic_tokens": 3}, "'epic_tokens'"),
+    ],
+)
+def test_a_setting_the_strategy_does_not_use_is_rejected(
+    strategy: str, settings: dict, named: str
+) -> None:
+    with pytest.raises(ValueError, match=f"strategy '{strategy}' does not use {named}"):
+        BlendConfig(strategy, **settings)
+
+
+def test_schedule_and_the_settings_it_replaces_are_exclusive() -> None:
+    with pytest.raises(ValueError, match="ratio_schedule replaces check_layer"):
+        BlendConfig("cacheblend", check_layer=2, ratio_schedule=((1, 0.5), (2, 0.2)))
+    with pytest.raises(ValueError, match="ratios must not increase"):
+        BlendConfig("cacheblend", ratio_schedule=((1, 0.2), (2, 0.5)))
+    config = BlendConfig("cacheblend", ratio_schedule=[[1, 0.5], [2, 0.2]])
+    assert config.ratio_schedule == ((1, 0.5), (2, 0.2))
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"recompute_ratio": 1.5}, {"recompute_ratio": True}, {"correction": -0.1}],
+)
+def test_bad_values_name_the_setting(settings: dict) -> None:
+    (name,) = settings
+    with pytest.raises(ValueError, match=f"{name} must be a number in"):
+        BlendConfig(**settings)
+
+
+def test_unknown_strategy_lists_the_registered_ones() -> None:
+    with pytest.raises(ValueError, match="unknown strategy 'fastest'; choose one of attention"):
+        BlendConfig("fastest")
+
+
+def test_configs_are_values() -> None:
+    config = BlendConfig("cacheblend", recompute_ratio=0.15, deviation="key")
+    assert config == BlendConfig("cacheblend", deviation="key", recompute_ratio=0.15)
+    assert hash(config) == hash(BlendConfig("cacheblend", deviation="key", recompute_ratio=0.15))
+    assert config != BlendConfig("cacheblend", recompute_ratio=0.15)
+    assert pickle.loads(pickle.dumps(config)) == config
+    assert eval(repr(config), {"BlendConfig": BlendConfig}) == config
+    assert config.replace(recompute_ratio=0.3).recompute_ratio == 0.3
+    assert config.recompute_ratio == 0.15  # unchanged
+    with pytest.raises(AttributeError, match="immutable"):
+        config.recompute_ratio = 0.5  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="has no setting 'epic_tokens'"):
+        _ = config.epic_tokens
+    with pytest.raises(ValueError, match="'epic' does not use 'recompute_ratio', 'deviation'"):
+        config.replace(strategy="epic")
+
+
+class LastTokensSelector(Selector):
+    """Recompute the last ``tokens`` tokens of every moved document (a worked example)."""
+
+    name = "last-tokens"
+    settings = {"tokens": Setting(4, lambda name, v: int(ratio(name, v / 100) * 100), "count")}
+
+    def select(self, context: SelectionContext) -> Selection:
+        computed = context.uncached.clone()
+        for span in context.spans:
+            if span.kind == MOVED:
+                computed[max(span.start, span.end - self.options["tokens"]) : span.end] = True
+        return Selection(computed.nonzero().squeeze(1))
+
+
+def test_a_new_selector_is_one_class_and_one_registry_line() -> None:
+    selectors.register(LastTokensSelector)
+    try:
+        engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+        documents = ["First document, twenty-nine b.", "Second document is here, ok."]
+        engine.precompute(documents)
+        prompt = [Segment("Head:\n", role="prefix"), *map(Segment, reversed(documents)),
+                  Segment("\nQ?", cache=False)]  # fmt: skip
+        pre = engine.prefill(prompt, BlendConfig("last-tokens", tokens=3))
+        assert pre.stats.strategy == "last-tokens"
+        assert pre.stats.recomputed_tokens == 6
+        everything = engine.prefill(prompt, BlendConfig("last-tokens", tokens=99))
+        full = engine.prefill(prompt, BlendConfig("full"))
+        assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
+        with pytest.raises(ValueError, match="does not use 'recompute_ratio'"):
+            BlendConfig("last-tokens", recompute_ratio=0.2)
+    finally:
+        del selectors.SELECTORS["last-tokens"]
+
+
+def test_row_attention_masks_stay_within_their_budget() -> None:
+    """Masks cover each query chunk's own key range, and past the budget are not kept."""
+    decoder = Decoder(tiny_model("mistral"))  # a sliding window on every layer
+    window = decoder.windows[0]
+    assert window is not None
+    total = 64 * window
+    rows = torch.arange(0, total, 3)  # sparse: masked chunks
+    kept = RowAttention(decoder, rows, total)
+    element = torch.empty((), dtype=decoder.dtype).element_size()
+    # Each chunk spans at most its rows' positions plus one window of keys: O(rows x window).
+    bound = rows.numel() * (3 * QUERY_CHUNK + window) * element
+    assert 0 < kept.mask_bytes <= bound < rows.numel() * total * element
+    for chunk in kept.chunks[window]:
+        assert chunk.key_end - chunk.key_begin <= 3 * QUERY_CHUNK + window
+    rebuilt = RowAttention(decoder, rows, total, mask_budget=0)
+    assert rebuilt.mask_bytes == 0 and not rebuilt.masks
+    generator = torch.Generator().manual_seed(0)
+    shape = decoder.shape
+    q = torch.randn(shape.num_heads, rows.numel(), shape.head_dim, generator=generator)
+    k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    assert torch.equal(kept(0, q, k, v), rebuilt(0, q, k, v))
+    full_q = torch.zeros(shape.num_heads, total, shape.head_dim)
+    full_q[:, rows] = q
+    mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
+    expected = decoder.attend(0, full_q, k, v, mask)[rows]
+    assert torch.allclose(kept(0, q, k, v), expected, atol=1e-5, rtol=0)
+
+
+def _blend_every_strategy(engine: BlendEngine) -> None:
+    documents = ["Doc one: Marta Quill lives in Lisbon. " * 3, "Doc two: a meeting at 9:30. " * 4]
+    engine.precompute(documents)
+    prompt = [Segment("System:\n", role="prefix"), *map(Segment, reversed(documents)),
+              Segment("\nQuestion: where?\nAnswer:", cache=False)]  # fmt: skip
+    for config in (
+        BlendConfig(),
+        BlendConfig("cacheblend", recompute_ratio=0.15),
+        BlendConfig("epic", epic_tokens=4),
+        BlendConfig("reuse"),
+        BlendConfig("full"),
+    ):
+        engine.prefill(prompt, config)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_masked_attention_never_asks_sdpa_for_gqa(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SDPA's enable_gqa with a mask runs the math kernel on CUDA: KV heads are expanded."""
+    from kvblend.engine import decoder as decoder_module
+
+    calls: list[tuple[bool, bool, int, int]] = []
+    real = decoder_module.F.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        masked = kwargs.get("attn_mask") is not None
+        calls.append((masked, bool(kwargs.get("enable_gqa")), q.shape[1], k.shape[1]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(decoder_module.F, "scaled_dot_product_attention", recording)
+    engine = BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore())
+    shape = engine.decoder.shape
+    assert shape.num_heads > shape.num_kv_heads  # the tiny models use GQA
+    _blend_every_strategy(engine)
+    masked = [call for call in calls if call[0]]
+    assert masked and all(not gqa and q == k for _, gqa, q, k in masked)
+    if set(engine.decoder.windows) == {None}:  # plain causal calls keep SDPA's own GQA
+        assert any(gqa for masked, gqa, _, _ in calls if not masked)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_layer_loop_does_not_sync_with_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every strategy but cacheblend (whose check layer picks rows by value) runs its layer
+    loop without a host sync: torch raises on one in ``set_sync_debug_mode("error")``."""
+    from kvblend.engine import blend
+
+    real = blend.run_layers
+
+    def checked(state, start, selector, *args):
+        refines = selector is not None and selector.refine_layers
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode(0 if refines else "error")
+        try:
+            return real(state, start, selector, *args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(blend, "run_layers", checked)
+    model = tiny_model("qwen2").to("cuda")
+    engine = BlendEngine(model, byte_tokenizer(), store=MemoryKVStore())
+    _blend_every_strategy(engine)
