@@ -53,7 +53,16 @@ def cacheblend_name(metric: str, ratio: float, check_layer: int = 1) -> str:
 
 
 def strategy(name: str) -> Strategy:
-    """Return the `Strategy` called ``name``; ``ValueError`` lists the valid names otherwise."""
+    """Return the `Strategy` called ``name``; ``ValueError`` lists the valid names otherwise.
+
+    Any name takes ``+setting=value`` suffixes that set one `BlendConfig` setting each, such
+    as ``attention-0.2+lead_tokens=8``.
+    """
+    base, *overrides = name.split("+")
+    if overrides:
+        found = strategy(base)
+        changes = dict(_setting(text) for text in overrides)
+        return Strategy(name, found.config.replace(**changes), found.cache_documents)
     base, _, suffix = name.rpartition("-c")
     share = _ratio(suffix) if base else None
     if share is not None:
@@ -95,6 +104,19 @@ def strategy(name: str) -> Strategy:
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
     )
+
+
+def _setting(text: str) -> tuple[str, object]:
+    """``name=value`` as a setting: the value an int, a float, or else the string."""
+    name, equals, value = text.partition("=")
+    if not equals or not name:
+        raise ValueError(f"a strategy suffix is +setting=value, got +{text!r}")
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def _ratio(text: str) -> float | None:

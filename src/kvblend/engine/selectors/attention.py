@@ -21,6 +21,8 @@ from .base import (
     Selection,
     SelectionContext,
     Selector,
+    Setting,
+    non_negative_int,
     top_scoring,
 )
 
@@ -82,25 +84,46 @@ class TailAttention:
         self.scores += tail_attention(self.decoder, tail_queries, keys, values, mask)
 
 
+def leading_rows(context: SelectionContext, count: int) -> torch.Tensor:
+    """Boolean ``[tokens]``: the first ``count`` rows of every moved span."""
+    lead = torch.zeros_like(context.uncached)
+    if count > 0:
+        for span in context.spans:
+            if span.kind == MOVED:
+                lead[span.start : min(span.end, span.start + count)] = True
+    return lead
+
+
 class AttentionSelector(Selector):
-    """Recompute the top ``recompute_ratio`` of moved tokens by the probe's tail attention."""
+    """Recompute the top ``recompute_ratio`` of moved tokens by the probe's tail attention.
+
+    With ``lead_tokens``, the first tokens of every moved document are recomputed too (they
+    saw only the document head when cached and act as the document's attention sink; a short
+    document's answer depends on them most), on top of the ratio's budget.
+    """
 
     name = "attention"
-    settings = {"recompute_ratio": RECOMPUTE_RATIO, "correction": CORRECTION}
+    settings = {
+        "recompute_ratio": RECOMPUTE_RATIO,
+        "lead_tokens": Setting(0, non_negative_int, "leading tokens of each moved document"),
+        "correction": CORRECTION,
+    }
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most."""
         kinds = context.kinds
-        computed = context.uncached.clone()
+        lead = leading_rows(context, self.options["lead_tokens"])
+        computed = context.uncached | lead
         moved = context.moved
+        candidates = moved[~lead[moved]]  # moved rows not recomputed already
         keep = round(self.options["recompute_ratio"] * moved.numel())
-        if keep >= moved.numel():
+        if keep >= candidates.numel():
             computed[moved] = True
-        if not 0 < keep < moved.numel():  # nothing or everything chosen: no probe needed
+        if not 0 < keep < candidates.numel():  # nothing or everything chosen: no probe needed
             return Selection(computed.nonzero().squeeze(1))
-        probe_rows = computed.nonzero().squeeze(1)
+        probe_rows = context.uncached.nonzero().squeeze(1)
         observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.numel())
         probe = context.run_pass(probe_rows, observer)
-        computed[top_scoring(observer.scores, moved, keep)] = True
+        computed[top_scoring(observer.scores, candidates, keep)] = True
         self.scores = observer.scores
         return Selection(computed.nonzero().squeeze(1), start=probe)
