@@ -20,7 +20,7 @@ from kvblend.store import MemoryKVStore
 
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
-    assert BlendConfig().settings == {"recompute_ratio": 0.2, "correction": 0.5}
+    assert BlendConfig().settings == {"recompute_ratio": 0.2, "lead_tokens": 0, "correction": 0.5}
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
         "check_layer": 1,

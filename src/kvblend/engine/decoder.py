@@ -208,7 +208,7 @@ class Decoder:
         attention over aligned queries and keys. ``rows`` keeps only those query rows (before
         ``o_proj``).
         """
-        groups = self.shape.num_heads // self.shape.num_kv_heads
+        groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
         if mask is not None and groups > 1:
             # SDPA's enable_gqa together with a mask falls back to the math kernel on CUDA;
             # expand the KV heads instead, as transformers' sdpa_attention does (repeat_kv).
