@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -219,6 +220,20 @@ def _continue_kwargs(
     }
 
 
+def _generate(model: Any, kwargs: dict[str, Any]) -> Any:
+    """Call ``model.generate`` with the fused cache as ``past_key_values``.
+
+    transformers 5.x renamed that argument ``cache`` and warns about the old name on every call;
+    the old name is the one every supported version accepts, so the warning is not the user's
+    to read.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="`past_key_values` is deprecated", category=FutureWarning
+        )
+        return model.generate(**kwargs)
+
+
 def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     """``text`` up to the first stop string, and whether one was found."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
@@ -252,7 +267,7 @@ def decode(
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan)
     if kwargs is not None:
         with torch.inference_mode():
-            output = model.generate(**kwargs)
+            output = _generate(model, kwargs)
         new_ids = output[0, len(token_ids) :].tolist()
     text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
     finished = stopped or new_ids[-1] in plan.eos_ids
@@ -310,7 +325,7 @@ def decode_stream(
                 streamer.end()
                 return
             with torch.inference_mode():
-                model.generate(**kwargs, streamer=streamer)
+                _generate(model, {**kwargs, "streamer": streamer})
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer
             failure.append(error)
             streamer.end()
