@@ -110,9 +110,28 @@ def family(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--device cuda``: run the tests that take the `device` fixture on that device."""
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device of the tiny engines of the exactness tests (cpu, cuda, cuda:1; default cpu)",
+    )
+
+
 @pytest.fixture
-def tiny_engine(family: str):
+def device(request: pytest.FixtureRequest) -> torch.device:
+    """The device given with ``--device`` (skips when it is CUDA and none is present)."""
+    chosen = torch.device(request.config.getoption("--device"))
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--device cuda given but CUDA is not available")
+    return chosen
+
+
+@pytest.fixture
+def tiny_engine(family: str, device: torch.device):
     from kvblend import BlendEngine
     from kvblend.store import MemoryKVStore
 
-    return BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore(), name=family)
+    model = tiny_model(family).to(device)
+    return BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(), name=family)
