@@ -36,8 +36,10 @@ _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 class StoredRows:
     """Rows of a store entry (tensors ``k.{layer}``/``v.{layer}``), read a layer at a time.
 
-    A lazy entry reads its tensors while the blend loop runs; if a read fails there, whatever
-    the store raised, ``recompute`` produces the segment's KV instead (and stores it again).
+    A lazy entry reads its tensors while the blend loop runs (on CUDA, each tensor is handed
+    out once the current stream is ordered after its copy: `kvblend.store.transfer`); if a
+    read fails there, whatever the store raised, ``recompute`` produces the segment's KV
+    instead (and stores it again).
     """
 
     def __init__(
