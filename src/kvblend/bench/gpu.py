@@ -35,8 +35,9 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32, help="0 to skip decode speed")
     parser.add_argument("--no-disk", action="store_true", help="skip the cold-disk runs")
-    parser.add_argument("--ingest-documents", type=int, default=64,
-                        help="documents of the precompute timing (0 to skip it)")  # fmt: skip
+    parser.add_argument("--ingest-documents", type=int, default=None,
+                        help="documents of the precompute timing (default 64 on a GPU, 4 on "
+                             "the CPU; 0 to skip it)")  # fmt: skip
     parser.add_argument("--batch-tokens", default="4096,16384",
                         help="token budgets of the batched precompute runs")  # fmt: skip
     parser.add_argument("--output", default="benchmarks/results/gpu.json")
@@ -64,10 +65,13 @@ def run_gpu(engine: BlendEngine, args: argparse.Namespace) -> dict[str, Any]:
         repeats=args.repeats, doc_tokens=args.doc_tokens, disk=not args.no_disk,
         disk_strategies=None, decode_tokens=args.decode_tokens, seed=args.seed,
     )  # fmt: skip
+    documents = args.ingest_documents
+    if documents is None:
+        documents = 64 if device.type == "cuda" else 4
     ingest = None
-    if args.ingest_documents > 0:
+    if documents > 0:
         ingest = run_ingest(
-            engine, documents=args.ingest_documents, doc_tokens=args.doc_tokens,
+            engine, documents=documents, doc_tokens=args.doc_tokens,
             batch_tokens=parse_lengths(args.batch_tokens), repeats=args.repeats,
             seed=args.seed,
         )  # fmt: skip

@@ -141,6 +141,7 @@ def ingest_table(result: dict[str, Any]) -> str:
     ]
     for s in result["summary"]:
         lines.append(
-            f"| {s['setting']} | {s['docs_per_s_median']:.2f} | {s['speedup_vs_one_by_one']:.2f}x |"
+            f"| {s['setting']} | {s['docs_per_s_median']:.2f} | "
+            f"{s['speedup_vs_one_by_one']:.2f}x | {s['cpu_s_per_doc_median']:.2f} s |"
         )
     return "\n".join(lines)

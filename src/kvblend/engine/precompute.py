@@ -31,9 +31,10 @@ from .decoder import Decoder, apply_rope, signed_sin
 __all__ = ["DEFAULT_BATCH_TOKENS", "forward_batch", "length_batches"]
 
 #: Token budget of one batch, counted as ``documents x longest document`` (padding included).
-#: On a 2-core CPU with the bundled 135M model, documents/s at 512 tokens stops improving past
-#: about 4K tokens a batch (docs/benchmarks.md, "Document ingestion"); activations of a batch
-#: take about ``budget x hidden x 4 x 8`` bytes at the MLP, small on any GPU.
+#: On a CPU the budget hardly matters: one 512-token document already keeps the matrix products
+#: at full speed, and batches of 2K to 8K tokens ran at the same documents/s (docs/benchmarks.md,
+#: "Document ingestion"). On a GPU a batch fills the device that one document leaves idle; 4K
+#: tokens keep a batch's activations small (``budget x intermediate_size`` values at the MLP).
 DEFAULT_BATCH_TOKENS = 4096
 
 
