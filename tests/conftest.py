@@ -111,16 +111,16 @@ def family(request: pytest.FixtureRequest) -> str:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    """``--device cuda``: run the tests that take the `device` fixture on that device."""
+    """``--device cuda``: run the tests that take the `compute_device` fixture on that device."""
     parser.addoption(
         "--device",
         default="cpu",
-        help="device of the tiny engines of the exactness tests (cpu, cuda, cuda:1; default cpu)",
+        help="device of the tests that take the compute_device fixture (cpu, cuda, cuda:1)",
     )
 
 
 @pytest.fixture
-def device(request: pytest.FixtureRequest) -> torch.device:
+def compute_device(request: pytest.FixtureRequest) -> torch.device:
     """The device given with ``--device`` (skips when it is CUDA and none is present)."""
     chosen = torch.device(request.config.getoption("--device"))
     if chosen.type == "cuda" and not torch.cuda.is_available():
@@ -129,9 +129,8 @@ def device(request: pytest.FixtureRequest) -> torch.device:
 
 
 @pytest.fixture
-def tiny_engine(family: str, device: torch.device):
+def tiny_engine(family: str):
     from kvblend import BlendEngine
     from kvblend.store import MemoryKVStore
 
-    model = tiny_model(family).to(device)
-    return BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(), name=family)
+    return BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore(), name=family)

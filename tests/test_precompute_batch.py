@@ -82,14 +82,14 @@ def test_length_batches_sort_by_length_and_keep_the_budget() -> None:
         length_batches(lengths, 0)
 
 
-def test_forward_batch_rejects_empty_sequences(device: torch.device) -> None:
-    engine = engine_for(tiny_model("llama").to(device), "llama")
+def test_forward_batch_rejects_empty_sequences(compute_device: torch.device) -> None:
+    engine = engine_for(tiny_model("llama").to(compute_device), "llama")
     with pytest.raises(ValueError):
         forward_batch(engine.decoder, [[1, 2], []])
 
 
-def test_batched_kv_equals_one_by_one(family: str, device: torch.device) -> None:
-    model = tiny_model(family).to(device)
+def test_batched_kv_equals_one_by_one(family: str, compute_device: torch.device) -> None:
+    model = tiny_model(family).to(compute_device)
     alone, batched = engine_for(model, family), engine_for(model, family)
     expected = one_by_one(alone, DOCS)
     # a budget of 2-3 documents a batch: several batches, each padded
@@ -101,8 +101,10 @@ def test_batched_kv_equals_one_by_one(family: str, device: torch.device) -> None
     assert all(batched.is_known(text) for text in DOCS)
 
 
-def test_every_strategy_reads_batched_kv_like_one_by_one(family: str, device: torch.device) -> None:
-    model = tiny_model(family).to(device)
+def test_every_strategy_reads_batched_kv_like_one_by_one(
+    family: str, compute_device: torch.device
+) -> None:
+    model = tiny_model(family).to(compute_device)
     alone, batched = engine_for(model, family), engine_for(model, family)
     one_by_one(alone, DOCS)
     batched.precompute(DOCS, batch_tokens=10_000, progress=False)  # one batch
@@ -115,10 +117,10 @@ def test_every_strategy_reads_batched_kv_like_one_by_one(family: str, device: to
         assert error <= 1e-5, f"{config.strategy}: relative logit error {error:.3g}"
 
 
-def test_bf16_batched_kv_is_as_close_to_fp32_as_one_by_one(device: torch.device) -> None:
-    reference = engine_for(tiny_model("qwen2").to(device), "fp32")
+def test_bf16_batched_kv_is_as_close_to_fp32_as_one_by_one(compute_device: torch.device) -> None:
+    reference = engine_for(tiny_model("qwen2").to(compute_device), "fp32")
     expected = one_by_one(reference, DOCS)
-    half = tiny_model("qwen2").to(device, torch.bfloat16)
+    half = tiny_model("qwen2").to(compute_device, torch.bfloat16)
     alone, batched = engine_for(half, "bf16"), engine_for(half, "bf16")
     one_by_one(alone, DOCS)
     batched.precompute(DOCS, batch_tokens=260, progress=False)
