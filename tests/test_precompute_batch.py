@@ -139,3 +139,11 @@ def test_bf16_batched_kv_is_as_close_to_fp32_as_one_by_one(compute_device: torch
                 f"{text[:12]!r} {name}: batched bf16 error {batched_error:.3g}, "
                 f"one-by-one bf16 error {own_error:.3g}"
             )
+
+
+def test_a_document_too_long_fails_before_any_is_computed() -> None:
+    engine = engine_for(tiny_model("llama"), "llama")  # a window of 1024 tokens
+    with pytest.raises(ValueError, match="context window of 1024 tokens"):
+        engine.precompute([DOCS[0], "y" * 2000], batch_tokens=100)
+    assert not engine.store.contains(engine.segment_id(DOCS[0]))
+    assert not engine.is_known(DOCS[0])

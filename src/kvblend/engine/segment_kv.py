@@ -120,8 +120,7 @@ class SegmentKV:
     ) -> list[str]:
         """Store the KV of each text unless an intact entry is there; return their segment ids.
 
-        The missing entries (``force``: all) are computed in length-sorted batches.
-
+        The missing entries (``force``: all) are computed in length-sorted batches;
         ``batch_tokens`` bounds ``documents x longest`` of a batch (`length_batches`).
         ``done(texts)`` is called with the texts already stored, then after each batch.
         Returns the segment ids, in the order of ``texts``.
@@ -136,6 +135,8 @@ class SegmentKV:
             done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
         todo = [(key, layouts[index]) for key, index in missing.items()]
         lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
+        for length in lengths:  # a text too long fails the call before anything is computed
+            self._check_length(length)
         for batch in length_batches(lengths, batch_tokens):
             self.compute_batch([todo[index] for index in batch])
             if done is not None:
