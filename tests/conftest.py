@@ -110,6 +110,24 @@ def family(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--device cuda``: run the tests that take the `compute_device` fixture on that device."""
+    parser.addoption(
+        "--device",
+        default="cpu",
+        help="device of the tests that take the compute_device fixture (cpu, cuda, cuda:1)",
+    )
+
+
+@pytest.fixture
+def compute_device(request: pytest.FixtureRequest) -> torch.device:
+    """The device given with ``--device`` (skips when it is CUDA and none is present)."""
+    chosen = torch.device(request.config.getoption("--device"))
+    if chosen.type == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--device cuda given but CUDA is not available")
+    return chosen
+
+
 @pytest.fixture
 def tiny_engine(family: str):
     from kvblend import BlendEngine

@@ -114,7 +114,9 @@ def test_bench_help_and_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert out.startswith("usage: kvblend bench") and "ttft" in out and "quality" in out
     err = _one_line_error(capsys, main(["bench"]))
-    assert "choose a command: ttft, figures, quality, registry, report" in err
+    assert "choose a command: " in err
+    for command in ("ttft", "figures", "quality", "ingest", "gpu", "registry", "report"):
+        assert command in err
     assert "bench" in _one_line_error(capsys, main([]))
     err = _one_line_error(capsys, main(["bench", "quality", "--device", "gpu", "--questions", "1"]))
     assert "unknown device 'gpu'" in err

@@ -1,4 +1,4 @@
-"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report."""
+"""``kvblend bench`` subcommands: ttft, figures, quality, ingest, gpu, registry, report."""
 
 from __future__ import annotations
 
@@ -162,6 +162,32 @@ def cmd_quality(args: argparse.Namespace) -> None:
     )  # fmt: skip
 
 
+def cmd_ingest(args: argparse.Namespace) -> None:
+    """Documents/s of precompute, one by one vs batched."""
+    from .ingest import ingest_table, run_ingest
+    from .ttft import SYSTEM
+
+    engine = _engine(args, SYSTEM)
+    result = run_ingest(
+        engine, documents=args.documents, doc_tokens=args.doc_tokens,
+        batch_tokens=[int(x) for x in args.batch_tokens.split(",")], repeats=args.repeats,
+        seed=args.seed,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), ingest_table(result))
+
+
+def cmd_gpu(args: argparse.Namespace) -> None:
+    """TTFT, decode speed, peak memory and ingestion on one device (a GPU, or a CPU smoke run)."""
+    from .gpu import gpu_table, run_gpu
+    from .ttft import SYSTEM
+
+    engine = _engine(args, SYSTEM)
+    result = run_gpu(engine, args)
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), gpu_table(result))
+
+
 def cmd_report(args: argparse.Namespace) -> None:
     """Tables and plots from saved results."""
     from .report import write_report
@@ -235,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--max-new-tokens", type=int, default=12)
     quality.add_argument("--output", default=str(RESULTS_DIR / "quality.json"))
     quality.set_defaults(func=cmd_quality)
+
+    ingest = sub.add_parser("ingest", help="documents/s of precompute, one by one vs batched")
+    model_options(ingest)
+    ingest.add_argument("--documents", type=int, default=16)
+    ingest.add_argument("--doc-tokens", type=int, default=512)
+    ingest.add_argument("--batch-tokens", default="2048,4096,8192",
+                        help="token budgets of the batched runs, comma list")  # fmt: skip
+    ingest.add_argument("--repeats", type=int, default=3)
+    ingest.add_argument("--output", default=str(RESULTS_DIR / "precompute.json"))
+    ingest.set_defaults(func=cmd_ingest)
+
+    from .gpu import add_gpu_arguments
+
+    gpu = sub.add_parser("gpu", help="TTFT, decode, peak memory and ingestion on a GPU in bf16")
+    model_options(gpu)
+    add_gpu_arguments(gpu)
+    gpu.set_defaults(func=cmd_gpu)
 
     registry = sub.add_parser(
         "registry", help="document-finding cost with 100 vs 100,000 known documents"

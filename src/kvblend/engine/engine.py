@@ -29,6 +29,7 @@ from .loading import (
     resolve_dtype,
     resolve_model,
 )
+from .precompute import DEFAULT_BATCH_TOKENS
 from .prompt import (
     CachedPiece,
     PrefillPlan,
@@ -242,31 +243,43 @@ class BlendEngine:
         return self.segment_kv.key(text)
 
     def precompute(
-        self, texts: Iterable[str], *, progress: bool | None = None, force: bool = False
+        self,
+        texts: Iterable[str],
+        *,
+        progress: bool | None = None,
+        force: bool = False,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
     ) -> list[str]:
         """Compute and store the KV of each document text once; return their segment ids.
 
         A text whose entry is in the store and reads back intact is skipped (``force``: always
-        recomputed); an entry that cannot be read is dropped and recomputed. Every text becomes
-        known to the document registry, so any process sharing the store finds it in prompts.
-        ``progress=None`` shows a progress bar on a terminal for four or more texts.
+        recomputed); an entry that cannot be read is dropped and recomputed. The others are
+        computed in batches of documents of similar length, ``batch_tokens`` (documents x
+        longest document, in tokens) at most per forward pass (`kvblend.engine.precompute`).
+        Every text becomes known to the document registry, so any process sharing the store
+        finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
+        more texts.
         """
         from tqdm.auto import tqdm
 
         items = [texts] if isinstance(texts, str) else list(texts)
         for text in items:
             Segment(text)  # validates
-        ids = []
         bar = tqdm(
-            items,
+            total=len(items),
             desc="precomputing KV",
             unit="doc",
             disable=(len(items) < 4 if progress is None else not progress) or None,
         )
-        for text in bar:
-            ids.append(self.segment_kv.ensure(text, force=force))
-            self.documents.add([text])
-        return ids
+
+        def done(stored: list[str]) -> None:
+            self.documents.add(stored)
+            bar.update(len(stored))
+
+        with bar:
+            return self.segment_kv.ensure_many(
+                items, force=force, batch_tokens=batch_tokens, done=done
+            )
 
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything (their KV is computed on use).

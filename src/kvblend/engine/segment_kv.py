@@ -14,7 +14,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from .blend import COMPUTE, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
+from .precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
 from .prompt import DocumentLayout, PrefillPlan, document_layout
 from .segments import KV_LAYOUT, segment_key
 
@@ -35,8 +36,10 @@ _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 class StoredRows:
     """Rows of a store entry (tensors ``k.{layer}``/``v.{layer}``), read a layer at a time.
 
-    A lazy entry reads its tensors while the blend loop runs; if a read fails there, whatever
-    the store raised, ``recompute`` produces the segment's KV instead (and stores it again).
+    A lazy entry reads its tensors while the blend loop runs (on CUDA, each tensor is handed
+    out once the current stream is ordered after its copy: `kvblend.store.transfer`); if a
+    read fails there, whatever the store raised, ``recompute`` produces the segment's KV
+    instead (and stores it again).
     """
 
     def __init__(
@@ -107,13 +110,39 @@ class SegmentKV:
         layout = self.layout(text)
         return segment_key(self.fingerprint, layout.context_ids, layout.ids)
 
-    def ensure(self, text: str, *, force: bool = False) -> str:
-        """Store the KV of ``text`` unless an intact entry is there; return its segment id."""
-        layout = self.layout(text)
-        key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
-        if force or not self.intact(key):
-            self.compute(key, layout.context_ids, layout.ids)
-        return key
+    def ensure_many(
+        self,
+        texts: Sequence[str],
+        *,
+        force: bool = False,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        done: Callable[[list[str]], None] | None = None,
+    ) -> list[str]:
+        """Store the KV of each text unless an intact entry is there; return their segment ids.
+
+        The missing entries (``force``: all) are computed in length-sorted batches;
+        ``batch_tokens`` bounds ``documents x longest`` of a batch (`length_batches`).
+        ``done(texts)`` is called with the texts already stored, then after each batch.
+        Returns the segment ids, in the order of ``texts``.
+        """
+        layouts = [self.layout(text) for text in texts]
+        keys = [segment_key(self.fingerprint, lay.context_ids, lay.ids) for lay in layouts]
+        missing: dict[str, int] = {}  # segment id -> index of its first text
+        for index, key in enumerate(keys):
+            if key not in missing and (force or not self.intact(key)):
+                missing[key] = index
+        if done is not None:
+            done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
+        todo = [(key, layouts[index]) for key, index in missing.items()]
+        lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
+        for length in lengths:  # a text too long fails the call before anything is computed
+            self._check_length(length)
+        for batch in length_batches(lengths, batch_tokens):
+            self.compute_batch([todo[index] for index in batch])
+            if done is not None:
+                computed = {todo[index][0] for index in batch}
+                done([text for text, key in zip(texts, keys, strict=True) if key in computed])
+        return keys
 
     def intact(self, key: str) -> bool:
         """Whether the store holds ``key`` and every tensor reads back; a damaged one is dropped."""
@@ -156,19 +185,41 @@ class SegmentKV:
         for layer, (keys, values) in enumerate(zip(out.raw_keys, out.values, strict=True)):
             tensors[f"k.{layer}"] = keys[:, start:].to(self.kv_dtype).contiguous()
             tensors[f"v.{layer}"] = values[:, start:].to(self.kv_dtype).contiguous()
+        self._put(key, tensors, len(context), len(token_ids))
+        return tensors
+
+    def compute_batch(self, entries: Sequence[tuple[str, DocumentLayout]]) -> None:
+        """Compute the KV of several documents in one batched forward pass and store each.
+
+        ``entries`` are (segment id, layout) pairs; the stored entries are those `compute`
+        would store (`kvblend.engine.precompute` says why the batched rows are exact).
+        """
+        for _, layout in entries:
+            self._check_length(len(layout.context_ids) + len(layout.ids))
+        sequences = [layout.context_ids + layout.ids for _, layout in entries]
+        keys, values = forward_batch(self.decoder, sequences)
+        for row, (key, layout) in enumerate(entries):
+            start, end = len(layout.context_ids), len(sequences[row])
+            tensors: dict[str, torch.Tensor] = {}
+            for layer in range(self.decoder.shape.num_layers):
+                for name, source in (("k", keys), ("v", values)):
+                    rows = source[layer][row, :, start:end]
+                    tensors[f"{name}.{layer}"] = rows.to(self.kv_dtype, copy=True).contiguous()
+            self._put(key, tensors, start, end - start)
+
+    def _put(self, key: str, tensors: dict[str, torch.Tensor], context: int, tokens: int) -> None:
         metadata = {
             "format": KV_LAYOUT,
             "model": self.model_name,
             "fingerprint": self.fingerprint,
             "layers": str(self.decoder.shape.num_layers),
-            "tokens": str(len(token_ids)),
-            "context_tokens": str(len(context)),
+            "tokens": str(tokens),
+            "context_tokens": str(context),
         }
         try:
             self.store.put(key, tensors, metadata)
         except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer
             logger.warning("could not store segment %s: %s", key, error)
-        return tensors
 
     def open_spans(self, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
         """Open each planned span's entry, computing missing or unreadable ones.

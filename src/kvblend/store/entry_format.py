@@ -34,6 +34,7 @@ import safetensors.torch
 import torch
 
 from kvblend.store.base import SAFETENSORS_DTYPES, CorruptEntryError, StoreError, layer_order
+from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
 FORMAT_VERSION = "1"
 CHECKSUM_ALGORITHM = "crc32"
@@ -268,8 +269,11 @@ def _parse_header(payload: Payload, key: str) -> EntryHeader:
 
 def read_tensor(
     payload: Payload, info: TensorInfo, key: str, device: torch.device | None = None
-) -> torch.Tensor:
+) -> torch.Tensor | PendingCopy:
     """Read one tensor from `payload`, verify its checksum, and return it on `device`.
+
+    For a CUDA `device` the copy from the pinned buffer is issued on a side stream: the
+    result is a `PendingCopy` (`kvblend.store.transfer`).
 
     The bytes go straight from the file into the tensor's own buffer (pinned when the target
     is a CUDA device). Raises `CorruptEntryError` on a short read, a checksum mismatch, a read
@@ -288,9 +292,7 @@ def read_tensor(
         raise CorruptEntryError(
             key, f"tensor {info.name!r} unreadable ({type(error).__name__}: {error})"
         ) from error
-    if device is not None and device != tensor.device:
-        tensor = tensor.to(device)
-    return tensor
+    return HOST_TO_DEVICE.copy(tensor, device, copy=False)
 
 
 def _decode_tensor(

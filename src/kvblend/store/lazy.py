@@ -23,6 +23,7 @@ import torch
 
 from kvblend.store.base import CorruptEntryError, StoreError
 from kvblend.store.entry_format import EntryHeader, read_tensor
+from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
 #: Default number of tensors read ahead of the one accessed (two layers of k and v).
 DEFAULT_PREFETCH_AHEAD = 4
@@ -62,7 +63,9 @@ class PrefetchPool:
 class LazyTensors(Mapping[str, torch.Tensor]):
     """Read-only mapping whose tensors are loaded on first access, with prefetch.
 
-    `load(name)` produces one tensor; `names` gives the iteration and prefetch order. When a
+    `load(name)` produces one tensor, or a `PendingCopy` still in flight to a GPU that is
+    handed out once the caller's stream is ordered after it (`kvblend.store.transfer`);
+    `names` gives the iteration and prefetch order. When a
     load raises `CorruptEntryError`, `on_corrupt` is called once (the store drops the entry and
     counts it) and the error is raised to whoever accesses that name. `on_close` releases the
     underlying source; it runs when every tensor has been loaded, on `close()`, or when the
@@ -73,7 +76,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __init__(
         self,
         names: Sequence[str],
-        load: Callable[[str], torch.Tensor],
+        load: Callable[[str], torch.Tensor | PendingCopy],
         *,
         metadata: Mapping[str, str] | None = None,
         pool: PrefetchPool | None = None,
@@ -90,7 +93,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         self._on_corrupt = on_corrupt
         self._lock = threading.Lock()
         self._report_lock = threading.Lock()
-        self._futures: dict[str, Future[torch.Tensor]] = {}
+        self._futures: dict[str, Future[torch.Tensor | PendingCopy]] = {}
         self._scheduled: set[str] = set()
         self._tasks: list[Future[object]] = []
         self._finished = 0
@@ -121,7 +124,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             raise StoreError(f"tensor {name!r} requested after the entry was closed")
         if owner:
             self._run(name, future)
-        return future.result()
+        result = future.result()
+        return result.ready() if isinstance(result, PendingCopy) else result
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -164,7 +168,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __repr__(self) -> str:
         return f"LazyTensors({len(self._names)} tensors, {len(self.loaded)} loaded)"
 
-    def _claim(self, name: str) -> tuple[Future[torch.Tensor] | None, bool]:
+    def _claim(self, name: str) -> tuple[Future[torch.Tensor | PendingCopy] | None, bool]:
         """Return (future, True) if the caller must load `name`, (future, False) to wait."""
         with self._lock:
             future = self._futures.get(name)
@@ -176,8 +180,8 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             self._futures[name] = future
             return future, True
 
-    def _run(self, name: str, future: Future[torch.Tensor]) -> None:
-        tensor: torch.Tensor | None = None
+    def _run(self, name: str, future: Future[torch.Tensor | PendingCopy]) -> None:
+        tensor: torch.Tensor | PendingCopy | None = None
         failure: BaseException | None = None
         try:
             tensor = self._load(name)
@@ -193,7 +197,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         if failure is not None:
             future.set_exception(failure)
         else:
-            future.set_result(cast(torch.Tensor, tensor))
+            future.set_result(cast(torch.Tensor | PendingCopy, tensor))
 
     def _report_corrupt(self, error: CorruptEntryError) -> None:
         # A second failing read waits here until the first report (the drop) has completed.
@@ -281,6 +285,6 @@ def copy_then_keep(
             complete = len(collected) == len(names)
         if complete:
             keep(dict(collected))
-        return pristine.to(target, copy=True)  # the caller may patch it in place
+        return HOST_TO_DEVICE.copy(pristine, target)  # a copy: the caller may patch it
 
     return LazyTensors(names, load, metadata=metadata, on_close=on_close)

@@ -18,6 +18,7 @@ import torch
 
 from kvblend.store.base import KVStore, StoreStats, layer_order, validate_entry, validate_key
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool
+from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,8 @@ class MemoryKVStore(KVStore):
             self._hits += 1
         stored = entry.tensors
 
-        def load(name: str) -> torch.Tensor:
-            tensor = stored[name]
-            return tensor.to(target if target is not None else tensor.device, copy=True)
+        def load(name: str) -> torch.Tensor | PendingCopy:
+            return HOST_TO_DEVICE.copy(stored[name], target)  # a copy: the caller may patch it
 
         return LazyTensors(
             sorted(stored, key=layer_order),
