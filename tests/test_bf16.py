@@ -33,8 +33,9 @@ CONFIGS = [
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_bf16_blend_of_in_context_kv_is_within_bf16_noise(
-    family: str, device: torch.device
+    family: str, compute_device: torch.device
 ) -> None:
+    device = compute_device
     model = tiny_model(family).to(device=device, dtype=torch.bfloat16)
     engine = BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(), name=family)
     prompt = [Segment(SYSTEM, role="prefix"), *map(Segment, reversed(DOCS)),

@@ -68,15 +68,14 @@ def run_ingest(
     settings: list[tuple[str, Callable[[BlendEngine], None]]] = [
         ("one-by-one", lambda target: one_by_one(target, texts))
     ]
-    for budget in batch_tokens:
-        settings.append(
-            (
-                f"batched-{budget}",
-                lambda target, budget=budget: target.precompute(
-                    texts, progress=False, force=True, batch_tokens=budget
-                ),
-            )
-        )
+
+    def batched(budget: int) -> Callable[[BlendEngine], None]:
+        def run(target: BlendEngine) -> None:
+            target.precompute(texts, progress=False, force=True, batch_tokens=budget)
+
+        return run
+
+    settings += [(f"batched-{budget}", batched(budget)) for budget in batch_tokens]
     for _, run in settings:  # warm-up: tokenizer caches, allocator, kernels
         run(_fresh(engine))
     rows: list[dict[str, Any]] = []

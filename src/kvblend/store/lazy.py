@@ -278,7 +278,7 @@ def copy_then_keep(
     collected: dict[str, torch.Tensor] = {}
     collected_lock = threading.Lock()
 
-    def load(name: str) -> torch.Tensor:
+    def load(name: str) -> torch.Tensor | PendingCopy:
         pristine = stored[name]
         with collected_lock:
             collected[name] = pristine
