@@ -1,4 +1,4 @@
-"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report."""
+"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report, doc-context."""
 
 from __future__ import annotations
 
@@ -180,6 +180,20 @@ def cmd_registry(args: argparse.Namespace) -> None:
     _write(result, Path(args.output), registry_table(result))
 
 
+def cmd_doc_context(args: argparse.Namespace) -> None:
+    """Blend settings with documents precomputed behind BOS, the prompt head or the chat head."""
+    from .doc_context import doc_context_table, run_doc_context
+    from .qa import SYSTEM_PROMPT
+
+    engine = _engine(args, SYSTEM_PROMPT)
+    result = run_doc_context(
+        engine, args.questions, args.contexts.split(","), args.configs.split(","),
+        Path(args.output), seed=args.seed,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), doc_context_table(result["summary"]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
     from ..cli_args import OneLineParser
@@ -250,6 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--quality", default=str(RESULTS_DIR / "quality.json"))
     report.add_argument("--img-dir", default="docs/img")
     report.set_defaults(func=cmd_report)
+
+    doc_context = sub.add_parser(
+        "doc-context", help="blend settings with documents precomputed behind other contexts"
+    )
+    model_options(doc_context)
+    doc_context.add_argument("--questions", type=int, default=80)
+    doc_context.add_argument("--contexts", default="bos,prefix,sys", help="comma list")
+    doc_context.add_argument(
+        "--configs", default="reuse,cb15,cb15L2,cb30,epic16", help="comma list of CONFIGS names"
+    )
+    doc_context.add_argument("--output", default=str(RESULTS_DIR / "doc_context.json"))
+    doc_context.set_defaults(func=cmd_doc_context)
     return parser
 
 
