@@ -30,7 +30,7 @@ MODULES: tuple[tuple[str, str], ...] = (
     ("kvblend", "The engine: `BlendEngine`, `BlendConfig`, `Segment` and their results."),
     ("kvblend.store", "KV stores: memory, disk, tiered and Redis (see [store.md](store.md))."),
     ("kvblend.matching", "Finding known documents inside a finished prompt."),
-    ("kvblend.integrations", "Framework-neutral glue shared by the adapters."),
+    ("kvblend.integrations", "Public names of the adapters' framework-neutral shared layer."),
     ("kvblend.langchain", "LangChain adapters (see [langchain.md](langchain.md))."),
     ("kvblend.llamaindex", "LlamaIndex adapters."),
 )
