@@ -59,12 +59,10 @@ def _quiet_transformers() -> None:
 
 
 def _config(args: argparse.Namespace) -> BlendConfig:
-    return BlendConfig(
-        strategy=args.strategy,
-        recompute_ratio=args.ratio,
-        deviation=args.deviation,
-        correction=args.correction,
-    )
+    """Return the settings given on the command line (one the strategy does not use: an error)."""
+    given = {"recompute_ratio": args.ratio, "deviation": args.deviation,
+             "correction": args.correction}  # fmt: skip
+    return BlendConfig(args.strategy, **{k: v for k, v in given.items() if v is not None})
 
 
 def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
@@ -257,13 +255,15 @@ def build_parser() -> argparse.ArgumentParser:
             choices=list(STRATEGIES),
             help="how reused tokens are chosen for recompute (default %(default)s)",
         )
-        p.add_argument("--ratio", type=float, default=BlendConfig.recompute_ratio,
+        p.add_argument("--ratio", type=float, default=None,
                        help="recompute ratio for attention and cacheblend "
-                            "(default %(default)s)")  # fmt: skip
-        p.add_argument("--deviation", default=BlendConfig.deviation, choices=["value", "key"])
-        p.add_argument("--correction", type=float, default=BlendConfig.correction,
+                            f"(default {BlendConfig().recompute_ratio})")  # fmt: skip
+        p.add_argument("--deviation", default=None, choices=["value", "key"],
+                       help="cacheblend's deviation metric (default value)")  # fmt: skip
+        p.add_argument("--correction", type=float, default=None,
                        help="share of the recomputed tokens' mean KV change added to the other "
-                            "tokens of their document (default %(default)s; 0: off)")  # fmt: skip
+                            "tokens of their document, for attention, cacheblend and epic "
+                            f"(default {BlendConfig().correction}; 0: off)")  # fmt: skip
         p.add_argument("--max-new-tokens", type=positive_int, default=24)
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "
