@@ -1,4 +1,4 @@
-"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report, doc-context."""
+"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report and the rest below."""
 
 from __future__ import annotations
 
@@ -194,6 +194,21 @@ def cmd_doc_context(args: argparse.Namespace) -> None:
     _write(result, Path(args.output), doc_context_table(result["summary"]))
 
 
+def cmd_redis_ttft(args: argparse.Namespace) -> None:
+    """TTFT with documents from memory, a cold disk and Redis; four-process Redis throughput."""
+    from .redis_ttft import redis_server, redis_table, run_redis_ttft
+    from .ttft import SYSTEM
+
+    with redis_server(args.redis_url) as url:
+        engine = _engine(args, SYSTEM)
+        result = run_redis_ttft(
+            engine, url, length=args.length, doc_tokens=args.doc_tokens, repeats=args.repeats,
+            rounds=args.rounds,
+        )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), redis_table(result["summary"]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
     from ..cli_args import OneLineParser
@@ -276,6 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doc_context.add_argument("--output", default=str(RESULTS_DIR / "doc_context.json"))
     doc_context.set_defaults(func=cmd_doc_context)
+
+    redis = sub.add_parser("redis-ttft", help="TTFT with documents from Redis; Redis throughput")
+    model_options(redis)
+    redis.add_argument("--length", type=int, default=4096, help="prompt tokens")
+    redis.add_argument("--doc-tokens", type=int, default=512)
+    redis.add_argument("--repeats", type=int, default=5)
+    redis.add_argument("--rounds", type=int, default=2, help="throughput: reads per entry")
+    redis.add_argument("--redis-url", help="a running server (default: start redis-server)")
+    redis.add_argument("--output", default=str(RESULTS_DIR / "redis_ttft.json"))
+    redis.set_defaults(func=cmd_redis_ttft)
     return parser
 
 
