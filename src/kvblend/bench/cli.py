@@ -182,15 +182,15 @@ def cmd_registry(args: argparse.Namespace) -> None:
 
 def cmd_doc_context(args: argparse.Namespace) -> None:
     """Blend settings with documents precomputed behind BOS, the prompt head or the chat head."""
-    from .doc_context import doc_context_table, run_doc_context
+    from .doc_context import doc_context_items, doc_context_table, run_doc_context
     from .qa import SYSTEM_PROMPT
 
     engine = _engine(args, SYSTEM_PROMPT)
+    items = doc_context_items(args.questions, seed=args.seed)
     result = run_doc_context(
-        engine, args.questions, args.contexts.split(","), args.configs.split(","),
-        Path(args.output), seed=args.seed,
-    )  # fmt: skip
-    result["machine"] = _machine(engine)
+        engine, items, args.contexts.split(","), args.configs.split(","), Path(args.output)
+    )
+    result["machine"], result["seed"] = _machine(engine), args.seed
     _write(result, Path(args.output), doc_context_table(result["summary"]))
 
 

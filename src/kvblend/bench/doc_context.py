@@ -28,7 +28,7 @@ from typing import Any
 
 from ..engine import BlendConfig, BlendEngine
 from ..store import MemoryKVStore
-from .qa import generate_qa, score
+from .qa import QAItem, generate_qa, score
 from .quality import STOP, kl_divergence, prompt_segments
 
 #: The settings ``--configs`` chooses from, by name. ``cb<ratio>[L<check layer>]`` is CacheBlend
@@ -105,24 +105,27 @@ def doc_context_table(summary: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def doc_context_items(questions: int, seed: int = 0) -> list[QAItem]:
+    """Return the first ``questions`` items of the QA task (the same for any count to 240)."""
+    return generate_qa(max(240, questions), seed=seed)[:questions]
+
+
 def run_doc_context(
     base: BlendEngine,
-    questions: int,
+    items: Sequence[QAItem],
     contexts: Sequence[str],
     configs: Sequence[str],
     output: Path,
     *,
-    seed: int = 0,
     max_new_tokens: int = 12,
 ) -> dict[str, Any]:
-    """Answer ``questions`` QA items with full prefill and every setting in every context.
+    """Answer ``items`` with full prefill and every setting in every context.
 
     Writes ``output`` (JSON: questions done, settings, rows) every 20 questions and at the end.
     """
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
         raise ValueError(f"unknown config {unknown}; choose from {', '.join(CONFIGS)}")
-    items = generate_qa(max(240, questions), seed=seed)[:questions]
     engines = context_engines(base, contexts, prompt_segments(base, items[0])[0].text)
     settings = {name: repr(CONFIGS[name]) for name in configs}
     rows: list[dict[str, Any]] = []
@@ -151,7 +154,7 @@ def run_doc_context(
             elapsed = time.perf_counter() - started
             print(f"[{index + 1}/{len(items)} in {elapsed:.0f} s]", file=sys.stderr)
             print(doc_context_table(summarize(rows)), file=sys.stderr)
-            result = {"questions": index + 1, "seed": seed, "settings": settings, "rows": rows}
+            result = {"questions": index + 1, "settings": settings, "rows": rows}
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(json.dumps(result))
     result["summary"] = summarize(rows)
