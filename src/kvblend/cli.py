@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
     sub.add_parser(
         "bench",
-        help="benchmarks: ttft, figures, quality, registry, report (see docs/benchmarks.md)",
+        help="benchmarks: ttft, quality, doc-context, redis-ttft ... (see docs/benchmarks.md)",
     )
     return parser
 

@@ -1,4 +1,4 @@
-"""``kvblend bench`` subcommands: ttft, figures, quality, registry, report and the rest below."""
+"""``kvblend bench`` subcommands, one per benchmark; the scripts in ``benchmarks/`` call them."""
 
 from __future__ import annotations
 
