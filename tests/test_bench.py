@@ -165,6 +165,37 @@ def test_ttft_runner_end_to_end(engine, tmp_path):
     assert summarize_ttft(result["rows"]) == result["summary"]
 
 
+def test_doc_context_settings_name_their_strategy():
+    from kvblend.bench.doc_context import CONFIGS
+
+    kinds = {"reuse": "reuse", "cb": "cacheblend", "att": "attention", "epic": "epic"}
+    for name, config in CONFIGS.items():
+        kind = next(k for k in kinds if name.startswith(k))
+        assert config.strategy == kinds[kind], name
+    assert CONFIGS["cb15L2"].schedule() == ((2, 0.15),)
+    assert CONFIGS["cb15L3"].schedule() == ((3, 0.15),)
+    assert CONFIGS["cb20L2"].schedule() == ((2, 0.2),)
+    assert CONFIGS["cbg30to15"].schedule() == ((1, 0.3), (3, 0.15))
+    assert CONFIGS["cbk15"].deviation == "key"
+
+
+def test_doc_context_runner_end_to_end(engine, tmp_path):
+    from kvblend.bench.doc_context import run_doc_context
+
+    items = generate_qa(2, seed=0, docs_per_prompt=(3, 3), styles=("record",))
+    out = tmp_path / "doc_context.json"
+    result = run_doc_context(engine, items, ["bos", "prefix"], ["reuse", "cb15L2"], out)
+    assert json.loads(out.read_text())["questions"] == 2
+    summary = {(s["context"], s["config"]): s for s in result["summary"]}
+    assert list(summary) == [("-", "full"), ("bos", "reuse"), ("bos", "cb15L2"),
+                             ("prefix", "reuse"), ("prefix", "cb15L2")]  # fmt: skip
+    assert all(s["questions"] == 2 for s in summary.values())
+    assert summary[("-", "full")]["kl"] == 0.0
+    assert summary[("bos", "reuse")]["recompute_fraction"] == 0.0
+    assert 0.1 < summary[("bos", "cb15L2")]["recompute_fraction"] < 0.2
+    assert summary[("bos", "reuse")]["kl"] > 0.0  # documents precomputed without their context
+
+
 def test_bench_cli_rejects_unknown_subcommand():
     with pytest.raises(SystemExit):
         bench_main(["nope"])

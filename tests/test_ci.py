@@ -60,6 +60,6 @@ def test_ci_script_lints_type_checks_then_runs_the_readme_tests() -> None:
     script = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in script.splitlines()]
     assert "export CI=true" in lines
-    assert ".venv/bin/ruff check src tests benchmarks" in lines
-    assert ".venv/bin/ruff format --check src tests benchmarks" in lines
+    assert ".venv/bin/ruff check src tests benchmarks scripts" in lines
+    assert ".venv/bin/ruff format --check src tests benchmarks scripts" in lines
     assert ".venv/bin/mypy" in lines  # files and settings: [tool.mypy] in pyproject.toml

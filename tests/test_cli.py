@@ -79,6 +79,18 @@ def test_bad_correction_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) 
     assert "Traceback" not in captured.err
 
 
+def test_only_the_blend_settings_given_reach_the_config() -> None:
+    from argparse import Namespace
+
+    from kvblend import BlendConfig
+    from kvblend.cli import _config
+
+    unset = {"ratio": None, "deviation": None, "correction": None}
+    assert _config(Namespace(strategy="epic", **unset)) == BlendConfig("epic")
+    given = Namespace(strategy="cacheblend", ratio=0.3, deviation="key", correction=None)
+    assert _config(given) == BlendConfig("cacheblend", recompute_ratio=0.3, deviation="key")
+
+
 def _one_line_error(captured: pytest.CaptureFixture[str], code: int, loads: bool = False) -> str:
     """The error line of a refused command; ``loads``: refused while loading the model."""
     out = captured.readouterr()

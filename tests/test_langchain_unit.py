@@ -19,7 +19,7 @@ from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from kvblend import BlendConfig, BlendStats, GenerationResult, Segment, integrations
+from kvblend import BlendConfig, BlendStats, GenerationResult, Segment, _adapters
 from kvblend.langchain import BlendLLM, ChatBlend
 from kvblend.matching import split_prompt
 
@@ -153,8 +153,8 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[str | None]:
         specs.append(model)
         return FakeEngine()
 
-    monkeypatch.setattr(integrations, "_ENGINES", {})
-    monkeypatch.setattr(integrations.BlendEngine, "from_pretrained", fake_load)
+    monkeypatch.setattr(_adapters, "_ENGINES", {})
+    monkeypatch.setattr(_adapters.BlendEngine, "from_pretrained", fake_load)
     return specs
 
 
@@ -176,7 +176,7 @@ def test_an_engine_given_to_one_adapter_serves_those_built_without_one(
     from kvblend.store import MemoryKVStore
 
     given = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="a")
-    given.model_spec = integrations.resolve_model("spec-a")  # as from_pretrained records it
+    given.model_spec = _adapters.resolve_model("spec-a")  # as from_pretrained records it
     ChatBlend(engine=given)
     from langchain_core.retrievers import BaseRetriever
 
@@ -188,7 +188,7 @@ def test_an_engine_given_to_one_adapter_serves_those_built_without_one(
     assert loads == []  # no second copy of the model
     with caplog.at_level("WARNING"):
         ChatBlend(model="spec-b")._get_engine()  # another model: loaded, and said so
-    assert loads == [integrations.resolve_model("spec-b")]
+    assert loads == [_adapters.resolve_model("spec-b")]
     assert "another model in memory" in caplog.text
 
 
@@ -326,7 +326,7 @@ async def test_astream_stops_the_producer_when_the_consumer_leaves() -> None:
             time.sleep(0.002)
             yield i
 
-    async for item in integrations.iterate_in_thread(numbers):
+    async for item in _adapters.iterate_in_thread(numbers):
         if item == 3:
             break
     await asyncio.sleep(0.05)
@@ -339,7 +339,7 @@ async def test_astream_reraises_engine_errors() -> None:
         raise RuntimeError("engine failed")
 
     with pytest.raises(RuntimeError, match="engine failed"):
-        async for _ in integrations.iterate_in_thread(failing):
+        async for _ in _adapters.iterate_in_thread(failing):
             pass
 
 

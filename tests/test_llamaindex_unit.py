@@ -25,7 +25,7 @@ from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
 from conftest import byte_tokenizer, tiny_model
-from kvblend import BlendEngine, Segment, integrations
+from kvblend import BlendEngine, Segment, _adapters
 from kvblend.llamaindex import (
     SEGMENT_ID_KEY,
     BlendLLM,
@@ -83,7 +83,7 @@ def test_import_without_llama_index_names_the_extra(monkeypatch: pytest.MonkeyPa
 
 def test_core_and_shared_glue_import_no_framework() -> None:
     code = (
-        "import sys, kvblend, kvblend.matching, kvblend.integrations; "
+        "import sys, kvblend, kvblend.matching, kvblend._adapters, kvblend.integrations; "
         "bad = sorted(m for m in sys.modules if m.startswith(('langchain', 'llama_index'))); "
         "print(bad); sys.exit(1 if bad else 0)"
     )
@@ -100,8 +100,8 @@ def test_construction_is_cheap_and_engines_are_shared_per_model(
         loads.append(model)
         return engine
 
-    monkeypatch.setattr(integrations, "_ENGINES", {})
-    monkeypatch.setattr(integrations.BlendEngine, "from_pretrained", fake_load)
+    monkeypatch.setattr(_adapters, "_ENGINES", {})
+    monkeypatch.setattr(_adapters.BlendEngine, "from_pretrained", fake_load)
     llms = [BlendLLM(model="spec-a") for _ in range(5)]
     postprocessor = BlendNodePostprocessor(model="spec-a")
     assert loads == [] and llms[0].model_name == "spec-a"  # nothing loaded yet

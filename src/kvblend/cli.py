@@ -266,16 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="how reused tokens are chosen for recompute (default %(default)s)",
         )
         p.add_argument("--ratio", type=float, default=None,
-                       help="recompute ratio, attention and cacheblend (default 0.2)")  # fmt: skip
-        p.add_argument(
-            "--deviation",
-            default=None,
-            choices=["value", "key"],
-            help="cacheblend's deviation metric (default value)",
-        )
+                       help="recompute ratio for attention and cacheblend "
+                            f"(default {BlendConfig().recompute_ratio})")  # fmt: skip
+        p.add_argument("--deviation", default=None, choices=["value", "key"],
+                       help="cacheblend's deviation metric (default value)")  # fmt: skip
         p.add_argument("--correction", type=float, default=None,
                        help="share of the recomputed tokens' mean KV change added to the other "
-                            "tokens of their document (default 0.5; 0: off)")  # fmt: skip
+                            "tokens of their document, for attention, cacheblend and epic "
+                            f"(default {BlendConfig().correction}; 0: off)")  # fmt: skip
         p.add_argument("--max-new-tokens", type=positive_int, default=24)
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "
@@ -318,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
     sub.add_parser(
         "bench",
-        help="benchmarks: ttft, figures, quality, ingest, gpu, registry, report "
+        help="benchmarks: ttft, quality, ingest, gpu, doc-context, redis-ttft ... "
         "(see docs/benchmarks.md)",
     )
     return parser

@@ -1,7 +1,7 @@
 """Benchmarks: TTFT of every strategy and answer quality on a generated multi-document QA task.
 
-``kvblend bench ttft|figures|quality|report`` (or the scripts in ``benchmarks/``); see
-docs/benchmarks.md. `main(argv)` is the entry point of both.
+``kvblend bench <command>`` (``kvblend bench --help`` lists them; the scripts in ``benchmarks/``
+are thin wrappers over them); see docs/benchmarks.md. `main(argv)` is the entry point of both.
 """
 
 from .cli import main

@@ -1,4 +1,4 @@
-"""``kvblend bench`` subcommands: ttft, figures, quality, ingest, gpu, registry, report."""
+"""``kvblend bench`` subcommands, one per benchmark; the scripts in ``benchmarks/`` call them."""
 
 from __future__ import annotations
 
@@ -206,6 +206,35 @@ def cmd_registry(args: argparse.Namespace) -> None:
     _write(result, Path(args.output), registry_table(result))
 
 
+def cmd_doc_context(args: argparse.Namespace) -> None:
+    """Blend settings with documents precomputed behind BOS, the prompt head or the chat head."""
+    from .doc_context import doc_context_items, doc_context_table, run_doc_context
+    from .qa import SYSTEM_PROMPT
+
+    engine = _engine(args, SYSTEM_PROMPT)
+    items = doc_context_items(args.questions, seed=args.seed)
+    result = run_doc_context(
+        engine, items, args.contexts.split(","), args.configs.split(","), Path(args.output)
+    )
+    result["machine"], result["seed"] = _machine(engine), args.seed
+    _write(result, Path(args.output), doc_context_table(result["summary"]))
+
+
+def cmd_redis_ttft(args: argparse.Namespace) -> None:
+    """TTFT with documents from memory, a cold disk and Redis; four-process Redis throughput."""
+    from .redis_ttft import redis_server, redis_table, run_redis_ttft
+    from .ttft import SYSTEM
+
+    with redis_server(args.redis_url) as url:
+        engine = _engine(args, SYSTEM)
+        result = run_redis_ttft(
+            engine, url, length=args.length, doc_tokens=args.doc_tokens, repeats=args.repeats,
+            rounds=args.rounds,
+        )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), redis_table(result["summary"]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
     from ..cli_args import OneLineParser
@@ -293,6 +322,28 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--quality", default=str(RESULTS_DIR / "quality.json"))
     report.add_argument("--img-dir", default="docs/img")
     report.set_defaults(func=cmd_report)
+
+    doc_context = sub.add_parser(
+        "doc-context", help="blend settings with documents precomputed behind other contexts"
+    )
+    model_options(doc_context)
+    doc_context.add_argument("--questions", type=int, default=80)
+    doc_context.add_argument("--contexts", default="bos,prefix,sys", help="comma list")
+    doc_context.add_argument(
+        "--configs", default="reuse,cb15,cb15L2,cb30,epic16", help="comma list of CONFIGS names"
+    )
+    doc_context.add_argument("--output", default=str(RESULTS_DIR / "doc_context.json"))
+    doc_context.set_defaults(func=cmd_doc_context)
+
+    redis = sub.add_parser("redis-ttft", help="TTFT with documents from Redis; Redis throughput")
+    model_options(redis)
+    redis.add_argument("--length", type=int, default=4096, help="prompt tokens")
+    redis.add_argument("--doc-tokens", type=int, default=512)
+    redis.add_argument("--repeats", type=int, default=5)
+    redis.add_argument("--rounds", type=int, default=2, help="throughput: reads per entry")
+    redis.add_argument("--redis-url", help="a running server (default: start redis-server)")
+    redis.add_argument("--output", default=str(RESULTS_DIR / "redis_ttft.json"))
+    redis.set_defaults(func=cmd_redis_ttft)
     return parser
 
 

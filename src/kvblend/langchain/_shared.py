@@ -2,7 +2,7 @@
 
 The framework-neutral parts (the per-model engine cache, cutting a prompt into segments over the
 engine's known documents, running and streaming one prompt, the async glue) live in
-`kvblend.integrations` and are shared with the LlamaIndex adapter; this module adds the
+`kvblend._adapters` and are shared with the LlamaIndex adapter; this module adds the
 LangChain settings and LangChain's usage format.
 """
 
@@ -14,8 +14,7 @@ from typing import Any
 from langchain_core.messages.ai import InputTokenDetails, OutputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from ..engine import BlendConfig, BlendEngine, Segment
-from ..integrations import (
+from .._adapters import (
     BlendRun,
     adopt_engine,
     iterate_in_thread,
@@ -26,6 +25,7 @@ from ..integrations import (
     shared_engine,
     stream_prompt,
 )
+from ..engine import BlendConfig, BlendEngine, Segment
 
 __all__ = [
     "BlendRun",

@@ -14,7 +14,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
         'pip install "kvblend[llamaindex]"'
     ) from error
 
-from ..integrations import SEGMENT_ID_KEY
+from .._adapters import SEGMENT_ID_KEY
 from .llms import BlendLLM
 from .postprocessor import BlendNodePostprocessor
 from .synthesizer import BlendSynthesizer, blend_query_engine

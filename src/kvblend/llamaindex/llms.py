@@ -26,8 +26,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
-from ..engine import BlendConfig, BlendEngine
-from ..integrations import (
+from .._adapters import (
     BlendRun,
     adopt_engine,
     iterate_in_thread,
@@ -37,6 +36,7 @@ from ..integrations import (
     run_prompt,
     stream_prompt,
 )
+from ..engine import BlendConfig, BlendEngine
 
 # Per-call keyword arguments accepted by complete()/chat() and their streaming variants.
 _CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")

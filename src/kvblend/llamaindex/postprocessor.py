@@ -8,8 +8,8 @@ from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, fie
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
+from .._adapters import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
 from ..engine import BlendEngine
-from ..integrations import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
 
 
 class BlendNodePostprocessor(BaseNodePostprocessor):

@@ -1,10 +1,12 @@
 """Generate docs/api.md, the API reference, from the public names' signatures and docstrings.
 
-Run ``python -m kvblend._apidoc`` from the repository root to rewrite ``docs/api.md``, or
-``python -m kvblend._apidoc --check`` to exit with status 1 when the file is out of date
+Run ``python scripts/apidoc.py`` from the repository root to rewrite ``docs/api.md``, or
+``python scripts/apidoc.py --check`` to exit with status 1 when the file is out of date
 (``tests/test_docs.py`` does the same). The public names are each module's ``__all__``; classes
 list their public methods and properties defined in kvblend, and pydantic models (the framework
 adapters) list their fields with the docstring written under each field.
+
+Documentation tooling, not part of the package: it lives here so that the wheel does not ship it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ MODULES: tuple[tuple[str, str], ...] = (
     ("kvblend", "The engine: `BlendEngine`, `BlendConfig`, `Segment` and their results."),
     ("kvblend.store", "KV stores: memory, disk, tiered and Redis (see [store.md](store.md))."),
     ("kvblend.matching", "Finding known documents inside a finished prompt."),
-    ("kvblend.integrations", "Framework-neutral glue shared by the adapters."),
+    ("kvblend.integrations", "Public names of the adapters' framework-neutral shared layer."),
     ("kvblend.langchain", "LangChain adapters (see [langchain.md](langchain.md))."),
     ("kvblend.llamaindex", "LlamaIndex adapters."),
 )
@@ -36,7 +38,7 @@ MODULES: tuple[tuple[str, str], ...] = (
 HEADER = """\
 # API reference
 
-Generated from the docstrings by `python -m kvblend._apidoc`; do not edit by hand.
+Generated from the docstrings by `python scripts/apidoc.py`; do not edit by hand.
 `tests/test_docs.py` fails when this file and the code disagree: run the command again after
 changing a public signature or docstring.
 
@@ -337,7 +339,7 @@ def _attribute_docs(cls: type) -> dict[str, tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Write docs/api.md (or, with ``--check``, report whether it is up to date)."""
-    parser = argparse.ArgumentParser(prog="python -m kvblend._apidoc", description=__doc__)
+    parser = argparse.ArgumentParser(prog="scripts/apidoc.py", description=__doc__)
     parser.add_argument("--output", default="docs/api.md", help="file to write or check")
     parser.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
     args = parser.parse_args(argv)
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.output)
     if args.check:
         if not path.is_file() or path.read_text("utf-8") != text:
-            print(f"{path} is out of date: run python -m kvblend._apidoc", file=sys.stderr)
+            print(f"{path} is out of date: run python scripts/apidoc.py", file=sys.stderr)
             return 1
         print(f"{path} is up to date")
         return 0

@@ -1,0 +1,266 @@
+"""The adapters' shared layer: framework-neutral glue of the LangChain and LlamaIndex adapters.
+
+Each adapter only translates its framework's calls; what they have in common lives here, once:
+
+- `shared_engine` / `adopt_engine`: engines built from a model spec, loaded once per spec and
+  process (an engine given to one adapter serves the adapters of its spec built without one),
+  so building many adapter objects stays cheap and never loads a model twice unannounced;
+- `prompt_segments`: a finished prompt cut into segments over the engine's known documents;
+- `run_prompt` / `stream_prompt`: one prompt's blended prefill and decoding, summarised as a
+  `BlendRun`, whose `BlendRun.kvblend_metadata` is the stats dict both adapters report;
+- `precompute_texts`: precompute document texts, logging those that cannot be cached, and
+  `SEGMENT_ID_KEY`, the metadata key documents are tagged with;
+- `iterate_in_thread`: a blocking iterator consumed from asyncio without blocking the loop.
+
+This module imports no framework; the adapters depend on it, never the reverse. It is private
+(its helpers change with the adapters); `kvblend.integrations` is the public place of the names
+in ``__all__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .engine import BlendConfig, BlendEngine, BlendStats, Segment
+from .engine.loading import ModelNotFoundError, display_name, resolve_model
+from .matching import split_prompt
+
+__all__ = [
+    "SEGMENT_ID_KEY",
+    "adopt_engine",
+    "BlendRun",
+    "iterate_in_thread",
+    "model_name",
+    "precompute_texts",
+    "prompt_segments",
+    "run_prompt",
+    "shared_engine",
+    "stream_prompt",
+]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+#: Metadata key the adapters tag documents / nodes with: the content id of their KV in the store.
+SEGMENT_ID_KEY = "kvblend_segment_id"
+
+_ENGINES: dict[str, BlendEngine] = {}
+_GIVEN: weakref.WeakSet[BlendEngine] = weakref.WeakSet()  # engines adapters were given
+_ENGINES_LOCK = threading.Lock()
+
+
+def adopt_engine(engine: BlendEngine | None) -> BlendEngine | None:
+    """Note an engine an adapter was given: adapters of its model spec built without one share it.
+
+    So ``ChatBlend(engine=e)`` and a ``BlendRetriever()`` built without ``engine=`` use one model
+    and one document registry, never a second copy of the model.
+    """
+    if engine is not None:
+        with _ENGINES_LOCK:
+            _GIVEN.add(engine)
+            spec = getattr(engine, "model_spec", None)
+            if spec is not None:
+                _ENGINES.setdefault(spec, engine)
+    return engine
+
+
+def shared_engine(model: str | None = None) -> BlendEngine:
+    """Return the engine for model spec ``model`` (None = default), loaded once per process.
+
+    An engine given to an adapter of the same (resolved) spec is reused. Loading a model while
+    adapters use engines of another one logs a warning: that is a second model in memory, and
+    documents precomputed by one engine are only found by engines over the same store.
+    """
+    spec = resolve_model(model)
+    with _ENGINES_LOCK:
+        engine = _ENGINES.get(spec)
+        if engine is None:
+            given = sorted({str(e.name) for e in _GIVEN})
+            if given:
+                logger.warning(
+                    "loading %s for an adapter built without engine=, while other adapters use "
+                    "an engine of %s: that is another model in memory; pass the same engine= "
+                    "to every adapter",
+                    display_name(spec),
+                    ", ".join(given),
+                )
+            engine = BlendEngine.from_pretrained(spec)
+            _ENGINES[spec] = engine
+        return engine
+
+
+def lazy_engine(owner: Any) -> BlendEngine:
+    """Return an adapter's ``engine``, or the shared engine of its ``model`` kept in ``_engine``."""
+    if owner.engine is not None:
+        return owner.engine
+    if owner._engine is None:
+        owner._engine = shared_engine(owner.model)
+    return owner._engine
+
+
+def model_name(engine: BlendEngine | None, model: str | None) -> str:
+    """Name of the model an adapter uses, without loading it when no engine exists yet."""
+    if engine is not None:
+        return str(engine.name)
+    try:
+        return display_name(resolve_model(model))
+    except ModelNotFoundError:
+        return model or "kvblend-default"
+
+
+def prompt_segments(
+    engine: BlendEngine,
+    prompt: str,
+    *,
+    separator: str | None = None,
+    cache_prefix: bool = False,
+) -> list[Segment]:
+    """Cut a finished prompt into segments: the engine's known documents and the text between.
+
+    With ``separator`` the prompt is split on it instead (see `kvblend.matching.split_prompt`);
+    ``cache_prefix`` caches the text before the first document as a prefix.
+    """
+    if separator is None:
+        return engine.segments_for(prompt, cache_prefix=cache_prefix)
+    return split_prompt(prompt, separator=separator, prefix_role=cache_prefix)
+
+
+@dataclass
+class BlendRun:
+    """The outcome of one prompt: text, counts and what the prefill reused."""
+
+    text: str
+    output_tokens: int
+    stats: BlendStats
+    ttft_s: float
+    finish_reason: str
+
+    def kvblend_metadata(self) -> dict[str, Any]:
+        """Describe what the prefill did (reported as ``kvblend`` metadata by the adapters)."""
+        stats = self.stats
+        return {
+            "strategy": stats.strategy,
+            "prompt_tokens": stats.prompt_tokens,
+            "reused_tokens": stats.reused_tokens,
+            "prefix_tokens": stats.prefix_tokens,
+            "recomputed_tokens": stats.recomputed_tokens,
+            "computed_tokens": stats.computed_tokens,
+            "segments_cached": stats.segments_cached,
+            "segments_precomputed": stats.segments_precomputed,
+            "documents_found": stats.documents_found,
+            "documents_reused": stats.documents_reused,
+            "ttft_s": self.ttft_s,
+        }
+
+
+def run_prompt(
+    engine: BlendEngine,
+    segments: list[Segment],
+    config: BlendConfig | None,
+    options: dict[str, Any],
+) -> BlendRun:
+    """Blended prefill and full decoding; ``options`` are `BlendEngine.generate` keywords."""
+    result = engine.generate(segments, config, **options)
+    return BlendRun(
+        result.text, len(result.token_ids), result.stats, result.ttft_s, result.finish_reason
+    )
+
+
+def stream_prompt(
+    engine: BlendEngine,
+    segments: list[Segment],
+    config: BlendConfig | None,
+    options: dict[str, Any],
+) -> Iterator[str | BlendRun]:
+    """Blended prefill, then text pieces as decoded, then a final `BlendRun` summary.
+
+    ``options`` are `BlendEngine.stream` keywords and must include ``max_new_tokens``.
+    """
+    started = time.perf_counter()
+    prefill = engine.prefill(segments, config)
+    ttft: float | None = None
+    pieces: list[str] = []
+    for piece in engine.stream(prefill, **options):
+        if ttft is None:
+            ttft = time.perf_counter() - started
+        pieces.append(piece)
+        yield piece
+    text = "".join(pieces)
+    output_tokens = len(engine.tokenize(text)) if text else 0
+    stopped = output_tokens < options["max_new_tokens"]
+    yield BlendRun(
+        text,
+        output_tokens,
+        prefill.stats,
+        ttft if ttft is not None else time.perf_counter() - started,
+        "stop" if stopped else "length",
+    )
+
+
+def precompute_texts(engine: BlendEngine, texts: Iterable[str]) -> None:
+    """Precompute each text's KV; a text the engine cannot cache is logged and left uncached."""
+    for text in texts:
+        try:
+            engine.precompute([text], progress=False)
+        except ValueError as error:  # e.g. longer than the model's context window
+            logger.warning("not caching a retrieved document: %s", error)
+
+
+_DONE = object()
+
+
+async def iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncGenerator[_T, None]:
+    """Run a blocking iterator in a thread and yield its items without blocking the loop.
+
+    The thread runs in a copy of the caller's context (tracing callbacks keep working) and
+    feeds an asyncio queue; when the consumer stops early the thread stops at the next item.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[Any, BaseException | None]] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def put(item: Any, error: BaseException | None = None) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, (item, error))
+        except RuntimeError:  # the loop closed: nobody is listening any more
+            cancelled.set()
+
+    def produce() -> None:
+        iterator = make_iterator()
+        try:
+            for item in iterator:
+                if cancelled.is_set():
+                    break
+                put(item)
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            put(_DONE, error)
+        else:
+            put(_DONE)
+        finally:
+            close = getattr(iterator, "close", None)
+            if close is not None:
+                close()
+
+    context = contextvars.copy_context()
+    threading.Thread(
+        target=context.run, args=(produce,), name="kvblend-astream", daemon=True
+    ).start()
+    try:
+        while True:
+            item, error = await queue.get()
+            if item is _DONE:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        cancelled.set()
