@@ -1,6 +1,6 @@
-"""Benchmarks: TTFT of every strategy and answer quality on a generated multi-document QA task.
+"""Benchmarks: TTFT of every strategy and answer quality on generated QA and on NQ retrieval.
 
-``kvblend bench ttft|figures|quality|report`` (or the scripts in ``benchmarks/``); see
+``kvblend bench ttft|figures|quality|nq|shapes|report`` (or the scripts in ``benchmarks/``); see
 docs/benchmarks.md. `main(argv)` is the entry point of both.
 """
 
