@@ -166,8 +166,11 @@ HEAD_CHOICES = {"auto": ["untold"], "head": ["told"], "both": ["told", "untold"]
 
 
 def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
-    """Engines for ``--doc-prefix``: ``auto`` the engine's defaults (not told the prompts'
-    head), ``head`` told it, ``both`` both, ``bos`` documents behind BOS alone."""
+    """Build the engines ``--doc-prefix`` names.
+
+    ``auto``: the engine's defaults (not told the prompts' head); ``head``: told it; ``both``;
+    ``bos``: documents behind BOS alone.
+    """
     from ..engine.engine import DEFAULT_SYSTEM_PROMPT
     from .compare import engines_for
 
@@ -198,9 +201,13 @@ def cmd_nq(args: argparse.Namespace) -> None:
         else None, output=Path(args.output), meta=_meta(args, engine),
         log=lambda message: print(message, file=sys.stderr),
     )  # fmt: skip
-    title = (f"NQ-open, {engine.name}, {result['questions']} questions, k = {args.k} "
-             f"(gold retrieved: {', '.join(f'{v:.0%}' for v in result['recall'].values())})")
-    _write(result, Path(args.output), title + "\n\n" + summary_table(result["summary"], ("k", "head")))
+    recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
+    title = (
+        f"NQ-open, {engine.name}, {result['questions']} questions, k = {args.k} "
+        f"(gold retrieved: {recall})"
+    )
+    table = summary_table(result["summary"], ("k", "head"))
+    _write(result, Path(args.output), title + "\n\n" + table)
 
 
 def cmd_shapes(args: argparse.Namespace) -> None:
@@ -306,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--data", required=required,
                        help="NQ jsonl(.gz): question, answers, title, text per line")  # fmt: skip
         p.add_argument("--cache-dir", default=None,
-                       help="where corpus embeddings are cached (default: kvblend's cache)")  # fmt: skip
+                       help="corpus embeddings cache (default: kvblend's)")  # fmt: skip
         p.add_argument("--strategies", default=nq_strategies, help="comma list; full runs first")
         p.add_argument("--engine-system", default=None,
                        help="the system prompt of the engine not told the head")  # fmt: skip
@@ -319,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     nq.add_argument("--questions", type=int, default=100)
     nq.add_argument("--offset", type=int, default=0, help="first question of the file to use")
     nq.add_argument("--doc-prefix", choices=sorted(HEAD_CHOICES), default="auto",
-                    help="documents precomputed behind: the engine's defaults, not told the "
-                         "prompts' head (auto), the prompts' exact head (head), both, or BOS")  # fmt: skip
+                    help="documents precomputed behind: the engine's defaults, not told "
+                         "the prompts' head (auto), their head (head), both, or BOS")  # fmt: skip
     nq.add_argument("--output", default=str(RESULTS_DIR / "nq.json"))
     nq.set_defaults(func=cmd_nq)
 
@@ -328,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(shapes)
     retrieval_options(shapes, required=False)
     shapes.add_argument("--shapes", default="all",
-                        help="comma list of nq-5, nq-10, nq-20, qa, records, long (or all)")  # fmt: skip
+                        help="comma list: nq-5, nq-10, nq-20, qa, records, long, all")  # fmt: skip
     shapes.add_argument("--questions", type=int, default=40, help="questions per shape")
     shapes.add_argument("--heads", choices=sorted(HEAD_CHOICES), default="both")
     shapes.add_argument("--output", default=str(RESULTS_DIR / "shapes.json"))

@@ -51,8 +51,10 @@ class PromptItem:
 
 
 def engine_with_head(engine: BlendEngine, doc_prefix: str | None) -> BlendEngine:
-    """Another engine over ``engine``'s model and store, documents precomputed behind
-    ``doc_prefix`` (the store keys include it, so both engines can share the store)."""
+    """Return another engine over ``engine``'s model and store, documents behind ``doc_prefix``.
+
+    The store keys include the document context, so both engines can share the store.
+    """
     return BlendEngine(
         engine.model, engine.tokenizer, store=engine.store, kv_dtype=engine.kv_dtype,
         system_prompt=engine.system_prompt, doc_prefix=doc_prefix, name=str(engine.name),
@@ -60,8 +62,11 @@ def engine_with_head(engine: BlendEngine, doc_prefix: str | None) -> BlendEngine
 
 
 def engines_for(base: BlendEngine, heads: Sequence[str], head_text: str) -> dict[str, BlendEngine]:
-    """Engines by head: ``told`` (documents behind ``head_text``, the prompts' exact head),
-    ``untold`` or ``bos`` (``base`` as loaded: its defaults, or BOS alone)."""
+    """Return the engines by head name.
+
+    ``told``: documents behind ``head_text``, the prompts' exact head; ``untold`` and ``bos``:
+    ``base`` as loaded (its defaults, or BOS alone).
+    """
     engines: dict[str, BlendEngine] = {}
     for head in heads:
         if head == "told":
@@ -137,8 +142,11 @@ def evaluate_item(
 def summarize_rows(
     rows: Sequence[dict[str, Any]], *, group_by: Sequence[str] = ("head",), seed: int = 0
 ) -> list[dict[str, Any]]:
-    """One summary per group (e.g. head) and strategy: paired statistics against full prefill,
-    mean compute fraction and TTFT ratio (total strategy TTFT over total full TTFT)."""
+    """Summarize each group (e.g. head) and strategy against full prefill.
+
+    Paired statistics (`kvblend.bench.stats`), mean compute fraction and the TTFT ratio (total
+    strategy TTFT over total full-prefill TTFT on the same questions).
+    """
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault(tuple(row[key] for key in group_by), []).append(row)

@@ -12,6 +12,7 @@ the paper's best-subspan exact match.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -65,9 +66,7 @@ def normalize_answer(text: str) -> str:
 def best_subspan_em(prediction: str, answers: Sequence[str]) -> bool:
     """Whether some normalized accepted answer occurs in the normalized prediction."""
     predicted = normalize_answer(prediction)
-    return any(
-        (wanted := normalize_answer(answer)) and wanted in predicted for answer in answers
-    )
+    return any((wanted := normalize_answer(answer)) and wanted in predicted for answer in answers)
 
 
 # ------------------------------------------------------------------------- data
@@ -136,7 +135,7 @@ class Retriever:
         self.index.add(vectors)
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """Normalized float32 embeddings, one row per text."""
+        """Return normalized float32 embeddings, one row per text."""
         vectors = self.model.encode(
             list(texts), batch_size=64, normalize_embeddings=True, show_progress_bar=False
         )
@@ -149,7 +148,7 @@ class Retriever:
 
 
 def with_gold(retrieved: Sequence[int], gold: int, k: int, rng: random.Random) -> list[int]:
-    """The top ``k`` of ``retrieved``; a missing ``gold`` replaces the last at a random place."""
+    """Return the top ``k`` of ``retrieved``; a missing ``gold`` replaces the last, anywhere."""
     chosen = list(retrieved[:k])
     if gold in chosen:
         return chosen
@@ -160,14 +159,14 @@ def with_gold(retrieved: Sequence[int], gold: int, k: int, rng: random.Random) -
 
 # ------------------------------------------------------------------------- prompts
 def nq_head(tokenizer: Any) -> str:
-    """The prompt head: chat template (its own default system message) and the instruction."""
+    """Return the prompt head: the chat template (default system message), the instruction."""
     return chat_head_tail(tokenizer, None)[0] + INSTRUCTION + "\n\n"
 
 
 def nq_segments(
     tokenizer: Any, question: str, passages: Sequence[Passage], *, group: int = 1
 ) -> list[Segment]:
-    """The paper's QA prompt as segments: labels computed, passage texts cached.
+    """Return the paper's QA prompt as segments: labels computed, passage texts cached.
 
     ``group`` > 1 joins that many consecutive passages into one long document (one label, the
     other passages' titles inside the cached text), for the long-document shape.
@@ -208,7 +207,7 @@ def nq_items(
                 qid=f"nq-{question.index}",
                 segments=nq_segments(engine.tokenizer, question.question, passages, group=group),
                 answers=answers,
-                score=lambda text, answers=answers: best_subspan_em(text, answers),
+                score=functools.partial(best_subspan_em, answers=answers),
                 meta={
                     "gold_position": chosen.index(question.gold) // group,
                     "gold_retrieved": question.gold in retrieved[:k],
@@ -274,11 +273,11 @@ def run_nq(
         for item in items:
             item.meta["k"] = k
 
-        def checkpoint(rows: list[dict[str, Any]]) -> None:
-            result["rows"] = done + rows
+        def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
+            result["rows"] = earlier + rows
             result["summary"] = summarize_rows(result["rows"], group_by=("k", "head"), seed=seed)
             write_json(result, output)
 
         done += run_items(engines, items, strategies, max_new_tokens=max_new_tokens, log=log,
-                          checkpoint=checkpoint)  # fmt: skip
+                          checkpoint=functools.partial(checkpoint, list(done)))  # fmt: skip
     return result

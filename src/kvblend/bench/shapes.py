@@ -15,6 +15,7 @@ defaults. Shapes:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def qa_items(engine: BlendEngine, shape: str, questions: int, seed: int) -> list
             qid=f"{shape}-{item.qid}",
             segments=prompt_segments(engine, item, SYSTEM_PROMPT),
             answers=item.answers,
-            score=lambda text, item=item: score(text, item.answers, item.wrong),
+            score=functools.partial(score, answers=item.answers, wrong=item.wrong),
             meta={"qtype": item.qtype},
         )
         for item in generated
@@ -124,13 +125,15 @@ def run_shapes(
         if log is not None:
             log(f"shape {shape}: {len(items)} questions")
 
-        def checkpoint(rows: list[dict[str, Any]]) -> None:
-            result["rows"] = done + rows
+        def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
+            result["rows"] = earlier + rows
             result["summary"] = summarize_rows(result["rows"], group_by=("shape", "head"),
                                                seed=seed)  # fmt: skip
             write_json(result, output)
 
-        done += run_items(engines, items, strategies, log=log, checkpoint=checkpoint,
-                          max_new_tokens=MAX_NEW_TOKENS.get(shape, max_new_tokens))  # fmt: skip
+        done += run_items(
+            engines, items, strategies, log=log,
+            checkpoint=functools.partial(checkpoint, list(done)),
+            max_new_tokens=MAX_NEW_TOKENS.get(shape, max_new_tokens),
+        )  # fmt: skip
     return result
-

@@ -19,7 +19,7 @@ RESAMPLES = 2000
 
 
 def _interval(samples: np.ndarray) -> list[float]:
-    """The central 95% of ``samples`` (NaN dropped), as ``[low, high]``."""
+    """Return the central 95% of ``samples`` (NaN dropped), as ``[low, high]``."""
     finite = samples[np.isfinite(samples)]
     if finite.size == 0:
         return [math.nan, math.nan]
