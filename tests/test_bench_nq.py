@@ -25,8 +25,10 @@ from kvblend.bench.nq import (
     nq_segments,
     with_gold,
 )
+from kvblend.bench.qa import generate_qa
+from kvblend.bench.quality import run_quality
 from kvblend.bench.shapes import parse_shapes, qa_items
-from kvblend.bench.stats import paired_stats, strategy_stats
+from kvblend.bench.stats import paired_stats, paired_table, strategy_stats
 from kvblend.bench.strategies import parse_strategies
 from kvblend.store import MemoryKVStore
 
@@ -198,6 +200,13 @@ def test_strategy_stats_pairs_by_question():
     assert stats["x"]["n"] == 2 and stats["x"]["difference"] == pytest.approx(0.5)
     with pytest.raises(ValueError, match="full"):
         strategy_stats([r for r in rows if r["strategy"] == "x"])
+
+
+def test_quality_rows_get_the_paired_table(tiny_engine: BlendEngine):
+    strategies = parse_strategies("reuse")
+    result = run_quality(tiny_engine, generate_qa(4), strategies, max_new_tokens=2, log=print)
+    table = paired_table(strategy_stats(result["rows"]))
+    assert "| full | 4 | " in table and "| reuse | 4 | " in table
 
 
 @requires_model

@@ -141,6 +141,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
     from ..engine import BlendConfig
     from .qa import SYSTEM_PROMPT, generate_qa
     from .quality import quality_table, run_quality, type_table
+    from .stats import paired_table, strategy_stats
     from .strategies import parse_strategies
 
     items = generate_qa(args.questions, seed=args.seed)
@@ -156,9 +157,12 @@ def cmd_quality(args: argparse.Namespace) -> None:
         engine, items, strategies, max_new_tokens=args.max_new_tokens,
         output=Path(args.output), meta=meta,
     )  # fmt: skip
+    result["paired"] = strategy_stats(result["rows"], seed=args.seed)
     _write(
         result, Path(args.output),
-        quality_table(result["summary"]) + "\n\n" + type_table(result["summary"]),
+        quality_table(result["summary"]) + "\n\n" + type_table(result["summary"])
+        + "\n\nPaired with full prefill (bootstrap over questions):\n\n"
+        + paired_table(result["paired"]),
     )  # fmt: skip
 
 

@@ -113,3 +113,21 @@ def format_ci(value: float, interval: Sequence[float], percent: bool = True) -> 
     if percent:
         return f"{value:.0%} [{interval[0] * 100:.0f}, {interval[1] * 100:.0f}]"
     return f"{value:.3f} [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
+def paired_table(stats: dict[str, dict[str, Any]]) -> str:
+    """Markdown table of `strategy_stats`: accuracy, share of full and KL with 95% intervals."""
+    lines = [
+        "| strategy | n | accuracy | % of full [95% CI] | difference, points [95% CI] | "
+        "mean KL [95% CI] | agreement with full |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, s in stats.items():
+        low, high = s["difference_ci"]
+        lines.append(
+            f"| {name} | {s['n']} | {s['accuracy']:.1%} | "
+            f"{format_ci(s['share_of_full'], s['share_of_full_ci'])} | "
+            f"{s['difference'] * 100:+.1f} [{low * 100:+.1f}, {high * 100:+.1f}] | "
+            f"{format_ci(s['kl_mean'], s['kl_ci'], percent=False)} | {s['agreement']:.0%} |"
+        )
+    return "\n".join(lines)
