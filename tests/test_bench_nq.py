@@ -92,6 +92,9 @@ def test_gold_insertion_is_seeded_and_replaces_the_last():
     assert all(len(p) == 3 and 9 in p and sorted(set(p) - {9}) == [4, 7] for p in placed)
     assert placed == [with_gold([4, 7, 1, 2], 9, 3, random.Random(s)) for s in range(20)]
     assert len({p.index(9) for p in placed}) == 3  # every position is drawn
+    moved = [with_gold([4, 7, 1, 2], 7, 3, random.Random(s), move=True) for s in range(20)]
+    assert all([i for i in p if i != 7] == [4, 1] for p in moved)  # the others keep their order
+    assert len({p.index(7) for p in moved}) == 3
 
 
 def test_load_nq_dedupes_the_corpus(tmp_path: Path):

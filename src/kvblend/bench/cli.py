@@ -200,7 +200,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
     engine = next(iter(engines.values()))
     result = run_nq(
         engines, args.data, strategies, ks=[int(k) for k in args.k.split(",")],
-        questions=args.questions, offset=args.offset, seed=args.seed,
+        questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
         max_new_tokens=args.max_new_tokens, cache_dir=Path(args.cache_dir) if args.cache_dir
         else None, output=Path(args.output), meta=_meta(args, engine),
         log=lambda message: print(message, file=sys.stderr),
@@ -227,6 +227,7 @@ def cmd_shapes(args: argparse.Namespace) -> None:
     base = _engine(args, DEFAULT_SYSTEM_PROMPT)
     result = run_shapes(
         base, shapes, strategies, data=args.data, questions=args.questions, seed=args.seed,
+        gold_at=args.gold_at,
         max_new_tokens=args.max_new_tokens, heads=HEAD_CHOICES[args.heads],
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
         output=Path(args.output), meta=_meta(args, base),
@@ -322,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--engine-system", default=None,
                        help="the system prompt of the engine not told the head")  # fmt: skip
         p.add_argument("--max-new-tokens", type=int, default=32)
+        p.add_argument("--gold-at", choices=["retrieved", "random"], default="retrieved",
+                       help="gold passage where the retriever ranked it (put in at a random "
+                            "place when missed), or always at a random place")  # fmt: skip
 
     nq = sub.add_parser("nq", help="accuracy and KL on NQ-open over retrieved passages")
     model_options(nq)

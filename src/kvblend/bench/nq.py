@@ -147,12 +147,18 @@ class Retriever:
         return [[int(i) for i in row if i >= 0] for row in found]
 
 
-def with_gold(retrieved: Sequence[int], gold: int, k: int, rng: random.Random) -> list[int]:
-    """Return the top ``k`` of ``retrieved``; a missing ``gold`` replaces the last, anywhere."""
+def with_gold(
+    retrieved: Sequence[int], gold: int, k: int, rng: random.Random, *, move: bool = False
+) -> list[int]:
+    """Return the top ``k`` of ``retrieved``; a missing ``gold`` replaces the last, anywhere.
+
+    ``move``: the gold passage goes to a random place even when it was retrieved (the others
+    keep their order), which spreads it over every position as "Lost in the Middle" does.
+    """
     chosen = list(retrieved[:k])
-    if gold in chosen:
+    if gold in chosen and not move:
         return chosen
-    chosen = chosen[: k - 1]
+    chosen = [i for i in chosen if i != gold][: k - 1]
     chosen.insert(rng.randint(0, len(chosen)), gold)
     return chosen
 
@@ -193,13 +199,19 @@ def nq_items(
     k: int = 10,
     seed: int = 0,
     group: int = 1,
+    gold_at: str = "retrieved",
 ) -> list[PromptItem]:
-    """Prompt items of ``questions``: top ``k`` retrieved passages, gold put in when missed."""
+    """Prompt items of ``questions``: top ``k`` retrieved passages, gold put in when missed.
+
+    ``gold_at="random"`` puts the gold passage at a seeded random place in every prompt.
+    """
+    if gold_at not in ("retrieved", "random"):
+        raise ValueError(f"gold_at must be 'retrieved' or 'random', got {gold_at!r}")
     rng = random.Random(seed)
     found = retriever.search([q.question for q in questions], k)
     items = []
     for question, retrieved in zip(questions, found, strict=True):
-        chosen = with_gold(retrieved, question.gold, k, rng)
+        chosen = with_gold(retrieved, question.gold, k, rng, move=gold_at == "random")
         passages = [corpus[i] for i in chosen]
         answers = question.answers
         items.append(
@@ -236,6 +248,7 @@ def run_nq(
     questions: int = 100,
     offset: int = 0,
     seed: int = 0,
+    gold_at: str = "retrieved",
     max_new_tokens: int = 32,
     cache_dir: Path | None = None,
     output: Path | None = None,
@@ -260,6 +273,7 @@ def run_nq(
         "offset": offset,
         "ks": list(ks),
         "seed": seed,
+        "gold_at": gold_at,
         "heads": {head: e.doc_prefix for head, e in engines.items()},
         "strategies": [s.name for s in strategies],
         "recall": {},
@@ -268,7 +282,7 @@ def run_nq(
     }
     done: list[dict[str, Any]] = []
     for k in ks:
-        items = nq_items(engine, corpus, chosen, retriever, k=k, seed=seed)
+        items = nq_items(engine, corpus, chosen, retriever, k=k, seed=seed, gold_at=gold_at)
         result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
         for item in items:
             item.meta["k"] = k

@@ -68,6 +68,7 @@ def shape_items(
     questions: int,
     seed: int,
     nq: Callable[[], tuple[Any, Any, Retriever]],
+    gold_at: str = "retrieved",
 ) -> list[PromptItem]:
     """Prompt items of one shape; ``nq()`` returns (corpus, questions, retriever), loaded once."""
     if shape in ("qa", "records"):
@@ -75,9 +76,10 @@ def shape_items(
     corpus, nq_questions, retriever = nq()
     if shape == "long":
         return nq_items(engine, corpus, nq_questions[:questions], retriever,
-                        k=LONG_PASSAGES, seed=seed, group=LONG_GROUP)  # fmt: skip
+                        k=LONG_PASSAGES, seed=seed, group=LONG_GROUP, gold_at=gold_at)  # fmt: skip
     k = int(shape.removeprefix("nq-"))
-    return nq_items(engine, corpus, nq_questions[:questions], retriever, k=k, seed=seed)
+    return nq_items(engine, corpus, nq_questions[:questions], retriever, k=k, seed=seed,
+                    gold_at=gold_at)  # fmt: skip
 
 
 def run_shapes(
@@ -88,6 +90,7 @@ def run_shapes(
     data: str | Path | None,
     questions: int = 40,
     seed: int = 0,
+    gold_at: str = "retrieved",
     max_new_tokens: int = 32,
     heads: Sequence[str] = ("told", "untold"),
     cache_dir: Path | None = None,
@@ -109,12 +112,12 @@ def run_shapes(
 
     result: dict[str, Any] = {
         "benchmark": "shapes", **(meta or {}), "data": str(data) if data else None,
-        "questions_per_shape": questions, "seed": seed, "shapes": list(shapes),
+        "questions_per_shape": questions, "seed": seed, "gold_at": gold_at, "shapes": list(shapes),
         "strategies": [s.name for s in strategies], "heads": {}, "summary": [], "rows": [],
     }  # fmt: skip
     done: list[dict[str, Any]] = []
     for shape in shapes:
-        items = shape_items(base, shape, questions, seed, nq)
+        items = shape_items(base, shape, questions, seed, nq, gold_at)
         head = items[0].head
         if any(item.head != head for item in items):
             raise RuntimeError(f"the prompts of shape {shape} do not share one head")
