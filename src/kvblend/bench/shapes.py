@@ -5,12 +5,12 @@ measures each shape on the same model, with the same strategies, each twice: wit
 told the prompts' exact head (documents precomputed behind it) and with an engine left at its
 defaults. Shapes:
 
-- ``nq-5``, ``nq-10``, ``nq-20``: NQ-open over k retrieved Wikipedia passages (~130 tokens
-  each), labelled ``Document [i](Title: ...)`` (`kvblend.bench.nq`);
+- ``nq-5``, ``nq-10``, ``nq-20``: NQ-open over k retrieved Wikipedia passages (116 tokens
+  on average), labelled ``Document [i](Title: ...)`` (`kvblend.bench.nq`);
 - ``qa``: the project's generated QA task (`kvblend.bench.qa`, 3-5 records and profiles);
-- ``records``: the QA generator's one-line records only, 4-6 per prompt (~25 tokens each);
+- ``records``: the QA generator's one-line records only, 4-6 per prompt (11-16 tokens each);
 - ``long``: NQ with the top 12 passages joined four at a time into three long documents
-  (~450-600 tokens each, one label per document, the gold passage in one of them).
+  (~500 tokens on average, one label per document, the gold passage in one of them).
 """
 
 from __future__ import annotations
