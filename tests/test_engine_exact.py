@@ -160,7 +160,9 @@ def test_uncached_tokens_are_always_computed(tiny_engine: BlendEngine, config: B
         schedule = config.ratio_schedule or ((config.check_layer, config.recompute_ratio),)
         assert stats.recomputed_tokens == round(schedule[-1][1] * moved)
     if config.strategy == "attention":
-        assert stats.recomputed_tokens == round(config.recompute_ratio * moved)
+        leads = sum(min(config.lead_tokens, len(tiny_engine.tokenize(d))) for d in DOCS[:2])
+        expected = min(moved, leads + round(config.recompute_ratio * moved))
+        assert stats.recomputed_tokens == expected
 
 
 def test_cacheblend_ratio_one_equals_full(tiny_engine: BlendEngine) -> None:
@@ -398,7 +400,8 @@ def test_attention_probe_equals_transformers_attention_weights(
         return run_blend(decoder, blend_input, config, **kwargs)
 
     monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
-    pre = tiny_engine.prefill(segments(order), BlendConfig("attention", recompute_ratio=0.25))
+    config = BlendConfig("attention", recompute_ratio=0.25, lead_tokens=0)
+    pre = tiny_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids
     model = tiny_engine.model
     model.set_attn_implementation("eager")
@@ -426,7 +429,7 @@ def test_attention_probe_equals_transformers_attention_weights(
         ).sum(dim=0)
         for weights, norms in zip(out.attentions, value_norms, strict=True)
     )
-    selected, scores = attention_selection(tiny_engine, inputs, 0.25)
+    selected, scores = attention_selection(tiny_engine, inputs, config)
     assert torch.allclose(scores, expected.float(), atol=1e-4), (scores - expected).abs().max()
     moved = (inputs.kinds == MOVED).nonzero().squeeze(1)
     assert selected.numel() == pre.stats.recomputed_tokens == round(0.25 * moved.numel())
@@ -437,10 +440,10 @@ def test_attention_probe_equals_transformers_attention_weights(
 
 
 def attention_selection(
-    engine: BlendEngine, inputs: BlendInput, ratio: float
+    engine: BlendEngine, inputs: BlendInput, config: BlendConfig
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The moved rows the `attention` selector picks at ``ratio``, and its probe's scores."""
-    selector = AttentionSelector(BlendConfig("attention", recompute_ratio=ratio).settings)
+    """The moved rows the `attention` selector picks under ``config``, and its probe's scores."""
+    selector = AttentionSelector(config.settings)
     with torch.inference_mode():
         selection = selector.select(selection_context(engine.decoder, inputs))
     chosen = selection.computed[inputs.kinds[selection.computed] == MOVED]
@@ -466,7 +469,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
     config = BlendConfig("attention", recompute_ratio=0.3, correction=share)
     pre = tiny_engine.prefill(segments(order), config)
     inputs = seen[-1]
-    selected, _ = attention_selection(tiny_engine, inputs, 0.3)
+    selected, _ = attention_selection(tiny_engine, inputs, config)
     decoder = tiny_engine.decoder
     cos, sin = decoder.rotary(torch.arange(len(pre.token_ids)))
     documents = []  # (rows, stored entry) of each moved document

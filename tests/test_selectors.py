@@ -20,7 +20,7 @@ from kvblend.store import MemoryKVStore
 
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
-    assert BlendConfig().settings == {"recompute_ratio": 0.2, "lead_tokens": 0, "correction": 0.5}
+    assert BlendConfig().settings == {"recompute_ratio": 0.2, "lead_tokens": 8, "correction": 0.5}
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
         "check_layer": 1,
@@ -218,3 +218,21 @@ def test_the_layer_loop_does_not_sync_with_the_host(monkeypatch: pytest.MonkeyPa
     model = tiny_model("qwen2").to("cuda")
     engine = BlendEngine(model, byte_tokenizer(), store=MemoryKVStore())
     _blend_every_strategy(engine)
+
+
+def test_lead_tokens_recompute_the_first_tokens_of_every_moved_document() -> None:
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=MemoryKVStore())
+    documents = ["First document, a longer one.", "Second document is here, ok.", "Third."]
+    engine.precompute(documents)
+    prompt = [Segment("Head:\n", role="prefix"), *map(Segment, reversed(documents)),
+              Segment("\nQ?", cache=False)]  # fmt: skip
+    only_leads = engine.prefill(prompt, BlendConfig(recompute_ratio=0.0, lead_tokens=3))
+    assert only_leads.stats.moved_tokens > 0
+    assert only_leads.stats.recomputed_tokens == 3 * 3  # every document here is moved
+    both = engine.prefill(prompt, BlendConfig(recompute_ratio=0.2, lead_tokens=3))
+    moved = both.stats.moved_tokens
+    assert both.stats.recomputed_tokens == 3 * 3 + round(0.2 * moved)
+    everything = engine.prefill(prompt, BlendConfig(recompute_ratio=0.0, lead_tokens=99))
+    full = engine.prefill(prompt, BlendConfig("full"))
+    assert everything.stats.recomputed_tokens == moved
+    assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)

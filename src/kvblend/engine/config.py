@@ -23,7 +23,7 @@ class BlendConfig:
     - ``"attention"`` (default): a first pass computes only the uncached tokens over the reused
       KV; the reused tokens the prompt's uncached tail (the question) attends to most are then
       recomputed at every layer. Settings: ``recompute_ratio`` (0.2, share of moved tokens
-      recomputed), ``lead_tokens`` (0, leading tokens of every moved document recomputed on
+      recomputed), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
       top), ``correction`` (0.5).
     - ``"cacheblend"``: every moved token is computed up to a check layer, where the ones whose
       KV deviates most from the cache are kept. Settings: ``recompute_ratio`` (0.2),

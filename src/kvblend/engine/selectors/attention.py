@@ -105,7 +105,7 @@ class AttentionSelector(Selector):
     name = "attention"
     settings = {
         "recompute_ratio": RECOMPUTE_RATIO,
-        "lead_tokens": Setting(0, non_negative_int, "leading tokens of each moved document"),
+        "lead_tokens": Setting(8, non_negative_int, "leading tokens of each moved document"),
         "correction": CORRECTION,
     }
 
