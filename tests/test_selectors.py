@@ -177,6 +177,7 @@ def test_masked_attention_never_asks_sdpa_for_gqa(
 ) -> None:
     """SDPA's enable_gqa with a mask runs the math kernel on CUDA: KV heads are expanded."""
     from kvblend.engine import decoder as decoder_module
+    from kvblend.engine import row_attention
 
     calls: list[tuple[bool, bool, int, int]] = []
     real = decoder_module.F.scaled_dot_product_attention
@@ -187,6 +188,11 @@ def test_masked_attention_never_asks_sdpa_for_gqa(
         return real(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(decoder_module.F, "scaled_dot_product_attention", recording)
+    # The CUDA rule, exercised on the CPU: masked calls get expanded KV heads.
+    assert not decoder_module.sdpa_takes_gqa(True, torch.device("cuda"))
+    assert decoder_module.sdpa_takes_gqa(True, torch.device("cpu"))
+    monkeypatch.setattr(decoder_module, "sdpa_takes_gqa", lambda masked, device: not masked)
+    monkeypatch.setattr(row_attention, "sdpa_takes_gqa", lambda masked, device: not masked)
     engine = BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore())
     shape = engine.decoder.shape
     assert shape.num_heads > shape.num_kv_heads  # the tiny models use GQA

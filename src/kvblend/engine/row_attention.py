@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .decoder import Decoder, repeat_kv
+from .decoder import Decoder, repeat_kv, sdpa_takes_gqa
 
 # Query rows per attention call when the computed rows are sparse: smaller chunks skip more of
 # the causal upper triangle but keep SDPA's kernels from running at full speed; on a CPU, 256
@@ -132,7 +132,8 @@ class RowAttention:
             return self.decoder.attend(layer, padded, keys, values, None, rows=self.rows)
         kept = self.masks.get(window)
         groups = queries.shape[0] // keys.shape[0]
-        if groups > 1 and window is None and len(self.chunks[window]) > 1:
+        expand = groups > 1 and not sdpa_takes_gqa(True, keys.device)
+        if expand and window is None and len(self.chunks[window]) > 1:
             # Masked calls need the KV heads expanded (see Decoder.attend): once per layer, not
             # once per chunk (sliding-window chunks read short, disjoint-ish key ranges).
             key_end = self.chunks[window][-1].key_end
