@@ -125,18 +125,23 @@ def test_kl_divergence():
 
 def test_quality_runner_end_to_end(engine, tmp_path):
     items = generate_qa(2, seed=0, docs_per_prompt=(3, 3), styles=("record",))
-    strategies = parse_strategies("reuse,cacheblend-value-0.15,attention-0.2")
+    strategies = parse_strategies("reuse,cacheblend-value-0.15,attention-0.2+lead_tokens=0")
     out = tmp_path / "quality.json"
     result = run_quality(
         engine, items, strategies, max_new_tokens=3, output=out, log=lambda m: None
     )
     assert json.loads(out.read_text())["questions"] == 2
     summary = result["summary"]
-    assert list(summary) == ["full", "reuse", "cacheblend-value-0.15", "attention-0.2"]
+    assert list(summary) == [
+        "full",
+        "reuse",
+        "cacheblend-value-0.15",
+        "attention-0.2+lead_tokens=0",
+    ]
     assert summary["full"]["kl_mean"] == 0.0 and summary["full"]["agreement"] == 1.0
     assert summary["reuse"]["recompute_fraction"] == 0.0
     assert 0.1 < summary["cacheblend-value-0.15"]["recompute_fraction"] < 0.2
-    assert 0.15 < summary["attention-0.2"]["recompute_fraction"] < 0.25
+    assert 0.15 < summary["attention-0.2+lead_tokens=0"]["recompute_fraction"] < 0.25
     assert summary["reuse"]["kl_mean"] > 0.0  # reused KV without its context differs
     assert summarize(result["rows"]) == summary
 
@@ -172,10 +177,14 @@ def test_doc_context_settings_name_their_strategy():
     for name, config in CONFIGS.items():
         kind = next(k for k in kinds if name.startswith(k))
         assert config.strategy == kinds[kind], name
-    assert CONFIGS["cb15L2"].schedule() == ((2, 0.15),)
-    assert CONFIGS["cb15L3"].schedule() == ((3, 0.15),)
-    assert CONFIGS["cb20L2"].schedule() == ((2, 0.2),)
-    assert CONFIGS["cbg30to15"].schedule() == ((1, 0.3), (3, 0.15))
+
+    def schedule(config):
+        return config.ratio_schedule or ((config.check_layer, config.recompute_ratio),)
+
+    assert schedule(CONFIGS["cb15L2"]) == ((2, 0.15),)
+    assert schedule(CONFIGS["cb15L3"]) == ((3, 0.15),)
+    assert schedule(CONFIGS["cb20L2"]) == ((2, 0.2),)
+    assert schedule(CONFIGS["cbg30to15"]) == ((1, 0.3), (3, 0.15))
     assert CONFIGS["cbk15"].deviation == "key"
 
 
