@@ -218,15 +218,15 @@ def test_quality_rows_get_the_paired_table(tiny_engine: BlendEngine):
 def test_bench_nq_end_to_end_writes_json(nq_file: Path, tmp_path: Path):
     output = tmp_path / "nq.json"
     argv = ["nq", "--data", str(nq_file), "--questions", "2", "--k", "3", "--strategies",
-            "full,default", "--max-new-tokens", "4", "--cache-dir", str(tmp_path),
+            "full,reuse", "--max-new-tokens", "4", "--cache-dir", str(tmp_path),
             "--output", str(output), "--threads", "2"]  # fmt: skip
     assert bench_main(argv) == 0
     result = json.loads(output.read_text())
     assert result["benchmark"] == "nq" and result["questions"] == 2
     assert [(r["head"], r["strategy"]) for r in result["rows"]] == [
         ("untold", "full"),
-        ("untold", "default"),
+        ("untold", "reuse"),
     ] * 2
     assert all(r["documents_reused"] == 3 for r in result["rows"] if r["strategy"] != "full")
-    assert {s["strategy"] for s in result["summary"]} == {"full", "default"}
-    assert "| 3 | untold | default | 2 |" in output.with_suffix(".md").read_text()
+    assert {s["strategy"] for s in result["summary"]} == {"full", "reuse"}
+    assert "| 3 | untold | reuse | 2 |" in output.with_suffix(".md").read_text()

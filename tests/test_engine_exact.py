@@ -32,7 +32,7 @@ STRATEGIES = [
     BlendConfig("cacheblend", recompute_ratio=0.3, deviation="key", check_layer=2),
     BlendConfig("cacheblend", ratio_schedule=((1, 0.5), (2, 0.2))),
     BlendConfig("epic", epic_tokens=4),
-    BlendConfig("attention", recompute_ratio=0.3),
+    BlendConfig("attention", recompute_ratio=0.3, full_above=1.0),  # blend short prompts too
     BlendConfig("reuse"),
 ]
 

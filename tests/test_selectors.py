@@ -20,7 +20,10 @@ from kvblend.store import MemoryKVStore
 
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
-    assert BlendConfig().settings == {"recompute_ratio": 0.2, "lead_tokens": 8, "correction": 0.5}
+    assert BlendConfig().settings == {
+        "recompute_ratio": 0.2, "lead_tokens": 8, "short_document": 32, "full_above": 0.7,
+        "correction": 0.5,
+    }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
         "check_layer": 1,
@@ -232,13 +235,55 @@ def test_lead_tokens_recompute_the_first_tokens_of_every_moved_document() -> Non
     engine.precompute(documents)
     prompt = [Segment("Head:\n", role="prefix"), *map(Segment, reversed(documents)),
               Segment("\nQ?", cache=False)]  # fmt: skip
-    only_leads = engine.prefill(prompt, BlendConfig(recompute_ratio=0.0, lead_tokens=3))
+    blend = BlendConfig(short_document=0, full_above=1.0)  # these documents are short
+    only_leads = engine.prefill(prompt, blend.replace(recompute_ratio=0.0, lead_tokens=3))
     assert only_leads.stats.moved_tokens > 0
     assert only_leads.stats.recomputed_tokens == 3 * 3  # every document here is moved
-    both = engine.prefill(prompt, BlendConfig(recompute_ratio=0.2, lead_tokens=3))
+    both = engine.prefill(prompt, blend.replace(recompute_ratio=0.2, lead_tokens=3))
     moved = both.stats.moved_tokens
     assert both.stats.recomputed_tokens == 3 * 3 + round(0.2 * moved)
-    everything = engine.prefill(prompt, BlendConfig(recompute_ratio=0.0, lead_tokens=99))
+    everything = engine.prefill(prompt, blend.replace(recompute_ratio=0.0, lead_tokens=99))
     full = engine.prefill(prompt, BlendConfig("full"))
     assert everything.stats.recomputed_tokens == moved
     assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def _records_engine() -> tuple[BlendEngine, list[Segment], list[int]]:
+    """Three documents of 12, 20 and 60 bytes (tokens), moved behind a two-line head."""
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=MemoryKVStore())
+    documents = [
+        "Ann, Lisbon.",
+        "Bo works at Acme Co.",
+        "Cy is a painter who lives in Oslo and keeps a small boat too.",
+    ]
+    engine.precompute(documents)
+    prompt = [Segment("Records:\n", role="prefix"), *map(Segment, reversed(documents)),
+              Segment("\nWho lives in Oslo?", cache=False)]  # fmt: skip
+    return engine, prompt, [len(engine.tokenize(d)) for d in reversed(documents)]
+
+
+def test_short_documents_are_recomputed_whole() -> None:
+    engine, prompt, lengths = _records_engine()
+    config = BlendConfig(recompute_ratio=0.0, lead_tokens=4, full_above=1.0)
+    for short in (0, 12, 20, 59, 60):
+        pre = engine.prefill(prompt, config.replace(short_document=short))
+        expected = sum(n if n <= short else 4 for n in lengths)
+        assert pre.stats.recomputed_tokens == expected, short
+        assert pre.stats.documents_reused == 3 - sum(n <= short for n in lengths)
+
+
+def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> None:
+    engine, prompt, lengths = _records_engine()
+    full = engine.prefill(prompt, BlendConfig("full"))
+    config = BlendConfig(recompute_ratio=0.2, lead_tokens=8, short_document=0)
+    blended = engine.prefill(prompt, config.replace(full_above=1.0))
+    assert 0 < blended.stats.recomputed_tokens < blended.stats.moved_tokens
+    assert blended.stats.documents_reused == 3
+    planned = blended.stats.compute_fraction  # the probe's rows included
+    whole = engine.prefill(prompt, config.replace(full_above=planned - 0.01))
+    assert whole.stats.recomputed_tokens == whole.stats.moved_tokens == sum(lengths)
+    assert whole.stats.reused_tokens == whole.stats.prefix_tokens > 0  # the head is in place
+    assert whole.stats.documents_reused == 0 and whole.stats.timings["probe_s"] == 0.0
+    assert torch.allclose(whole.logits, full.logits, atol=1e-4, rtol=0)
+    kept = engine.prefill(prompt, config.replace(full_above=planned + 0.01))
+    assert kept.stats.recomputed_tokens == blended.stats.recomputed_tokens

@@ -303,8 +303,16 @@ def run_pass(
         "token_layers": state.token_layers,
         "token_layers_full": total * decoder.shape.num_layers,
         "moved_tokens": int((kinds == MOVED).sum()),
+        "moved_spans_read": moved_spans_read(blend_input.spans, state.computed, total),
     }
     return out
+
+
+def moved_spans_read(spans: list[CachedSpan], computed: torch.Tensor, total: int) -> int:
+    """How many moved spans kept some cached rows (were not recomputed whole)."""
+    done = torch.zeros(total, dtype=torch.bool, device=computed.device)
+    done[computed] = True
+    return sum(1 for s in spans if s.kind == MOVED and not bool(done[s.start : s.end].all()))
 
 
 def last_row(

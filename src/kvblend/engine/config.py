@@ -24,7 +24,9 @@ class BlendConfig:
       KV; the reused tokens the prompt's uncached tail (the question) attends to most are then
       recomputed at every layer. Settings: ``recompute_ratio`` (0.2, share of moved tokens
       recomputed), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
-      top), ``correction`` (0.5).
+      top), ``short_document`` (32: moved documents of at most this many tokens recomputed
+      whole), ``full_above`` (0.7: a blend that would compute more than this share of a full
+      prefill, probe included, computes the whole prompt; 1 never), ``correction`` (0.5).
     - ``"cacheblend"``: every moved token is computed up to a check layer, where the ones whose
       KV deviates most from the cache are kept. Settings: ``recompute_ratio`` (0.2),
       ``check_layer`` (1), ``deviation`` (``"value"``, or ``"key"`` as LMCache),

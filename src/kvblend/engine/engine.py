@@ -434,6 +434,10 @@ class BlendEngine:
             stats.recomputed_tokens = int(out.stats["recomputed_tokens"])
             stats.computed_tokens = int((kinds == COMPUTE).sum())
             stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
+            # documents read in place, and moved ones the blend did not recompute whole
+            in_place = sum(1 for row in documents if row.reused and row.exact)
+            read = in_place + int(out.stats["moved_spans_read"])
+            stats.documents_reused = min(stats.documents_reused, read)
         stats.compute_fraction = out.stats["token_layers"] / out.stats["token_layers_full"]
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
 

@@ -23,6 +23,7 @@ from .base import (
     Selector,
     Setting,
     non_negative_int,
+    ratio,
     top_scoring,
 )
 
@@ -84,13 +85,16 @@ class TailAttention:
         self.scores += tail_attention(self.decoder, tail_queries, keys, values, mask)
 
 
-def leading_rows(context: SelectionContext, count: int) -> torch.Tensor:
-    """Boolean ``[tokens]``: the first ``count`` rows of every moved span."""
+def leading_rows(context: SelectionContext, count: int, short: int = 0) -> torch.Tensor:
+    """Boolean ``[tokens]``: the first ``count`` rows of every moved span.
+
+    Every row of a moved span of at most ``short`` rows.
+    """
     lead = torch.zeros_like(context.uncached)
-    if count > 0:
-        for span in context.spans:
-            if span.kind == MOVED:
-                lead[span.start : min(span.end, span.start + count)] = True
+    for span in context.spans:
+        if span.kind == MOVED:
+            rows = span.end - span.start if span.end - span.start <= short else count
+            lead[span.start : min(span.end, span.start + rows)] = True
     return lead
 
 
@@ -100,30 +104,45 @@ class AttentionSelector(Selector):
     With ``lead_tokens``, the first tokens of every moved document are recomputed too (they
     saw only the document head when cached and act as the document's attention sink; a short
     document's answer depends on them most), on top of the ratio's budget.
+
+    When the blend would compute more than ``full_above`` of a full prefill's tokens, probe
+    included (short documents, such as a few one-line records), the whole prompt is computed
+    instead: such a blend is no faster than full prefill, and the few rows it leaves stale
+    still cost quality.
     """
 
     name = "attention"
     settings = {
         "recompute_ratio": RECOMPUTE_RATIO,
         "lead_tokens": Setting(8, non_negative_int, "leading tokens of each moved document"),
+        "short_document": Setting(
+            32, non_negative_int, "moved documents of at most this many tokens are recomputed whole"
+        ),
+        "full_above": Setting(
+            0.7, ratio, "compute above which the whole prompt is computed (1: never)"
+        ),
         "correction": CORRECTION,
     }
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most."""
         kinds = context.kinds
-        lead = leading_rows(context, self.options["lead_tokens"])
+        lead = leading_rows(context, self.options["lead_tokens"], self.options["short_document"])
         computed = context.uncached | lead
         moved = context.moved
         candidates = moved[~lead[moved]]  # moved rows not recomputed already
-        keep = round(self.options["recompute_ratio"] * moved.numel())
-        if keep >= candidates.numel():
+        keep = min(round(self.options["recompute_ratio"] * moved.numel()), candidates.numel())
+        probe = int(context.uncached.sum()) if 0 < keep < candidates.numel() else 0
+        full_above = self.options["full_above"]
+        if keep == candidates.numel() or (
+            full_above < 1 and int(computed.sum()) + keep + probe > full_above * kinds.numel()
+        ):  # every moved row, or a blend that would cost about as much as full prefill
             computed[moved] = True
-        if not 0 < keep < candidates.numel():  # nothing or everything chosen: no probe needed
+        if not probe or computed[moved].all():  # nothing more to choose: no probe
             return Selection(computed.nonzero().squeeze(1))
         probe_rows = context.uncached.nonzero().squeeze(1)
         observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.numel())
-        probe = context.run_pass(probe_rows, observer)
+        start = context.run_pass(probe_rows, observer)
         computed[top_scoring(observer.scores, candidates, keep)] = True
         self.scores = observer.scores
-        return Selection(computed.nonzero().squeeze(1), start=probe)
+        return Selection(computed.nonzero().squeeze(1), start=start)
