@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvblend import BlendConfig
 from kvblend.cli import main
 
 
@@ -224,3 +225,30 @@ def test_a_flag_the_strategy_does_not_use_is_a_one_line_error(
     captured = capsys.readouterr()
     assert code == 2 and "strategy 'epic' does not use --ratio" in captured.err
     assert "Traceback" not in captured.err and "loaded" not in captured.out + captured.err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--set", "lead_tokens"], "--set takes NAME=VALUE"),
+        (["--set", "lead_tokens=many"], "lead_tokens must be a non-negative int"),
+        (["--strategy", "epic", "--set", "lead_tokens=4"], "'epic' does not use 'lead_tokens'"),
+        (["--ratio", "0.3", "--set", "recompute_ratio=0.2"], "recompute_ratio is given twice"),
+    ],
+)
+def test_set_reaches_every_setting_and_a_bad_one_is_a_one_line_error(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["demo", "--memory-only", *flags])
+    captured = capsys.readouterr()
+    assert code == 2 and message in captured.err
+    assert "Traceback" not in captured.err and "loaded" not in captured.out + captured.err
+
+
+def test_set_values_become_the_config() -> None:
+    from kvblend.cli import _config, build_parser
+
+    args = build_parser().parse_args(
+        ["ask", "Q?", "--docs", "d.txt", "--set", "lead_tokens=16", "--set", "full_above=1"]
+    )
+    assert _config(args) == BlendConfig(lead_tokens=16, full_above=1.0)

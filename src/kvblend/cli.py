@@ -66,6 +66,11 @@ def _config(args: argparse.Namespace) -> BlendConfig:
     options = {"recompute_ratio": args.ratio, "deviation": args.deviation,
                "correction": args.correction}  # fmt: skip
     given = {name: value for name, value in options.items() if value is not None}
+    for text in getattr(args, "set", None) or []:
+        name, value = _setting(text)
+        if name in given:
+            raise ValueError(f"setting {name} is given twice")
+        given[name] = value
     try:
         return BlendConfig(args.strategy, **given)
     except ValueError as error:
@@ -75,6 +80,19 @@ def _config(args: argparse.Namespace) -> BlendConfig:
         for name, flag in flags.items():
             message = message.replace(repr(name), flag)
         raise ValueError(message) from None
+
+
+def _setting(text: str) -> tuple[str, object]:
+    """``--set name=value``: the value an int, a float, or else the string."""
+    name, equals, value = text.partition("=")
+    if not equals or not name.isidentifier():
+        raise ValueError(f"--set takes NAME=VALUE, such as lead_tokens=16; got {text!r}")
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
 
 
 def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
@@ -274,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of the recomputed tokens' mean KV change added to the other "
                             "tokens of their document, for attention, cacheblend and epic "
                             f"(default {BlendConfig().correction}; 0: off)")  # fmt: skip
+        p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                       help="any other setting of the strategy, such as lead_tokens=16 or "
+                            "short_document=0 (docs/configuration.md); repeatable")  # fmt: skip
         p.add_argument("--max-new-tokens", type=positive_int, default=24)
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "
