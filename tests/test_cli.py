@@ -230,7 +230,7 @@ def test_a_flag_the_strategy_does_not_use_is_a_one_line_error(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--set", "lead_tokens"], "--set takes NAME=VALUE"),
+        (["--set", "lead_tokens"], "a setting is NAME=VALUE"),
         (["--set", "lead_tokens=many"], "lead_tokens must be a non-negative int"),
         (["--strategy", "epic", "--set", "lead_tokens=4"], "'epic' does not use 'lead_tokens'"),
         (["--ratio", "0.3", "--set", "recompute_ratio=0.2"], "recompute_ratio is given twice"),

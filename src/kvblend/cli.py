@@ -20,6 +20,7 @@ from typing import Any
 from .cli_args import CLIError, OneLineParser, check_device, positive_int, printable
 from .cli_store import add_store_parser
 from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
+from .engine.config import parse_setting
 from .engine.engine import DEFAULT_SYSTEM_PROMPT
 from .engine.selectors import strategy_names
 from .engine.validation import check_text
@@ -67,7 +68,7 @@ def _config(args: argparse.Namespace) -> BlendConfig:
                "correction": args.correction}  # fmt: skip
     given = {name: value for name, value in options.items() if value is not None}
     for text in getattr(args, "set", None) or []:
-        name, value = _setting(text)
+        name, value = parse_setting(text)
         if name in given:
             raise ValueError(f"setting {name} is given twice")
         given[name] = value
@@ -80,19 +81,6 @@ def _config(args: argparse.Namespace) -> BlendConfig:
         for name, flag in flags.items():
             message = message.replace(repr(name), flag)
         raise ValueError(message) from None
-
-
-def _setting(text: str) -> tuple[str, object]:
-    """``--set name=value``: the value an int, a float, or else the string."""
-    name, equals, value = text.partition("=")
-    if not equals or not name.isidentifier():
-        raise ValueError(f"--set takes NAME=VALUE, such as lead_tokens=16; got {text!r}")
-    for kind in (int, float):
-        try:
-            return name, kind(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:

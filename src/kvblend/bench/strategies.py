@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..engine import BlendConfig, Segment
+from ..engine.config import parse_setting
 
 CACHEBLEND_RATIOS = (0.05, 0.1, 0.15, 0.3)
 CACHEBLEND_METRICS = ("value", "key")
@@ -61,7 +62,7 @@ def strategy(name: str) -> Strategy:
     base, *overrides = name.split("+")
     if overrides:
         found = strategy(base)
-        changes = dict(_setting(text) for text in overrides)
+        changes = dict(parse_setting(text) for text in overrides)
         return Strategy(name, found.config.replace(**changes), found.cache_documents)
     base, _, suffix = name.rpartition("-c")
     share = _ratio(suffix) if base else None
@@ -104,19 +105,6 @@ def strategy(name: str) -> Strategy:
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
     )
-
-
-def _setting(text: str) -> tuple[str, object]:
-    """``name=value`` as a setting: the value an int, a float, or else the string."""
-    name, equals, value = text.partition("=")
-    if not equals or not name:
-        raise ValueError(f"a strategy suffix is +setting=value, got +{text!r}")
-    for kind in (int, float):
-        try:
-            return name, kind(value)
-        except ValueError:
-            pass
-    return name, value
 
 
 def _ratio(text: str) -> float | None:

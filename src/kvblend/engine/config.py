@@ -116,5 +116,21 @@ class BlendConfig:
         return (_rebuild, (self.strategy, self._given))
 
 
+def parse_setting(text: str) -> tuple[str, Any]:
+    """``"name=value"`` as a setting: the value an int, a float, or else the string.
+
+    ``ValueError`` when ``text`` is not ``NAME=VALUE``; the value is checked by `BlendConfig`.
+    """
+    name, equals, value = text.partition("=")
+    if not equals or not name.isidentifier():
+        raise ValueError(f"a setting is NAME=VALUE, such as lead_tokens=16; got {text!r}")
+    for kind in (int, float):
+        try:
+            return name, kind(value)
+        except ValueError:
+            pass
+    return name, value
+
+
 def _rebuild(strategy: str, settings: dict[str, Any]) -> BlendConfig:
     return BlendConfig(strategy, **settings)
