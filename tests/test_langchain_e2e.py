@@ -19,6 +19,7 @@ from langchain_core.prompts import ChatPromptTemplate, PromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 
+from conftest import TOY_BLEND_SETTINGS
 from conftest_langchain import (
     CORPUS,
     corpus_vectorstore,
@@ -43,6 +44,7 @@ QUESTIONS = [
     ("What instrument does Lena Park play?", "violin"),
     ("Which city does the painter Marta Quill live in?", "lisbon"),
 ]
+TOY = BlendConfig(**TOY_BLEND_SETTINGS)
 RAG_TEMPLATE = (
     "Answer the question using only the context.\n\nContext:\n{context}\n\nQuestion: {question}"
 )
@@ -125,7 +127,7 @@ def test_questions_retrieve_the_same_documents_in_another_order(retriever: Blend
 
 @requires_rag_stack
 def test_rag_chain_with_blend_llm(retriever: BlendRetriever) -> None:
-    llm = BlendLLM(engine=session_engine(), max_tokens=16, chat_template=True)
+    llm = BlendLLM(engine=session_engine(), max_tokens=16, chat_template=True, blend_config=TOY)
     chain = rag_chain(retriever, PromptTemplate.from_template(RAG_TEMPLATE), llm)
     full = rag_chain(
         retriever,
@@ -141,7 +143,9 @@ def test_rag_chain_with_blend_llm(retriever: BlendRetriever) -> None:
 @requires_rag_stack
 def test_rag_chain_with_chat_blend_and_full_prefill(retriever: BlendRetriever) -> None:
     prompt = ChatPromptTemplate.from_messages(CHAT_TEMPLATE)
-    blended = rag_chain(retriever, prompt, ChatBlend(engine=session_engine(), max_tokens=16))
+    blended = rag_chain(
+        retriever, prompt, ChatBlend(engine=session_engine(), max_tokens=16, blend_config=TOY)
+    )
     full = rag_chain(
         retriever,
         prompt,

@@ -9,6 +9,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk
 from langchain_core.retrievers import BaseRetriever
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 
+from conftest import TOY_BLEND_SETTINGS
 from conftest_langchain import (
     CORPUS,
     corpus_vectorstore,
@@ -16,6 +17,7 @@ from conftest_langchain import (
     requires_rag_stack,
     session_engine,
 )
+from kvblend import BlendConfig
 from kvblend.langchain import BlendRetriever, ChatBlend
 
 pytestmark = [requires_model, pytest.mark.slow]
@@ -46,7 +48,9 @@ class TestChatBlendIntegration(ChatModelIntegrationTests):
         """A prompt holding two precomputed documents: their KV is read from the store."""
         engine = session_engine()
         engine.precompute(CORPUS[:2])
-        model = ChatBlend(engine=engine, max_tokens=4)
+        model = ChatBlend(
+            engine=engine, max_tokens=4, blend_config=BlendConfig(**TOY_BLEND_SETTINGS)
+        )
         prompt = f"Context:\n{CORPUS[0]}\n\n{CORPUS[1]}\n\nQuestion: Where does Marta Quill live?"
         if not stream:
             message = model.invoke(prompt)

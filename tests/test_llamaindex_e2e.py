@@ -19,8 +19,10 @@ from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import ChatPromptTemplate
 from llama_index.core.schema import MetadataMode
 
+from conftest import TOY_BLEND_SETTINGS
 from conftest_langchain import requires_model, session_engine
 from conftest_llamaindex import corpus_index, requires_llamaindex_rag
+from kvblend import BlendConfig
 from kvblend.llamaindex import SEGMENT_ID_KEY, BlendLLM, BlendNodePostprocessor, blend_query_engine
 
 pytestmark = [requires_model, requires_llamaindex_rag, pytest.mark.slow]
@@ -61,8 +63,9 @@ class StatsRecorder(BaseCallbackHandler):
 
 def blend_llm(*handlers: BaseCallbackHandler) -> BlendLLM:
     return BlendLLM(
-        engine=session_engine(), max_tokens=12, callback_manager=CallbackManager(list(handlers))
-    )
+        engine=session_engine(), max_tokens=12, callback_manager=CallbackManager(list(handlers)),
+        blend_config=BlendConfig(**TOY_BLEND_SETTINGS),
+    )  # fmt: skip
 
 
 def query_engine(llm: BlendLLM, **kwargs: Any) -> Any:

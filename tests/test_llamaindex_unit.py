@@ -24,8 +24,8 @@ from llama_index.core.embeddings import MockEmbedding
 from llama_index.core.prompts import PromptTemplate
 from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode
 
-from conftest import byte_tokenizer, tiny_model
-from kvblend import BlendEngine, Segment, _adapters
+from conftest import TOY_BLEND_SETTINGS, byte_tokenizer, tiny_model
+from kvblend import BlendConfig, BlendEngine, Segment, _adapters
 from kvblend.llamaindex import (
     SEGMENT_ID_KEY,
     BlendLLM,
@@ -123,7 +123,8 @@ def test_complete_reuses_known_documents_and_reports_usage(
 ) -> None:
     engine.precompute([DOC_A, DOC_C])
     counter = TokenCountingHandler(tokenizer=lambda text: text.split())
-    llm = BlendLLM(engine=engine, max_tokens=5, callback_manager=CallbackManager([counter]))
+    llm = BlendLLM(engine=engine, max_tokens=5, callback_manager=CallbackManager([counter]),
+                   blend_config=BlendConfig(**TOY_BLEND_SETTINGS))  # fmt: skip
     prompt = f"Context:\n{DOC_C}\n\n{DOC_A}\nWhere?"
     response = llm.complete(prompt, formatted=True)
     assert text_of(prompts[-1]) == prompt
@@ -156,7 +157,7 @@ def test_chat_uses_the_models_template_and_keeps_text_exact(
     engine: BlendEngine, prompts: list[list[Segment]]
 ) -> None:
     engine.precompute([DOC_B])
-    llm = BlendLLM(engine=engine, max_tokens=3)
+    llm = BlendLLM(engine=engine, max_tokens=3, blend_config=BlendConfig(**TOY_BLEND_SETTINGS))
     messages = [
         ChatMessage(role=MessageRole.SYSTEM, content="Answer."),
         ChatMessage(role=MessageRole.USER, content=f"Context:\n{DOC_B}\nWho bakes?"),
