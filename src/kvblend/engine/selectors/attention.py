@@ -138,7 +138,8 @@ class AttentionSelector(Selector):
             full_above < 1 and int(computed.sum()) + keep + probe > full_above * kinds.numel()
         ):  # every moved row, or a blend that would cost about as much as full prefill
             computed[moved] = True
-        if not probe or computed[moved].all():  # nothing more to choose: no probe
+            return Selection(computed.nonzero().squeeze(1))
+        if not probe:  # nothing to choose (ratio 0): no probe
             return Selection(computed.nonzero().squeeze(1))
         probe_rows = context.uncached.nonzero().squeeze(1)
         observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.numel())
