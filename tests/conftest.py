@@ -136,7 +136,17 @@ def tiny_engine(family: str):
     return BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore(), name=family)
 
 
+@pytest.fixture
+def device_engine(family: str, compute_device: torch.device):
+    """`tiny_engine` on the ``--device`` device (the CPU unless ``--device cuda`` is given)."""
+    from kvblend import BlendEngine
+    from kvblend.store import MemoryKVStore
+
+    model = tiny_model(family).to(compute_device)
+    return BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(), name=family)
+
+
 #: The adapters' tests check that documents are read from the cache; their toy documents are
-#: 20-40 tokens, which the default recomputes whole (``short_document``) in prompts it would
-#: compute almost all of anyway (``full_above``). This config blends them.
-TOY_BLEND_SETTINGS = {"short_document": 0, "full_above": 1.0}
+#: 20-40 tokens, which the default recomputes whole (``short_document``, ``min_recompute``) in
+#: prompts it would compute almost all of anyway (``full_above``). This config blends them.
+TOY_BLEND_SETTINGS = {"short_document": 0, "min_recompute": 0, "full_above": 1.0}

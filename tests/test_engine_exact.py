@@ -32,7 +32,7 @@ STRATEGIES = [
     BlendConfig("cacheblend", recompute_ratio=0.3, deviation="key", check_layer=2),
     BlendConfig("cacheblend", ratio_schedule=((1, 0.5), (2, 0.2))),
     BlendConfig("epic", epic_tokens=4),
-    BlendConfig("attention", recompute_ratio=0.3, full_above=1.0),  # blend short prompts too
+    BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, full_above=1.0),  # a blend
     BlendConfig("reuse"),
 ]
 
@@ -47,7 +47,7 @@ def segments(order=(0, 1, 2)) -> list[Segment]:
 
 def hf_logits(engine: BlendEngine, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return engine.model(torch.tensor([token_ids])).logits[0, -1].float()
+        return engine.model(torch.tensor([token_ids], device=engine.decoder.device)).logits[0, -1].float()
 
 
 def report(got: torch.Tensor, expected: torch.Tensor) -> str:
@@ -55,12 +55,12 @@ def report(got: torch.Tensor, expected: torch.Tensor) -> str:
     return f"max abs error {error.max():.3g}, mean {error.mean():.3g}"
 
 
-def test_full_matches_transformers_forward(tiny_engine: BlendEngine) -> None:
-    pre = tiny_engine.prefill(segments(), BlendConfig("full"))
-    expected = hf_logits(tiny_engine, pre.token_ids)
+def test_full_matches_transformers_forward(device_engine: BlendEngine) -> None:
+    pre = device_engine.prefill(segments(), BlendConfig("full"))
+    expected = hf_logits(device_engine, pre.token_ids)
     assert pre.logits.dtype == torch.float32 and pre.logits.shape == expected.shape
     assert torch.allclose(pre.logits, expected, atol=1e-4, rtol=0), report(pre.logits, expected)
-    assert tiny_engine.parity_error is not None and tiny_engine.parity_error < 1e-4
+    assert device_engine.parity_error is not None and device_engine.parity_error < 1e-4
 
 
 def test_token_ids_are_the_whole_text_tokenized(tiny_engine: BlendEngine) -> None:
@@ -73,10 +73,11 @@ def test_token_ids_are_the_whole_text_tokenized(tiny_engine: BlendEngine) -> Non
 
 def plant_in_context_kv(engine: BlendEngine, token_ids: list[int], order) -> None:
     """Store each document's KV as computed in the full prompt, under its segment id."""
-    ids = torch.tensor(token_ids)
+    ids = torch.tensor(token_ids, device=engine.decoder.device)
+    kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8, device=ids.device)
     exact = run_blend(
         engine.decoder,
-        BlendInput(ids, torch.full((len(ids),), COMPUTE, dtype=torch.int8), []),
+        BlendInput(ids, kinds, []),
         BlendConfig("full"),
         keep_raw_keys=True,
     )
@@ -94,13 +95,13 @@ def plant_in_context_kv(engine: BlendEngine, token_ids: list[int], order) -> Non
 
 @pytest.mark.parametrize("config", STRATEGIES, ids=lambda c: f"{c.strategy}")
 def test_kv_from_real_context_makes_every_strategy_exact(
-    tiny_engine: BlendEngine, config: BlendConfig
+    device_engine: BlendEngine, config: BlendConfig
 ) -> None:
     """With each segment's cached KV taken from its real context, blending changes nothing."""
     order = (1, 2, 0)
-    reference = tiny_engine.prefill(segments(order), BlendConfig("full"))
-    plant_in_context_kv(tiny_engine, reference.token_ids, order)
-    pre = tiny_engine.prefill(segments(order), config)
+    reference = device_engine.prefill(segments(order), BlendConfig("full"))
+    plant_in_context_kv(device_engine, reference.token_ids, order)
+    pre = device_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids
     assert torch.allclose(pre.logits, reference.logits, atol=1e-4, rtol=0), report(
         pre.logits, reference.logits
@@ -109,12 +110,12 @@ def test_kv_from_real_context_makes_every_strategy_exact(
         assert torch.allclose(got, expected, atol=1e-4, rtol=0)
 
 
-def test_rope_replacement_equals_computing_at_target_positions(tiny_engine: BlendEngine) -> None:
+def test_rope_replacement_equals_computing_at_target_positions(device_engine: BlendEngine) -> None:
     """Layer-0 keys of a moved document equal transformers' keys at its new positions."""
-    tiny_engine.precompute(DOCS)
-    pre = tiny_engine.prefill(segments((2, 1, 0)), BlendConfig("reuse"))
+    device_engine.precompute(DOCS)
+    pre = device_engine.prefill(segments((2, 1, 0)), BlendConfig("reuse"))
     with torch.inference_mode():
-        out = tiny_engine.model(torch.tensor([pre.token_ids]), use_cache=True)
+        out = device_engine.model(torch.tensor([pre.token_ids], device=device_engine.decoder.device), use_cache=True)
     hf_keys = out.past_key_values.layers[0].keys[0]  # a sliding-window layer keeps the tail only
     got = pre.keys[0][:, -hf_keys.shape[1] :]
     assert torch.allclose(got, hf_keys, atol=1e-5, rtol=0), report(got, hf_keys)
@@ -184,7 +185,7 @@ def test_attention_ratio_one_equals_full_and_zero_equals_reuse(tiny_engine: Blen
     assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
     reuse = tiny_engine.prefill(prompt, BlendConfig("reuse"))
     nothing = tiny_engine.prefill(
-        prompt, BlendConfig("attention", recompute_ratio=0.0, lead_tokens=0)
+        prompt, BlendConfig("attention", recompute_ratio=0.0, lead_tokens=0, min_recompute=0)
     )
     assert nothing.stats.recomputed_tokens == 0 and "probe_s" in nothing.stats.timings
     assert torch.equal(nothing.logits, reuse.logits)
@@ -207,11 +208,12 @@ def test_missing_segment_is_computed_and_stored(tiny_engine: BlendEngine) -> Non
     assert tiny_engine.store.contains(tiny_engine.segment_id(DOCS[0]))
 
 
-def test_full_greedy_generation_equals_model_generate(tiny_engine: BlendEngine) -> None:
-    out = tiny_engine.generate(segments(), BlendConfig("full"), max_new_tokens=12)
-    ids = torch.tensor([out_ids := tiny_engine.prefill(segments(), BlendConfig("full")).token_ids])
+def test_full_greedy_generation_equals_model_generate(device_engine: BlendEngine) -> None:
+    out = device_engine.generate(segments(), BlendConfig("full"), max_new_tokens=12)
+    out_ids = device_engine.prefill(segments(), BlendConfig("full")).token_ids
+    ids = torch.tensor([out_ids], device=device_engine.decoder.device)
     with torch.inference_mode():
-        expected = tiny_engine.model.generate(
+        expected = device_engine.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
             pad_token_id=0, eos_token_id=1,
         )  # fmt: skip
@@ -402,7 +404,7 @@ def test_attention_probe_equals_transformers_attention_weights(
         return run_blend(decoder, blend_input, config, **kwargs)
 
     monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
-    config = BlendConfig("attention", recompute_ratio=0.25, lead_tokens=0)
+    config = BlendConfig("attention", recompute_ratio=0.25, lead_tokens=0, min_recompute=0)
     pre = tiny_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids
     model = tiny_engine.model
@@ -468,7 +470,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
         return run_blend(decoder, blend_input, config, **kwargs)
 
     monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
-    config = BlendConfig("attention", recompute_ratio=0.3, correction=share)
+    config = BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, correction=share)
     pre = tiny_engine.prefill(segments(order), config)
     inputs = seen[-1]
     selected, _ = attention_selection(tiny_engine, inputs, config)
@@ -506,6 +508,6 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
     assert checked > 0 and selected.numel() > 0
     if share:  # the correction changed something the question reads
         plain = tiny_engine.prefill(
-            segments(order), BlendConfig("attention", recompute_ratio=0.3, correction=0)
+            segments(order), BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, correction=0)
         )
         assert not torch.allclose(plain.logits, pre.logits, atol=1e-5)

@@ -21,8 +21,8 @@ from kvblend.store import MemoryKVStore
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
     assert BlendConfig().settings == {
-        "recompute_ratio": 0.2, "lead_tokens": 8, "short_document": 32, "full_above": 0.7,
-        "correction": 0.5,
+        "recompute_ratio": 0.2, "min_recompute": 256, "lead_tokens": 8, "short_document": 32,
+        "full_above": 0.7, "correction": 0.5,
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
@@ -235,7 +235,7 @@ def test_lead_tokens_recompute_the_first_tokens_of_every_moved_document() -> Non
     engine.precompute(documents)
     prompt = [Segment("Head:\n", role="prefix"), *map(Segment, reversed(documents)),
               Segment("\nQ?", cache=False)]  # fmt: skip
-    blend = BlendConfig(short_document=0, full_above=1.0)  # these documents are short
+    blend = BlendConfig(short_document=0, min_recompute=0, full_above=1.0)  # short documents
     only_leads = engine.prefill(prompt, blend.replace(recompute_ratio=0.0, lead_tokens=3))
     assert only_leads.stats.moved_tokens > 0
     assert only_leads.stats.recomputed_tokens == 3 * 3  # every document here is moved
@@ -264,7 +264,7 @@ def _records_engine() -> tuple[BlendEngine, list[Segment], list[int]]:
 
 def test_short_documents_are_recomputed_whole() -> None:
     engine, prompt, lengths = _records_engine()
-    config = BlendConfig(recompute_ratio=0.0, lead_tokens=4, full_above=1.0)
+    config = BlendConfig(recompute_ratio=0.0, min_recompute=0, lead_tokens=4, full_above=1.0)
     for short in (0, 12, 20, 59, 60):
         pre = engine.prefill(prompt, config.replace(short_document=short))
         expected = sum(n if n <= short else 4 for n in lengths)
@@ -275,7 +275,7 @@ def test_short_documents_are_recomputed_whole() -> None:
 def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> None:
     engine, prompt, lengths = _records_engine()
     full = engine.prefill(prompt, BlendConfig("full"))
-    config = BlendConfig(recompute_ratio=0.2, lead_tokens=8, short_document=0)
+    config = BlendConfig(recompute_ratio=0.2, min_recompute=0, lead_tokens=8, short_document=0)
     blended = engine.prefill(prompt, config.replace(full_above=1.0))
     assert 0 < blended.stats.recomputed_tokens < blended.stats.moved_tokens
     assert blended.stats.documents_reused == 3
@@ -287,3 +287,16 @@ def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> Non
     assert torch.allclose(whole.logits, full.logits, atol=1e-4, rtol=0)
     kept = engine.prefill(prompt, config.replace(full_above=planned + 0.01))
     assert kept.stats.recomputed_tokens == blended.stats.recomputed_tokens
+
+
+def test_min_recompute_floors_the_budget_leading_tokens_included() -> None:
+    engine, prompt, lengths = _records_engine()
+    moved, leads = sum(lengths), 3 * 4
+    config = BlendConfig(recompute_ratio=0.1, lead_tokens=4, short_document=0, full_above=1.0)
+    share = leads + round(0.1 * moved)
+    for floor in (0, share, 30, moved, 500):
+        pre = engine.prefill(prompt, config.replace(min_recompute=floor))
+        assert pre.stats.recomputed_tokens == min(moved, max(share, floor)), floor
+    everything = engine.prefill(prompt, config.replace(min_recompute=moved))
+    full = engine.prefill(prompt, BlendConfig("full"))
+    assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)

@@ -23,7 +23,8 @@ class BlendConfig:
     - ``"attention"`` (default): a first pass computes only the uncached tokens over the reused
       KV; the reused tokens the prompt's uncached tail (the question) attends to most are then
       recomputed at every layer. Settings: ``recompute_ratio`` (0.2, share of moved tokens
-      recomputed), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
+      recomputed), ``min_recompute`` (256: at least this many moved tokens recomputed, leading
+      ones included), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
       top), ``short_document`` (32: moved documents of at most this many tokens recomputed
       whole), ``full_above`` (0.7: a blend that would compute more than this share of a full
       prefill, probe included, computes the whole prompt; 1 never), ``correction`` (0.5).

@@ -101,6 +101,10 @@ def leading_rows(context: SelectionContext, count: int, short: int = 0) -> torch
 class AttentionSelector(Selector):
     """Recompute the top ``recompute_ratio`` of moved tokens by the probe's tail attention.
 
+    ``min_recompute`` sets a floor under that budget, the leading rows below included: a prompt
+    of few moved tokens (five retrieved passages) gets a larger share of them recomputed, while
+    a long prompt, whose share is larger than the floor, keeps ``recompute_ratio``.
+
     With ``lead_tokens``, the first tokens of every moved document are recomputed too (they
     saw only the document head when cached and act as the document's attention sink; a short
     document's answer depends on them most), on top of the ratio's budget.
@@ -114,6 +118,9 @@ class AttentionSelector(Selector):
     name = "attention"
     settings = {
         "recompute_ratio": RECOMPUTE_RATIO,
+        "min_recompute": Setting(
+            256, non_negative_int, "moved tokens recomputed at least, leading ones included"
+        ),
         "lead_tokens": Setting(8, non_negative_int, "leading tokens of each moved document"),
         "short_document": Setting(
             32, non_negative_int, "moved documents of at most this many tokens are recomputed whole"
@@ -131,7 +138,9 @@ class AttentionSelector(Selector):
         computed = context.uncached | lead
         moved = context.moved
         candidates = moved[~lead[moved]]  # moved rows not recomputed already
-        keep = min(round(self.options["recompute_ratio"] * moved.numel()), candidates.numel())
+        share = round(self.options["recompute_ratio"] * moved.numel())
+        floor = self.options["min_recompute"] - (moved.numel() - candidates.numel())  # leads count
+        keep = min(max(share, floor), candidates.numel())
         probe = int(context.uncached.sum()) if 0 < keep < candidates.numel() else 0
         full_above = self.options["full_above"]
         if keep == candidates.numel() or (
