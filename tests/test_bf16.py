@@ -23,8 +23,8 @@ DOCS = [
 ]
 QUESTION = "\nQuestion: where does Marta live?\nAnswer:"
 CONFIGS = [
-    BlendConfig(),
-    BlendConfig("attention", recompute_ratio=0.3, lead_tokens=4),
+    BlendConfig(min_recompute=0),  # the default, blending these short documents
+    BlendConfig("attention", recompute_ratio=0.3, lead_tokens=4, min_recompute=0),
     BlendConfig("cacheblend", recompute_ratio=0.15),
     BlendConfig("epic", epic_tokens=4),
     BlendConfig("reuse"),
