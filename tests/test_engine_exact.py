@@ -47,7 +47,11 @@ def segments(order=(0, 1, 2)) -> list[Segment]:
 
 def hf_logits(engine: BlendEngine, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return engine.model(torch.tensor([token_ids], device=engine.decoder.device)).logits[0, -1].float()
+        return (
+            engine.model(torch.tensor([token_ids], device=engine.decoder.device))
+            .logits[0, -1]
+            .float()
+        )
 
 
 def report(got: torch.Tensor, expected: torch.Tensor) -> str:
@@ -115,7 +119,9 @@ def test_rope_replacement_equals_computing_at_target_positions(device_engine: Bl
     device_engine.precompute(DOCS)
     pre = device_engine.prefill(segments((2, 1, 0)), BlendConfig("reuse"))
     with torch.inference_mode():
-        out = device_engine.model(torch.tensor([pre.token_ids], device=device_engine.decoder.device), use_cache=True)
+        out = device_engine.model(
+            torch.tensor([pre.token_ids], device=device_engine.decoder.device), use_cache=True
+        )
     hf_keys = out.past_key_values.layers[0].keys[0]  # a sliding-window layer keeps the tail only
     got = pre.keys[0][:, -hf_keys.shape[1] :]
     assert torch.allclose(got, hf_keys, atol=1e-5, rtol=0), report(got, hf_keys)
@@ -508,6 +514,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
     assert checked > 0 and selected.numel() > 0
     if share:  # the correction changed something the question reads
         plain = tiny_engine.prefill(
-            segments(order), BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, correction=0)
+            segments(order),
+            BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, correction=0),
         )
         assert not torch.allclose(plain.logits, pre.logits, atol=1e-5)
