@@ -54,8 +54,14 @@ PROMPTS = {
 STRATEGIES = [
     BlendConfig("reuse"),
     BlendConfig("cacheblend", recompute_ratio=0.3),
-    BlendConfig("attention", recompute_ratio=0.3, lead_tokens=2, short_document=0, min_recompute=0,
-                full_above=1.0),
+    BlendConfig(
+        "attention",
+        recompute_ratio=0.3,
+        lead_tokens=2,
+        short_document=0,
+        min_recompute=0,
+        full_above=1.0,
+    ),
     BlendConfig("epic", epic_tokens=2),
 ]
 
