@@ -300,3 +300,12 @@ def test_min_recompute_floors_the_budget_leading_tokens_included() -> None:
     everything = engine.prefill(prompt, config.replace(min_recompute=moved))
     full = engine.prefill(prompt, BlendConfig("full"))
     assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def test_full_prefill_reports_documents_found_and_none_reused() -> None:
+    engine, prompt, lengths = _records_engine()
+    stats = engine.prefill(prompt, BlendConfig("full")).stats
+    assert stats.documents_found == 3 and stats.documents_reused == 0
+    assert stats.reused_tokens == 0 and stats.computed_tokens == len(
+        engine.encode("".join(segment.text for segment in prompt))
+    )

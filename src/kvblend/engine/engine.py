@@ -426,8 +426,9 @@ class BlendEngine:
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
         stats.prompt_tokens = len(plan.token_ids)
-        if not config.reads_cache:
+        if not config.reads_cache:  # found, but nothing is read from the store
             stats.computed_tokens = len(plan.token_ids)
+            stats.documents_reused = 0
         else:
             stats.prefix_tokens = int((kinds == PREFIX).sum())
             stats.moved_tokens = int((kinds == MOVED).sum())
