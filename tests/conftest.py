@@ -128,22 +128,24 @@ def compute_device(request: pytest.FixtureRequest) -> torch.device:
     return chosen
 
 
-@pytest.fixture
-def tiny_engine(family: str):
+def make_tiny_engine(family: str, device: torch.device | str = "cpu"):
+    """An engine over `tiny_model(family)` on ``device``, with a memory store."""
     from kvblend import BlendEngine
     from kvblend.store import MemoryKVStore
 
-    return BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore(), name=family)
+    model = tiny_model(family).to(device)
+    return BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(), name=family)
+
+
+@pytest.fixture
+def tiny_engine(family: str):
+    return make_tiny_engine(family)
 
 
 @pytest.fixture
 def device_engine(family: str, compute_device: torch.device):
     """`tiny_engine` on the ``--device`` device (the CPU unless ``--device cuda`` is given)."""
-    from kvblend import BlendEngine
-    from kvblend.store import MemoryKVStore
-
-    model = tiny_model(family).to(compute_device)
-    return BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(), name=family)
+    return make_tiny_engine(family, compute_device)
 
 
 #: The adapters' tests check that documents are read from the cache; their toy documents are
