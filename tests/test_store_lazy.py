@@ -31,10 +31,10 @@ def reads(monkeypatch):
     lock = threading.Lock()
     real_read = lazy_module.read_tensor
 
-    def counting_read(payload, info, key, device=None):
+    def counting_read(payload, info, key, device=None, **options):
         with lock:
             log.append((info.name, threading.current_thread().name))
-        return real_read(payload, info, key, device)
+        return real_read(payload, info, key, device, **options)
 
     monkeypatch.setattr(lazy_module, "read_tensor", counting_read)
     return log

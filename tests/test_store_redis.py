@@ -253,8 +253,8 @@ def test_password_is_kept_out_of_messages(make_redis_server):
 class _EvictedAfterOpening(RedisKVStore):
     """A real Redis store whose entries disappear (as if evicted) right after `get()`."""
 
-    def get(self, key, device=None):
-        entry = super().get(key, device)
+    def get(self, key, device=None, *, expect=None):
+        entry = super().get(key, device, expect=expect)
         self.client.delete(self._entry_key(key))
         return entry
 

@@ -6,11 +6,19 @@ layer loop and writes it, checks that an entry reads back, and opens the entries
 needs. A store that fails never fails an answer: a missing or unreadable entry is computed,
 and one that fails while its layers are being read (a damaged tensor, a remote tier gone
 mid-prompt) is recomputed in place (`StoredRows`).
+
+Nothing read is trusted: every entry is opened with the tensors the model needs (names
+``k.{layer}``/``v.{layer}`` for each layer, ``kv_dtype``, ``[kv_heads, tokens, head_dim]`` with
+the document's token count) and finite values, which the store checks in the same pass as the
+checksum (`kvblend.store.base.EntrySpec`); an entry that differs is corrupt: dropped, counted
+and recomputed, never used. `StoredRows` checks each layer's shape again as it is used, so a
+store that ignores the expectation still never feeds a wrong-shaped tensor to the model.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 from collections import OrderedDict
@@ -47,22 +55,35 @@ class StoredRows:
         tensors: Mapping[str, torch.Tensor],
         rows: slice,
         recompute: Callable[[], Mapping[str, torch.Tensor]],
+        expected: tuple[torch.dtype, tuple[int, ...]] | None = None,
     ) -> None:
         self.tensors = tensors
         self.rows = rows
+        self.expected = expected  # dtype and shape of every stored tensor, when known
         self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Un-rotated keys and values of layer ``index`` for these rows."""
         try:
-            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+            keys, values = self._read(index)
         except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
             if self._recompute is None:
                 raise
             logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
             self.tensors, self._recompute = self._recompute(), None
-            keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+            keys, values = self._read(index)
         return keys[:, self.rows], values[:, self.rows]
+
+    def _read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
+        if self.expected is not None:
+            for name, tensor in ((f"k.{index}", keys), (f"v.{index}", values)):
+                if (tensor.dtype, tuple(tensor.shape)) != self.expected:
+                    raise ValueError(
+                        f"stored tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the "
+                        f"model needs {self.expected[0]} {list(self.expected[1])}"
+                    )
+        return keys, values
 
 
 class SegmentKV:
@@ -90,6 +111,30 @@ class SegmentKV:
         self._check_length = check_length
         self._layouts: OrderedDict[str, DocumentLayout] = OrderedDict()
         self._lock = threading.Lock()
+        self._takes_expect = _accepts_keyword(store.get, "expect")
+        #: entries found damaged or not fitting the model since this object was built
+        self.dropped = 0
+
+    def entry_shape(self, tokens: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Return the dtype and shape of each stored tensor of a ``tokens``-token document."""
+        shape = self.decoder.shape
+        return self.kv_dtype, (shape.num_kv_heads, tokens, shape.head_dim)
+
+    def expectation(self, tokens: int) -> Any:
+        """Return the `EntrySpec` a ``tokens``-token document's entry is checked against."""
+        from ..store.base import EntrySpec  # the store's contract type; no store is built here
+
+        fits = self.entry_shape(tokens)
+        layers = range(self.decoder.shape.num_layers)
+        return EntrySpec({f"{kind}.{layer}": fits for layer in layers for kind in "kv"})
+
+    def open_entry(
+        self, key: str, tokens: int, device: torch.device | None = None
+    ) -> Mapping[str, torch.Tensor] | None:
+        """Open ``key``'s entry, checked against a ``tokens``-token document (None: a miss)."""
+        if self._takes_expect:
+            return self.store.get(key, device=device, expect=self.expectation(tokens))
+        return self.store.get(key, device=device)
 
     def layout(self, text: str) -> DocumentLayout:
         """How ``text`` is tokenized for its cache: behind the document context (memoized)."""
@@ -129,7 +174,8 @@ class SegmentKV:
         keys = [segment_key(self.fingerprint, lay.context_ids, lay.ids) for lay in layouts]
         missing: dict[str, int] = {}  # segment id -> index of its first text
         for index, key in enumerate(keys):
-            if key not in missing and (force or not self.intact(key)):
+            tokens = len(layouts[index].ids)
+            if key not in missing and (force or not self.intact(key, tokens)):
                 missing[key] = index
         if done is not None:
             done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
@@ -144,22 +190,43 @@ class SegmentKV:
                 done([text for text, key in zip(texts, keys, strict=True) if key in computed])
         return keys
 
-    def intact(self, key: str) -> bool:
-        """Whether the store holds ``key`` and every tensor reads back; a damaged one is dropped."""
+    def intact(self, key: str, tokens: int | None = None) -> bool:
+        """Whether the store holds ``key`` and every tensor reads back fitting the model.
+
+        ``tokens`` is the document's token count (None: the count the entry's own metadata
+        gives). An entry that is damaged, of another shape or dtype, or not finite is dropped.
+        """
         try:
-            entry = self.store.get(key)
+            if tokens is None:
+                tokens = int((self.store.metadata(key) or {}).get("tokens", -1))
+            entry = self.open_entry(key, tokens)
             if entry is None:
                 return False
-            for name in entry:
-                entry[name]
+            self._check_read(entry, tokens)
             return True
         except Exception as error:  # noqa: BLE001 - any unreadable entry is recomputed
             logger.warning("dropping unreadable KV entry %s: %s", key, error)
             self.drop(key)
             return False
 
+    def _check_read(self, entry: Mapping[str, torch.Tensor], tokens: int) -> None:
+        """Read every tensor of ``entry``; raise ValueError if one does not fit the model."""
+        fits = self.entry_shape(tokens)
+        layers = range(self.decoder.shape.num_layers)
+        names = {f"{kind}.{layer}" for layer in layers for kind in "kv"}
+        if set(entry) != names:
+            raise ValueError(f"holds {len(entry)} tensors, the model needs {len(names)}")
+        for name in entry:
+            tensor = entry[name]
+            if (tensor.dtype, tuple(tensor.shape)) != fits:
+                raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}")
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"tensor {name!r} holds NaN or infinity")
+
     def drop(self, key: str) -> None:
-        """Delete ``key`` from the store, if the store can."""
+        """Delete ``key`` from the store, if the store can, and count it as dropped."""
+        with self._lock:
+            self.dropped += 1
         try:
             self.store.delete(key)
         except Exception as error:  # noqa: BLE001 - recomputing overwrites it anyway
@@ -229,8 +296,9 @@ class SegmentKV:
         spans, computed = [], 0
         for span in plan.spans:
             key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+            tokens = len(span.cached_ids)
             try:
-                entry = self.store.get(key, device=self.decoder.device)
+                entry = self.open_entry(key, tokens, self.decoder.device)
             except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
                 logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
                 self.drop(key)
@@ -239,8 +307,23 @@ class SegmentKV:
                 entry = self.compute(key, span.context_ids, span.cached_ids)
                 computed += 1
             rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            recompute = functools.partial(self.compute, key, span.context_ids, span.cached_ids)
-            spans.append(
-                CachedSpan(span.start, span.end, StoredRows(entry, rows, recompute), span.kind)
-            )
+            recompute = functools.partial(self._recompute, key, span.context_ids, span.cached_ids)
+            stored = StoredRows(entry, rows, recompute, self.entry_shape(tokens))
+            spans.append(CachedSpan(span.start, span.end, stored, span.kind))
         return spans, computed
+
+    def _recompute(
+        self, key: str, context: list[int], token_ids: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """Replace an entry that failed while being read: dropped, counted, computed again."""
+        self.drop(key)
+        return self.compute(key, context, token_ids)
+
+
+def _accepts_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` takes the keyword argument ``name`` (or any keyword)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)

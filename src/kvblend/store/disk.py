@@ -30,13 +30,14 @@ import torch
 
 from kvblend.store.base import (
     CorruptEntryError,
+    EntrySpec,
     KVStore,
     StoreError,
     StoreStats,
     validate_entry,
     validate_key,
 )
-from kvblend.store.entry_format import Payload, encode_entry, read_header
+from kvblend.store.entry_format import Payload, check_expected, encode_entry, read_header
 from kvblend.store.files import ForeignValueError, file_modes, prepare_folder
 from kvblend.store.index import (
     ORPHAN_GRACE_S,
@@ -143,11 +144,18 @@ class DiskKVStore(KVStore):
                 self._damaged = True  # the next call sets the index aside and rebuilds it
             raise StoreError(f"cannot {action} in folder {self.directory}: {error}") from error
 
-    def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
+    def get(
+        self,
+        key: str,
+        device: torch.device | str | None = None,
+        *,
+        expect: EntrySpec | None = None,
+    ) -> LazyTensors | None:
         """Open the entry under `key`; tensors are read (and verified) on access.
 
-        Returns None on a miss or when the entry is found corrupt on opening (it is then
-        dropped and counted). Raises `StoreError` if the folder cannot be read.
+        Returns None on a miss or when the entry is found corrupt on opening, or not as
+        `expect` describes it (it is then dropped and counted). Raises `StoreError` if the
+        folder cannot be read.
         """
         validate_key(key)
         target = torch.device(device) if device is not None else None
@@ -156,6 +164,7 @@ class DiskKVStore(KVStore):
         if payload is not None:
             try:
                 header = read_header(payload, key)
+                check_expected(header, expect)
             except CorruptEntryError as error:
                 payload.close()
                 self._drop_corrupt(key, payload.identity, error)
@@ -170,6 +179,7 @@ class DiskKVStore(KVStore):
         return lazy_entry(
             payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
             on_corrupt=lambda error: self._drop_corrupt(key, identity, error),
+            finite=expect is not None and expect.finite,
         )  # fmt: skip
 
     def put(

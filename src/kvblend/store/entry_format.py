@@ -33,7 +33,14 @@ from dataclasses import dataclass
 import safetensors.torch
 import torch
 
-from kvblend.store.base import SAFETENSORS_DTYPES, CorruptEntryError, StoreError, layer_order
+from kvblend.store.base import (
+    SAFETENSORS_DTYPES,
+    CorruptEntryError,
+    EntrySpec,
+    StoreError,
+    layer_order,
+    non_finite,
+)
 from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
 FORMAT_VERSION = "1"
@@ -267,10 +274,27 @@ def _parse_header(payload: Payload, key: str) -> EntryHeader:
     return EntryHeader(key, tuple(infos), user)
 
 
+def check_expected(header: EntryHeader, expect: EntrySpec | None) -> None:
+    """Raise `CorruptEntryError` if the tensors `header` lists are not those `expect` names."""
+    if expect is None:
+        return
+    reason = expect.mismatch({info.name: (info.dtype, info.shape) for info in header.tensors})
+    if reason is not None:
+        raise CorruptEntryError(header.key, f"does not fit the reader's model: {reason}")
+
+
 def read_tensor(
-    payload: Payload, info: TensorInfo, key: str, device: torch.device | None = None
+    payload: Payload,
+    info: TensorInfo,
+    key: str,
+    device: torch.device | None = None,
+    *,
+    finite: bool = False,
 ) -> torch.Tensor | PendingCopy:
     """Read one tensor from `payload`, verify its checksum, and return it on `device`.
+
+    With `finite`, a floating tensor holding NaN or infinity is corrupt: checked on the host
+    buffer right after the checksum, before any copy to `device`.
 
     For a CUDA `device` the copy from the pinned buffer is issued on a side stream: the
     result is a `PendingCopy` (`kvblend.store.transfer`).
@@ -286,6 +310,8 @@ def read_tensor(
     buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
     try:
         tensor = _decode_tensor(payload, info, key, buffer)
+        if finite and non_finite(tensor):
+            raise CorruptEntryError(key, f"tensor {info.name!r} holds NaN or infinity")
     except (CorruptEntryError, StoreError):
         raise
     except Exception as error:  # noqa: BLE001 - an unreadable tensor means a damaged entry

@@ -243,17 +243,19 @@ def lazy_entry(
     pool: PrefetchPool,
     prefetch_ahead: int,
     on_corrupt: Callable[[CorruptEntryError], None],
+    finite: bool = False,
 ) -> LazyTensors:
     """Return the lazy mapping over an entry's `payload` whose `header` is read and checked.
 
     Each tensor is read from the payload and verified on first access (on `target`), the next
-    ones prefetched on `pool`; a damaged tensor is reported to `on_corrupt`. Shared by every
+    ones prefetched on `pool`; a damaged tensor (or with `finite`, a floating one holding NaN or
+    infinity) is reported to `on_corrupt`. Shared by every
     store that keeps entries in the disk tier's format.
     """
     infos = {info.name: info for info in header.tensors}
     return LazyTensors(
         [info.name for info in header.tensors],
-        lambda name: read_tensor(payload, infos[name], key, target),
+        lambda name: read_tensor(payload, infos[name], key, target, finite=finite),
         metadata=header.metadata,
         pool=pool,
         prefetch_ahead=prefetch_ahead,

@@ -16,7 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvblend.store.base import KVStore, StoreStats, layer_order, validate_entry, validate_key
+from kvblend.store.base import (
+    EntrySpec,
+    KVStore,
+    StoreStats,
+    layer_order,
+    non_finite,
+    validate_entry,
+    validate_key,
+)
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool
 from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
@@ -26,11 +34,23 @@ logger = logging.getLogger(__name__)
 DEFAULT_MEMORY_BYTES = 2 << 30
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Entry:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     nbytes: int
+    finite: bool | None = None  # known once a reader has asked for finite values
+
+    def mismatch(self, expect: EntrySpec) -> str | None:
+        """Say how this entry differs from `expect`: names, dtypes, shapes, finite values."""
+        found = {name: (t.dtype, tuple(t.shape)) for name, t in self.tensors.items()}
+        reason = expect.mismatch(found)
+        if reason is None and expect.finite:
+            if self.finite is None:  # one pass per entry, whatever the number of reads
+                self.finite = not any(non_finite(t) for t in self.tensors.values())
+            if not self.finite:
+                reason = "a tensor holds NaN or infinity"
+        return reason
 
 
 class MemoryKVStore(KVStore):
@@ -59,13 +79,31 @@ class MemoryKVStore(KVStore):
         self._hits = 0
         self._misses = 0
         self._evictions = 0
+        self._corrupt = 0
 
-    def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
-        """Return a lazy mapping of copies of the tensors under `key` (on `device`), or None."""
+    def get(
+        self,
+        key: str,
+        device: torch.device | str | None = None,
+        *,
+        expect: EntrySpec | None = None,
+    ) -> LazyTensors | None:
+        """Return a lazy mapping of copies of the tensors under `key` (on `device`), or None.
+
+        An entry whose names, dtypes or shapes are not those `expect` gives, or (with
+        `expect.finite`) that holds NaN or infinity, is dropped, counted and reported as a
+        miss; values are checked once per entry, on its first read with `expect`.
+        """
         validate_key(key)
         target = torch.device(device) if device is not None else None
         with self._lock:
             entry = self._entries.get(key)
+            reason = entry.mismatch(expect) if entry is not None and expect is not None else None
+            if reason is not None:
+                logger.warning("dropping KV entry %s from memory: it does not fit: %s", key, reason)
+                self._pop(key)
+                self._corrupt += 1
+                entry = None
             if entry is None:
                 self._misses += 1
                 return None
@@ -134,11 +172,14 @@ class MemoryKVStore(KVStore):
         """Remove `key`; return True if it was held."""
         validate_key(key)
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                return False
-            self._bytes -= entry.nbytes
-            return True
+            return self._pop(key)
+
+    def _pop(self, key: str) -> bool:
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            return False
+        self._bytes -= entry.nbytes
+        return True
 
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, or None."""
@@ -156,7 +197,7 @@ class MemoryKVStore(KVStore):
                 hits=self._hits,
                 misses=self._misses,
                 evictions=self._evictions,
-                corrupt_dropped=0,
+                corrupt_dropped=self._corrupt,
                 capacity_bytes=self.max_bytes,
             )
 

@@ -38,7 +38,9 @@ import torch
 
 from kvblend.store.base import (
     CorruptEntryError,
+    EntrySpec,
     KVStore,
+    RemoteUnavailableError,
     StoreError,
     StoreStats,
     validate_entry,
@@ -48,6 +50,7 @@ from kvblend.store.entry_format import (
     FORMAT_VERSION,
     EntryHeader,
     Payload,
+    check_expected,
     checksum,
     encode_entry,
     read_header,
@@ -55,7 +58,6 @@ from kvblend.store.entry_format import (
 from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DEFAULT_MAX_RECORDS
 from kvblend.store.redis_records import RedisRecordLogs
-from kvblend.store.remote_tier import RemoteUnavailableError
 
 try:
     import redis
@@ -238,13 +240,19 @@ class RedisKVStore(KVStore):
         return f"{self.prefix}kv:v{FORMAT_VERSION}:{validate_key(key)}"
 
     # ------------------------------------------------------------------ entries
-    def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
+    def get(
+        self,
+        key: str,
+        device: torch.device | str | None = None,
+        *,
+        expect: EntrySpec | None = None,
+    ) -> LazyTensors | None:
         """Open the entry under `key` (one round trip); tensors are fetched on access.
 
-        Returns None on a miss or a corrupt entry (dropped and counted). Raises `StoreError`
-        if the server cannot be reached.
+        Returns None on a miss or a corrupt entry, or one not as `expect` describes it (dropped
+        and counted). Raises `StoreError` if the server cannot be reached.
         """
-        opened = self._open(key)
+        opened = self._open(key, expect)
         with self._lock:
             if opened is None:
                 self._misses += 1
@@ -257,9 +265,12 @@ class RedisKVStore(KVStore):
         return lazy_entry(
             payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
             on_corrupt=lambda error: self._drop_corrupt(key, header_bytes, error),
+            finite=expect is not None and expect.finite,
         )  # fmt: skip
 
-    def _open(self, key: str) -> tuple[_RangePayload, EntryHeader, bytes] | None:
+    def _open(
+        self, key: str, expect: EntrySpec | None = None
+    ) -> tuple[_RangePayload, EntryHeader, bytes] | None:
         """Fetch the length and head of `key`'s entry and verify its header (None: a miss)."""
         redis_key = self._entry_key(key)
 
@@ -278,6 +289,7 @@ class RedisKVStore(KVStore):
         payload = _RangePayload(self, redis_key, int(size), head)
         try:
             header = read_header(payload, key)
+            check_expected(header, expect)
         except CorruptEntryError as error:
             self._drop_corrupt(key, head, error)
             return None

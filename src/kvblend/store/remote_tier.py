@@ -27,20 +27,20 @@ from typing import Any
 
 import torch
 
-from kvblend.store.base import KVStore, StoreError, StoreStats, validate_key
+from kvblend.store.base import (
+    EntrySpec,
+    KVStore,
+    RemoteUnavailableError,
+    StoreError,
+    StoreStats,
+    validate_key,
+)
 from kvblend.store.disk import DiskKVStore
 from kvblend.store.lazy import LazyTensors, PrefetchPool, copy_then_keep
 from kvblend.store.memory import MemoryKVStore
 from kvblend.store.tiered import TieredKVStore
 
 logger = logging.getLogger(__name__)
-
-
-class RemoteUnavailableError(StoreError):
-    """A remote store cannot reach its server, or skips it while backing off.
-
-    The remote store logs the outage itself, so the tiered store only counts these.
-    """
 
 
 #: Seconds between two warnings about the same kind of remote failure.
@@ -84,19 +84,30 @@ class RemoteTieredKVStore(TieredKVStore):
                 self._warned_at[topic] = now
         (logger.warning if due else logger.debug)(message)
 
-    def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
-        """Return `key` from memory, disk, else the remote tier (then copied to the local ones)."""
+    def get(
+        self,
+        key: str,
+        device: torch.device | str | None = None,
+        *,
+        expect: EntrySpec | None = None,
+    ) -> LazyTensors | None:
+        """Return `key` from memory, disk, else the remote tier (then copied to the local ones).
+
+        `expect` is checked by each tier (`KVStore.get`).
+        """
         validate_key(key)
-        found = super().get(key, device)
+        found = super().get(key, device, expect=expect)
         if found is None:
-            found = self._get_remote(key, device)
+            found = self._get_remote(key, device, expect)
         with self._remote_lock:
             self._lookups[0 if found is not None else 1] += 1
         return found
 
-    def _get_remote(self, key: str, device: torch.device | str | None) -> LazyTensors | None:
+    def _get_remote(
+        self, key: str, device: torch.device | str | None, expect: EntrySpec | None
+    ) -> LazyTensors | None:
         try:
-            stored = self.remote.get(key)
+            stored = self.remote.get(key, expect=expect)
         except StoreError as error:
             self._warn(
                 "get", f"KV store {self.remote_name} tier unreadable, a miss: {error}", error

@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvblend.store.base import KVStore, StoreError, StoreStats, validate_entry, validate_key
+from kvblend.store.base import (
+    EntrySpec,
+    KVStore,
+    StoreError,
+    StoreStats,
+    validate_entry,
+    validate_key,
+)
 from kvblend.store.disk import DEFAULT_DISK_BYTES, DiskKVStore
 from kvblend.store.lazy import LazyTensors, copy_then_keep
 from kvblend.store.memory import DEFAULT_MEMORY_BYTES, MemoryKVStore
@@ -86,13 +93,22 @@ class TieredKVStore(KVStore):
             disk.close()
         return self.disk
 
-    def get(self, key: str, device: torch.device | str | None = None) -> LazyTensors | None:
-        """Return the tensors of `key` from memory, else from disk (promoted once fully read)."""
+    def get(
+        self,
+        key: str,
+        device: torch.device | str | None = None,
+        *,
+        expect: EntrySpec | None = None,
+    ) -> LazyTensors | None:
+        """Return the tensors of `key` from memory, else from disk (promoted once fully read).
+
+        `expect` is checked by each tier (`KVStore.get`).
+        """
         validate_key(key)
-        found = self.memory.get(key, device)
+        found = self.memory.get(key, device, expect=expect)
         disk = self._disk_tier() if found is None else None
         if disk is not None:
-            found = self._get_from_disk(disk, key, device)
+            found = self._get_from_disk(disk, key, device, expect)
         with self._lock:
             if found is None:
                 self._misses += 1
@@ -101,11 +117,15 @@ class TieredKVStore(KVStore):
         return found
 
     def _get_from_disk(
-        self, disk: DiskKVStore, key: str, device: torch.device | str | None
+        self,
+        disk: DiskKVStore,
+        key: str,
+        device: torch.device | str | None,
+        expect: EntrySpec | None,
     ) -> LazyTensors | None:
         keep_on = self.memory.device if self.memory.device is not None else torch.device("cpu")
         try:
-            stored = disk.get(key, device=keep_on)
+            stored = disk.get(key, device=keep_on, expect=expect)
         except StoreError as error:
             self._warn_once("get", f"KV store disk tier unreadable, using memory only: {error}")
             return None

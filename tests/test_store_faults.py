@@ -1,0 +1,121 @@
+"""Fault injection, crafted entries: stored KV that does not fit the model is never used.
+
+An entry under the right key, with valid checksums, can still hold the wrong thing: more or
+fewer tokens than the document, another head dimension, a 2-D tensor, fp16 in an fp32 store, a
+single layer of three, NaN or infinity. Each is written through the store's own `put()` (so
+every checksum is right), and each must give the answer of a clean run, never an exception,
+be dropped and counted, and be replaced by an intact entry: by the prefill that met it, and by
+`precompute()`, which must never count it intact. Every store kind is tried, Redis included
+(a real ``redis-server``, `conftest_redis`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import byte_tokenizer, tiny_model
+from kvblend import BlendConfig, BlendEngine
+from kvblend.store import DiskKVStore, KVStore, MemoryKVStore, default_store
+
+DOC = "Marta Quill keeps forty hives on the roof of an old printing house. "
+PROMPT = f"Context: {DOC}\nQuestion: where are the hives?"
+
+Tensors = dict[str, torch.Tensor]
+
+
+def _poison(tensors: Tensors, value: float) -> Tensors:
+    crafted = {name: tensor.clone() for name, tensor in tensors.items()}
+    crafted["v.1"][1, 3, 5] = value  # one value of a middle layer
+    return crafted
+
+
+CRAFTED: dict[str, Callable[[Tensors], Tensors]] = {
+    "more-tokens": lambda ts: {n: torch.cat([t, t[:, :4]], dim=1) for n, t in ts.items()},
+    "fewer-tokens": lambda ts: {n: t[:, :-4].contiguous() for n, t in ts.items()},
+    "wrong-head-dim": lambda ts: {n: t[..., :8].contiguous() for n, t in ts.items()},
+    "2-d": lambda ts: {n: t.reshape(-1, t.shape[-1]) for n, t in ts.items()},
+    "fp16": lambda ts: {n: t.half() for n, t in ts.items()},
+    "one-of-three-layers": lambda ts: {n: t for n, t in ts.items() if n.endswith(".0")},
+    "nan": lambda ts: _poison(ts, float("nan")),
+    "inf": lambda ts: _poison(ts, float("inf")),
+}
+
+
+@pytest.fixture(scope="module")
+def clean() -> tuple[Tensors, torch.Tensor]:
+    """The entry a clean run stores for DOC, and the logits of a reuse prefill over it."""
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=MemoryKVStore())
+    engine.precompute([DOC])
+    entry = engine.store.get(engine.segment_id(DOC))
+    assert entry is not None
+    tensors = {name: entry[name].clone() for name in entry}
+    return tensors, engine.prefill(PROMPT, BlendConfig("reuse")).logits
+
+
+def _stores(kind: str, tmp_path: Path, redis_url: str | None) -> Callable[[], KVStore]:
+    """A factory of store objects over one place (each call: as a new process would open it)."""
+    memory = MemoryKVStore()
+    factories: dict[str, Callable[[], KVStore]] = {
+        "memory": lambda: memory,
+        "disk": lambda: DiskKVStore(tmp_path / "kv"),
+        "tiered": lambda: default_store(tmp_path / "kv"),
+        "redis": lambda: default_store(tmp_path / f"kv{id(object())}", redis_url=redis_url),
+    }
+    return factories[kind]
+
+
+def _corrupt_dropped(store: KVStore) -> int:
+    stats = store.stats()
+    return stats.corrupt_dropped + sum(tier.corrupt_dropped for tier in stats.tiers.values())
+
+
+def _fits(tensors: Tensors, reference: Tensors) -> bool:
+    return tensors.keys() == reference.keys() and all(
+        torch.equal(tensors[name], reference[name]) for name in reference
+    )
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk", "tiered", "redis"])
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    clean: tuple[Tensors, torch.Tensor],
+    kind: str,
+    case: str,
+) -> None:
+    tensors, expected = clean
+    redis_url = request.getfixturevalue("redis_server").url if kind == "redis" else None
+    open_store = _stores(kind, tmp_path, redis_url)
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
+    engine.register([DOC])
+    key = engine.segment_id(DOC)
+    metadata = {"tokens": str(next(iter(tensors.values())).shape[1])}
+    writer = open_store()
+    writer.put(key, CRAFTED[case](tensors), metadata)
+    writer.close()
+
+    reader = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
+    got = reader.prefill(PROMPT, BlendConfig("reuse"))  # never raises
+    assert got.stats.documents_found == 1
+    error = (got.logits - expected).abs().max().item()
+    assert torch.allclose(got.logits, expected, atol=1e-4, rtol=0), f"max error {error:.3g}"
+    assert _corrupt_dropped(reader.store) + reader.segment_kv.dropped >= 1
+    stored = reader.store.get(key)
+    assert stored is not None and _fits({n: stored[n] for n in stored}, tensors)  # healed
+
+    # precompute() over the crafted entry again: never counted intact, always rewritten
+    writer = open_store()
+    writer.put(key, CRAFTED[case](tensors), metadata)
+    writer.close()
+    fresh = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
+    assert not fresh.segment_kv.intact(key, len(fresh.segment_kv.layout(DOC).ids))
+    fresh.precompute([DOC])
+    assert fresh.segment_kv.intact(key, len(fresh.segment_kv.layout(DOC).ids))
+    again = fresh.prefill(PROMPT, BlendConfig("reuse"))
+    assert again.stats.segments_precomputed == 0  # reuse is back after one rebuild
+    assert torch.allclose(again.logits, expected, atol=1e-4, rtol=0)
