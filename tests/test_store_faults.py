@@ -119,3 +119,90 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     again = fresh.prefill(PROMPT, BlendConfig("reuse"))
     assert again.stats.segments_precomputed == 0  # reuse is back after one rebuild
     assert torch.allclose(again.logits, expected, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- Redis access
+
+
+def _acl_user(server, rules: str) -> str:
+    """Create the ACL user ``kv`` (password ``pw``) with `rules`; return its URL."""
+    import redis
+
+    admin = redis.Redis.from_url(server.url)
+    admin.execute_command("ACL", "SETUSER", "kv", "reset", "on", ">pw", *rules.split())
+    admin.close()
+    return f"redis://kv:pw@127.0.0.1:{server.port}/0"
+
+
+def test_the_documented_acl_is_all_a_redis_tier_needs(
+    redis_server, tmp_path: Path, clean: tuple[Tensors, torch.Tensor], caplog
+) -> None:
+    import redis
+
+    from kvblend.store import RedisKVStore
+    from kvblend.store.redis_access import required_acl
+
+    rules = required_acl()
+    assert rules in (Path(__file__).parents[1] / "docs" / "deployment.md").read_text("utf-8")
+    url = _acl_user(redis_server, rules)
+    store = RedisKVStore(url)
+    tensors, _ = clean
+    store.put("doc", tensors, {"tokens": "5"})
+    entry = store.get("doc")
+    assert entry is not None and _fits({n: entry[n] for n in entry}, tensors)
+    assert store.contains("doc") and store.metadata("doc") == {"tokens": "5"}
+    store.append_records("documents", [b"a", b"b"])
+    assert store.read_records("documents") == ([b"a", b"b"], 2)
+    assert store.stats().entries == 1
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.set("kvblend:kv:v1:bad", b"\x10" + b"\x00" * 7 + b"not a kvblend entry....")
+    assert store.get("bad") is None and store.stats().corrupt_dropped == 1  # the drop script ran
+    assert not admin.exists("kvblend:kv:v1:bad")
+    assert store.delete("doc") and not store.contains("doc")
+    store.clear()
+    assert admin.dbsize() == 0
+
+    # a whole engine over the ACL user: precompute, then reuse, without a single refusal
+    engine = BlendEngine(
+        tiny_model("qwen2"), byte_tokenizer(), store=default_store(tmp_path / "a", redis_url=url)
+    )
+    engine.precompute([DOC])
+    engine.store.wait_for_promotions()
+    reader = BlendEngine(
+        tiny_model("qwen2"), byte_tokenizer(), store=default_store(tmp_path / "b", redis_url=url)
+    )
+    got = reader.prefill(PROMPT, BlendConfig("reuse"))
+    assert got.stats.documents_reused == 1 and got.stats.segments_precomputed == 0
+    assert reader.store.stats().put_errors == 0 and engine.store.stats().put_errors == 0
+    assert "NOPERM" not in caplog.text and "without a password" not in caplog.text
+
+
+def test_a_user_without_scripting_is_refused_not_silently_half_working(redis_server) -> None:
+    from kvblend.store import RedisKVStore, StoreError
+    from kvblend.store.redis_access import required_acl
+
+    rules = required_acl().replace("+evalsha", "").replace("+eval", "")
+    store = RedisKVStore(_acl_user(redis_server, rules))
+    with pytest.raises(StoreError, match="(?i)noperm|permission"):
+        store.append_records("documents", [b"a"])
+
+
+def test_an_open_remote_redis_is_warned_about_once(caplog) -> None:
+    from kvblend.store import RedisKVStore
+
+    caplog.set_level("WARNING", logger="kvblend.store.redis_access")
+    RedisKVStore("redis://10.255.1.2:6390/0")  # building does not connect
+    RedisKVStore("redis://10.255.1.2:6390/1")
+    warnings = [r for r in caplog.records if "without a password" in r.getMessage()]
+    assert len(warnings) == 1 and "10.255.1.2:6390" in warnings[0].getMessage()
+    caplog.clear()
+    for url in (
+        "redis://:secret@10.255.1.3:6379/0",
+        "redis://user:secret@10.255.1.4:6379/0",
+        "redis://127.0.0.1:6379/0",
+        "redis://localhost:6379/0",
+        "redis://[::1]:6379/0",
+        "unix:///tmp/redis.sock",
+    ):
+        RedisKVStore(url)
+    assert "without a password" not in caplog.text

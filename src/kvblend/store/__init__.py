@@ -9,11 +9,12 @@ see docs/store.md. `RedisKVStore` and `RemoteTieredKVStore` are imported on firs
 from typing import Any
 
 from kvblend.store.base import CorruptEntryError, KVStore, StoreError, StoreStats
+from kvblend.store.defaults import default_store
 from kvblend.store.disk import DiskKVStore, default_store_dir
 from kvblend.store.index import RepairReport
 from kvblend.store.lazy import LazyTensors
 from kvblend.store.memory import MemoryKVStore
-from kvblend.store.tiered import TieredKVStore, default_store
+from kvblend.store.tiered import TieredKVStore
 
 __all__ = [
     "CorruptEntryError",

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar, cast
-from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
@@ -57,6 +56,7 @@ from kvblend.store.entry_format import (
 )
 from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DEFAULT_MAX_RECORDS
+from kvblend.store.redis_access import redacted, warn_if_open
 from kvblend.store.redis_records import RedisRecordLogs
 
 try:
@@ -86,16 +86,6 @@ if redis.call('GETRANGE', KEYS[1], 0, tonumber(ARGV[1])) == ARGV[2] then
 end
 return 0
 """
-
-
-def redacted(url: str) -> str:
-    """Return `url` with its password replaced by ``***`` (for messages and logs)."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
 class _RangePayload(Payload):
@@ -140,10 +130,11 @@ class _RangePayload(Payload):
 class RedisKVStore(KVStore):
     """Store on a Redis server (``redis://`` or TLS ``rediss://`` URL, password in the URL).
 
-    `url` defaults to `$KVBLEND_REDIS_URL`. Building the store does not connect: a server that
-    is down only makes operations raise `StoreError`. `prefix` namespaces every key, so several
-    stores (or other applications) can share one server. Thread safe; several processes and
-    machines may use one server at once.
+    `url` defaults to `$KVBLEND_REDIS_URL`; a server off this machine named without a password
+    is warned about once (`redis_access.warn_if_open`). Building the store does not connect: a
+    server that is down only makes operations raise `StoreError`. `prefix` namespaces every key,
+    so several stores (or other applications) can share one server. Thread safe; several
+    processes and machines may use one server at once.
     """
 
     tier_name = "redis"
@@ -167,6 +158,7 @@ class RedisKVStore(KVStore):
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self.url = redacted(url)
+        warn_if_open(url)
         self.prefix = prefix
         self.ttl_s = ttl_s
         # One retry on a broken connection (a restarted server); a timeout is not retried.

@@ -1,4 +1,4 @@
-"""`TieredKVStore`: a memory tier in front of a disk tier, and `default_store()`.
+"""`TieredKVStore`: a memory tier in front of a disk tier.
 
 `get()` looks in memory, then on disk; a disk hit is promoted to memory once the caller has read
 all of its tensors (which the engine does during prefill), so promotion costs no extra disk read.
@@ -12,7 +12,6 @@ Invalid keys or tensors still raise, since they are programming errors.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -27,9 +26,9 @@ from kvblend.store.base import (
     validate_entry,
     validate_key,
 )
-from kvblend.store.disk import DEFAULT_DISK_BYTES, DiskKVStore
+from kvblend.store.disk import DiskKVStore
 from kvblend.store.lazy import LazyTensors, copy_then_keep
-from kvblend.store.memory import DEFAULT_MEMORY_BYTES, MemoryKVStore
+from kvblend.store.memory import MemoryKVStore
 
 logger = logging.getLogger(__name__)
 
@@ -267,50 +266,3 @@ class TieredKVStore(KVStore):
         self.memory.close()
         if self.disk is not None:
             self.disk.close()
-
-
-def default_store(
-    directory: str | os.PathLike[str] | None = None,
-    *,
-    memory_bytes: int = DEFAULT_MEMORY_BYTES,
-    disk_bytes: int = DEFAULT_DISK_BYTES,
-    device: torch.device | str | None = None,
-    shared: bool | None = None,
-    disk_retry_s: float = DEFAULT_DISK_RETRY_S,
-    redis_url: str | None = None,
-    redis_ttl_s: float | None = None,
-) -> TieredKVStore:
-    """Build the default store: 2 GiB in memory in front of 20 GiB on disk, then Redis if set.
-
-    The disk folder is `directory`, else `$KVBLEND_STORE_DIR`, else the user cache folder (see
-    `default_store_dir`); it is private unless `shared` (see `DiskKVStore`). `device` places
-    the memory tier (e.g. "cuda"). If the folder cannot be opened (read-only, not a folder), a
-    warning is logged, the store works from memory, and the folder is tried again every
-    `disk_retry_s` seconds. With `redis_url`, else `$KVBLEND_REDIS_URL`, a `RedisKVStore`
-    (entries expiring after `redis_ttl_s`, if given) becomes a third, shared tier
-    (`RemoteTieredKVStore`).
-    """
-    memory = MemoryKVStore(memory_bytes, device=device)
-
-    def open_disk() -> DiskKVStore:
-        return DiskKVStore(directory, size_limit=disk_bytes, shared=shared)
-
-    try:
-        disk: DiskKVStore | None = open_disk()
-    except StoreError as error:
-        logger.warning(
-            "KV store disk tier unavailable, using memory only and trying again every %g s: %s",
-            disk_retry_s,
-            error,
-        )
-        disk = None
-    redis_url = redis_url or os.environ.get("KVBLEND_REDIS_URL")
-    if redis_url:
-        from kvblend.store.redis import RedisKVStore
-        from kvblend.store.remote_tier import RemoteTieredKVStore
-
-        remote = RedisKVStore(redis_url, ttl_s=redis_ttl_s)
-        return RemoteTieredKVStore(
-            memory, disk, remote=remote, open_disk=open_disk, disk_retry_s=disk_retry_s
-        )
-    return TieredKVStore(memory, disk, open_disk=open_disk, disk_retry_s=disk_retry_s)
