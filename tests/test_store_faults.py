@@ -11,7 +11,12 @@ be dropped and counted, and be replaced by an intact entry: by the prefill that 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sqlite3
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -206,3 +211,157 @@ def test_an_open_remote_redis_is_warned_about_once(caplog) -> None:
     ):
         RedisKVStore(url)
     assert "without a password" not in caplog.text
+
+
+# ------------------------------------------------------------------------------------ disk index
+
+DOCS = [
+    "Lena Park tunes the old violin every morning before the market opens on the square. " * 2,
+    "The ferry to the northern island leaves at dawn and returns before the evening storms. " * 2,
+]
+
+
+def _question(doc: str) -> str:
+    return f"Context: {doc}\nQuestion: what happens?"
+
+
+def _filled(folder: Path) -> dict[str, torch.Tensor]:
+    """Precompute DOCS into a disk store at `folder`; return each prompt's reuse logits."""
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    engine.precompute(DOCS)
+    assert len(list(folder.glob("*/*/*.val"))) == len(DOCS)  # entry files, not index blobs
+    answers = {doc: engine.prefill(_question(doc), BlendConfig("reuse")).logits for doc in DOCS}
+    engine.store.close()
+    return answers
+
+
+def _damage_index(folder: Path, how: str) -> None:
+    index = folder / "cache.db"
+    if how == "truncated":
+        with index.open("r+b") as file:
+            file.truncate(index.stat().st_size // 2)
+    elif how == "garbage":
+        index.write_bytes(os.urandom(16384))
+    else:  # garbage pages past the header: opens, and fails on the first full read
+        with index.open("r+b") as file:
+            file.seek(2 * 4096)
+            file.write(os.urandom(3 * 4096))
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "pages"])
+def test_index_damage_keeps_every_intact_entry(tmp_path: Path, how: str, capsys) -> None:
+    from kvblend.cli import main
+
+    folder = tmp_path / "kv"
+    answers = _filled(folder)
+    files = sorted(p.read_bytes() for p in folder.glob("*/*/*.val"))
+    _damage_index(folder, how)
+    assert main(["store", "stats", "--store-dir", str(folder)]) == 0  # no wipe on a look
+    assert f"entries: {len(DOCS)}" in capsys.readouterr().out
+    assert sorted(p.read_bytes() for p in folder.glob("*/*/*.val")) == files
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    engine.register(DOCS)
+    for doc in DOCS:
+        got = engine.prefill(_question(doc), BlendConfig("reuse"))
+        assert got.stats.segments_precomputed == 0 and got.stats.documents_reused == 1
+        assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
+
+
+def test_two_rows_naming_one_file_never_delete_the_file_the_other_owns(tmp_path: Path) -> None:
+    folder = tmp_path / "kv"
+    answers = _filled(folder)
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    first, second = (engine.segment_id(doc) for doc in DOCS)
+    with sqlite3.connect(folder / "cache.db") as connection:  # the second row -> first's file
+        (owned,) = connection.execute(
+            "SELECT filename FROM Cache WHERE key = ?", (first,)
+        ).fetchone()
+        connection.execute("UPDATE Cache SET filename = ? WHERE key = ?", (owned, second))
+    engine.register(DOCS)
+    for doc in reversed(DOCS):  # the second first: its row is dropped, the file is kept
+        got = engine.prefill(_question(doc), BlendConfig("reuse"))
+        assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
+    assert (folder / owned).exists() and engine.segment_kv.intact(first)
+    assert engine.store.stats().corrupt_dropped == 1
+    assert engine.segment_kv.intact(second)  # recomputed and stored again
+
+
+def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Path) -> None:
+    from kvblend.store.rebuild import SWEEP_STAMP
+
+    folder = tmp_path / "kv"
+    answers = _filled(folder)
+    whole = next(folder.glob("*/*/*.val"))
+    with sqlite3.connect(folder / "cache.db") as connection:  # killed before its row committed
+        connection.execute(
+            "DELETE FROM Cache WHERE filename = ?", (str(whole.relative_to(folder)),)
+        )
+    partial = folder / "ee" / "ff" / ("1" * 28 + ".val")  # killed while writing the file
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(whole.read_bytes()[:5000])
+    empty = folder / "dd" / "cc"  # killed after making its folders
+    empty.mkdir(parents=True)
+    long_ago = time.time() - 3600
+    for path in (whole, partial, partial.parent, partial.parent.parent, empty, empty.parent):
+        os.utime(path, (long_ago, long_ago))
+    (folder / SWEEP_STAMP).unlink()  # no sweep for ten minutes, as the last opening was then
+
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    assert not partial.exists() and not (folder / "ee").exists() and not (folder / "dd").exists()
+    assert whole.exists() and engine.store.stats().entries == len(DOCS)  # taken back in
+    engine.register(DOCS)
+    for doc in DOCS:
+        got = engine.prefill(_question(doc), BlendConfig("reuse"))
+        assert got.stats.segments_precomputed == 0
+        assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path) -> Iterator[Path]:
+    """`folder`, made read-only: by permissions for a user, a read-only bind mount for root."""
+    if os.geteuid() != 0:
+        paths = [folder, *folder.rglob("*")]
+        for path in paths:
+            path.chmod(0o500 if path.is_dir() else 0o400)
+        try:
+            yield folder
+        finally:
+            for path in paths:
+                path.chmod(0o700 if path.is_dir() else 0o600)
+        return
+    view = folder.parent / "read-only-view"
+    view.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(folder), str(view)], check=False)
+    if mounted.returncode != 0:
+        pytest.skip("root without mount: a read-only folder cannot be made here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
+        yield view
+    finally:
+        subprocess.run(["umount", "--lazy", str(view)], check=False)  # open handles: detach now
+
+
+def test_a_read_only_disk_still_serves_what_it_can_read(tmp_path: Path, caplog) -> None:
+    folder = tmp_path / "kv"
+    answers = _filled(folder)
+    with _read_only(folder) as view:
+        before = _snapshot(view)
+        store = default_store(view)
+        assert store.disk is not None and store.disk.read_only
+        engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=store)
+        engine.register(DOCS)
+        for doc in DOCS:
+            got = engine.prefill(_question(doc), BlendConfig("reuse"))
+            assert got.stats.segments_precomputed == 0  # read from the read-only disk
+            assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
+        caplog.clear()
+        engine.precompute(["A document the read-only disk cannot take. " * 3] * 1)
+        engine.precompute(["Another document it cannot take either. " * 3])
+        failures = [r for r in caplog.records if "write failed" in r.getMessage()]
+        assert len(failures) == 1 and store.stats().put_errors == 2  # one line, then counted
+        assert _snapshot(view) == before
+        store.close()

@@ -42,8 +42,8 @@ from kvblend.store.files import ForeignValueError, file_modes, prepare_folder
 from kvblend.store.index import (
     ORPHAN_GRACE_S,
     RepairReport,
-    collect_orphans,
     drop_broken_rows,
+    evict_until_under,
     index_identity,
     index_is_damaged,
     is_damage,
@@ -51,7 +51,9 @@ from kvblend.store.index import (
     set_aside_damaged_index,
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
-from kvblend.store.records import DiskRecordLogs
+from kvblend.store.readonly import ReadOnlyIndex, looks_read_only
+from kvblend.store.rebuild import adopt_files, sweep_if_due
+from kvblend.store.records import DiskRecordLogs, MemoryRecordLogs
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ STORE_DIR_ENV = "KVBLEND_STORE_DIR"
 DEFAULT_DISK_BYTES = 20 << 30
 
 _STORAGE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
+#: Seconds between attempts at opening writable a folder opened read-only.
+READ_ONLY_RETRY_S = 30.0
 
 
 def default_store_dir() -> Path:
@@ -103,14 +107,44 @@ class DiskKVStore(KVStore):
         self._damaged = False
         self._set_aside = 0
         self._hits = self._misses = self._evictions = self._corrupt = 0
+        self.read_only = False
+        self._writable_retry_at = 0.0
         with self._storage_errors("open the KV store"):
             prepare_folder(self.directory, self.modes)
-            self._cache, self._identity = self._open_index()
-            self._records = DiskRecordLogs(self.directory / "records", modes=self.modes)
+            try:
+                self._cache, self._identity = self._open_index()
+            except _STORAGE_ERRORS as error:
+                self._cache, self._identity = self._open_read_only(error)
+            self._records = self._open_records()
+
+    def _open_read_only(self, error: BaseException) -> tuple[ReadOnlyIndex, tuple[int, int] | None]:
+        """Open the index read-only after `error` said the disk cannot be written (else raise)."""
+        if not looks_read_only(error) or index_identity(self.directory) is None:
+            raise error
+        cache = ReadOnlyIndex(self.directory, self.modes)
+        logger.warning(
+            "KV store in %s opened read-only (%s): its entries are read, writes fail, and "
+            "opening it writable is tried again every %g s",
+            self.directory, error, READ_ONLY_RETRY_S,
+        )  # fmt: skip
+        self.read_only = True
+        self._writable_retry_at = time.monotonic() + READ_ONLY_RETRY_S
+        return cache, index_identity(self.directory)
+
+    def _open_records(self) -> DiskRecordLogs | MemoryRecordLogs:
+        try:
+            return DiskRecordLogs(self.directory / "records", modes=self.modes)
+        except _STORAGE_ERRORS as error:
+            if not self.read_only:
+                raise
+            logger.warning(
+                "KV store record logs in %s unreadable, kept in memory: %s", self.directory, error
+            )
+            return MemoryRecordLogs()
 
     def _open_index(self) -> tuple[diskcache.Cache, tuple[int, int] | None]:
         # cull_limit=0: set() never evicts by itself; put() evicts (and counts) itself.
-        cache, set_aside = open_index(
+        cache, set_aside_at = open_index(
             self.directory,
             self.modes,
             timeout=self._timeout,
@@ -118,11 +152,17 @@ class DiskKVStore(KVStore):
             size_limit=self.size_limit,
             cull_limit=0,
         )
-        self._set_aside += set_aside
+        if set_aside_at is not None:
+            self._set_aside += 1
+            adopt_files(cache, self.directory, older_than=set_aside_at)  # rebuilt, not wiped
+        else:
+            sweep_if_due(cache, self.directory, self.modes)  # what a killed writer left
         return cache, index_identity(self.directory)
 
     def _index(self) -> diskcache.Cache:
         """Return the open index, reopened first if found damaged or replaced by another process."""
+        if self.read_only and time.monotonic() >= self._writable_retry_at:
+            self._try_writable()
         if not self._damaged and index_identity(self.directory) == self._identity:
             return self._cache
         with self._reopen_lock:
@@ -134,6 +174,21 @@ class DiskKVStore(KVStore):
                 with contextlib.suppress(*_STORAGE_ERRORS):
                     old.close()
         return self._cache
+
+    def _try_writable(self) -> None:
+        """Open a read-only folder writable again, if its disk allows it now."""
+        with self._reopen_lock:
+            if not self.read_only or time.monotonic() < self._writable_retry_at:
+                return
+            self._writable_retry_at = time.monotonic() + READ_ONLY_RETRY_S
+            try:
+                cache, identity = self._open_index()
+            except _STORAGE_ERRORS as error:
+                logger.debug("KV store in %s still read-only: %s", self.directory, error)
+                return
+            old, self._cache, self._identity, self.read_only = self._cache, cache, identity, False
+            old.close()
+        logger.warning("KV store in %s is writable again", self.directory)
 
     @contextlib.contextmanager
     def _storage_errors(self, action: str) -> Iterator[None]:
@@ -197,32 +252,9 @@ class DiskKVStore(KVStore):
         with self._storage_errors(f"write entry {key!r} ({len(data)} bytes)"):
             cache = self._index()
             cache.set(key, data, retry=True)
-            evicted = self._evict_until_under_limit(cache, keep=key)
+            evicted = evict_until_under(cache, self.size_limit, keep=key)
         with self._lock:
             self._evictions += evicted
-
-    def _evict_until_under_limit(self, cache: diskcache.Cache, keep: str) -> int:
-        """Delete least recently used entries, one at a time, until the folder fits the limit.
-
-        diskcache's own `cull()` removes entries in batches of 10, which in a store holding
-        few large entries would drop nearly everything, the new entry included. So the LRU key
-        is looked up in diskcache's index (its `Cache` table, ordered by `access_time` under
-        the least-recently-used policy) and removed with the public `delete()`; if that lookup
-        ever fails (a different diskcache version), the batch `cull()` is used instead.
-        """
-        evicted = 0
-        while cache.volume() > self.size_limit:
-            try:
-                rows = cache._sql(  # noqa: SLF001 - see docstring
-                    "SELECT key FROM Cache WHERE raw = 1 AND key != ? ORDER BY access_time LIMIT 1",
-                    (keep,),
-                ).fetchall()
-            except (AttributeError, sqlite3.Error):
-                return evicted + cache.cull(retry=True)
-            if not rows:
-                break
-            evicted += int(cache.delete(rows[0][0], retry=True))
-        return evicted
 
     def contains(self, key: str) -> bool:
         """Return True if the folder has an entry under `key` (not verified)."""
@@ -275,9 +307,11 @@ class DiskKVStore(KVStore):
     def repair(self) -> RepairReport:
         """Check the folder and fix what can be fixed; safe while other processes use it.
 
-        Sets a damaged index aside (a new one is started; see `kvblend.store.index`), drops
-        index rows whose file is missing or lies outside the folder, deletes value files no row
-        names (unless younger than `ORPHAN_GRACE_S`: they may be entries being written).
+        Sets a damaged index aside (a new one is started and rebuilt from the entry files; see
+        `kvblend.store.rebuild`), drops index rows whose file is missing or lies outside the
+        folder, takes whole entry files no row names back into the index and deletes the other
+        value files no row names (unless younger than `ORPHAN_GRACE_S`: they may be entries
+        being written).
         Raises `StoreError` if the folder cannot be used.
         """
         with self._storage_errors("repair the KV store"):
@@ -289,15 +323,16 @@ class DiskKVStore(KVStore):
             cache = self._index()
             dropped = drop_broken_rows(cache, self.directory)
             older_than = moment if moment is not None else time.time() - ORPHAN_GRACE_S
-            deleted, freed = collect_orphans(cache, self.directory, older_than)
+            swept = adopt_files(cache, self.directory, older_than)
             entries, volume = len(cache), cache.volume()
         return RepairReport(
             index_set_aside=self._set_aside > 0 or moment is not None,
             rows_dropped=dropped,
-            orphans_deleted=deleted,
-            orphan_bytes=freed,
+            orphans_deleted=swept.deleted,
+            orphan_bytes=swept.deleted_bytes,
             entries=entries,
             bytes=volume,
+            files_adopted=swept.adopted,
         )
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:
@@ -314,7 +349,8 @@ class DiskKVStore(KVStore):
         """Stop prefetch threads and close this process's database connections."""
         self._pool.close()
         self._cache.close()
-        self._records.close()
+        if isinstance(self._records, DiskRecordLogs):
+            self._records.close()
 
     def _open(self, key: str) -> Payload | None:
         """Fetch the stored value of `key` as a `Payload`, or None (miss or foreign value)."""

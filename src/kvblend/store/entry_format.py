@@ -331,3 +331,24 @@ def _decode_tensor(
     if checksum(view) != info.checksum:
         raise CorruptEntryError(key, f"tensor {info.name!r} checksum mismatch")
     return buffer.view(info.dtype).reshape(info.shape)
+
+
+def entry_key(payload: Payload) -> str | None:
+    """Return the key `payload` was written under if it is a whole, intact-looking entry.
+
+    The key comes from the entry's own header, which is then verified as `read_header` does
+    for a reader (header checksum, tensor listing, size); tensor bytes are not read. None for
+    anything else: a partial file, a damaged header, bytes kvblend did not write.
+    """
+    try:
+        prefix = payload.read(0, 8)
+        header_size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 0 < header_size <= min(_MAX_HEADER_BYTES, payload.size - 8):
+            return None
+        key = json.loads(payload.read(8, header_size))["__metadata__"]["kvblend.key"]
+        if not isinstance(key, str):
+            return None
+        read_header(payload, key)
+    except (CorruptEntryError, StoreError, ValueError, KeyError, TypeError):
+        return None
+    return key

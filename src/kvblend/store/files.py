@@ -21,6 +21,7 @@ import os
 import re
 import sqlite3
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import diskcache
@@ -200,7 +201,7 @@ def remove_value_file(directory: str, filename: object) -> None:
         folder = os.path.dirname(folder)
 
 
-def _open_no_wait(path: str, flags: int) -> int:
+def open_no_follow(path: str, flags: int) -> int:
     """Open without following a final symbolic link or blocking on a FIFO someone put there."""
     return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
 
@@ -221,6 +222,8 @@ class BytesOnlyDisk(diskcache.Disk):
     def __init__(self, directory: str, **kwargs: object) -> None:
         super().__init__(directory, **kwargs)
         self._real_directory = os.path.realpath(directory)
+        #: Set by the index once open: whether a row still names a file (then it is kept).
+        self.still_named: Callable[[str], bool] | None = None
 
     def put(self, key: object) -> tuple[object, bool]:  # noqa: D102 - diskcache.Disk API
         if type(key) is not str:
@@ -251,7 +254,7 @@ class BytesOnlyDisk(diskcache.Disk):
         full = confined_path(self._real_directory, filename)
         if full is None:
             raise ForeignValueError(f"file name {filename!r} outside the store folder")
-        handle = open(full, "rb", opener=_open_no_wait)  # noqa: SIM115 - the caller closes it
+        handle = open(full, "rb", opener=open_no_follow)  # noqa: SIM115 - the caller closes it
         if not stat.S_ISREG(os.fstat(handle.fileno()).st_mode):
             handle.close()
             raise ForeignValueError(f"{filename!r} is not a regular file")
@@ -261,6 +264,11 @@ class BytesOnlyDisk(diskcache.Disk):
             return handle.read()
 
     def remove(self, file_path: str) -> None:  # noqa: D102
+        # Two rows of a damaged or rebuilt index may name one file: deleting one row (its key
+        # does not match the file's header) must not delete the entry the other row owns.
+        if self.still_named is not None and self.still_named(file_path):
+            logger.debug("keeping %s: another index row names it", file_path)
+            return
         remove_value_file(self._real_directory, file_path)
 
 

@@ -3,14 +3,15 @@
 A store folder's SQLite index (``cache.db``) can be damaged: truncated by a copy or a full disk,
 overwritten by another program. A folder whose index cannot be read would otherwise leave the
 disk tier off for good, so opening one sets the damaged index aside as ``cache.db.damaged``
-(replacing an older one, kept for inspection) and starts a new, empty index. The value files
-the old index named are then orphans, outside the size accounting: they are deleted.
+(replacing an older one, kept for inspection) and starts a new index, which the store then
+rebuilds from the entry files' own headers (`kvblend.store.rebuild`): no intact entry is lost.
 
 `repair()` does the same on demand and more: it drops index rows whose file is missing or whose
-file name lies outside the folder, and deletes value files no row names. A value file is
-written just before its row is committed, so a file younger than `ORPHAN_GRACE_S` may be an
+file name lies outside the folder, and adopts or deletes value files no row names. A value file
+is written just before its row is committed, so a file younger than `ORPHAN_GRACE_S` may be an
 entry another process is writing and is kept. Only names diskcache writes (``ab/cd/x.val``)
 are ever considered: the ``records`` sub-folder and anything else in the folder is left alone.
+Two rows naming one file never delete it while one of them still names it (`_row_names`).
 
 Setting an index aside happens under an exclusive lock on the folder (``flock``), after
 checking again that the index still cannot be read, so that two processes finding the same
@@ -24,7 +25,8 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +57,7 @@ class RepairReport:
     orphan_bytes: int
     entries: int
     bytes: int
+    files_adopted: int = 0  # whole entry files no row named, taken back into the index
 
 
 def is_damage(error: BaseException) -> bool:
@@ -75,27 +78,25 @@ def index_identity(directory: Path) -> tuple[int, int] | None:
 
 def open_index(
     directory: Path, modes: FileModes, disk: type[diskcache.Disk] | None = None, **settings: object
-) -> tuple[diskcache.Cache, bool]:
+) -> tuple[diskcache.Cache, float | None]:
     """Open the folder's index; a damaged one is set aside and replaced by a new index.
 
     `disk` is the serializer class (default: the store's bytes-only one with `modes`). Returns
-    the index and whether a damaged one was set aside. Raises `sqlite3.Error` or `OSError` when
-    the folder cannot be used (read-only, locked, not a folder).
+    the index and the time a damaged one was set aside (None: none was); the caller rebuilds
+    the new index from the entry files (`kvblend.store.rebuild`). Raises `sqlite3.Error` or
+    `OSError` when the folder cannot be used (read-only, locked, not a folder).
     """
     settings["disk"] = disk if disk is not None else disk_class(modes)
     prepare_index_file(directory, modes)
     try:
-        return _open_checked(directory, settings), False
+        return _open_checked(directory, settings), None
     except sqlite3.DatabaseError as error:
         if not is_damage(error):
             raise
         damage = error
     set_aside_at = set_aside_damaged_index(directory, damage)
     prepare_index_file(directory, modes)
-    cache = _open_checked(directory, settings)
-    if set_aside_at is not None:
-        collect_orphans(cache, directory, older_than=set_aside_at)
-    return cache, set_aside_at is not None
+    return _open_checked(directory, settings), set_aside_at
 
 
 def _open_checked(directory: Path, settings: dict[str, object]) -> diskcache.Cache:
@@ -107,7 +108,29 @@ def _open_checked(directory: Path, settings: dict[str, object]) -> diskcache.Cac
     except BaseException:
         cache.close()
         raise
+    if hasattr(cache.disk, "still_named"):
+        cache.disk.still_named = _row_names(cache)
+        with contextlib.suppress(sqlite3.Error):  # a read-only index does without it
+            cache._sql(  # noqa: SLF001 - keeps `still_named` a lookup, not a table scan
+                "CREATE INDEX IF NOT EXISTS Cache_filename ON Cache(filename)"
+            )
     return cache
+
+
+def _row_names(cache: diskcache.Cache) -> Callable[[str], bool]:
+    """Whether any row of `cache` names a file (held weakly: the index may be closed)."""
+    reference = weakref.ref(cache)
+
+    def still_named(filename: str) -> bool:
+        index = reference()
+        if index is None:
+            return False
+        rows = index._sql(  # noqa: SLF001 - the index's file names; no public API
+            "SELECT 1 FROM Cache WHERE filename = ? LIMIT 1", (filename,)
+        ).fetchall()
+        return bool(rows)
+
+    return still_named
 
 
 @contextlib.contextmanager
@@ -153,59 +176,13 @@ def set_aside_damaged_index(directory: Path, error: BaseException | str) -> floa
             with contextlib.suppress(FileNotFoundError):
                 source.rename(target)
     logger.warning(
-        "KV store index in %s is damaged (%s): set aside as %s and rebuilt; its entries "
-        "will be computed again",
+        "KV store index in %s is damaged (%s): set aside as %s; a new one is rebuilt from "
+        "the entry files",
         directory,
         error,
         DAMAGED_NAME,
     )
     return moment
-
-
-def _value_files(directory: Path) -> Iterator[tuple[str, Path]]:
-    """(index file name, path) of every file laid out the way diskcache writes values."""
-    real = os.path.realpath(directory)
-    for first in sorted(os.listdir(real)):
-        if len(first) != 2 or not os.path.isdir(os.path.join(real, first)):
-            continue
-        for second in sorted(os.listdir(os.path.join(real, first))):
-            folder = os.path.join(real, first, second)
-            if not os.path.isdir(folder) or os.path.islink(folder):
-                continue
-            for name in os.listdir(folder):
-                filename = os.path.join(first, second, name)
-                full = confined_path(real, filename)
-                if full is not None:
-                    yield filename, Path(full)
-
-
-def collect_orphans(cache: diskcache.Cache, directory: Path, older_than: float) -> tuple[int, int]:
-    """Delete value files no index row names, last modified before `older_than`.
-
-    Returns (files deleted, bytes freed).
-    """
-    named = {
-        row[0]
-        for row in cache._sql(  # noqa: SLF001 - the index's file names; no public API
-            "SELECT filename FROM Cache WHERE filename IS NOT NULL"
-        ).fetchall()
-    }
-    deleted = freed = 0
-    for filename, path in _value_files(directory):
-        if filename in named:
-            continue
-        try:
-            info = path.stat()
-            if info.st_mtime >= older_than:
-                continue
-            cache.disk.remove(filename)  # removes emptied sub-folders too
-        except OSError:
-            continue
-        deleted += 1
-        freed += info.st_size
-    if deleted:
-        logger.warning("deleted %d orphan files (%d bytes) from %s", deleted, freed, directory)
-    return deleted, freed
 
 
 def drop_broken_rows(cache: diskcache.Cache, directory: Path) -> int:
@@ -230,3 +207,28 @@ def drop_broken_rows(cache: diskcache.Cache, directory: Path) -> int:
     if dropped:
         logger.warning("dropped %d index rows without a valid file in %s", dropped, directory)
     return dropped
+
+
+def evict_until_under(cache: diskcache.Cache, size_limit: int, keep: str) -> int:
+    """Delete least recently used entries, one at a time, until the folder fits `size_limit`.
+
+    diskcache's own `cull()` removes entries in batches of 10, which in a store holding few
+    large entries would drop nearly everything, the new entry `keep` included. So the LRU key
+    is looked up in diskcache's index (its `Cache` table, ordered by `access_time` under the
+    least-recently-used policy) and removed with the public `delete()`; if that lookup ever
+    fails (a different diskcache version), the batch `cull()` is used instead. Returns how many
+    entries were evicted.
+    """
+    evicted = 0
+    while cache.volume() > size_limit:
+        try:
+            rows = cache._sql(  # noqa: SLF001 - see docstring
+                "SELECT key FROM Cache WHERE raw = 1 AND key != ? ORDER BY access_time LIMIT 1",
+                (keep,),
+            ).fetchall()
+        except (AttributeError, sqlite3.Error):
+            return evicted + int(cache.cull(retry=True))
+        if not rows:
+            break
+        evicted += int(cache.delete(rows[0][0], retry=True))
+    return evicted

@@ -1,0 +1,106 @@
+"""A disk store's index opened read-only: a folder on a read-only or full disk still serves.
+
+diskcache writes to its index as it opens it (settings, tables), so a folder whose disk is
+read-only (or full, or whose files the process may only read) cannot be opened by diskcache at
+all. `ReadOnlyIndex` reads the same SQLite index with SQLite's read-only modes and serves the
+calls a reader makes (`get`, ``in``, `len`, `volume`) with diskcache's own row layout and the
+store's bytes-only serializer; every write raises `sqlite3.OperationalError` ("attempt to
+write a readonly database"), which the disk store reports as a failed write like any other.
+"""
+
+from __future__ import annotations
+
+import errno
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from kvblend.store.files import INDEX_NAME, FileModes, disk_class
+
+#: errno values and SQLite messages that say a folder can be read but not written.
+_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC})
+_READ_ONLY_MESSAGES = ("readonly", "read-only", "unable to open", "disk is full")
+
+
+def looks_read_only(error: BaseException) -> bool:
+    """Whether `error`, raised opening a folder's index, says the disk cannot be written."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in _READ_ONLY_ERRNOS:
+            return True
+        if isinstance(cause, sqlite3.OperationalError) and any(
+            text in str(cause).lower() for text in _READ_ONLY_MESSAGES
+        ):
+            return True
+        cause = cause.__cause__
+    return False
+
+
+def _refuse(*args: object, **kwargs: object) -> Any:
+    raise sqlite3.OperationalError("attempt to write a readonly database (opened read-only)")
+
+
+class ReadOnlyIndex:
+    """The calls of `diskcache.Cache` a disk store's readers make, over a read-only index.
+
+    Opened with ``mode=ro`` (which needs the ``-shm`` file), else ``immutable=1`` (no locks;
+    for a folder where nothing can be created). Raises `sqlite3.Error` if neither can read it.
+    """
+
+    directory: str
+
+    def __init__(self, directory: Path, modes: FileModes) -> None:
+        self.directory = str(directory)
+        path = (Path(directory) / INDEX_NAME).resolve().as_uri()
+        last: sqlite3.Error | None = None
+        for options in ("mode=ro", "immutable=1"):
+            try:
+                connection = sqlite3.connect(
+                    f"{path}?{options}", uri=True, timeout=60, check_same_thread=False
+                )
+                connection.execute("SELECT MAX(rowid) FROM Cache").fetchall()
+            except sqlite3.Error as error:
+                last = error
+                continue
+            self._connection = connection
+            self.disk = disk_class(modes)(self.directory)
+            return
+        assert last is not None
+        raise last
+
+    set = delete = clear = cull = transact = _refuse
+
+    def get(self, key: str, default: object = None, read: bool = False, **_: object) -> object:
+        """Return the value of `key` (a file handle with `read`), or `default`."""
+        rows = self._connection.execute(
+            "SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,)
+        ).fetchall()
+        if not rows:
+            return default
+        mode, filename, value = rows[0]
+        return self.disk.fetch(mode, filename, value, read)
+
+    def __contains__(self, key: object) -> bool:
+        rows = self._connection.execute(
+            "SELECT 1 FROM Cache WHERE key = ? AND raw = 1", (key,)
+        ).fetchall()
+        return bool(rows)
+
+    def __len__(self) -> int:
+        return int(self._connection.execute("SELECT COUNT(*) FROM Cache").fetchone()[0])
+
+    def volume(self) -> int:
+        """Bytes of the index file plus the entries' sizes, as diskcache counts them."""
+        pages = self._connection.execute("PRAGMA page_count").fetchone()[0]
+        page_size = self._connection.execute("PRAGMA page_size").fetchone()[0]
+        total = self._connection.execute("SELECT COALESCE(SUM(size), 0) FROM Cache").fetchone()
+        return int(pages) * int(page_size) + int(total[0])
+
+    def _sql(self, statement: str, parameters: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        if not statement.lstrip().upper().startswith("SELECT"):
+            _refuse()
+        return self._connection.execute(statement, parameters)
+
+    def close(self) -> None:
+        """Close the connection."""
+        self._connection.close()
