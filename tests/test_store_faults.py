@@ -365,3 +365,115 @@ def test_a_read_only_disk_still_serves_what_it_can_read(tmp_path: Path, caplog) 
         assert len(failures) == 1 and store.stats().put_errors == 2  # one line, then counted
         assert _snapshot(view) == before
         store.close()
+
+
+# -------------------------------------------------------------------------------------- symlinks
+
+
+def _tree(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every path under `folder` with its mode and (for files) its bytes."""
+    found = {}
+    for path in [folder, *folder.rglob("*")]:
+        info = path.lstat()
+        found[str(path.relative_to(folder))] = (
+            info.st_mode,
+            path.read_bytes() if path.is_file() and not path.is_symlink() else b"",
+        )
+    return found
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    """A folder outside the store, with a file and a database-looking file in it."""
+    folder = tmp_path / "outside"
+    folder.mkdir(mode=0o755)
+    (folder / "notes.txt").write_text("not the store's")
+    (folder / "cache.db").write_bytes(b"")
+    (folder / "records").mkdir()
+    return folder
+
+
+@pytest.mark.parametrize("name", ["cache.db", "cache.db-wal", "records", "records/records.db"])
+def test_no_index_or_log_is_followed_out_of_the_folder(
+    tmp_path: Path, outside: Path, name: str, caplog
+) -> None:
+    from kvblend.store import StoreError
+
+    folder = tmp_path / "kv"
+    folder.mkdir(mode=0o700)
+    if name != "records":
+        (folder / "records").mkdir(mode=0o700)
+    target = outside / ("records" if name == "records" else "cache.db")
+    (folder / name).symlink_to(target)
+    before = _tree(outside)
+    if name.startswith("cache.db"):
+        with pytest.raises(StoreError, match="symbolic link"):
+            DiskKVStore(folder)
+    store = default_store(folder)
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=store)
+    engine.precompute([DOC])
+    got = engine.prefill(PROMPT, BlendConfig("reuse"))
+    assert got.stats.documents_reused == 1 and got.stats.segments_precomputed == 0
+    assert any("symbolic link" in r.getMessage() for r in caplog.records)
+    store.close()
+    assert _tree(outside) == before
+
+
+def _one_place(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Make every new value file go to ab/cd/ (diskcache picks a random folder otherwise)."""
+    from kvblend.store import files
+
+    counter = iter(range(10**6))
+
+    def filename(self, key=None, value=None):
+        name = os.path.join("ab", "cd", f"{next(counter):028x}.val")
+        return name, os.path.join(self._directory, name)
+
+    monkeypatch.setattr(files.BytesOnlyDisk, "filename", filename)
+    return os.path.join("ab", "cd")
+
+
+@pytest.mark.parametrize("link", ["ab", "ab/cd"])
+def test_no_entry_is_written_through_a_linked_sub_folder(
+    tmp_path: Path, outside: Path, link: str, monkeypatch, caplog
+) -> None:
+    _one_place(monkeypatch)
+    folder = tmp_path / "kv"
+    folder.mkdir(mode=0o700)
+    if link != "ab":
+        (folder / "ab").mkdir(mode=0o700)
+    (folder / link).symlink_to(outside)
+    before = _tree(outside)
+    store = default_store(folder)
+    engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=store)
+    engine.precompute([DOC])  # the disk write is refused; memory keeps the entry
+    expected = engine.prefill(PROMPT, BlendConfig("reuse"))
+    failures = [r for r in caplog.records if "write failed" in r.getMessage()]
+    assert len(failures) == 1 and "symbolic link" in failures[0].getMessage()
+    fresh = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    fresh.register([DOC])
+    got = fresh.prefill(PROMPT, BlendConfig("reuse"))  # nothing on disk: computed, not raised
+    assert torch.allclose(got.logits, expected.logits, atol=1e-5, rtol=0)
+    store.close()
+    assert _tree(outside) == before
+
+
+def test_an_entry_whose_sub_folder_became_a_link_is_neither_read_nor_deleted(
+    tmp_path: Path, outside: Path, monkeypatch
+) -> None:
+    sub = _one_place(monkeypatch)
+    folder = tmp_path / "kv"
+    writer = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    writer.precompute([DOC])
+    expected = writer.prefill(PROMPT, BlendConfig("reuse"))
+    writer.store.close()
+    os.replace(folder / sub, outside / "moved")  # the entry's folder now lives outside
+    (folder / sub).symlink_to(outside / "moved")
+    before = _tree(outside)
+    reader = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
+    reader.register([DOC])
+    got = reader.prefill(PROMPT, BlendConfig("reuse"))
+    assert torch.allclose(got.logits, expected.logits, atol=1e-5, rtol=0)
+    assert reader.store.stats().corrupt_dropped == 1  # a foreign value: its row is dropped
+    reader.store.close()
+    assert _tree(outside) == before

@@ -51,9 +51,9 @@ from kvblend.store.index import (
     set_aside_damaged_index,
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
-from kvblend.store.readonly import ReadOnlyIndex, looks_read_only
+from kvblend.store.readonly import ReadOnlyIndex, looks_read_only, record_logs
 from kvblend.store.rebuild import adopt_files, sweep_if_due
-from kvblend.store.records import DiskRecordLogs, MemoryRecordLogs
+from kvblend.store.records import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class DiskKVStore(KVStore):
                 self._cache, self._identity = self._open_index()
             except _STORAGE_ERRORS as error:
                 self._cache, self._identity = self._open_read_only(error)
-            self._records = self._open_records()
+            self._records = record_logs(self.directory, self.modes, self.read_only)
 
     def _open_read_only(self, error: BaseException) -> tuple[ReadOnlyIndex, tuple[int, int] | None]:
         """Open the index read-only after `error` said the disk cannot be written (else raise)."""
@@ -130,17 +130,6 @@ class DiskKVStore(KVStore):
         self.read_only = True
         self._writable_retry_at = time.monotonic() + READ_ONLY_RETRY_S
         return cache, index_identity(self.directory)
-
-    def _open_records(self) -> DiskRecordLogs | MemoryRecordLogs:
-        try:
-            return DiskRecordLogs(self.directory / "records", modes=self.modes)
-        except _STORAGE_ERRORS as error:
-            if not self.read_only:
-                raise
-            logger.warning(
-                "KV store record logs in %s unreadable, kept in memory: %s", self.directory, error
-            )
-            return MemoryRecordLogs()
 
     def _open_index(self) -> tuple[diskcache.Cache, tuple[int, int] | None]:
         # cull_limit=0: set() never evicts by itself; put() evicts (and counts) itself.

@@ -9,13 +9,16 @@ deployment opts in (``shared=True`` or ``KVBLEND_STORE_SHARED=1``) to group acce
 The diskcache index names each value file; a row whose name is not one diskcache writes
 (``ab/cd/<28 hex>.val``, inside the folder, not through a symbolic link) or that names something
 other than a regular file (a FIFO would block the reader) is treated as a foreign value: never
-read, never deleted. Writes retry when another process removes an emptied
-sub-folder between creating it and opening the file in it, as diskcache's own writer does.
+read, never deleted. Nothing is written through a link either: a value sub-folder, the index
+or one of SQLite's files next to it that is a symbolic link is refused (`refuse_links`).
+Writes retry when another process removes an emptied sub-folder between creating it and
+opening the file in it, as diskcache's own writer does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -40,6 +43,7 @@ _SEP = re.escape(os.sep)
 _VALUE_FILE = re.compile(rf"([0-9a-f]{{2}}){_SEP}([0-9a-f]{{2}}){_SEP}([0-9a-f]{{28}}\.val)")
 #: Attempts at creating a value file's folders and the file (diskcache's writer makes 10).
 WRITE_ATTEMPTS = 10
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True)
@@ -95,9 +99,10 @@ def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
         if ours and store and stat.S_IMODE(info.st_mode) & 0o007:
             set_mode(path, modes.folder)
             for name in os.listdir(path):
-                if name.startswith(INDEX_NAME):
+                full = os.path.join(path, name)
+                if name.startswith(INDEX_NAME) and not os.path.islink(full):
                     with contextlib.suppress(OSError):
-                        set_mode(os.path.join(path, name), modes.file)
+                        set_mode(full, modes.file)
         else:
             logger.warning(
                 "KV store folder %s is open to other users, and stored KV reveals the "
@@ -114,13 +119,36 @@ def _fchmod(descriptor: int, mode: int) -> None:
         os.fchmod(descriptor, mode)
 
 
+#: Files SQLite keeps next to a database: each must not be a link out of the folder either.
+SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
+
+
+def refuse_links(directory: str | os.PathLike[str], *names: str) -> None:
+    """Raise `OSError` (``ELOOP``) if one of `names` in `directory` is a symbolic link.
+
+    Nothing under a store folder is followed through a link: SQLite and the store would
+    otherwise create tables, write and change modes wherever the link points.
+    """
+    for name in names:
+        path = os.path.join(directory, name)
+        if os.path.islink(path):
+            raise OSError(
+                errno.ELOOP,
+                f"{name} in the KV store folder is a symbolic link (to {os.readlink(path)!r}); "
+                "kvblend does not follow links out of the folder: remove it",
+                path,
+            )
+
+
 def prepare_index_file(directory: str | os.PathLike[str], modes: FileModes) -> None:
     """Create the folder's SQLite index file with `modes` before SQLite does (with 0644).
 
-    SQLite gives its ``-wal`` and ``-shm`` files the mode of the database file.
+    SQLite gives its ``-wal`` and ``-shm`` files the mode of the database file. Raises
+    `OSError` if the index or one of SQLite's files next to it is a symbolic link.
     """
+    refuse_links(directory, *(INDEX_NAME + suffix for suffix in SQLITE_SUFFIXES))
     path = os.path.join(directory, INDEX_NAME)
-    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT, modes.file)
+    descriptor = os.open(path, os.O_RDONLY | os.O_CREAT | _NOFOLLOW, modes.file)
     try:
         info = os.fstat(descriptor)
         if info.st_size == 0 and stat.S_IMODE(info.st_mode) != modes.file:
@@ -149,6 +177,7 @@ def confined_path(directory: str, filename: object) -> str | None:
 def _make_value_folders(directory: str, parts: tuple[str, ...], modes: FileModes) -> None:
     current = directory
     for part in parts:
+        refuse_links(current, part)
         current = os.path.join(current, part)
         try:
             os.mkdir(current, modes.folder)
@@ -169,7 +198,7 @@ def write_value_file(directory: str, filename: str, data: bytes, modes: FileMode
     for attempt in range(1, WRITE_ATTEMPTS + 1):
         try:
             _make_value_folders(directory, parts[:-1], modes)
-            descriptor = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL, modes.file)
+            descriptor = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, modes.file)
             break
         except FileNotFoundError:
             if attempt == WRITE_ATTEMPTS:

@@ -6,16 +6,27 @@ all. `ReadOnlyIndex` reads the same SQLite index with SQLite's read-only modes a
 calls a reader makes (`get`, ``in``, `len`, `volume`) with diskcache's own row layout and the
 store's bytes-only serializer; every write raises `sqlite3.OperationalError` ("attempt to
 write a readonly database"), which the disk store reports as a failed write like any other.
+The folder's record logs, when they cannot be opened there (or their folder or files are
+symbolic links, never followed), are kept in memory instead (`record_logs`).
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
 
-from kvblend.store.files import INDEX_NAME, FileModes, disk_class
+from kvblend.store.files import INDEX_NAME, SQLITE_SUFFIXES, FileModes, disk_class, refuse_links
+from kvblend.store.records import DiskRecordLogs, MemoryRecordLogs
+
+logger = logging.getLogger(__name__)
+
+#: The record logs' sub-folder in a store folder, and the files SQLite keeps there.
+RECORDS_NAME = "records"
+RECORDS_FILES = tuple(DiskRecordLogs.FILE_NAME + suffix for suffix in SQLITE_SUFFIXES)
+_STORAGE_ERRORS = (OSError, sqlite3.Error)
 
 #: errno values and SQLite messages that say a folder can be read but not written.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC})
@@ -104,3 +115,28 @@ class ReadOnlyIndex:
     def close(self) -> None:
         """Close the connection."""
         self._connection.close()
+
+
+def record_logs(
+    directory: Path, modes: FileModes, read_only: bool
+) -> DiskRecordLogs | MemoryRecordLogs:
+    """Open a store folder's record logs: in its ``records`` sub-folder, else in memory.
+
+    In memory (one warning) when ``records`` or a file SQLite keeps in it is a symbolic link,
+    or, for a folder opened read-only, when they cannot be opened; else errors are raised.
+    """
+    try:
+        refuse_links(directory, RECORDS_NAME)
+        refuse_links(directory / RECORDS_NAME, *RECORDS_FILES)
+    except OSError as error:  # never create tables where a link points
+        logger.warning("KV store record logs kept in memory: %s", error)
+        return MemoryRecordLogs()
+    try:
+        return DiskRecordLogs(directory / RECORDS_NAME, modes=modes)
+    except _STORAGE_ERRORS as error:
+        if not read_only:
+            raise
+        logger.warning(
+            "KV store record logs in %s unreadable, kept in memory: %s", directory, error
+        )
+        return MemoryRecordLogs()
