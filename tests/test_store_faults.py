@@ -477,3 +477,82 @@ def test_an_entry_whose_sub_folder_became_a_link_is_neither_read_nor_deleted(
     assert reader.store.stats().corrupt_dropped == 1  # a foreign value: its row is dropped
     reader.store.close()
     assert _tree(outside) == before
+
+
+# ------------------------------------------------------------------------------------- Redis tier
+
+
+def _redis_engine(folder: Path, url: str) -> BlendEngine:
+    """An engine over a fresh local tier (a new machine) in front of the Redis server at `url`."""
+    return BlendEngine(
+        tiny_model("qwen2"), byte_tokenizer(), store=default_store(folder, redis_url=url)
+    )
+
+
+def _garbage(server, engine: BlendEngine) -> None:
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    (entry_key,) = [k for k in client.keys("kvblend:kv:*") if engine.segment_id(DOC).encode() in k]
+    client.set(entry_key, b"\x20" + b"\x00" * 7 + b"{not a header}" + os.urandom(64))
+    client.close()
+
+
+def _flush(server, engine: BlendEngine) -> None:
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    client.flushall()
+    client.close()
+
+
+def _restart(server, engine: BlendEngine) -> None:
+    server.kill()  # SIGKILL, no save: the restarted server is empty
+    server.start()
+
+
+REDIS_FAULTS = {"garbage-value": _garbage, "flushall": _flush, "restart": _restart}
+
+
+@pytest.mark.parametrize("fault", sorted(REDIS_FAULTS))
+def test_a_redis_fault_costs_one_rebuild_never_an_answer(
+    redis_server, tmp_path: Path, fault: str
+) -> None:
+    writer = _redis_engine(tmp_path / "a", redis_server.url)
+    writer.precompute([DOC])
+    writer.store.wait_for_promotions()
+    segments = writer.rag_segments("Where are the hives?", [DOC])
+    expected = writer.prefill(segments, BlendConfig("reuse")).logits
+    REDIS_FAULTS[fault](redis_server, writer)
+
+    reader = _redis_engine(tmp_path / "b", redis_server.url)  # another machine: nothing local
+    got = reader.prefill(segments, BlendConfig("reuse"))  # never raises
+    assert torch.allclose(got.logits, expected, atol=1e-5, rtol=0)
+    assert got.stats.segments_precomputed >= 1  # the document's entry was rebuilt
+    if fault == "garbage-value":
+        assert reader.store.stats().tiers["redis"].corrupt_dropped == 1
+    reader.store.wait_for_promotions()
+
+    third = _redis_engine(tmp_path / "c", redis_server.url)  # reuse is back on the server
+    again = third.prefill(segments, BlendConfig("reuse"))
+    assert again.stats.segments_precomputed == 0
+    assert torch.allclose(again.logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_full_redis_refuses_writes_and_answers_stay_right(make_redis_server, tmp_path) -> None:
+    server = make_redis_server("--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+    import redis
+
+    client = redis.Redis.from_url(server.url)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):  # fill the server first
+        for index in range(64):
+            client.set(f"ballast:{index}", os.urandom(64 << 10))
+    reference = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=MemoryKVStore())
+    segments = reference.rag_segments("Where are the hives?", [DOC])
+    expected = reference.prefill(segments, BlendConfig("reuse")).logits
+    engine = _redis_engine(tmp_path / "a", server.url)
+    engine.precompute([DOC])
+    got = engine.prefill(segments, BlendConfig("reuse"))
+    assert torch.allclose(got.logits, expected, atol=1e-5, rtol=0)
+    assert engine.store.stats().put_errors >= 1  # counted, not raised
+    client.close()

@@ -73,7 +73,7 @@ def test_each_store_module_imports_on_its_own() -> None:
     code = (
         "import importlib, sys\n"
         f"for name in {MODULES!r}:\n"
-        "    for loaded in [m for m in sys.modules if m.startswith('kvblend')]:\n"
+        "    for loaded in [m for m in sys.modules if m.startswith('kvblend.store')]:\n"
         "        del sys.modules[loaded]\n"
         "    importlib.import_module('kvblend.store.' + name)\n"
         "print('ok')\n"
