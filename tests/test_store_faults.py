@@ -105,6 +105,14 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     writer.close()
 
     reader = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
+    reader.register([DOC])
+    plan = reader.plan(PROMPT)
+    spans, computed = reader.segment_kv.open_spans(plan)
+    for index in range(reader.decoder.shape.num_layers):  # as the blend loop reads them
+        for span in spans:
+            span.source.layer(index)
+    # found at opening (a miss, computed now) or while reading (recomputed in place)
+    assert computed + sum(span.source.recomputed for span in spans) == 1
     got = reader.prefill(PROMPT, BlendConfig("reuse"))  # never raises
     assert got.stats.documents_found == 1
     error = (got.logits - expected).abs().max().item()

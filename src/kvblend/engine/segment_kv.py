@@ -60,6 +60,7 @@ class StoredRows:
         self.tensors = tensors
         self.rows = rows
         self.expected = expected  # dtype and shape of every stored tensor, when known
+        self.recomputed = False  # True once a failed read made this segment be computed anew
         self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +72,7 @@ class StoredRows:
                 raise
             logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
             self.tensors, self._recompute = self._recompute(), None
+            self.recomputed = True
             keys, values = self._read(index)
         return keys[:, self.rows], values[:, self.rows]
 
