@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -222,7 +223,7 @@ class SegmentKV:
             tensor = entry[name]
             if (tensor.dtype, tuple(tensor.shape)) != fits:
                 raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}")
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if _non_finite(tensor):
                 raise ValueError(f"tensor {name!r} holds NaN or infinity")
 
     def drop(self, key: str) -> None:
@@ -329,3 +330,12 @@ def _accepts_keyword(function: Callable[..., Any], name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _non_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds NaN or infinity: one sum (they propagate), exact if it overflows."""
+    if tensor.is_floating_point() and tensor.dtype.itemsize == 1:  # float8: no sum kernel
+        tensor = tensor.to(torch.float16)
+    if not tensor.is_floating_point() or math.isfinite(float(tensor.sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())
