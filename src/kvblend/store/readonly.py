@@ -30,7 +30,7 @@ _STORAGE_ERRORS = (OSError, sqlite3.Error)
 
 #: errno values and SQLite messages that say a folder can be read but not written.
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC})
-_READ_ONLY_MESSAGES = ("readonly", "read-only", "unable to open", "disk is full")
+_READ_ONLY_MESSAGES = ("readonly", "read-only", "unable to open", "disk is full", "disk i/o error")
 
 
 def looks_read_only(error: BaseException) -> bool:
