@@ -318,8 +318,13 @@ class SegmentKV:
     def _recompute(
         self, key: str, context: list[int], token_ids: list[int]
     ) -> dict[str, torch.Tensor]:
-        """Replace an entry that failed while being read: dropped, counted, computed again."""
-        self.drop(key)
+        """Replace an entry that failed while being read: counted, computed and stored again.
+
+        A corrupt entry was already dropped by the store; storing the new one overwrites
+        whatever is left, so other readers never see the key missing meanwhile.
+        """
+        with self._lock:
+            self.dropped += 1
         return self.compute(key, context, token_ids)
 
 
