@@ -204,3 +204,46 @@ def test_the_same_model_from_two_folders_shares_one_store(tmp_path: Path) -> Non
         _run_worker(script, tmp_path / "bob", str(folders[1]), system, "ask", prompt)
     )
     assert other != fingerprint and (reused, tokens) == (0, 0)
+
+
+def test_documents_are_found_whatever_head_they_were_precomputed_behind(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    first = BlendEngine(
+        model, byte_tokenizer(), store=DiskKVStore(tmp_path), system_prompt="System X says hi."
+    )
+    first.precompute([A, B])
+    second = BlendEngine(
+        model, byte_tokenizer(), store=DiskKVStore(tmp_path), system_prompt="Y: another head."
+    )
+    assert first.doc_prefix != second.doc_prefix
+    assert second.is_known(A) and second.is_known(B) and len(second.documents) == 2
+    prompt = f"{second.doc_prefix}{A}\n\n{B}\nWho keeps bees?"
+    stats = second.prefill(prompt, BlendConfig("reuse")).stats
+    assert (stats.documents_found, stats.documents_reused) == (2, 2)
+    assert stats.reused_tokens > 0 and stats.segments_precomputed == 0
+    assert stats.moved_tokens > 0 and stats.prefix_tokens == 0  # another head: moved, not exact
+    # the same prompt behind the first engine's head reuses its first document exactly
+    exact = second.prefill(f"{first.doc_prefix}{A}\n\n{B}\nQ?", BlendConfig("reuse")).stats
+    assert exact.prefix_tokens > 0 and exact.segments_precomputed == 0
+    # explicit segments find the stored entries too, and full prefill reads nothing
+    segments = second.rag_segments("Who keeps bees?", [A, B])
+    listed = second.prefill(segments, BlendConfig("reuse")).stats
+    assert listed.documents_reused == 2 and listed.segments_precomputed == 1  # only its head
+    full = second.prefill(prompt, BlendConfig("full"))
+    expected = model(__import__("torch").tensor([full.token_ids])).logits[0, -1]
+    assert full.stats.reused_tokens == 0 and full.stats.computed_tokens == len(full.token_ids)
+    assert (full.logits - expected).abs().max() < 1e-4
+    # precomputing behind its own head adds an entry it then prefers
+    second.precompute([A])
+    assert second.documents.contexts(A) == [first.doc_prefix, second.doc_prefix]
+    own = second.prefill(f"{second.doc_prefix}{A}\nQ?", BlendConfig("reuse")).stats
+    assert own.prefix_tokens > 0
+
+
+def test_a_long_context_is_recorded_in_parts(tmp_path: Path) -> None:
+    long_head = "H" * 9000 + "é" * 10
+    writer = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
+    writer.add([A], context=long_head)
+    writer.add([A, B], context="")
+    reader = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
+    assert reader.contexts(A) == [long_head, ""] and reader.contexts(B) == [""]

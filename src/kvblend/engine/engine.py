@@ -116,12 +116,12 @@ class BlendEngine:
         self.segment_kv = SegmentKV(
             self.decoder, tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            check_length=self._check_length,
+            check_length=self._check_length, context_of=self._context_for,
         )  # fmt: skip
         self._last_unmatched_warning = -float("inf")
         self._max_token_chars: int | None = None
         #: The documents this engine finds in prompt strings, shared with every engine over the
-        #: same store, model and document context (see `kvblend.engine.registry`).
+        #: same store and model, whatever their document context (see `kvblend.engine.registry`).
         self.documents = DocumentRegistry(self.store, self._registry_log(), capacity=max_documents)
         if check_parity:
             self.check_parity()
@@ -234,9 +234,16 @@ class BlendEngine:
 
     # ------------------------------------------------------------------ documents
     def _registry_log(self) -> str:
-        context = self.doc_prefix or ""
-        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|{context}".encode()).hexdigest()
+        """One log per model and KV layout: documents behind every context are found."""
+        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|registry/2".encode()).hexdigest()
         return f"documents-{digest[:32]}"
+
+    def _context_for(self, text: str) -> str:
+        """The document context to read ``text``'s KV from: this engine's own when the store
+        holds it behind that one (or nowhere yet), else the one most recently recorded."""
+        own = self.doc_prefix or ""
+        stored = self.documents.contexts(text)
+        return own if not stored or own in stored else stored[-1]
 
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
@@ -273,7 +280,7 @@ class BlendEngine:
         )
 
         def done(stored: list[str]) -> None:
-            self.documents.add(stored)
+            self.documents.add(stored, self.doc_prefix or "")
             bar.update(len(stored))
 
         with bar:
@@ -287,7 +294,7 @@ class BlendEngine:
         Rarely needed: documents precomputed by any process sharing the store are known.
         """
         items = [texts] if isinstance(texts, str) else list(texts)
-        self.documents.add(items)
+        self.documents.add(items, self.doc_prefix or "")
 
     def is_known(self, text: str) -> bool:
         """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""

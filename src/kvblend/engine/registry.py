@@ -2,13 +2,17 @@
 
 Framework adapters see only a finished prompt string; the registry finds the precomputed
 documents inside it by exact match. It is shared through the store: every document precomputed
-(or registered) appends a small record to a record log of the store, named after the model and
-document context, and every registry over that store reads the records it has not seen yet
-before each search. So a second process, or the same one after a restart, finds documents it
-never precomputed, with no call to `BlendEngine.register`.
+(or registered) appends a small record to a record log of the store, one log per model, and
+every registry over that store reads the records it has not seen yet before each search. So a
+second process, or the same one after a restart, finds documents it never precomputed, with no
+call to `BlendEngine.register`.
 
-A record holds hashes, not text: a 32-bit hash of the document's first characters (its anchor),
-its length, and a 128-bit hash of the whole text. A search hashes the prompt's substring of
+A document is known whatever prompt head (document context) its KV was computed behind: its
+record names the context, and the registry answers `contexts(text)` with every context an entry
+was stored behind, so an engine with another system prompt reuses that KV as a moved document.
+A document record holds hashes, not text: a 32-bit hash of the document's first characters (its
+anchor), its length, a 128-bit hash of the whole text and one of its context. A context's text
+is recorded once, in context records (split in parts when long). A search hashes the prompt's substring of
 anchor length at every position, looks the anchor up, and confirms a candidate by hashing the
 prompt's substring of the candidate's length; so its cost grows with the prompt's length, not
 with the number of known documents. The registry keeps at most ``capacity`` documents, dropping
@@ -29,7 +33,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "text_digest"]
+__all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "document_metadata", "text_digest"]
 
 #: Documents a registry keeps before dropping the least recently matched.
 DEFAULT_CAPACITY = 200_000
@@ -38,7 +42,9 @@ ANCHOR_CHARS = 16
 #: Documents shorter than this are not registered: too short to be worth a cache entry.
 MIN_CHARS = 8
 
-_RECORD = struct.Struct("<IQ16s")  # anchor hash, text length, text digest
+_DOCUMENT = struct.Struct("<cIQ16s16s")  # b"D", anchor hash, length, text digest, context digest
+_CONTEXT = struct.Struct("<c16sHH")  # b"C", context digest, part, parts; then the part's bytes
+_CONTEXT_PART_BYTES = 4000  # a record log takes records of at most 4096 bytes
 
 
 def text_digest(text: str) -> bytes:
@@ -59,7 +65,7 @@ class Match:
 
 
 class DocumentRegistry:
-    """Known documents of one model and document context, kept in sync through a store's log.
+    """Known documents of one model, kept in sync through a store's log.
 
     ``store`` is anything with ``append_records(log, records)`` and
     ``read_records(log, cursor)``; a store without them keeps the registry in this process.
@@ -79,6 +85,9 @@ class DocumentRegistry:
         # (anchor hash, anchor length) -> {length -> {digest}}
         self._anchors: dict[tuple[int, int], dict[int, set[bytes]]] = {}
         self._anchor_lengths: dict[int, int] = {}  # anchor length -> documents using it
+        self._stored_behind: dict[bytes, list[bytes]] = {}  # digest -> context digests, newest last
+        self._contexts: dict[bytes, str] = {}  # context digest -> context text
+        self._context_parts: dict[bytes, dict[int, bytes]] = {}  # contexts still incomplete
 
     def __len__(self) -> int:
         self.refresh()
@@ -92,25 +101,42 @@ class DocumentRegistry:
         with self._lock:
             return text_digest(text) in self._documents
 
-    def add(self, texts: Iterable[str]) -> None:
-        """Make ``texts`` known here and, through the store, to every registry sharing it."""
+    def add(self, texts: Iterable[str], context: str = "") -> None:
+        """Make ``texts`` known here and, through the store, to every registry sharing it.
+
+        ``context``: the text their KV is stored behind (the document context).
+        """
         records = []
+        where = text_digest(context)
         with self._lock:
+            if where not in self._contexts:
+                self._contexts[where] = context
+                records.extend(_context_records(where, context))
             for text in texts:
                 if len(text) < MIN_CHARS:
                     continue
                 digest = text_digest(text)
-                if digest in self._documents:
+                if where in self._stored_behind.get(digest, ()):
                     self._documents.move_to_end(digest)
                     continue
                 anchor = _anchor(text)
-                self._insert(digest, anchor, len(text))
-                records.append(_RECORD.pack(anchor, len(text), digest))
+                self._insert(digest, anchor, len(text), where)
+                records.append(_DOCUMENT.pack(b"D", anchor, len(text), digest, where))
         if records and self._shared:
-            try:
-                self.store.append_records(self.log, records)
-            except Exception as error:  # noqa: BLE001 - known here still; other processes miss it
-                logger.warning("could not share %d document record(s): %s", len(records), error)
+            self._share(records)
+
+    def _share(self, records: list[bytes]) -> None:
+        try:
+            self.store.append_records(self.log, records)
+        except Exception as error:  # noqa: BLE001 - known here still; other processes miss it
+            logger.warning("could not share %d document record(s): %s", len(records), error)
+
+    def contexts(self, text: str) -> list[str]:
+        """The document contexts ``text``'s KV is stored behind, most recently recorded last."""
+        self.refresh()
+        with self._lock:
+            behind = self._stored_behind.get(text_digest(text), [])
+            return [self._contexts[where] for where in behind if where in self._contexts]
 
     def refresh(self) -> None:
         """Read the records other registries over the same store appended since the last look."""
@@ -123,12 +149,30 @@ class DocumentRegistry:
             return
         with self._lock:
             for record in records:
-                if len(record) != _RECORD.size:
-                    continue  # not ours: ignored rather than trusted
-                anchor, length, digest = _RECORD.unpack(record)
-                if digest not in self._documents and MIN_CHARS <= length < 1 << 31:
-                    self._insert(digest, anchor, length)
+                self._apply(record)
             self._cursor = cursor
+
+    def _apply(self, record: bytes) -> None:
+        """Take in one record read from the log; anything malformed is ignored, not trusted."""
+        if record[:1] == b"D" and len(record) == _DOCUMENT.size:
+            _, anchor, length, digest, where = _DOCUMENT.unpack(record)
+            if MIN_CHARS <= length < 1 << 31 and where not in self._stored_behind.get(digest, ()):
+                self._insert(digest, anchor, length, where)
+        elif record[:1] == b"C" and len(record) >= _CONTEXT.size:
+            _, where, part, parts = _CONTEXT.unpack_from(record)
+            if where in self._contexts or not part < parts:
+                return
+            pieces = self._context_parts.setdefault(where, {})
+            pieces[part] = record[_CONTEXT.size :]
+            if len(pieces) == parts:
+                del self._context_parts[where]
+                whole = b"".join(pieces[index] for index in range(parts))
+                try:
+                    context = whole.decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError:
+                    return
+                if text_digest(context) == where:
+                    self._contexts[where] = context
 
     def find(self, prompt: str) -> list[Match]:
         """Known documents in ``prompt``: longest first, never overlapping, sorted by position."""
@@ -154,7 +198,14 @@ class DocumentRegistry:
                 self._documents.move_to_end(digest)
         return _non_overlapping(found)
 
-    def _insert(self, digest: bytes, anchor: int, length: int) -> None:
+    def _insert(self, digest: bytes, anchor: int, length: int, context: bytes) -> None:
+        behind = self._stored_behind.setdefault(digest, [])
+        if context in behind:
+            behind.remove(context)
+        behind.append(context)
+        if digest in self._documents:
+            self._documents.move_to_end(digest)
+            return
         anchor_length = min(length, ANCHOR_CHARS)
         self._documents[digest] = (anchor, length)
         self._anchors.setdefault((anchor, anchor_length), {}).setdefault(length, set()).add(digest)
@@ -164,6 +215,7 @@ class DocumentRegistry:
             self._remove(old, old_anchor, old_length)
 
     def _remove(self, digest: bytes, anchor: int, length: int) -> None:
+        self._stored_behind.pop(digest, None)
         anchor_length = min(length, ANCHOR_CHARS)
         bucket = self._anchors.get((anchor, anchor_length), {})
         digests = bucket.get(length, set())
@@ -175,6 +227,31 @@ class DocumentRegistry:
         self._anchor_lengths[anchor_length] -= 1
         if not self._anchor_lengths[anchor_length]:
             del self._anchor_lengths[anchor_length]
+
+
+def document_metadata(text: str, context: str) -> dict[str, str]:
+    """Entry metadata naming the document an entry holds (hashes, not text) and its context.
+
+    Stored with every precomputed entry, so the registry can be rebuilt from the store's own
+    entries (`DocumentRegistry.rebuild`) when its log is lost.
+    """
+    return {
+        "document.digest": text_digest(text).hex(),
+        "document.anchor": str(_anchor(text)),
+        "document.chars": str(len(text)),
+        "document.context": context,
+    }
+
+
+def _context_records(where: bytes, context: str) -> list[bytes]:
+    """Records carrying a context's text, in parts small enough for a record log."""
+    data = context.encode("utf-8", "surrogatepass")
+    parts = max(1, -(-len(data) // _CONTEXT_PART_BYTES))
+    return [
+        _CONTEXT.pack(b"C", where, index, parts)
+        + data[index * _CONTEXT_PART_BYTES : (index + 1) * _CONTEXT_PART_BYTES]
+        for index in range(parts)
+    ]
 
 
 def _non_overlapping(found: list[tuple[int, int, bytes]]) -> list[Match]:
