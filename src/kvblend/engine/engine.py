@@ -239,8 +239,11 @@ class BlendEngine:
         return f"documents-{digest[:32]}"
 
     def _context_for(self, text: str) -> str:
-        """The document context to read ``text``'s KV from: this engine's own when the store
-        holds it behind that one (or nowhere yet), else the one most recently recorded."""
+        """Return the document context to read ``text``'s KV from.
+
+        This engine's own when the store holds the document behind it (or nowhere yet), else
+        the context most recently recorded for it.
+        """
         own = self.doc_prefix or ""
         stored = self.documents.contexts(text)
         return own if not stored or own in stored else stored[-1]

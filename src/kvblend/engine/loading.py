@@ -188,7 +188,7 @@ def _digest_index() -> Path:
 
 
 def _file_identity(stat: os.stat_result) -> tuple[int, int, int, int, int]:
-    """What changes whenever a file's content may have: size, mtime, ctime, device, inode.
+    """Return what changes whenever a file's content may have: size, times, device, inode.
 
     Rewriting a file in place updates its ctime (which no user can set back), and replacing it
     by another gives another inode, so a file swapped for one of the same size and mtime is
@@ -285,7 +285,7 @@ _NOT_IDENTITY = frozenset(
 
 
 def _identity_fields(value: Any) -> Any:
-    """A config dict without the fields in `_NOT_IDENTITY`, at every nesting level."""
+    """Return a config dict without the fields in `_NOT_IDENTITY`, at every nesting level."""
     if isinstance(value, dict):
         return {
             key: _identity_fields(item)
@@ -298,7 +298,7 @@ def _identity_fields(value: Any) -> Any:
 
 
 def config_identity(config: Any) -> str:
-    """The config's architecture fields as canonical JSON: no paths, names or versions."""
+    """Return the config's architecture fields as canonical JSON: no paths, names, versions."""
     if config is None:
         return "null"
     fields = _identity_fields(config.to_dict())
@@ -306,8 +306,10 @@ def config_identity(config: Any) -> str:
 
 
 def tokenizer_identity(tokenizer: object) -> str:
-    """sha256 of what decides a tokenizer's ids: its whole tokenizer.json (fast tokenizers)
-    without runtime padding/truncation settings, else its vocabulary, plus its special tokens.
+    """Return the sha256 of what decides a tokenizer's ids.
+
+    That is its whole definition (tokenizer.json of a fast tokenizer, without runtime padding or
+    truncation settings; else its vocabulary) and its special tokens.
     """
     digest = hashlib.sha256()
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -12,11 +12,11 @@ record names the context, and the registry answers `contexts(text)` with every c
 was stored behind, so an engine with another system prompt reuses that KV as a moved document.
 A document record holds hashes, not text: a 32-bit hash of the document's first characters (its
 anchor), its length, a 128-bit hash of the whole text and one of its context. A context's text
-is recorded once, in context records (split in parts when long). A search hashes the prompt's substring of
-anchor length at every position, looks the anchor up, and confirms a candidate by hashing the
-prompt's substring of the candidate's length; so its cost grows with the prompt's length, not
-with the number of known documents. The registry keeps at most ``capacity`` documents, dropping
-the least recently matched.
+is recorded once, in context records (split in parts when long). A search hashes the prompt's
+substring of anchor length at every position, looks the anchor up, and confirms a candidate by
+hashing the prompt's substring of the candidate's length; so its cost grows with the prompt's
+length, not with the number of known documents. The registry keeps at most ``capacity``
+documents, dropping the least recently matched.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class DocumentRegistry:
             logger.warning("could not share %d document record(s): %s", len(records), error)
 
     def contexts(self, text: str) -> list[str]:
-        """The document contexts ``text``'s KV is stored behind, most recently recorded last."""
+        """Return the document contexts ``text``'s KV is stored behind, most recent last."""
         self.refresh()
         with self._lock:
             behind = self._stored_behind.get(text_digest(text), [])
@@ -244,7 +244,7 @@ def document_metadata(text: str, context: str) -> dict[str, str]:
 
 
 def _context_records(where: bytes, context: str) -> list[bytes]:
-    """Records carrying a context's text, in parts small enough for a record log."""
+    """Return records carrying a context's text, in parts small enough for a record log."""
     data = context.encode("utf-8", "surrogatepass")
     parts = max(1, -(-len(data) // _CONTEXT_PART_BYTES))
     return [

@@ -148,7 +148,7 @@ class SegmentKV:
         if done is not None:
             done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
         todo = [(key, layouts[index]) for key, index in missing.items()]
-        described = {key: document_metadata(texts[index], context) for key, index in missing.items()}
+        described = {key: document_metadata(texts[i], context) for key, i in missing.items()}
         lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
         for length in lengths:  # a text too long fails the call before anything is computed
             self._check_length(length)
