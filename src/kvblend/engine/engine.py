@@ -122,7 +122,9 @@ class BlendEngine:
         self._max_token_chars: int | None = None
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store and model, whatever their document context (see `kvblend.engine.registry`).
-        self.documents = DocumentRegistry(self.store, self._registry_log(), capacity=max_documents)
+        self.documents = DocumentRegistry(
+            self.store, self._registry_log(), capacity=max_documents, stored=self._stored_documents
+        )
         if check_parity:
             self.check_parity()
 
@@ -237,6 +239,26 @@ class BlendEngine:
         """One log per model and KV layout: documents behind every context are found."""
         digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|registry/2".encode()).hexdigest()
         return f"documents-{digest[:32]}"
+
+    def _stored_documents(self) -> Iterator[Mapping[str, str]]:
+        """Yield the metadata of this model's entries in the store (to rebuild the registry)."""
+        keys = getattr(self.store, "keys", None)
+        try:
+            listed = keys() if callable(keys) else []
+        except NotImplementedError:
+            listed = []  # a store that cannot list its entries: nothing to rebuild from
+        for key in listed:
+            try:
+                metadata = self.store.metadata(key)
+            except Exception as error:  # noqa: BLE001 - an unreadable entry names nothing
+                logger.debug("skipping entry %s while rebuilding the registry: %s", key, error)
+                continue
+            if (
+                metadata
+                and metadata.get("fingerprint") == self.fingerprint
+                and metadata.get("format") == KV_LAYOUT
+            ):
+                yield metadata
 
     def _context_for(self, text: str) -> str:
         """Return the document context to read ``text``'s KV from.

@@ -25,9 +25,10 @@ import hashlib
 import logging
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +46,8 @@ MIN_CHARS = 8
 _DOCUMENT = struct.Struct("<cIQ16s16s")  # b"D", anchor hash, length, text digest, context digest
 _CONTEXT = struct.Struct("<c16sHH")  # b"C", context digest, part, parts; then the part's bytes
 _CONTEXT_PART_BYTES = 4000  # a record log takes records of at most 4096 bytes
+_REBUILT = struct.Struct("<cQ")  # b"R", documents found: the log was rebuilt from the store
+_REBUILD_EVERY_S = 60.0  # while the log is unreadable, the store's entries are read this often
 
 
 def text_digest(text: str) -> bytes:
@@ -69,9 +72,20 @@ class DocumentRegistry:
 
     ``store`` is anything with ``append_records(log, records)`` and
     ``read_records(log, cursor)``; a store without them keeps the registry in this process.
+    ``stored``, when given, yields the metadata of the store's entries (`document_metadata`
+    items among them): the registry is rebuilt from it whenever its log is found missing or
+    damaged (empty on first look, started again, or unreadable), so losing the log costs one
+    rebuild, not the reuse of every document.
     """
 
-    def __init__(self, store: Any, log: str, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        store: Any,
+        log: str,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        stored: Callable[[], Iterable[Mapping[str, str]]] | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.store = store
@@ -88,6 +102,12 @@ class DocumentRegistry:
         self._stored_behind: dict[bytes, list[bytes]] = {}  # digest -> context digests, newest last
         self._contexts: dict[bytes, str] = {}  # context digest -> context text
         self._context_parts: dict[bytes, dict[int, bytes]] = {}  # contexts still incomplete
+        self._stored = stored
+        self._looked = False  # whether the log has been read once
+        self._unusable_since: float | None = None  # the log's first failure in a row
+        self._rebuilt_at = -float("inf")
+        #: How many times the registry was rebuilt from the store's entries.
+        self.rebuilds = 0
 
     def __len__(self) -> int:
         self.refresh()
@@ -141,19 +161,77 @@ class DocumentRegistry:
     def refresh(self) -> None:
         """Read the records other registries over the same store appended since the last look."""
         if not self._shared:
+            if not self._looked:
+                self._looked = True
+                self.rebuild(share=False)
             return
         try:
             records, cursor = self.store.read_records(self.log, self._cursor)
         except Exception as error:  # noqa: BLE001 - the local registry still works
-            logger.warning("could not read the shared document registry: %s", error)
+            self._log_unusable(error)
             return
         with self._lock:
+            # A log is whole when it holds a rebuild's mark: one that has none at first look,
+            # or that started again since (cleared, replaced, flushed), is rebuilt once.
+            lost = not self._looked or cursor < self._cursor
+            self._looked = True
+            self._unusable_since = None
             for record in records:
-                self._apply(record)
+                lost &= not self._apply(record)
             self._cursor = cursor
+        if lost:
+            self.rebuild()
 
-    def _apply(self, record: bytes) -> None:
-        """Take in one record read from the log; anything malformed is ignored, not trusted."""
+    def _log_unusable(self, error: BaseException) -> None:
+        """Rebuild from the store's entries (at once, then at most once a minute) instead."""
+        now = time.monotonic()
+        first = self._unusable_since is None
+        if first:
+            self._unusable_since = now
+            logger.warning(
+                "could not read the shared document registry (%s); finding documents from the "
+                "store's entries instead",
+                error,
+            )
+        if first or now - self._rebuilt_at >= _REBUILD_EVERY_S:
+            self.rebuild(share=False)
+
+    def rebuild(self, *, share: bool = True) -> int:
+        """Take in every document the store's entries name, and share them through the log.
+
+        Returns how many documents the entries named. Called by `refresh` when the log is
+        missing or damaged; ``share=False`` when the log cannot be written either.
+        """
+        if self._stored is None:
+            return 0
+        self._rebuilt_at = time.monotonic()
+        try:
+            described = [_described(item) for item in self._stored()]
+        except Exception as error:  # noqa: BLE001 - the registry keeps what it knows
+            logger.warning("could not rebuild the document registry from the store: %s", error)
+            return 0
+        records: list[bytes] = []
+        found = [item for item in described if item is not None]
+        with self._lock:
+            for where, context in {where: context for _, _, _, where, context in found}.items():
+                self._contexts.setdefault(where, context)
+                records.extend(_context_records(where, context))
+            for digest, anchor, length, where, _ in found:
+                self._insert(digest, anchor, length, where)
+                records.append(_DOCUMENT.pack(b"D", anchor, length, digest, where))
+            self.rebuilds += 1
+        logger.info("document registry rebuilt from the store: %d document(s)", len(found))
+        if share and self._shared:
+            self._share([_REBUILT.pack(b"R", len(found)), *records])
+        return len(found)
+
+    def _apply(self, record: bytes) -> bool:
+        """Take in one record read from the log (True: a rebuild's mark).
+
+        Anything malformed is ignored, not trusted.
+        """
+        if record[:1] == b"R" and len(record) == _REBUILT.size:
+            return True
         if record[:1] == b"D" and len(record) == _DOCUMENT.size:
             _, anchor, length, digest, where = _DOCUMENT.unpack(record)
             if MIN_CHARS <= length < 1 << 31 and where not in self._stored_behind.get(digest, ()):
@@ -161,7 +239,7 @@ class DocumentRegistry:
         elif record[:1] == b"C" and len(record) >= _CONTEXT.size:
             _, where, part, parts = _CONTEXT.unpack_from(record)
             if where in self._contexts or not part < parts:
-                return
+                return False
             pieces = self._context_parts.setdefault(where, {})
             pieces[part] = record[_CONTEXT.size :]
             if len(pieces) == parts:
@@ -170,9 +248,10 @@ class DocumentRegistry:
                 try:
                     context = whole.decode("utf-8", "surrogatepass")
                 except UnicodeDecodeError:
-                    return
+                    return False
                 if text_digest(context) == where:
                     self._contexts[where] = context
+        return False
 
     def find(self, prompt: str) -> list[Match]:
         """Known documents in ``prompt``: longest first, never overlapping, sorted by position."""
@@ -227,6 +306,23 @@ class DocumentRegistry:
         self._anchor_lengths[anchor_length] -= 1
         if not self._anchor_lengths[anchor_length]:
             del self._anchor_lengths[anchor_length]
+
+
+def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str] | None:
+    """Parse what `document_metadata` stored: (digest, anchor, length, context digest, context).
+
+    None for an entry that names no document (a prompt head, a segment computed during a
+    prefill) or names one in a way `document_metadata` never writes.
+    """
+    try:
+        digest = bytes.fromhex(metadata["document.digest"])
+        anchor, length = int(metadata["document.anchor"]), int(metadata["document.chars"])
+        context = metadata["document.context"]
+    except (KeyError, ValueError, TypeError):
+        return None
+    if len(digest) != 16 or not 0 <= anchor < 1 << 32 or not MIN_CHARS <= length < 1 << 31:
+        return None
+    return digest, anchor, length, text_digest(context), context
 
 
 def document_metadata(text: str, context: str) -> dict[str, str]:
