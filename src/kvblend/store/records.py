@@ -200,7 +200,7 @@ class DiskRecordLogs:
             return self._open()
         if self._file_inode() != getattr(self._local, "inode", None):
             self._create()  # replaced or deleted by another process: use (or make) the new one
-            return self._local.db  # type: ignore[no-any-return]
+            return self._local.db
         return db
 
     def _open(self) -> sqlite3.Connection:
