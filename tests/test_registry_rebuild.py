@@ -163,3 +163,19 @@ def test_an_acl_user_without_scripting_still_finds_every_document(
     assert "store's entries instead" in caplog.text
     assert_reuses_both(engine)  # no rebuild per call
     assert engine.documents.rebuilds == 1
+
+
+def test_the_documented_acl_is_enough_for_the_registry(model, redis_server) -> None:
+    rule = (Path(__file__).parents[1] / "docs" / "deployment.md").read_text()
+    rule = rule.split("ACL SETUSER kvblend ", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    client = redis.Redis.from_url(redis_server.url)
+    client.execute_command("ACL", "SETUSER", "kvblend", *rule.replace(">PASSWORD", ">pw").split())
+    url = redis_server.url.replace("redis://", "redis://kvblend:pw@", 1)
+    redis_engine(model, url).precompute([A, B])
+    second = redis_engine(model, url)
+    assert_reuses_both(second)
+    assert second.documents.rebuilds == 0 and second.documents._unusable_since is None
+    client.delete(*log_keys(redis_server))  # the rebuild needs nothing more
+    third = redis_engine(model, url)
+    assert_reuses_both(third)
+    assert third.documents.rebuilds == 1

@@ -126,6 +126,8 @@ class DocumentRegistry:
 
         ``context``: the text their KV is stored behind (the document context).
         """
+        if not self._looked:
+            self.refresh()  # a log found missing is rebuilt (and marked whole) before it grows
         records = []
         where = text_digest(context)
         with self._lock:
