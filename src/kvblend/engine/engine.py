@@ -40,7 +40,7 @@ from .registry import DEFAULT_CAPACITY, DocumentRegistry
 from .results import BlendStats, BlendUnavailableError, PrefillResult
 from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
-from .validation import check_text
+from .validation import check_generation, check_text, short
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -295,8 +295,7 @@ class BlendEngine:
         from tqdm.auto import tqdm
 
         items = [texts] if isinstance(texts, str) else list(texts)
-        for text in items:
-            Segment(text)  # validates
+        self._check_documents(items)  # every one fits, before anything is computed
         bar = tqdm(
             total=len(items),
             desc="precomputing KV",
@@ -313,6 +312,26 @@ class BlendEngine:
                 items, force=force, batch_tokens=batch_tokens, done=done
             )
 
+    def _check_documents(self, texts: Sequence[str]) -> None:
+        """Refuse the first text that is not a valid document or cannot fit the window.
+
+        The character count is checked first (no tokenizing); only a text whose UTF-8 bytes
+        (each token holds at least one) could overflow the window is tokenized to be sure. The
+        error names the document: its index and the start of its text.
+        """
+        context = self.doc_prefix or ""
+        room = self.context_window - len(context.encode("utf-8")) - 16  # special tokens
+        for index, text in enumerate(texts):
+            what = f"document {index} ({short(text)})" if isinstance(text, str) else None
+            try:
+                Segment(text)  # validates
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"document {index}: {error}") from None
+            self._check_chars(len(text), what)
+            if self.context_window and len(text.encode("utf-8", "surrogatepass")) > room:
+                layout = self.segment_kv.layout(text, context)
+                self._check_length(len(layout.context_ids) + len(layout.ids), what)
+
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything (their KV is computed on use).
 
@@ -325,7 +344,7 @@ class BlendEngine:
         """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
         return text in self.documents
 
-    def _check_chars(self, chars: int) -> None:
+    def _check_chars(self, chars: int, what: str | None = None) -> None:
         """Refuse, before tokenizing it, a text too long to fit the context window in any case.
 
         No token covers more characters than the vocabulary's longest token, so a text longer
@@ -340,16 +359,17 @@ class BlendEngine:
             self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
         if chars > limit * self._max_token_chars:
             raise ValueError(
-                f"prompt of {chars:,} characters is longer than {self.name}'s context window "
-                f"of {limit} tokens can hold (at most {self._max_token_chars} characters a token)"
+                f"{what or 'prompt'} of {chars:,} characters is longer than {self.name}'s context "
+                f"window of {limit} tokens can hold (at most {self._max_token_chars} characters "
+                "a token)"
             )
 
-    def _check_length(self, tokens: int) -> None:
+    def _check_length(self, tokens: int, what: str | None = None) -> None:
         limit = self.context_window
         if limit and tokens > limit:
             raise ValueError(
-                f"prompt of {tokens} tokens is longer than {self.name}'s context window "
-                f"of {limit} tokens"
+                f"{what or 'prompt'} of {tokens:,} tokens is longer than {self.name}'s context "
+                f"window of {limit} tokens"
             )
 
     # ------------------------------------------------------------------ planning
@@ -363,6 +383,7 @@ class BlendEngine:
         check_text(prompt, "the prompt")
         if not prompt:
             raise ValueError("the prompt is empty")
+        self._check_chars(len(prompt))  # before searching (or tokenizing) megabytes
         matches = self.documents.find(prompt)
         if not matches and len(self.documents):
             now = time.monotonic()
@@ -431,6 +452,12 @@ class BlendEngine:
         Cached segments missing from the store, or whose entry cannot be read, are computed
         (and stored) within the call.
         """
+        if config is not None and not isinstance(config, BlendConfig):
+            raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}")
+        if not isinstance(prompt, (str, Sequence)):
+            raise TypeError(
+                f"prompt must be a str or a list of segments, got {type(prompt).__name__}"
+            )
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         if config.reads_cache:
@@ -488,6 +515,7 @@ class BlendEngine:
     ) -> GenerationResult:
         """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats."""
         started = time.perf_counter()
+        check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
@@ -507,6 +535,7 @@ class BlendEngine:
         seed: int | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
+        check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         yield from decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
