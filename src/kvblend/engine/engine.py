@@ -119,7 +119,9 @@ class BlendEngine:
             check_length=self._check_length, context_of=self._context_for,
         )  # fmt: skip
         self._last_unmatched_warning = -float("inf")
-        self._max_token_chars: int | None = None
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
+        self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store and model, whatever their document context (see `kvblend.engine.registry`).
         self.documents = DocumentRegistry(
@@ -323,11 +325,12 @@ class BlendEngine:
         room = self.context_window - len(context.encode("utf-8")) - 16  # special tokens
         for index, text in enumerate(texts):
             what = f"document {index} ({short(text)})" if isinstance(text, str) else None
+            if what is not None:
+                self._check_chars(len(text), what)  # first: cheaper than reading the text
             try:
                 Segment(text)  # validates
             except (TypeError, ValueError) as error:
                 raise type(error)(f"document {index}: {error}") from None
-            self._check_chars(len(text), what)
             if self.context_window and len(text.encode("utf-8", "surrogatepass")) > room:
                 layout = self.segment_kv.layout(text, context)
                 self._check_length(len(layout.context_ids) + len(layout.ids), what)
@@ -354,9 +357,6 @@ class BlendEngine:
         limit = self.context_window
         if not limit:
             return
-        if self._max_token_chars is None:
-            vocabulary = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
-            self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
         if chars > limit * self._max_token_chars:
             raise ValueError(
                 f"{what or 'prompt'} of {chars:,} characters is longer than {self.name}'s context "
@@ -380,10 +380,11 @@ class BlendEngine:
         with no known document while documents are known logs a warning (at most once a
         minute) saying why reuse may have failed.
         """
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt))  # before reading, searching or tokenizing megabytes
         check_text(prompt, "the prompt")
         if not prompt:
             raise ValueError("the prompt is empty")
-        self._check_chars(len(prompt))  # before searching (or tokenizing) megabytes
         matches = self.documents.find(prompt)
         if not matches and len(self.documents):
             now = time.monotonic()
