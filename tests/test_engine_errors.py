@@ -160,3 +160,122 @@ def test_a_lone_surrogate_is_one_clear_error(engine: BlendEngine) -> None:
         engine.prefill("bad \udc80 text", BlendConfig("full"))
     with pytest.raises(ValueError, match="lone surrogate"):
         Segment("bad \udc80 text")
+
+
+# ------------------------------------------------------------------ refusals before model work
+class Work:
+    """Counts every module forward of the engine's model and every tokenizer call."""
+
+    def __init__(self, engine: BlendEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.forwards = 0
+        self.tokenizations = 0
+        for module in engine.model.modules():
+            module.register_forward_pre_hook(self._forward)
+        original = type(engine.tokenizer).__call__
+
+        def counting(tokenizer, *args, **kwargs):
+            self.tokenizations += 1
+            return original(tokenizer, *args, **kwargs)
+
+        monkeypatch.setattr(type(engine.tokenizer), "__call__", counting)
+
+    def _forward(self, module, args) -> None:
+        self.forwards += 1
+
+    @property
+    def none(self) -> bool:
+        return self.forwards == 0 and self.tokenizations == 0
+
+
+BAD_GENERATION = [
+    ({"max_new_tokens": 0}, ValueError, "max_new_tokens must be at least 1"),
+    ({"max_new_tokens": -5}, ValueError, "max_new_tokens must be at least 1"),
+    ({"max_new_tokens": 2.5}, TypeError, "max_new_tokens must be an int"),
+    ({"max_new_tokens": True}, TypeError, "max_new_tokens must be an int"),
+    ({"temperature": -0.1}, ValueError, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, ValueError, "temperature must be a finite number >= 0"),
+    ({"temperature": float("inf")}, ValueError, "temperature must be a finite number >= 0"),
+    ({"temperature": "0.7"}, TypeError, "temperature must be a number"),
+    ({"top_p": 0.0}, ValueError, r"top_p must be a number in \(0, 1\]"),
+    ({"top_p": 1.5}, ValueError, r"top_p must be a number in \(0, 1\]"),
+    ({"top_p": float("nan")}, ValueError, r"top_p must be a number in \(0, 1\]"),
+    ({"top_p": None}, TypeError, "top_p must be a number"),
+    ({"seed": -1}, ValueError, r"seed must be in 0..2\*\*64-1"),
+    ({"seed": 2**64}, ValueError, r"seed must be in 0..2\*\*64-1"),
+    ({"seed": 2**70}, ValueError, r"seed must be in 0..2\*\*64-1"),
+    ({"seed": 1.5}, TypeError, "seed must be an int or None"),
+    ({"seed": "7"}, TypeError, "seed must be an int or None"),
+    ({"stop": ""}, ValueError, "stop sequences must be non-empty"),
+    ({"stop": [3]}, TypeError, "stop sequences must be str"),
+    ({"stop": {"x"}}, TypeError, "stop must be a str or a list of str"),
+    ({"stop": ["x" * 10_000]}, ValueError, "has 10,000 characters"),
+    ({"stop": [f"s{i}" for i in range(33)]}, ValueError, "too many stop sequences: 33"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "error", "message"), BAD_GENERATION)
+@pytest.mark.parametrize("call", ["generate", "stream"])
+def test_bad_generation_arguments_are_refused_before_any_model_work(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch, call: str, kwargs, error, message
+) -> None:
+    work = Work(engine, monkeypatch)
+    with pytest.raises(error, match=message) as raised:
+        if call == "generate":
+            engine.generate("Docs: a prompt long enough.\nQ?", **kwargs)
+        else:
+            next(iter(engine.stream("Docs: a prompt long enough.\nQ?", **kwargs)))
+    assert "\n" not in str(raised.value)  # one line
+    assert work.none
+
+
+def test_good_generation_arguments_at_the_bounds_decode(engine: BlendEngine) -> None:
+    result = engine.generate(
+        "Docs: a prompt.\nQ?", max_new_tokens=1, temperature=0.5, top_p=1.0,
+        seed=2**64 - 1, stop=[f"s{i}" for i in range(31)] + ["x" * 200],
+    )  # fmt: skip
+    assert len(result.token_ids) <= 1
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda e: e.prefill("a prompt", "reuse"), TypeError, "config must be a BlendConfig"),
+        (lambda e: e.prefill(42), TypeError, "prompt must be a str or a list of segments"),
+        (lambda e: e.prefill(["ok", 3]), TypeError, "Segment text must be a str"),
+        (lambda e: e.precompute(["fine text", 7]), TypeError, "document 1: Segment text"),
+        (lambda e: e.precompute(["fine text", ""]), ValueError, "document 1: Segment text"),
+    ],
+)
+def test_bad_prompts_and_configs_are_refused_before_any_model_work(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch, call, error, message
+) -> None:
+    work = Work(engine, monkeypatch)
+    with pytest.raises(error, match=message):
+        call(engine)
+    assert work.none
+
+
+def test_a_huge_document_is_refused_from_its_length_alone(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    huge = "Lorem ipsum dolor sit amet. " * (10 * 2**20 // 28)  # 10 MiB
+    work = Work(engine, monkeypatch)
+    with pytest.raises(ValueError) as raised:
+        engine.precompute(["A short document that fits.", huge])
+    text = str(raised.value)
+    assert text.startswith("document 1 ('Lorem ipsum dolor sit amet. Lorem ipsum")
+    assert "10,485," in text and "context window of 1024 tokens" in text and "\n" not in text
+    assert work.none and len(engine.documents) == 0
+    with pytest.raises(ValueError, match="prompt of 10,485,"):
+        engine.generate(f"Docs: {huge}\nQ?")  # nor searched, nor tokenized
+    assert work.none
+
+
+def test_a_document_over_the_window_in_tokens_is_named_before_any_forward(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    over = "word " * 300  # 1,500 characters: under the character bound, over 1024 tokens
+    work = Work(engine, monkeypatch)
+    with pytest.raises(ValueError, match=r"document 2 \('word word .* of 1,5\d\d tokens"):
+        engine.precompute(["first document text", "second document text", over])
+    assert work.forwards == 0 and len(engine.documents) == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -55,36 +56,58 @@ def test_tied_weights_are_hashed_once_but_named() -> None:
     assert weights_digest(tied) != before
 
 
-def test_a_folder_model_is_identified_by_its_weight_files(tmp_path: Path) -> None:
-    folder = tmp_path / "model"
-    tiny_model("qwen2").save_pretrained(folder)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert loading._weight_files(loaded) == [folder / "model.safetensors"]
-    in_memory = tiny_model("qwen2")
-    # the same weights: the folder's file hash stands for them
-    assert _fingerprint(loaded) == _fingerprint(loaded)
-    assert file_digest(folder / "model.safetensors") in loading._digest_index().read_text()
-    # another model saved in the same folder gets another fingerprint
-    other = tiny_model("qwen2", seed=1)
-    first = _fingerprint(loaded)
-    other.save_pretrained(folder)
-    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    assert _fingerprint(reloaded) != first
-    assert _fingerprint(in_memory) != _fingerprint(tiny_model("qwen2", seed=1))
+def _load(folder: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def test_file_digest_is_cached_by_path_size_and_mtime(tmp_path: Path) -> None:
+def test_the_same_model_in_two_folders_has_one_fingerprint(tmp_path: Path) -> None:
+    model = tiny_model("qwen2")
+    one, two = tmp_path / "one" / "model", tmp_path / "elsewhere" / "copy"
+    model.save_pretrained(one)
+    model.save_pretrained(two)
+    first, second = _load(one), _load(two)
+    assert first.config._name_or_path != second.config._name_or_path
+    assert _fingerprint(first) == _fingerprint(second) == _fingerprint(model)
+    # a changed weight element, saved in place of the first copy, gives another fingerprint
+    with torch.no_grad():
+        model.get_parameter("model.layers.0.self_attn.q_proj.weight").view(-1)[0] += 1e-3
+    model.save_pretrained(one)
+    assert _fingerprint(_load(one)) != _fingerprint(second)
+
+
+def test_names_and_paths_in_the_config_are_not_identity() -> None:
+    model, other = tiny_model("llama"), tiny_model("llama")
+    other.config._name_or_path = "/home/someone/models/llama"
+    other.config.transformers_version = "0.0.1"
+    assert _fingerprint(model) == _fingerprint(other)
+    other.config.rms_norm_eps = model.config.rms_norm_eps * 2  # an architecture field
+    assert _fingerprint(model) != _fingerprint(other)
+
+
+def test_tokenizer_and_kv_dtype_are_identity() -> None:
+    model = tiny_model("llama")
+    base = _fingerprint(model)
+    assert model_fingerprint(model, byte_tokenizer(), torch.bfloat16) != base
+    assert model_fingerprint(model, byte_tokenizer(bos=False), torch.float32) != base
+
+
+def test_a_file_replaced_with_the_same_size_and_mtime_is_hashed_again(tmp_path: Path) -> None:
     path = tmp_path / "weights.bin"
     path.write_bytes(b"a" * 1000)
     first = file_digest(path)
+    assert file_digest(path) == first  # remembered
     stat = path.stat()
     path.write_bytes(b"b" * 1000)  # same size ...
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and mtime: the record holds
-    assert file_digest(path) == first
-    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten later: rehashed
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # ... and mtime
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
     assert file_digest(path) != first
+    replacement = tmp_path / "other.bin"
+    replacement.write_bytes(b"c" * 1000)
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(replacement, path)  # another file, same name, size and mtime
+    assert file_digest(path) == hashlib.sha256(b"c" * 1000).hexdigest()
     loading._DIGESTS.clear()  # a new process reads the record from disk
-    assert file_digest(path) == loading._read_digest_index()[str(path.resolve())][2]
+    assert file_digest(path) == loading._read_digest_index()[str(path.resolve())][5]
 
 
 def test_a_damaged_digest_record_is_ignored(private_cache: Path, tmp_path: Path) -> None:

@@ -148,3 +148,102 @@ def test_a_second_process_reuses_documents_it_never_precomputed(tmp_path: Path) 
         tiny_model("qwen2"), byte_tokenizer(), store=default_store(tmp_path / "store")
     )
     assert engine.is_known(A) and len(engine.documents) == 2
+
+
+FOLDER_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from kvblend import BlendConfig, BlendEngine
+    from kvblend.store import default_store
+
+    engine = BlendEngine.from_pretrained(sys.argv[1], store=default_store({folder!r}),
+                                         device="cpu", system_prompt=sys.argv[2])
+    if sys.argv[3] == "precompute":
+        engine.precompute(json.loads(sys.argv[4]))
+    else:
+        stats = engine.prefill(sys.argv[4], BlendConfig("reuse")).stats
+        print(json.dumps([engine.fingerprint, stats.documents_reused, stats.reused_tokens,
+                          stats.segments_precomputed]))
+    """
+)
+
+
+def _run_worker(script: Path, cache_home: Path, *args: str) -> str:
+    import os
+
+    env = dict(os.environ, KVBLEND_CACHE_DIR=str(cache_home), HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_same_model_from_two_folders_shares_one_store(tmp_path: Path) -> None:
+    import json
+
+    model, tokenizer = tiny_model("qwen2"), byte_tokenizer()
+    folders = [tmp_path / "alice" / "cache" / "model", tmp_path / "bob" / "models" / "tiny"]
+    for folder in folders:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    script = tmp_path / "worker.py"
+    script.write_text(FOLDER_WORKER.format(folder=str(tmp_path / "store")))
+    system = "Answer from the documents."
+    _run_worker(script, tmp_path / "alice", str(folders[0]), system, "precompute", json.dumps([A]))
+    prompt = f"Docs: {A}\nWho keeps bees?"
+    fingerprint, reused, tokens, precomputed = json.loads(
+        _run_worker(script, tmp_path / "bob", str(folders[1]), system, "ask", prompt)
+    )
+    assert (reused, precomputed) == (1, 0) and tokens > 0
+    # a changed weight is another model: nothing of the first is read
+    with __import__("torch").no_grad():
+        model.get_parameter("model.norm.weight").view(-1)[0] += 1e-2
+    model.save_pretrained(folders[1])
+    other, reused, tokens, precomputed = json.loads(
+        _run_worker(script, tmp_path / "bob", str(folders[1]), system, "ask", prompt)
+    )
+    assert other != fingerprint and (reused, tokens) == (0, 0)
+
+
+def test_documents_are_found_whatever_head_they_were_precomputed_behind(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    first = BlendEngine(
+        model, byte_tokenizer(), store=DiskKVStore(tmp_path), system_prompt="System X says hi."
+    )
+    first.precompute([A, B])
+    second = BlendEngine(
+        model, byte_tokenizer(), store=DiskKVStore(tmp_path), system_prompt="Y: another head."
+    )
+    assert first.doc_prefix != second.doc_prefix
+    assert second.is_known(A) and second.is_known(B) and len(second.documents) == 2
+    prompt = f"{second.doc_prefix}{A}\n\n{B}\nWho keeps bees?"
+    stats = second.prefill(prompt, BlendConfig("reuse")).stats
+    assert (stats.documents_found, stats.documents_reused) == (2, 2)
+    assert stats.reused_tokens > 0 and stats.segments_precomputed == 0
+    assert stats.moved_tokens > 0 and stats.prefix_tokens == 0  # another head: moved, not exact
+    # the same prompt behind the first engine's head reuses its first document exactly
+    exact = second.prefill(f"{first.doc_prefix}{A}\n\n{B}\nQ?", BlendConfig("reuse")).stats
+    assert exact.prefix_tokens > 0 and exact.segments_precomputed == 0
+    # explicit segments find the stored entries too, and full prefill reads nothing
+    segments = second.rag_segments("Who keeps bees?", [A, B])
+    listed = second.prefill(segments, BlendConfig("reuse")).stats
+    assert listed.documents_reused == 2 and listed.segments_precomputed == 1  # only its head
+    full = second.prefill(prompt, BlendConfig("full"))
+    expected = model(__import__("torch").tensor([full.token_ids])).logits[0, -1]
+    assert full.stats.reused_tokens == 0 and full.stats.computed_tokens == len(full.token_ids)
+    assert (full.logits - expected).abs().max() < 1e-4
+    # precomputing behind its own head adds an entry it then prefers
+    second.precompute([A])
+    assert second.documents.contexts(A) == [first.doc_prefix, second.doc_prefix]
+    own = second.prefill(f"{second.doc_prefix}{A}\nQ?", BlendConfig("reuse")).stats
+    assert own.prefix_tokens > 0
+
+
+def test_a_long_context_is_recorded_in_parts(tmp_path: Path) -> None:
+    long_head = "H" * 9000 + "é" * 10
+    writer = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
+    writer.add([A], context=long_head)
+    writer.add([A, B], context="")
+    reader = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
+    assert reader.contexts(A) == [long_head, ""] and reader.contexts(B) == [""]

@@ -40,7 +40,7 @@ from .registry import DEFAULT_CAPACITY, DocumentRegistry
 from .results import BlendStats, BlendUnavailableError, PrefillResult
 from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
-from .validation import check_text
+from .validation import check_generation, check_text, short
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -116,13 +116,17 @@ class BlendEngine:
         self.segment_kv = SegmentKV(
             self.decoder, tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            check_length=self._check_length,
+            check_length=self._check_length, context_of=self._context_for,
         )  # fmt: skip
         self._last_unmatched_warning = -float("inf")
-        self._max_token_chars: int | None = None
+        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
+        self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
         #: The documents this engine finds in prompt strings, shared with every engine over the
-        #: same store, model and document context (see `kvblend.engine.registry`).
-        self.documents = DocumentRegistry(self.store, self._registry_log(), capacity=max_documents)
+        #: same store and model, whatever their document context (see `kvblend.engine.registry`).
+        self.documents = DocumentRegistry(
+            self.store, self._registry_log(), capacity=max_documents, stored=self._stored_documents
+        )
         if check_parity:
             self.check_parity()
 
@@ -234,9 +238,39 @@ class BlendEngine:
 
     # ------------------------------------------------------------------ documents
     def _registry_log(self) -> str:
-        context = self.doc_prefix or ""
-        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|{context}".encode()).hexdigest()
+        """One log per model and KV layout: documents behind every context are found."""
+        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|registry/2".encode()).hexdigest()
         return f"documents-{digest[:32]}"
+
+    def _stored_documents(self) -> Iterator[Mapping[str, str]]:
+        """Yield the metadata of this model's entries in the store (to rebuild the registry)."""
+        keys = getattr(self.store, "keys", None)
+        try:
+            listed = keys() if callable(keys) else []
+        except NotImplementedError:
+            listed = []  # a store that cannot list its entries: nothing to rebuild from
+        for key in listed:
+            try:
+                metadata = self.store.metadata(key)
+            except Exception as error:  # noqa: BLE001 - an unreadable entry names nothing
+                logger.debug("skipping entry %s while rebuilding the registry: %s", key, error)
+                continue
+            if (
+                metadata
+                and metadata.get("fingerprint") == self.fingerprint
+                and metadata.get("format") == KV_LAYOUT
+            ):
+                yield metadata
+
+    def _context_for(self, text: str) -> str:
+        """Return the document context to read ``text``'s KV from.
+
+        This engine's own when the store holds the document behind it (or nowhere yet), else
+        the context most recently recorded for it.
+        """
+        own = self.doc_prefix or ""
+        stored = self.documents.contexts(text)
+        return own if not stored or own in stored else stored[-1]
 
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
@@ -263,8 +297,7 @@ class BlendEngine:
         from tqdm.auto import tqdm
 
         items = [texts] if isinstance(texts, str) else list(texts)
-        for text in items:
-            Segment(text)  # validates
+        self._check_documents(items)  # every one fits, before anything is computed
         bar = tqdm(
             total=len(items),
             desc="precomputing KV",
@@ -273,7 +306,7 @@ class BlendEngine:
         )
 
         def done(stored: list[str]) -> None:
-            self.documents.add(stored)
+            self.documents.add(stored, self.doc_prefix or "")
             bar.update(len(stored))
 
         with bar:
@@ -281,19 +314,40 @@ class BlendEngine:
                 items, force=force, batch_tokens=batch_tokens, done=done
             )
 
+    def _check_documents(self, texts: Sequence[str]) -> None:
+        """Refuse the first text that is not a valid document or cannot fit the window.
+
+        The character count is checked first (no tokenizing); only a text whose UTF-8 bytes
+        (each token holds at least one) could overflow the window is tokenized to be sure. The
+        error names the document: its index and the start of its text.
+        """
+        context = self.doc_prefix or ""
+        room = self.context_window - len(context.encode("utf-8")) - 16  # special tokens
+        for index, text in enumerate(texts):
+            what = f"document {index} ({short(text)})" if isinstance(text, str) else None
+            if what is not None:
+                self._check_chars(len(text), what)  # first: cheaper than reading the text
+            try:
+                Segment(text)  # validates
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"document {index}: {error}") from None
+            if self.context_window and len(text.encode("utf-8", "surrogatepass")) > room:
+                layout = self.segment_kv.layout(text, context)
+                self._check_length(len(layout.context_ids) + len(layout.ids), what)
+
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything (their KV is computed on use).
 
         Rarely needed: documents precomputed by any process sharing the store are known.
         """
         items = [texts] if isinstance(texts, str) else list(texts)
-        self.documents.add(items)
+        self.documents.add(items, self.doc_prefix or "")
 
     def is_known(self, text: str) -> bool:
         """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
         return text in self.documents
 
-    def _check_chars(self, chars: int) -> None:
+    def _check_chars(self, chars: int, what: str | None = None) -> None:
         """Refuse, before tokenizing it, a text too long to fit the context window in any case.
 
         No token covers more characters than the vocabulary's longest token, so a text longer
@@ -303,21 +357,19 @@ class BlendEngine:
         limit = self.context_window
         if not limit:
             return
-        if self._max_token_chars is None:
-            vocabulary = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
-            self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
         if chars > limit * self._max_token_chars:
             raise ValueError(
-                f"prompt of {chars:,} characters is longer than {self.name}'s context window "
-                f"of {limit} tokens can hold (at most {self._max_token_chars} characters a token)"
+                f"{what or 'prompt'} of {chars:,} characters is longer than {self.name}'s context "
+                f"window of {limit} tokens can hold (at most {self._max_token_chars} characters "
+                "a token)"
             )
 
-    def _check_length(self, tokens: int) -> None:
+    def _check_length(self, tokens: int, what: str | None = None) -> None:
         limit = self.context_window
         if limit and tokens > limit:
             raise ValueError(
-                f"prompt of {tokens} tokens is longer than {self.name}'s context window "
-                f"of {limit} tokens"
+                f"{what or 'prompt'} of {tokens:,} tokens is longer than {self.name}'s context "
+                f"window of {limit} tokens"
             )
 
     # ------------------------------------------------------------------ planning
@@ -328,6 +380,8 @@ class BlendEngine:
         with no known document while documents are known logs a warning (at most once a
         minute) saying why reuse may have failed.
         """
+        if isinstance(prompt, str):
+            self._check_chars(len(prompt))  # before reading, searching or tokenizing megabytes
         check_text(prompt, "the prompt")
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -399,6 +453,12 @@ class BlendEngine:
         Cached segments missing from the store, or whose entry cannot be read, are computed
         (and stored) within the call.
         """
+        if config is not None and not isinstance(config, BlendConfig):
+            raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}")
+        if not isinstance(prompt, (str, Sequence)):
+            raise TypeError(
+                f"prompt must be a str or a list of segments, got {type(prompt).__name__}"
+            )
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         if config.reads_cache:
@@ -456,6 +516,7 @@ class BlendEngine:
     ) -> GenerationResult:
         """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats."""
         started = time.perf_counter()
+        check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
@@ -475,6 +536,7 @@ class BlendEngine:
         seed: int | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
+        check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         yield from decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,

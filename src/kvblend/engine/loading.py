@@ -5,9 +5,10 @@ is saved once as safetensors in the user's cache folder, under the GGUF file's c
 later loads take a couple of seconds and a different file never loads another's weights.
 
 `model_fingerprint` is the model part of every segment key, so two models must never share
-one: it covers every element of every weight. A model loaded from a folder is identified by the
-sha256 of its weight files, each hashed once and remembered by path, size and mtime (see
-`file_digest`); any other model (built in memory, from a hub id) has its tensors hashed.
+one, and one model must always get the same one: it is computed from content alone (every
+element of every weight as loaded, the config's architecture fields without paths or names, the
+tokenizer, the KV dtype), never from where the files lie. A GGUF file's conversion is found by
+the file's sha256 (`file_digest`), remembered only while the file is provably unchanged.
 """
 
 from __future__ import annotations
@@ -177,36 +178,48 @@ def _converted_gguf(path: Path) -> Path:
     return folder
 
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin")
 _DIGESTS_LOCK = threading.Lock()
-_DIGESTS: dict[str, tuple[int, int, str]] = {}  # resolved path -> (size, mtime_ns, sha256)
+# resolved path -> (size, mtime_ns, ctime_ns, device, inode, sha256)
+_DIGESTS: dict[str, tuple[int, int, int, int, int, str]] = {}
 
 
 def _digest_index() -> Path:
     return cache_dir() / "file-digests.json"
 
 
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """sha256 of a file's content, computed once per (path, size, mtime) and remembered on disk.
+def _file_identity(stat: os.stat_result) -> tuple[int, int, int, int, int]:
+    """Return what changes whenever a file's content may have: size, times, device, inode.
 
-    The record lives in ``<cache dir>/file-digests.json``, so a model file is read in full once
-    per machine, not once per process; a file rewritten in place gets a new mtime and is hashed
+    Rewriting a file in place updates its ctime (which no user can set back), and replacing it
+    by another gives another inode, so a file swapped for one of the same size and mtime is
+    hashed again.
+    """
+    return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_dev, stat.st_ino)
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 of a file's content, remembered on disk while the file is provably unchanged.
+
+    The record lives in ``<cache dir>/file-digests.json``, keyed by path, size, mtime, ctime and
+    inode, so a large GGUF file is read in full once per machine, not once per process; a file
+    rewritten in place, or replaced by another (even of the same size and mtime), is hashed
     again.
     """
     resolved = Path(path).resolve()
-    stat = resolved.stat()
-    identity = (stat.st_size, stat.st_mtime_ns)
+    identity = _file_identity(resolved.stat())
     name = str(resolved)
     with _DIGESTS_LOCK:
         if not _DIGESTS:
             _DIGESTS.update(_read_digest_index())
         known = _DIGESTS.get(name)
-        if known is not None and known[:2] == identity:
-            return known[2]
+        if known is not None and known[:5] == identity:
+            return known[5]
     digest = hashlib.sha256()
     with resolved.open("rb") as handle:
         while chunk := handle.read(1 << 22):
             digest.update(chunk)
+    if _file_identity(resolved.stat()) != identity:  # changed while being read: not recorded
+        return digest.hexdigest()
     value = digest.hexdigest()
     with _DIGESTS_LOCK:
         _DIGESTS.update(_read_digest_index())  # keep what other processes recorded meanwhile
@@ -215,15 +228,21 @@ def file_digest(path: str | os.PathLike[str]) -> str:
     return value
 
 
-def _read_digest_index() -> dict[str, tuple[int, int, str]]:
+def _read_digest_index() -> dict[str, tuple[int, int, int, int, int, str]]:
     try:
         raw = json.loads(_digest_index().read_text("utf-8"))
-        return {str(k): (int(v[0]), int(v[1]), str(v[2])) for k, v in raw.items()}
+        records = {}
+        for key, value in raw.items():
+            if not isinstance(value, list) or len(value) != 6:
+                continue  # a record of an older format: hashed again
+            numbers = tuple(int(number) for number in value[:5])
+            records[str(key)] = (*numbers, str(value[5]))
+        return records  # type: ignore[return-value]
     except (OSError, ValueError, TypeError, IndexError, AttributeError):
         return {}  # missing or damaged: files are hashed again
 
 
-def _write_digest_index(records: dict[str, tuple[int, int, str]]) -> None:
+def _write_digest_index(records: dict[str, tuple[int, int, int, int, int, str]]) -> None:
     index = _digest_index()
     try:
         index.parent.mkdir(parents=True, exist_ok=True)
@@ -235,30 +254,13 @@ def _write_digest_index(records: dict[str, tuple[int, int, str]]) -> None:
         logger.debug("could not record file digests in %s: %s", index, error)
 
 
-def _weight_files(model: torch.nn.Module) -> list[Path]:
-    """Return the weight files ``model`` was loaded from, when it came from a local folder."""
-    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    folder = Path(source)
-    if not source or not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
-
-
 def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over every element of every weight of ``model`` (and its compute dtype).
+    """sha256 over every element of every weight of ``model``, as loaded in memory.
 
-    From the weight files' cached content hashes when the model was loaded from a local folder;
-    otherwise from the tensors themselves (each storage once: tied weights are named, not hashed
-    twice).
+    The tensors themselves are hashed (each storage once: tied weights are named, not hashed
+    twice), so the identity is what the model computes with, wherever its files came from.
     """
     digest = hashlib.sha256()
-    first = next(iter(model.parameters()), None)
-    digest.update(str(None if first is None else first.dtype).encode())
-    files = _weight_files(model)
-    if files:
-        for file in files:
-            digest.update(f"{file.name}={file_digest(file)};".encode())
-        return digest.hexdigest()
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
     for name, tensor in sorted(model.state_dict().items()):
         tensor = tensor.detach()
@@ -273,23 +275,77 @@ def weights_digest(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(model: torch.nn.Module, tokenizer: object, kv_dtype: torch.dtype) -> str:
-    """Content fingerprint of all weights, config, tokenizer and KV dtype (stable across machines).
+#: Config fields that name or locate a model, or record the library that saved it: not part of
+#: its identity (the same weights in two folders, or saved by two versions, compute the same KV).
+_NOT_IDENTITY = frozenset(
+    {"_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "torch_dtype",
+     "dtype", "_attn_implementation", "_attn_implementation_autoset", "use_cache",
+     "output_attentions", "output_hidden_states", "return_dict"}
+)  # fmt: skip
 
-    Two models that differ in any weight element, config field or vocabulary entry get
-    different fingerprints, so they never read each other's stored KV.
+
+def _identity_fields(value: Any) -> Any:
+    """Return a config dict without the fields in `_NOT_IDENTITY`, at every nesting level."""
+    if isinstance(value, dict):
+        return {
+            key: _identity_fields(item)
+            for key, item in value.items()
+            if key not in _NOT_IDENTITY and not str(key).endswith("name_or_path")
+        }
+    if isinstance(value, list):
+        return [_identity_fields(item) for item in value]
+    return value
+
+
+def config_identity(config: Any) -> str:
+    """Return the config's architecture fields as canonical JSON: no paths, names, versions."""
+    if config is None:
+        return "null"
+    fields = _identity_fields(config.to_dict())
+    return json.dumps(fields, sort_keys=True, default=str, separators=(",", ":"))
+
+
+def tokenizer_identity(tokenizer: object) -> str:
+    """Return the sha256 of what decides a tokenizer's ids.
+
+    That is its whole definition (tokenizer.json of a fast tokenizer, without runtime padding or
+    truncation settings; else its vocabulary) and its special tokens.
     """
     digest = hashlib.sha256()
-    config = getattr(model, "config", None)
-    if config is not None:
-        digest.update(config.to_json_string(use_diff=False).encode())
-    digest.update(str(kv_dtype).encode())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    to_str = getattr(backend, "to_str", None)
+    if callable(to_str):
+        text = to_str()
+        if getattr(backend, "padding", None) or getattr(backend, "truncation", None):
+            spec = json.loads(text)  # settings a call left switched on: not the tokenizer's
+            spec["padding"] = spec["truncation"] = None
+            text = json.dumps(spec)
+        digest.update(text.encode())
+    else:
+        get_vocab = getattr(tokenizer, "get_vocab", None)
+        vocab: dict[str, int] = get_vocab() if callable(get_vocab) else {}
+        digest.update(str(len(vocab)).encode())
+        for token in sorted(vocab):
+            digest.update(f"{token}={vocab[token]};".encode())
+    for name in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        digest.update(f"|{name}={getattr(tokenizer, name, None)}".encode())
+    return digest.hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer: object, kv_dtype: torch.dtype) -> str:
+    """Content fingerprint of a model: weights, config, tokenizer and KV dtype.
+
+    Two models that differ in any weight element, architecture field or tokenizer entry get
+    different fingerprints, so they never read each other's stored KV; the same model loaded
+    from two folders, two machines or two conversions of one GGUF file gets the same one (no
+    path or name is part of it), so they share every entry.
+    """
+    digest = hashlib.sha256(b"kvblend-model/2|")
+    digest.update(config_identity(getattr(model, "config", None)).encode())
+    digest.update(f"|kv={kv_dtype}|".encode())
     digest.update(weights_digest(model).encode())
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    vocab: dict[str, int] = get_vocab() if callable(get_vocab) else {}
-    digest.update(str(len(vocab)).encode())
-    for token in sorted(vocab):
-        digest.update(f"{token}={vocab[token]};".encode())
+    digest.update(b"|tokenizer=")
+    digest.update(tokenizer_identity(tokenizer).encode())
     return digest.hexdigest()[:32]
 
 

@@ -2,17 +2,21 @@
 
 Framework adapters see only a finished prompt string; the registry finds the precomputed
 documents inside it by exact match. It is shared through the store: every document precomputed
-(or registered) appends a small record to a record log of the store, named after the model and
-document context, and every registry over that store reads the records it has not seen yet
-before each search. So a second process, or the same one after a restart, finds documents it
-never precomputed, with no call to `BlendEngine.register`.
+(or registered) appends a small record to a record log of the store, one log per model, and
+every registry over that store reads the records it has not seen yet before each search. So a
+second process, or the same one after a restart, finds documents it never precomputed, with no
+call to `BlendEngine.register`.
 
-A record holds hashes, not text: a 32-bit hash of the document's first characters (its anchor),
-its length, and a 128-bit hash of the whole text. A search hashes the prompt's substring of
-anchor length at every position, looks the anchor up, and confirms a candidate by hashing the
-prompt's substring of the candidate's length; so its cost grows with the prompt's length, not
-with the number of known documents. The registry keeps at most ``capacity`` documents, dropping
-the least recently matched.
+A document is known whatever prompt head (document context) its KV was computed behind: its
+record names the context, and the registry answers `contexts(text)` with every context an entry
+was stored behind, so an engine with another system prompt reuses that KV as a moved document.
+A document record holds hashes, not text: a 32-bit hash of the document's first characters (its
+anchor), its length, a 128-bit hash of the whole text and one of its context. A context's text
+is recorded once, in context records (split in parts when long). A search hashes the prompt's
+substring of anchor length at every position, looks the anchor up, and confirms a candidate by
+hashing the prompt's substring of the candidate's length; so its cost grows with the prompt's
+length, not with the number of known documents. The registry keeps at most ``capacity``
+documents, dropping the least recently matched.
 """
 
 from __future__ import annotations
@@ -21,15 +25,16 @@ import hashlib
 import logging
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "text_digest"]
+__all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "document_metadata", "text_digest"]
 
 #: Documents a registry keeps before dropping the least recently matched.
 DEFAULT_CAPACITY = 200_000
@@ -38,7 +43,11 @@ ANCHOR_CHARS = 16
 #: Documents shorter than this are not registered: too short to be worth a cache entry.
 MIN_CHARS = 8
 
-_RECORD = struct.Struct("<IQ16s")  # anchor hash, text length, text digest
+_DOCUMENT = struct.Struct("<cIQ16s16s")  # b"D", anchor hash, length, text digest, context digest
+_CONTEXT = struct.Struct("<c16sHH")  # b"C", context digest, part, parts; then the part's bytes
+_CONTEXT_PART_BYTES = 4000  # a record log takes records of at most 4096 bytes
+_REBUILT = struct.Struct("<cQ")  # b"R", documents found: the log was rebuilt from the store
+_REBUILD_EVERY_S = 60.0  # while the log is unreadable, the store's entries are read this often
 
 
 def text_digest(text: str) -> bytes:
@@ -59,13 +68,24 @@ class Match:
 
 
 class DocumentRegistry:
-    """Known documents of one model and document context, kept in sync through a store's log.
+    """Known documents of one model, kept in sync through a store's log.
 
     ``store`` is anything with ``append_records(log, records)`` and
     ``read_records(log, cursor)``; a store without them keeps the registry in this process.
+    ``stored``, when given, yields the metadata of the store's entries (`document_metadata`
+    items among them): the registry is rebuilt from it whenever its log is found missing or
+    damaged (empty on first look, started again, or unreadable), so losing the log costs one
+    rebuild, not the reuse of every document.
     """
 
-    def __init__(self, store: Any, log: str, capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        store: Any,
+        log: str,
+        capacity: int = DEFAULT_CAPACITY,
+        *,
+        stored: Callable[[], Iterable[Mapping[str, str]]] | None = None,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.store = store
@@ -79,6 +99,15 @@ class DocumentRegistry:
         # (anchor hash, anchor length) -> {length -> {digest}}
         self._anchors: dict[tuple[int, int], dict[int, set[bytes]]] = {}
         self._anchor_lengths: dict[int, int] = {}  # anchor length -> documents using it
+        self._stored_behind: dict[bytes, list[bytes]] = {}  # digest -> context digests, newest last
+        self._contexts: dict[bytes, str] = {}  # context digest -> context text
+        self._context_parts: dict[bytes, dict[int, bytes]] = {}  # contexts still incomplete
+        self._stored = stored
+        self._looked = False  # whether the log has been read once
+        self._unusable_since: float | None = None  # the log's first failure in a row
+        self._rebuilt_at = -float("inf")
+        #: How many times the registry was rebuilt from the store's entries.
+        self.rebuilds = 0
 
     def __len__(self) -> int:
         self.refresh()
@@ -92,43 +121,139 @@ class DocumentRegistry:
         with self._lock:
             return text_digest(text) in self._documents
 
-    def add(self, texts: Iterable[str]) -> None:
-        """Make ``texts`` known here and, through the store, to every registry sharing it."""
+    def add(self, texts: Iterable[str], context: str = "") -> None:
+        """Make ``texts`` known here and, through the store, to every registry sharing it.
+
+        ``context``: the text their KV is stored behind (the document context).
+        """
+        if not self._looked:
+            self.refresh()  # a log found missing is rebuilt (and marked whole) before it grows
         records = []
+        where = text_digest(context)
         with self._lock:
+            if where not in self._contexts:
+                self._contexts[where] = context
+                records.extend(_context_records(where, context))
             for text in texts:
                 if len(text) < MIN_CHARS:
                     continue
                 digest = text_digest(text)
-                if digest in self._documents:
+                if where in self._stored_behind.get(digest, ()):
                     self._documents.move_to_end(digest)
                     continue
                 anchor = _anchor(text)
-                self._insert(digest, anchor, len(text))
-                records.append(_RECORD.pack(anchor, len(text), digest))
+                self._insert(digest, anchor, len(text), where)
+                records.append(_DOCUMENT.pack(b"D", anchor, len(text), digest, where))
         if records and self._shared:
-            try:
-                self.store.append_records(self.log, records)
-            except Exception as error:  # noqa: BLE001 - known here still; other processes miss it
-                logger.warning("could not share %d document record(s): %s", len(records), error)
+            self._share(records)
+
+    def _share(self, records: list[bytes]) -> None:
+        try:
+            self.store.append_records(self.log, records)
+        except Exception as error:  # noqa: BLE001 - known here still; other processes miss it
+            logger.warning("could not share %d document record(s): %s", len(records), error)
+
+    def contexts(self, text: str) -> list[str]:
+        """Return the document contexts ``text``'s KV is stored behind, most recent last."""
+        self.refresh()
+        with self._lock:
+            behind = self._stored_behind.get(text_digest(text), [])
+            return [self._contexts[where] for where in behind if where in self._contexts]
 
     def refresh(self) -> None:
         """Read the records other registries over the same store appended since the last look."""
         if not self._shared:
+            if not self._looked:
+                self._looked = True
+                self.rebuild(share=False)
             return
         try:
             records, cursor = self.store.read_records(self.log, self._cursor)
         except Exception as error:  # noqa: BLE001 - the local registry still works
-            logger.warning("could not read the shared document registry: %s", error)
+            self._log_unusable(error)
             return
         with self._lock:
+            # A log is whole when it holds a rebuild's mark: one that has none at first look,
+            # or that started again since (cleared, replaced, flushed), is rebuilt once.
+            lost = not self._looked or cursor < self._cursor
+            self._looked = True
+            self._unusable_since = None
             for record in records:
-                if len(record) != _RECORD.size:
-                    continue  # not ours: ignored rather than trusted
-                anchor, length, digest = _RECORD.unpack(record)
-                if digest not in self._documents and MIN_CHARS <= length < 1 << 31:
-                    self._insert(digest, anchor, length)
+                lost &= not self._apply(record)
             self._cursor = cursor
+        if lost:
+            self.rebuild()
+
+    def _log_unusable(self, error: BaseException) -> None:
+        """Rebuild from the store's entries (at once, then at most once a minute) instead."""
+        now = time.monotonic()
+        first = self._unusable_since is None
+        if first:
+            self._unusable_since = now
+            logger.warning(
+                "could not read the shared document registry (%s); finding documents from the "
+                "store's entries instead",
+                error,
+            )
+        if first or now - self._rebuilt_at >= _REBUILD_EVERY_S:
+            self.rebuild(share=False)
+
+    def rebuild(self, *, share: bool = True) -> int:
+        """Take in every document the store's entries name, and share them through the log.
+
+        Returns how many documents the entries named. Called by `refresh` when the log is
+        missing or damaged; ``share=False`` when the log cannot be written either.
+        """
+        if self._stored is None:
+            return 0
+        self._rebuilt_at = time.monotonic()
+        try:
+            described = [_described(item) for item in self._stored()]
+        except Exception as error:  # noqa: BLE001 - the registry keeps what it knows
+            logger.warning("could not rebuild the document registry from the store: %s", error)
+            return 0
+        records: list[bytes] = []
+        found = [item for item in described if item is not None]
+        with self._lock:
+            for where, context in {where: context for _, _, _, where, context in found}.items():
+                self._contexts.setdefault(where, context)
+                records.extend(_context_records(where, context))
+            for digest, anchor, length, where, _ in found:
+                self._insert(digest, anchor, length, where)
+                records.append(_DOCUMENT.pack(b"D", anchor, length, digest, where))
+            self.rebuilds += 1
+        logger.info("document registry rebuilt from the store: %d document(s)", len(found))
+        if share and self._shared:
+            self._share([_REBUILT.pack(b"R", len(found)), *records])
+        return len(found)
+
+    def _apply(self, record: bytes) -> bool:
+        """Take in one record read from the log (True: a rebuild's mark).
+
+        Anything malformed is ignored, not trusted.
+        """
+        if record[:1] == b"R" and len(record) == _REBUILT.size:
+            return True
+        if record[:1] == b"D" and len(record) == _DOCUMENT.size:
+            _, anchor, length, digest, where = _DOCUMENT.unpack(record)
+            if MIN_CHARS <= length < 1 << 31 and where not in self._stored_behind.get(digest, ()):
+                self._insert(digest, anchor, length, where)
+        elif record[:1] == b"C" and len(record) >= _CONTEXT.size:
+            _, where, part, parts = _CONTEXT.unpack_from(record)
+            if where in self._contexts or not part < parts:
+                return False
+            pieces = self._context_parts.setdefault(where, {})
+            pieces[part] = record[_CONTEXT.size :]
+            if len(pieces) == parts:
+                del self._context_parts[where]
+                whole = b"".join(pieces[index] for index in range(parts))
+                try:
+                    context = whole.decode("utf-8", "surrogatepass")
+                except UnicodeDecodeError:
+                    return False
+                if text_digest(context) == where:
+                    self._contexts[where] = context
+        return False
 
     def find(self, prompt: str) -> list[Match]:
         """Known documents in ``prompt``: longest first, never overlapping, sorted by position."""
@@ -154,7 +279,14 @@ class DocumentRegistry:
                 self._documents.move_to_end(digest)
         return _non_overlapping(found)
 
-    def _insert(self, digest: bytes, anchor: int, length: int) -> None:
+    def _insert(self, digest: bytes, anchor: int, length: int, context: bytes) -> None:
+        behind = self._stored_behind.setdefault(digest, [])
+        if context in behind:
+            behind.remove(context)
+        behind.append(context)
+        if digest in self._documents:
+            self._documents.move_to_end(digest)
+            return
         anchor_length = min(length, ANCHOR_CHARS)
         self._documents[digest] = (anchor, length)
         self._anchors.setdefault((anchor, anchor_length), {}).setdefault(length, set()).add(digest)
@@ -164,6 +296,7 @@ class DocumentRegistry:
             self._remove(old, old_anchor, old_length)
 
     def _remove(self, digest: bytes, anchor: int, length: int) -> None:
+        self._stored_behind.pop(digest, None)
         anchor_length = min(length, ANCHOR_CHARS)
         bucket = self._anchors.get((anchor, anchor_length), {})
         digests = bucket.get(length, set())
@@ -175,6 +308,48 @@ class DocumentRegistry:
         self._anchor_lengths[anchor_length] -= 1
         if not self._anchor_lengths[anchor_length]:
             del self._anchor_lengths[anchor_length]
+
+
+def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str] | None:
+    """Parse what `document_metadata` stored: (digest, anchor, length, context digest, context).
+
+    None for an entry that names no document (a prompt head, a segment computed during a
+    prefill) or names one in a way `document_metadata` never writes.
+    """
+    try:
+        digest = bytes.fromhex(metadata["document.digest"])
+        anchor, length = int(metadata["document.anchor"]), int(metadata["document.chars"])
+        context = metadata["document.context"]
+    except (KeyError, ValueError, TypeError):
+        return None
+    if len(digest) != 16 or not 0 <= anchor < 1 << 32 or not MIN_CHARS <= length < 1 << 31:
+        return None
+    return digest, anchor, length, text_digest(context), context
+
+
+def document_metadata(text: str, context: str) -> dict[str, str]:
+    """Entry metadata naming the document an entry holds (hashes, not text) and its context.
+
+    Stored with every precomputed entry, so the registry can be rebuilt from the store's own
+    entries (`DocumentRegistry.rebuild`) when its log is lost.
+    """
+    return {
+        "document.digest": text_digest(text).hex(),
+        "document.anchor": str(_anchor(text)),
+        "document.chars": str(len(text)),
+        "document.context": context,
+    }
+
+
+def _context_records(where: bytes, context: str) -> list[bytes]:
+    """Return records carrying a context's text, in parts small enough for a record log."""
+    data = context.encode("utf-8", "surrogatepass")
+    parts = max(1, -(-len(data) // _CONTEXT_PART_BYTES))
+    return [
+        _CONTEXT.pack(b"C", where, index, parts)
+        + data[index * _CONTEXT_PART_BYTES : (index + 1) * _CONTEXT_PART_BYTES]
+        for index in range(parts)
+    ]
 
 
 def _non_overlapping(found: list[tuple[int, int, bytes]]) -> list[Match]:

@@ -33,6 +33,7 @@ from .config import BlendConfig
 from .decoder import Decoder
 from .precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
 from .prompt import DocumentLayout, PrefillPlan, document_layout
+from .registry import document_metadata
 from .segments import KV_LAYOUT, segment_key
 
 logger = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class SegmentKV:
         kv_dtype: torch.dtype,
         model_name: str,
         check_length: Callable[[int], None],
+        context_of: Callable[[str], str] | None = None,
     ) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
@@ -112,7 +114,9 @@ class SegmentKV:
         self.kv_dtype = kv_dtype
         self.model_name = model_name
         self._check_length = check_length
-        self._layouts: OrderedDict[str, DocumentLayout] = OrderedDict()
+        #: Which document context a document's KV is read from (default: `doc_prefix`).
+        self.context_of = context_of
+        self._layouts: OrderedDict[tuple[str, str], DocumentLayout] = OrderedDict()
         self._lock = threading.Lock()
         self._takes_expect = _accepts_keyword(store.get, "expect")
         #: entries found damaged or not fitting the model since this object was built
@@ -139,23 +143,30 @@ class SegmentKV:
             return self.store.get(key, device=device, expect=self.expectation(tokens))
         return self.store.get(key, device=device)
 
-    def layout(self, text: str) -> DocumentLayout:
-        """How ``text`` is tokenized for its cache: behind the document context (memoized)."""
+    def layout(self, text: str, context: str | None = None) -> DocumentLayout:
+        """How ``text`` is tokenized for its cache: behind its document context (memoized).
+
+        ``context=None``: the one ``context_of(text)`` names (the store may hold the document
+        behind another engine's context), else this engine's `doc_prefix`.
+        """
+        if context is None:
+            context = self.context_of(text) if self.context_of else (self.doc_prefix or "")
+        memo = (context, text)
         with self._lock:
-            found = self._layouts.get(text)
+            found = self._layouts.get(memo)
             if found is not None:
-                self._layouts.move_to_end(text)
+                self._layouts.move_to_end(memo)
                 return found
-        layout = document_layout(self.tokenizer, self.doc_prefix or "", text)
+        layout = document_layout(self.tokenizer, context, text)
         with self._lock:
-            self._layouts[text] = layout
+            self._layouts[memo] = layout
             if len(self._layouts) > _LAYOUT_CACHE:
                 self._layouts.popitem(last=False)
         return layout
 
-    def key(self, text: str) -> str:
-        """Return the segment id of a document text."""
-        layout = self.layout(text)
+    def key(self, text: str, context: str | None = None) -> str:
+        """Return the segment id of a document text (``context`` as in `layout`)."""
+        layout = self.layout(text, context)
         return segment_key(self.fingerprint, layout.context_ids, layout.ids)
 
     def ensure_many(
@@ -171,9 +182,12 @@ class SegmentKV:
         The missing entries (``force``: all) are computed in length-sorted batches;
         ``batch_tokens`` bounds ``documents x longest`` of a batch (`length_batches`).
         ``done(texts)`` is called with the texts already stored, then after each batch.
-        Returns the segment ids, in the order of ``texts``.
+        Returns the segment ids, in the order of ``texts``. Entries are computed behind this
+        engine's own `doc_prefix` and carry what the registry needs to find them again
+        (`kvblend.engine.registry.document_metadata`).
         """
-        layouts = [self.layout(text) for text in texts]
+        context = self.doc_prefix or ""
+        layouts = [self.layout(text, context) for text in texts]
         keys = [segment_key(self.fingerprint, lay.context_ids, lay.ids) for lay in layouts]
         missing: dict[str, int] = {}  # segment id -> index of its first text
         for index, key in enumerate(keys):
@@ -183,11 +197,12 @@ class SegmentKV:
         if done is not None:
             done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
         todo = [(key, layouts[index]) for key, index in missing.items()]
+        described = {key: document_metadata(texts[i], context) for key, i in missing.items()}
         lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
         for length in lengths:  # a text too long fails the call before anything is computed
             self._check_length(length)
         for batch in length_batches(lengths, batch_tokens):
-            self.compute_batch([todo[index] for index in batch])
+            self.compute_batch([todo[index] for index in batch], described)
             if done is not None:
                 computed = {todo[index][0] for index in batch}
                 done([text for text, key in zip(texts, keys, strict=True) if key in computed])
@@ -258,11 +273,16 @@ class SegmentKV:
         self._put(key, tensors, len(context), len(token_ids))
         return tensors
 
-    def compute_batch(self, entries: Sequence[tuple[str, DocumentLayout]]) -> None:
+    def compute_batch(
+        self,
+        entries: Sequence[tuple[str, DocumentLayout]],
+        described: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
         """Compute the KV of several documents in one batched forward pass and store each.
 
         ``entries`` are (segment id, layout) pairs; the stored entries are those `compute`
         would store (`kvblend.engine.precompute` says why the batched rows are exact).
+        ``described``: metadata to store with each segment id's entry.
         """
         for _, layout in entries:
             self._check_length(len(layout.context_ids) + len(layout.ids))
@@ -275,10 +295,18 @@ class SegmentKV:
                 for name, source in (("k", keys), ("v", values)):
                     rows = source[layer][row, :, start:end]
                     tensors[f"{name}.{layer}"] = rows.to(self.kv_dtype, copy=True).contiguous()
-            self._put(key, tensors, start, end - start)
+            self._put(key, tensors, start, end - start, (described or {}).get(key))
 
-    def _put(self, key: str, tensors: dict[str, torch.Tensor], context: int, tokens: int) -> None:
+    def _put(
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        context: int,
+        tokens: int,
+        described: Mapping[str, str] | None = None,
+    ) -> None:
         metadata = {
+            **(described or {}),
             "format": KV_LAYOUT,
             "model": self.model_name,
             "fingerprint": self.fingerprint,

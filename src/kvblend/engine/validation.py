@@ -12,6 +12,13 @@ import math
 import numbers
 from collections.abc import Sequence
 
+#: Most stop sequences one call may pass.
+MAX_STOP_SEQUENCES = 32
+#: Most characters in one stop sequence (the stopping criterion's tables grow with it).
+MAX_STOP_CHARS = 200
+#: Seeds are unsigned 64-bit integers, what `torch.Generator.manual_seed` takes.
+SEED_LIMIT = 1 << 64
+
 
 def check_text(text: str, what: str = "text") -> str:
     """Return ``text`` if it is a str of valid Unicode, else raise one clear error.
@@ -43,12 +50,19 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     items: Sequence[object] = (stop,) if isinstance(stop, str) else stop
     if not isinstance(items, Sequence):
         raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+    if len(items) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"too many stop sequences: {len(items)} (at most {MAX_STOP_SEQUENCES})")
     result = []
     for item in items:
         if not isinstance(item, str):
-            raise TypeError(f"stop sequences must be str, got {type(item).__name__}: {item!r}")
+            raise TypeError(f"stop sequences must be str, got {type(item).__name__}: {short(item)}")
         if not item:
             raise ValueError("stop sequences must be non-empty; an empty one would stop at once")
+        if len(item) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop sequence {short(item)} has {len(item):,} characters "
+                f"(at most {MAX_STOP_CHARS})"
+            )
         result.append(check_text(item, "stop sequence"))
     return tuple(dict.fromkeys(result))
 
@@ -59,10 +73,42 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
         raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if not _is_number(temperature) or not (math.isfinite(temperature) and temperature >= 0):
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if not _is_number(value):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not (math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not _is_number(top_p) or not (math.isfinite(top_p) and 0 < top_p <= 1):
+    if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+
+
+def check_seed(seed: object) -> None:
+    """Refuse a seed that is not None or an int in 0..2**64-1."""
+    if seed is None:
+        return
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= int(seed) < SEED_LIMIT:
+        raise ValueError(f"seed must be in 0..2**64-1, got {seed}")
+
+
+def check_generation(
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    stop: str | Sequence[str] | None,
+    seed: object,
+) -> tuple[str, ...]:
+    """Check every decoding argument at once, before any model work; return the stop tuple."""
+    check_sampling(max_new_tokens, temperature, top_p)
+    check_seed(seed)
+    return check_stop(stop)
+
+
+def short(value: object, chars: int = 40) -> str:
+    """Return a repr of ``value`` cut to about ``chars`` characters, to name it in one line."""
+    text = repr(value[: chars + 1] if isinstance(value, str) else value)
+    return text if len(text) <= chars + 2 else f"{text[:chars]}...{text[-1]}"
 
 
 def _is_number(value: object) -> bool:

@@ -248,6 +248,13 @@ class KVStore(abc.ABC):
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key` without loading tensors, or None on a miss."""
 
+    def keys(self) -> list[str]:
+        """Return the keys of every entry (unverified), for rebuilding what points at them.
+
+        Stores that cannot list their entries raise `NotImplementedError`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list its entries")
+
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release background threads and open handles; the store stays usable."""
 

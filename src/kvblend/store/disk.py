@@ -257,6 +257,11 @@ class DiskKVStore(KVStore):
         with self._storage_errors(f"delete {key!r}"):
             return bool(self._index().delete(key, retry=True))
 
+    def keys(self) -> list[str]:
+        """Return the keys of every entry in the folder's index (every process's writes)."""
+        with self._storage_errors("list the entries"):
+            return [key for key in self._index().iterkeys() if isinstance(key, str)]
+
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, reading only the entry's header."""
         validate_key(key)

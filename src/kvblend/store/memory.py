@@ -181,6 +181,11 @@ class MemoryKVStore(KVStore):
         self._bytes -= entry.nbytes
         return True
 
+    def keys(self) -> list[str]:
+        """Return the keys of every entry held."""
+        with self._lock:
+            return list(self._entries)
+
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, or None."""
         validate_key(key)

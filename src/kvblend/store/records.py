@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import sqlite3
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from kvblend.store.files import PRIVATE, FileModes, prepare_folder, set_mode
 from kvblend.store.index import is_damage
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 __all__ = ["DEFAULT_MAX_RECORDS", "DiskRecordLogs", "MemoryRecordLogs", "validate_log_name"]
 
@@ -98,8 +102,12 @@ class DiskRecordLogs:
     One table holds every log's records under a global, increasing sequence number, so a
     reader's cursor is the last number it has seen and a read is one indexed range query. The
     sub-folder and file get the store's `modes` (SQLite gives its ``-wal``/``-shm`` files the
-    database file's mode); a damaged file is set aside as ``records.db.damaged`` and a new, empty
-    one is started: records only help find documents, so losing them costs reuse, never answers.
+    database file's mode); a damaged file (found when opening it or later) is set aside as
+    ``records.db.damaged`` and a new, empty one is started: records only help find documents,
+    and their reader rebuilds them from the store's entries (`kvblend.engine.registry`). A reader
+    whose cursor is past every sequence number the file ever gave (the file was replaced) reads
+    the log from its start again, and learns so from the cursor going back; a new file numbers
+    its records from a random point, so an old cursor never lands inside its sequence.
     """
 
     _TRIM_EVERY = 1024
@@ -118,42 +126,89 @@ class DiskRecordLogs:
         self.modes = modes
         self._local = threading.local()
         self._appended = 0
+        self._inode = -1
         prepare_folder(self.directory, modes)
         try:
             self._create()
         except sqlite3.DatabaseError as error:
             if not is_damage(error):
                 raise
-            logger.warning(
-                "record log %s is damaged (%s): set aside, starting anew", self.path, error
-            )
-            self.close()
-            for suffix in ("", "-wal", "-shm"):
-                damaged = Path(f"{self.path}{suffix}")
-                if damaged.exists():
-                    os.replace(damaged, f"{self.path}.damaged{suffix}")
+            self._start_anew(error)
+
+    def _start_anew(self, error: BaseException) -> None:
+        """Set the damaged file aside and start an empty one.
+
+        When another process has already replaced the file this one found damaged, the new file
+        is opened instead: it is not set aside a second time.
+        """
+        opened = getattr(self._local, "inode", self._inode)
+        self.close()
+        replaced = self._file_inode() != opened
+        if replaced:
             self._create()
+            return
+        logger.warning("record log %s is damaged (%s): set aside, starting anew", self.path, error)
+        for suffix in ("", "-wal", "-shm"):
+            damaged = Path(f"{self.path}{suffix}")
+            if damaged.exists():
+                os.replace(damaged, f"{self.path}.damaged{suffix}")
+        self._create()
+
+    def _healing(self, operation: Callable[[], _T]) -> _T:
+        """Run ``operation``; if it finds the file damaged, start anew and run it once more."""
+        try:
+            return operation()
+        except sqlite3.DatabaseError as error:
+            if not is_damage(error):
+                raise
+            self._start_anew(error)
+            return operation()
 
     def _create(self) -> None:
+        self.close()
+        prepare_folder(self.directory, self.modes)  # it may have been deleted
         descriptor = os.open(self.path, os.O_RDONLY | os.O_CREAT, self.modes.file)
+        self._inode = os.fstat(descriptor).st_ino
         os.close(descriptor)
         set_mode(self.path, self.modes.file)
-        db = self._connection()
+        db = self._open()
         with db:
             db.execute(
                 "CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
                 "log TEXT NOT NULL, data BLOB NOT NULL)"
             )
             db.execute("CREATE INDEX IF NOT EXISTS records_log ON records (log, seq)")
+            # A new file's numbers start at a random point, so a reader's cursor from a file this
+            # one replaced never lands inside its sequence (see `_read`).
+            db.execute(
+                "INSERT INTO sqlite_sequence (name, seq) SELECT 'records', ? WHERE NOT EXISTS "
+                "(SELECT 1 FROM sqlite_sequence WHERE name = 'records')",
+                (secrets.randbelow(1 << 60),),
+            )
         db.execute("SELECT seq FROM records ORDER BY seq DESC LIMIT 1").fetchall()
 
+    def _file_inode(self) -> int | None:
+        try:
+            return os.stat(self.path).st_ino
+        except OSError:
+            return None
+
     def _connection(self) -> sqlite3.Connection:
+        """Return the thread's connection to the file now at `path` (reopened if replaced)."""
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            self._local.db = db
+            return self._open()
+        if self._file_inode() != getattr(self._local, "inode", None):
+            self._create()  # replaced or deleted by another process: use (or make) the new one
+            return self._local.db
+        return db
+
+    def _open(self) -> sqlite3.Connection:
+        inode = self._file_inode()
+        db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        self._local.db, self._local.inode = db, inode
         return db
 
     def append(self, log: str, records: Sequence[bytes]) -> None:
@@ -162,12 +217,16 @@ class DiskRecordLogs:
         checked = _validate_records(records)
         if not checked:
             return
-        db = self._connection()
-        with db:
-            db.execute("BEGIN IMMEDIATE")
-            db.executemany(
-                "INSERT INTO records (log, data) VALUES (?, ?)", [(log, r) for r in checked]
-            )
+
+        def insert() -> None:
+            db = self._connection()
+            with db:
+                db.execute("BEGIN IMMEDIATE")
+                db.executemany(
+                    "INSERT INTO records (log, data) VALUES (?, ?)", [(log, r) for r in checked]
+                )
+
+        self._healing(insert)
         before, self._appended = self._appended, self._appended + len(checked)
         if before // self._TRIM_EVERY != self._appended // self._TRIM_EVERY:
             self._trim(log)
@@ -184,14 +243,17 @@ class DiskRecordLogs:
     def read(self, log: str, cursor: int = 0) -> tuple[list[bytes], int]:
         """Return the records of ``log`` after sequence number ``cursor``, and the last one's."""
         validate_log_name(log)
-        rows = (
-            self._connection()
-            .execute(
-                "SELECT seq, data FROM records WHERE log = ? AND seq > ? ORDER BY seq",
-                (log, cursor),
-            )
-            .fetchall()
-        )
+        return self._healing(lambda: self._read(log, int(cursor)))
+
+    def _read(self, log: str, cursor: int) -> tuple[list[bytes], int]:
+        db = self._connection()
+        if cursor > 0:
+            top = db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+            if top is None or cursor > int(top[0]):
+                cursor = 0  # the file was replaced: its sequence started again
+        rows = db.execute(
+            "SELECT seq, data FROM records WHERE log = ? AND seq > ? ORDER BY seq", (log, cursor)
+        ).fetchall()
         if not rows:
             return [], cursor
         return [bytes(data) for _, data in rows], int(rows[-1][0])

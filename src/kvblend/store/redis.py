@@ -310,6 +310,16 @@ class RedisKVStore(KVStore):
         redis_key = self._entry_key(key)
         return bool(self._call(f"delete {key!r}", lambda: self.client.delete(redis_key)))
 
+    def keys(self) -> list[str]:
+        """Return the keys of every entry under this store's prefix (``SCAN``)."""
+        start = len(self._entry_key("x")) - 1
+
+        def scan() -> list[str]:
+            found = self._scan(f"{self._entry_key('x')[:start]}*")
+            return [name.decode("utf-8", "replace")[start:] for name in found]
+
+        return self._call("list the entries", scan)
+
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, reading only the entry's head."""
         opened = self._open(key)

@@ -6,8 +6,16 @@ starts again). A log is two keys, ``<prefix>log:{<name>}:head`` (the last sequen
 ``<prefix>log:{<name>}:records`` (the records kept, oldest first); the name in braces is a
 Redis Cluster hash tag, so both keys live on one node. Appends and reads are Lua scripts, which
 Redis runs atomically: concurrent appenders from any machine get one sequence, and a reader
-never sees a counter and a list that disagree. If the counter is evicted while the list is not,
-the next append starts the log again (readers with a newer cursor restart, as after a clear).
+never sees a counter and a list that disagree. A log whose keys hold anything an append did not
+write (a garbage counter, a key of another type, a list longer than its counter says: an evicted
+counter) is deleted by the next read or append, never trusted, and starts again (readers with a
+newer cursor restart, as after a clear; the engine's registry then rebuilds itself from the
+store's entries).
+
+Commands: ``EVALSHA`` (and ``SCRIPT LOAD``/``EVAL`` when the server lacks the script) running
+``GET``, ``SET``, ``DEL``, ``LLEN``, ``RPUSH``, ``LTRIM`` and ``LRANGE`` on the two keys of a log;
+`docs/deployment.md` lists them as an ACL. Without them (an ACL user without scripting) every
+call raises, and the registry falls back to the store's entries.
 """
 
 from __future__ import annotations
@@ -19,13 +27,28 @@ from kvblend.store.records import DEFAULT_MAX_RECORDS, _validate_records, valida
 
 __all__ = ["RedisRecordLogs"]
 
-# KEYS = counter, list; ARGV = max records, records... Returns the new last sequence number.
-_APPEND = """
-local head = tonumber(redis.call('GET', KEYS[1]) or '0')
-if redis.call('LLEN', KEYS[2]) > head then
-  redis.call('DEL', KEYS[2])  -- the counter was evicted: start the log again
-  head = 0
+# The head of a log (KEYS = counter, list): its last sequence number, or nil when either key holds
+# something no append wrote (a garbage counter, a key of another type, more records than the
+# counter counts: an evicted counter). A damaged log is deleted, never trusted: it starts again.
+_HEAD = """
+local function log_head()
+  local raw = redis.pcall('GET', KEYS[1])
+  local kept = redis.pcall('LLEN', KEYS[2])
+  local head = 0
+  if raw then head = type(raw) == 'string' and tonumber(raw) or nil end
+  if head == nil or head < 0 or head >= 9007199254740992 or head ~= math.floor(head)
+      or type(kept) ~= 'number' or kept > head then
+    redis.call('DEL', KEYS[1], KEYS[2])
+    return 0, true
+  end
+  return head, false
 end
+"""
+# KEYS = counter, list; ARGV = max records, records... Returns the new last sequence number.
+_APPEND = (
+    _HEAD
+    + """
+local head = log_head()
 for i = 2, #ARGV, 1000 do
   redis.call('RPUSH', KEYS[2], unpack(ARGV, i, math.min(i + 999, #ARGV)))
 end
@@ -34,13 +57,16 @@ head = head + #ARGV - 1
 redis.call('SET', KEYS[1], head)
 return head
 """
+)
 # KEYS = counter, list; ARGV = cursor. Returns {last sequence number, records after cursor...}.
-_READ = """
-local head = tonumber(redis.call('GET', KEYS[1]) or '0')
+_READ = (
+    _HEAD
+    + """
+local head, damaged = log_head()
+if damaged then return {0} end
 local cursor = tonumber(ARGV[1])
 if cursor == head then return {head} end
 local kept = redis.call('LLEN', KEYS[2])
-if kept > head then return {0} end
 local first = head - kept + 1
 local start = first
 if cursor < head then start = math.max(cursor + 1, first) end
@@ -48,6 +74,7 @@ local found = redis.call('LRANGE', KEYS[2], start - first, -1)
 table.insert(found, 1, head)
 return found
 """
+)
 
 
 class RedisRecordLogs:

@@ -169,6 +169,17 @@ class RemoteTieredKVStore(TieredKVStore):
         removed = super().delete(key)
         return self.remote.delete(key) or removed
 
+    def keys(self) -> list[str]:
+        """Return the keys of every tier's entries (the local tiers' alone if the remote fails)."""
+        found = dict.fromkeys(super().keys())
+        try:
+            found.update(dict.fromkeys(self.remote.keys()))
+        except StoreError as error:
+            self._warn(
+                "get", f"KV store {self.remote_name} tier unreadable, a miss: {error}", error
+            )
+        return list(found)
+
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key` from the first tier that has it."""
         found = super().metadata(key)

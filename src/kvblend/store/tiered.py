@@ -199,6 +199,17 @@ class TieredKVStore(KVStore):
             removed = disk.delete(key) or removed
         return removed
 
+    def keys(self) -> list[str]:
+        """Return the keys of both tiers' entries (the memory tier's alone if the disk fails)."""
+        found = dict.fromkeys(self.memory.keys())
+        disk = self._disk_tier()
+        if disk is not None:
+            try:
+                found.update(dict.fromkeys(disk.keys()))
+            except StoreError as error:
+                self._warn_once("get", f"KV store disk tier unreadable, using memory only: {error}")
+        return list(found)
+
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key` from memory, else from disk."""
         found = self.memory.metadata(key)
