@@ -383,6 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
+
+    from .ops import add_ops_arguments, cmd_ops
+
+    ops = sub.add_parser("ops", help="aten ops per layer and host syncs of a prefill (CPU)")
+    add_ops_arguments(ops)
+    ops.set_defaults(func=cmd_ops)
     nq_strategies = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
 
     def retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:
