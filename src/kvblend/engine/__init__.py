@@ -3,12 +3,14 @@
 from .config import BlendConfig
 from .decoder import SUPPORTED_FAMILIES, UnsupportedModelError
 from .engine import BlendEngine, BlendStats, BlendUnavailableError, PrefillResult
+from .results import BlendCancelledError
 from .generation import GenerationResult
 from .loading import ModelNotFoundError
 from .segments import Segment
 
 __all__ = [
     "SUPPORTED_FAMILIES",
+    "BlendCancelledError",
     "BlendConfig",
     "BlendEngine",
     "BlendStats",

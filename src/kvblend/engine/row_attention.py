@@ -12,8 +12,8 @@ how many rows are computed:
   (from the window's start on sliding-window layers) with an additive mask of exactly that key
   range, so a chunk skips the causal upper triangle beyond it.
 
-The chunk boundaries are read from the device once, when the computed rows are set, never in
-the layer loop. Masks are kept for the whole pass while they fit in ``mask_budget`` bytes and
+The chunk boundaries come from the computed rows on the host (the plan knows them), so the
+layer loop never reads the device. Masks are kept for the whole pass while they fit in ``mask_budget`` bytes and
 built per call beyond it, so mask memory stays O(rows x keys) only for short prompts and never
 grows past the budget (a 32K-token prompt would otherwise hold about 1 GiB of bf16 masks).
 """
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from .decoder import Decoder, repeat_kv, sdpa_takes_gqa
@@ -72,8 +73,18 @@ class RowAttention:
     """Attention output ``[rows, hidden]`` of the computed rows at any layer of one pass."""
 
     def __init__(
-        self, decoder: Decoder, rows: torch.Tensor, total: int, *, mask_budget: int = MASK_BUDGET
+        self,
+        decoder: Decoder,
+        rows: torch.Tensor,
+        total: int,
+        *,
+        mask_budget: int = MASK_BUDGET,
+        host: np.ndarray | None = None,
     ) -> None:
+        """Attention of the computed ``rows`` (sorted positions on the decoder's device).
+
+        ``host``: the same positions on the host (read from ``rows`` when None).
+        """
         self.decoder = decoder
         self.rows = rows
         self.total = total
@@ -86,11 +97,11 @@ class RowAttention:
         windows = set(decoder.windows)
         if (self.dense or self.scatter) and windows == {None}:
             return  # no masks: plain causal attention at every layer
-        # First and last position of every chunk, read from the device once.
-        firsts = rows[::QUERY_CHUNK].tolist()
-        lasts = rows[QUERY_CHUNK - 1 :: QUERY_CHUNK].tolist()
+        positions = rows.tolist() if host is None else host  # first and last of every chunk
+        firsts = [int(p) for p in positions[::QUERY_CHUNK]]
+        lasts = [int(p) for p in positions[QUERY_CHUNK - 1 :: QUERY_CHUNK]]
         if len(lasts) < len(firsts):
-            lasts.append(int(rows[-1]))
+            lasts.append(int(positions[-1]))
         element = torch.empty((), dtype=decoder.dtype).element_size()
         kept = 0
         for window in windows:
