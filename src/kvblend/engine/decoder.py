@@ -135,6 +135,25 @@ def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return (halves * table).sum(dim=-2).flatten(-2)
 
 
+#: RMSNorm classes whose forward is exactly ``weight * rms_norm(x.float()).to(x.dtype)``.
+_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply a norm module of the model: a plain RMSNorm as torch's one fused op, else as is.
+
+    The supported families' RMSNorm computes ``weight * (x * rsqrt(mean(x^2) + eps))`` in
+    float32 in five ops; ``F.rms_norm`` is one (and gives the same values).
+    """
+    if type(module).__name__ not in _PLAIN_RMS_NORMS:
+        return module(x)
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    eps = float(module.variance_epsilon)  # type: ignore[arg-type]
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
 class Decoder:
     """Pure-torch steps over one transformers decoder model (no state per request)."""
 
@@ -196,15 +215,15 @@ class Decoder:
         """
         block = self.layers[layer]
         attention = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = norm(block.input_layernorm, hidden)
         tokens = x.shape[0]
         head_dim = self.shape.head_dim
         q = attention.q_proj(x).view(tokens, -1, head_dim)
         k = attention.k_proj(x).view(tokens, -1, head_dim)
         v = attention.v_proj(x).view(tokens, -1, head_dim)
         if self.has_qk_norm:
-            q = attention.q_norm(q)
-            k = attention.k_norm(k)
+            q = norm(attention.q_norm, q)
+            k = norm(attention.k_norm, k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
 
     def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,13 +235,14 @@ class Decoder:
         """
         block = self.layers[layer]
         attention = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = norm(block.input_layernorm, hidden)
         tokens, head_dim = x.shape[0], self.shape.head_dim
         queries = attention.q_proj(x).view(tokens, -1, head_dim)
         if self.has_qk_norm:  # the key norm acts on the keys alone: two projections
-            keys = attention.k_norm(attention.k_proj(x).view(tokens, -1, head_dim))
+            keys = norm(attention.k_norm, attention.k_proj(x).view(tokens, -1, head_dim))
             values = attention.v_proj(x).view(tokens, -1, head_dim)
-            return attention.q_norm(queries).transpose(0, 1), torch.stack((keys, values), 1)
+            queries = norm(attention.q_norm, queries)
+            return queries.transpose(0, 1), torch.stack((keys, values), 1)
         weight, bias = self.kv_projection(layer)
         kv = F.linear(x, weight, bias).view(tokens, 2, -1, head_dim)
         return queries.transpose(0, 1), kv
@@ -247,12 +267,12 @@ class Decoder:
         """
         block = self.layers[layer]
         attention = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = norm(block.input_layernorm, hidden)
         tokens = x.shape[0]
         if keys:
             k = attention.k_proj(x).view(tokens, -1, self.shape.head_dim)
             if self.has_qk_norm:
-                k = attention.k_norm(k)
+                k = norm(attention.k_norm, k)
             return k.transpose(0, 1)
         return attention.v_proj(x).view(tokens, -1, self.shape.head_dim).transpose(0, 1)
 
@@ -294,11 +314,11 @@ class Decoder:
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""
         block = self.layers[layer]
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return hidden + block.mlp(norm(block.post_attention_layernorm, hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``[vocab]`` for the last row of ``hidden``."""
-        last = self.inner.norm(hidden[-1:])
+        last = norm(self.inner.norm, hidden[-1:])
         return self.model.lm_head(last)[0].float()
 
 
