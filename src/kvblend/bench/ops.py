@@ -63,9 +63,7 @@ def _is_sync(name: str, args: tuple[Any, ...]) -> bool:
         return True
     if name.startswith(("aten.index.Tensor", "aten.index_put")):  # boolean-mask indexing
         indices = args[1] if len(args) > 1 else ()
-        return any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ()
-        )
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices or ())
     return False
 
 
@@ -77,7 +75,7 @@ class OpCounter(TorchDispatchMode):
         self.count = OpCount()
         self.active = True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.active:
             name = str(func)
@@ -102,16 +100,14 @@ def _tolist_counted(counter: OpCounter) -> Iterator[None]:
             counter.count.sync_ops["Tensor.tolist"] += 1
         return original(self)
 
-    torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
         torch.Tensor.tolist = original  # type: ignore[method-assign]
 
 
-def count_prefill(
-    engine: BlendEngine, prompt: Any, config: BlendConfig
-) -> tuple[OpCount, Any]:
+def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tuple[OpCount, Any]:
     """Run ``engine.prefill(prompt, config)`` and count the ops and syncs of its blend."""
     counter = OpCounter()
     real = engine_module.run_blend
@@ -124,7 +120,7 @@ def count_prefill(
             counter.active = False
 
     counter.active = False
-    engine_module.run_blend = counted  # type: ignore[assignment]
+    engine_module.run_blend = counted
     try:
         with counter, _tolist_counted(counter):
             result = engine.prefill(prompt, config)
@@ -134,7 +130,7 @@ def count_prefill(
 
 
 def passes(config: BlendConfig) -> int:
-    """Passes over the layers a strategy runs (the attention selector's probe is one more)."""
+    """Return the passes over the layers a strategy runs (the attention probe is one more)."""
     return 2 if config.strategy == "attention" and config.recompute_ratio > 0 else 1
 
 
@@ -146,7 +142,7 @@ def random_documents(count: int, tokens: int, seed: int = 0) -> list[str]:
 
 
 def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> BlendEngine:
-    """An engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer."""
+    """Build an engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -174,7 +170,7 @@ def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2
 
 
 def rag_prompt(documents: list[str]) -> list[Segment]:
-    """A prefix, the documents (moved: precomputed alone), and a question."""
+    """Return segments: a prefix, the documents (moved: precomputed alone), a question."""
     return [
         Segment("Answer from the documents.\n", role="prefix"),
         *(Segment(text + "\n") for text in documents),

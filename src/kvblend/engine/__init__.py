@@ -3,9 +3,9 @@
 from .config import BlendConfig
 from .decoder import SUPPORTED_FAMILIES, UnsupportedModelError
 from .engine import BlendEngine, BlendStats, BlendUnavailableError, PrefillResult
-from .results import BlendCancelledError
 from .generation import GenerationResult
 from .loading import ModelNotFoundError
+from .results import BlendCancelledError
 from .segments import Segment
 
 __all__ = [

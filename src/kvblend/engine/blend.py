@@ -75,7 +75,7 @@ class PromptKV:
 
     @classmethod
     def empty(cls, decoder: Decoder, total: int) -> PromptKV:
-        """An unset buffer for a prompt of ``total`` tokens (every row is written before read)."""
+        """Return an unset buffer for ``total`` tokens (every row is written before it is read)."""
         shape = decoder.shape
         return cls(torch.empty(
             shape.num_layers, 2, shape.num_kv_heads, total, shape.head_dim,
@@ -272,7 +272,7 @@ def run_pass(
 
 
 def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
-    """What a pass did, counted on the host after its last layer."""
+    """Return what a pass did, counted on the host after its last layer."""
     kinds = state.host_kinds
     moved = kinds == MOVED
     return {
@@ -314,7 +314,7 @@ def last_row(
 
 
 def prompt_rope(decoder: Decoder, total: int) -> torch.Tensor:
-    """The `rope_table` of positions ``0..total-1`` (made once per prefill)."""
+    """Return the `rope_table` of positions ``0..total-1`` (made once per prefill)."""
     cos, sin = decoder.rotary(torch.arange(total, device=decoder.device))
     return rope_table(cos, sin)
 

@@ -117,7 +117,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
 
 def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotation of every position as one table ``[tokens, 2, 2, head_dim // 2]``.
+    """Return the rotation of every position as one table ``[tokens, 2, 2, head_dim // 2]``.
 
     Entry ``[t, i, m]`` multiplies input half ``m`` into output half ``i``, so `rotate` is one
     product and one sum: the same products and sums as transformers' ``apply_rotary_pos_emb``
@@ -250,7 +250,7 @@ class Decoder:
     def kv_projection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k_proj and v_proj of ``layer`` stacked: weight and bias (None: no biases)."""
         if self._kv_proj is None:
-            stacked = []
+            stacked: list[tuple[torch.Tensor, torch.Tensor | None]] = []
             with torch.no_grad():
                 for block in self.layers:
                     k, v = block.self_attn.k_proj, block.self_attn.v_proj

@@ -13,9 +13,10 @@ how many rows are computed:
   range, so a chunk skips the causal upper triangle beyond it.
 
 The chunk boundaries come from the computed rows on the host (the plan knows them), so the
-layer loop never reads the device. Masks are kept for the whole pass while they fit in ``mask_budget`` bytes and
-built per call beyond it, so mask memory stays O(rows x keys) only for short prompts and never
-grows past the budget (a 32K-token prompt would otherwise hold about 1 GiB of bf16 masks).
+layer loop never reads the device. Masks are kept for the whole pass while they fit in
+``mask_budget`` bytes and built per call beyond it, so mask memory stays O(rows x keys) only
+for short prompts and never grows past the budget (a 32K-token prompt would otherwise hold
+about 1 GiB of bf16 masks).
 """
 
 from __future__ import annotations

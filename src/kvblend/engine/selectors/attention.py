@@ -63,7 +63,9 @@ def tail_attention(
     grouped = queries.reshape(kv_heads, groups * queries.shape[1], head_dim)
     if mask.shape[0] != grouped.shape[1]:  # one mask row per (head of the group, query)
         mask = mask.repeat(groups, 1)
-    scores = torch.baddbmm(mask.to(keys.dtype), grouped, keys.transpose(1, 2), alpha=decoder.scaling)
+    scores = torch.baddbmm(
+        mask.to(keys.dtype), grouped, keys.transpose(1, 2), alpha=decoder.scaling
+    )
     weights = scores.softmax(dim=-1, dtype=torch.float32)
     norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
     return (weights.sum(dim=1) * norms).sum(dim=0)
