@@ -228,7 +228,7 @@ _CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar
 )
 
 
-def _cancel_option() -> dict[str, threading.Event]:
+def _cancel_option() -> dict[str, Any]:
     """``{"cancel": event}`` inside `run_in_thread` / `iterate_in_thread`, else nothing."""
     cancel = _CANCEL.get()
     return {} if cancel is None else {"cancel": cancel}
