@@ -163,3 +163,14 @@ def test_a_cancelled_async_request_stops_within_one_layer(
     asyncio.run(main())
     assert finished.is_set()
     assert layers_run == [0]  # the layer running when cancelled, and no other
+
+
+def test_bench_plan_times_the_tokenizer_and_the_plan() -> None:
+    from conftest import byte_tokenizer
+    from kvblend.bench.planning import planning_line, run_planning, tokenizer_engine
+
+    engine = tokenizer_engine(byte_tokenizer())
+    result = run_planning(engine, prompt_tokens=600, doc_tokens=150, repeats=2)
+    assert result["documents"] == 4 and result["documents_found"] == 4
+    assert result["tokenizer_s"] > 0 and result["plan_s"] > 0
+    assert "x the tokenizer" in planning_line(result)

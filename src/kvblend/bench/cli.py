@@ -192,6 +192,19 @@ def cmd_gpu(args: argparse.Namespace) -> None:
     _write(result, Path(args.output), gpu_table(result))
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    """Time tokenizing and matching a string prompt against the tokenizer alone."""
+    from ..engine.loading import load_model, resolve_model
+    from .planning import planning_line, run_planning, tokenizer_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _, tokenizer = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32)
+    engine = tokenizer_engine(tokenizer)
+    result = run_planning(engine, args.tokens, args.doc_tokens, args.repeats)
+    print(planning_line(result))
+
+
 HEAD_CHOICES = {"auto": ["untold"], "head": ["told"], "both": ["told", "untold"], "bos": ["bos"]}
 
 
@@ -383,6 +396,13 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
+
+    from .planning import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="tokenizing and matching a string prompt vs the tokenizer")
+    model_options(plan)
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     from .ops import add_ops_arguments, cmd_ops
 

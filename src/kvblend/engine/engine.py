@@ -34,6 +34,7 @@ from .precompute import DEFAULT_BATCH_TOKENS
 from .prompt import (
     CachedPiece,
     PrefillPlan,
+    encode_in_background,
     encode_prompt,
     plan_prefill,
 )
@@ -364,10 +365,15 @@ class BlendEngine:
 
     def plan(self, prompt: PromptLike) -> PrefillPlan:
         """Tokenize the whole prompt once and decide where each token's KV comes from."""
+        early = None
+        if isinstance(prompt, str) and prompt:  # tokenized while its documents are found
+            check_text(prompt, "the prompt")
+            self._check_chars(len(prompt))
+            early = encode_in_background(self.tokenizer, prompt)
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
         self._check_chars(len(text))
-        tokens = encode_prompt(self.tokenizer, text)
+        tokens = early.result() if early is not None else encode_prompt(self.tokenizer, text)
         self._check_length(len(tokens.ids))
         if not tokens.ids:
             raise ValueError("the prompt has no tokens")

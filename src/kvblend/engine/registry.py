@@ -27,6 +27,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .anchors import window_crc32
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "text_digest"]
@@ -135,23 +139,43 @@ class DocumentRegistry:
         self.refresh()
         found: list[tuple[int, int, bytes]] = []
         with self._lock:
-            lengths = list(self._anchor_lengths)
+            # The anchor hashes known, per anchor length, as arrays: rebuilt only when a
+            # document was added since (an added one is the most recent: the last key).
+            last = next(reversed(self._documents), None)
+            signature = (len(self._documents), last)
+            cached = getattr(self, "_known_anchors", None)
+            if cached is None or cached[0] != signature:
+                known: dict[int, list[int]] = {}
+                for anchor, anchor_length in self._anchors:
+                    known.setdefault(anchor_length, []).append(anchor)
+                arrays = {n: np.array(v, dtype=np.uint32) for n, v in known.items()}
+                cached = (signature, arrays)
+            # digest -> anchor hash of a found document's last characters: a candidate whose
+            # last characters hash otherwise is not hashed whole
+            tails: dict[bytes, int] = getattr(self, "_tail_anchors", {})
             size = len(prompt)
-            for anchor_length in lengths:
-                for start in range(size - anchor_length + 1):
-                    piece = prompt[start : start + anchor_length]
-                    bucket = self._anchors.get(
-                        (zlib.crc32(piece.encode("utf-8", "surrogatepass")), anchor_length)
-                    )
-                    if bucket is None:
-                        continue
+            for anchor_length, anchors in cached[1].items():
+                hashes = window_crc32(prompt, anchor_length)  # every position at once
+                for start in np.flatnonzero(np.isin(hashes, anchors)).tolist():
+                    bucket = self._anchors.get((int(hashes[start]), anchor_length), {})
                     for length, digests in bucket.items():
-                        if start + length <= size:
-                            digest = text_digest(prompt[start : start + length])
-                            if digest in digests:
-                                found.append((start, start + length, digest))
+                        if start + length > size:
+                            continue
+                        tail = int(hashes[start + length - anchor_length])
+                        if all(tails.get(known, tail) != tail for known in digests):
+                            continue
+                        digest = text_digest(prompt[start : start + length])
+                        if digest in digests:
+                            found.append((start, start + length, digest))
+                            tails[digest] = tail
+            if len(tails) > 2 * len(self._documents):
+                tails = {d: tail for d, tail in tails.items() if d in self._documents}
+            self._tail_anchors = tails
             for _, _, digest in found:
                 self._documents.move_to_end(digest)
+            if found:  # moving matched documents changed the last key, not the anchors
+                last = next(reversed(self._documents), None)
+            self._known_anchors = ((len(self._documents), last), cached[1])
         return _non_overlapping(found)
 
     def _insert(self, digest: bytes, anchor: int, length: int) -> None:
