@@ -183,10 +183,10 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 def cmd_gpu(args: argparse.Namespace) -> None:
     """TTFT, decode speed, peak memory and ingestion on one device (a GPU, or a CPU smoke run)."""
-    from .gpu import gpu_table, run_gpu
+    from .gpu import gpu_table, run_gpu, shaped_engine
     from .ttft import SYSTEM
 
-    engine = _engine(args, SYSTEM)
+    engine = shaped_engine(args) if args.model_shape else _engine(args, SYSTEM)
     result = run_gpu(engine, args)
     result["machine"] = _machine(engine)
     _write(result, Path(args.output), gpu_table(result))
