@@ -309,3 +309,32 @@ def test_full_prefill_reports_documents_found_and_none_reused() -> None:
     assert stats.reused_tokens == 0 and stats.computed_tokens == len(
         engine.encode("".join(segment.text for segment in prompt))
     )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_flex_attention_rows_equal_the_chunked_ones(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KVBLEND_ATTENTION=flex`` (one call per layer, a block mask built once per pass) gives
+    the chunked attention's output, sliding windows included (run eagerly on the CPU)."""
+    import warnings
+
+    from kvblend.engine.row_attention import ATTENTION_ENV
+
+    decoder = Decoder(tiny_model(family))
+    total = 300
+    rows = torch.tensor(sorted({*range(0, total, 7), *range(250, total)}))
+    shape = decoder.shape
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(shape.num_heads, rows.numel(), shape.head_dim, generator=generator)
+    k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    with torch.inference_mode():
+        chunked = RowAttention(decoder, rows, total)(0, q, k, v)
+        monkeypatch.setenv(ATTENTION_ENV, "flex")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex attention warns that it is slow
+            flex = RowAttention(decoder, rows, total)
+            assert flex.flex is not None
+            got = flex(0, q, k, v)
+    torch.testing.assert_close(got, chunked, atol=1e-5, rtol=1e-5)
