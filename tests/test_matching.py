@@ -251,3 +251,19 @@ def test_longest_run_matches_the_plain_loop() -> None:
         got = _longest_run(prompt, tokens, 10, layout)
         expected = _reference_longest_run(prompt, tokens, 10, layout)
         assert got[2] == expected[2] and (got == expected or not got[2]), (got, expected)
+
+
+def test_registry_finds_documents_while_and_after_they_are_added() -> None:
+    """Searches between additions (each position looked up) and on an unchanged registry
+    (sorted anchor arrays) find the same documents."""
+    from kvblend.engine.registry import DocumentRegistry
+
+    registry = DocumentRegistry(None, "log")
+    texts = [f"Document number {i}: a text long enough to be registered." for i in range(5)]
+    prompt = "Head. " + " ".join(texts) + " Question?"
+    for count in range(1, 6):
+        registry.add(texts[count - 1 : count])
+        for _ in range(3):  # changed, then unchanged, then unchanged again
+            found = [prompt[m.start : m.end] for m in registry.find(prompt)]
+            assert found == texts[:count]
+    assert registry.find("nothing known here at all") == []

@@ -139,30 +139,45 @@ class DocumentRegistry:
         self.refresh()
         found: list[tuple[int, int, bytes]] = []
         with self._lock:
-            # The anchor hashes known, per anchor length, as arrays: rebuilt only when a
-            # document was added since (an added one is the most recent: the last key).
-            last = next(reversed(self._documents), None)
-            signature = (len(self._documents), last)
+            # The anchor hashes known, per anchor length, as sorted arrays, made when the
+            # registry is unchanged since the last search (an added document is the most
+            # recent: the last key); while documents are being added, each position is looked
+            # up in the anchor table instead (the cost of either follows the prompt's length).
+            signature = (len(self._documents), next(reversed(self._documents), None))
             cached = getattr(self, "_known_anchors", None)
-            if cached is None or cached[0] != signature:
-                known: dict[int, list[int]] = {}
-                for anchor, anchor_length in self._anchors:
-                    known.setdefault(anchor_length, []).append(anchor)
-                arrays = {n: np.array(v, dtype=np.uint32) for n, v in known.items()}
-                cached = (signature, arrays)
+            arrays: dict[int, np.ndarray] | None = None
+            if cached is not None and cached[0] == signature:
+                arrays = cached[1]
+                if arrays is None:
+                    by_length: dict[int, list[int]] = {}
+                    for anchor, anchor_length in self._anchors:
+                        by_length.setdefault(anchor_length, []).append(anchor)
+                    arrays = {
+                        n: np.unique(np.array(v, dtype=np.uint32)) for n, v in by_length.items()
+                    }
             # digest -> anchor hash of a found document's last characters: a candidate whose
             # last characters hash otherwise is not hashed whole
             tails: dict[bytes, int] = getattr(self, "_tail_anchors", {})
             size = len(prompt)
-            for anchor_length, anchors in cached[1].items():
+            for anchor_length in list(self._anchor_lengths):
                 hashes = window_crc32(prompt, anchor_length)  # every position at once
-                for start in np.flatnonzero(np.isin(hashes, anchors)).tolist():
+                if arrays is not None:
+                    anchors = arrays[anchor_length]
+                    slots = np.minimum(np.searchsorted(anchors, hashes), len(anchors) - 1)
+                    starts = np.flatnonzero(anchors[slots] == hashes).tolist()
+                else:
+                    starts = [
+                        start
+                        for start, value in enumerate(hashes.tolist())
+                        if (value, anchor_length) in self._anchors
+                    ]
+                for start in starts:
                     bucket = self._anchors.get((int(hashes[start]), anchor_length), {})
                     for length, digests in bucket.items():
                         if start + length > size:
                             continue
                         tail = int(hashes[start + length - anchor_length])
-                        if all(tails.get(known, tail) != tail for known in digests):
+                        if all(tails.get(other, tail) != tail for other in digests):
                             continue
                         digest = text_digest(prompt[start : start + length])
                         if digest in digests:
@@ -173,9 +188,9 @@ class DocumentRegistry:
             self._tail_anchors = tails
             for _, _, digest in found:
                 self._documents.move_to_end(digest)
-            if found:  # moving matched documents changed the last key, not the anchors
-                last = next(reversed(self._documents), None)
-            self._known_anchors = ((len(self._documents), last), cached[1])
+            # moving matched documents changed the last key, not the anchors
+            last = next(reversed(self._documents), None)
+            self._known_anchors = ((len(self._documents), last), arrays)
         return _non_overlapping(found)
 
     def _insert(self, digest: bytes, anchor: int, length: int) -> None:
