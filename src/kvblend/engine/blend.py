@@ -39,6 +39,7 @@ from .blend_io import (
     host_rows,
     moved_span_index,
     read_back,
+    to_device,
 )
 from .config import BlendConfig
 from .correction import StaleCorrection
@@ -148,7 +149,7 @@ def begin_pass(
     kv: PromptKV | None,
 ) -> PassState:  # fmt: skip
     """Embed the computed rows and prepare their attention and correction."""
-    rows = torch.from_numpy(computed).to(decoder.device)
+    rows = to_device(computed, decoder.device)
     hidden = decoder.embed(prompt.token_ids.index_select(0, rows))
     assert prompt.host_kinds is not None
     kv = kv if kv is not None else PromptKV.empty(decoder, prompt.token_ids.numel())
@@ -370,7 +371,8 @@ def run_blend(
     blend_input = on_host(blend_input)
     device = decoder.device
     blend_input = BlendInput(
-        blend_input.token_ids.to(device), blend_input.kinds.to(device), blend_input.spans,
+        to_device(blend_input.token_ids, device), to_device(blend_input.kinds, device),
+        blend_input.spans,
         blend_input.host_kinds,
     )  # fmt: skip
     selector = selector_class(config.strategy)(config.settings)

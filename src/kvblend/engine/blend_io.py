@@ -74,6 +74,20 @@ def read_back(tensor: torch.Tensor) -> np.ndarray:
     return np.asarray(tensor.tolist(), dtype=np.int64)
 
 
+def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host array (or CPU tensor) to ``device`` without waiting for the device.
+
+    On CUDA through pinned memory, asynchronously (a copy from pageable memory would
+    synchronise the stream); on the CPU the same memory, no copy.
+    """
+    tensor = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
+    if device.type == "cpu":
+        return tensor
+    if tensor.device.type == "cpu" and torch.cuda.is_available():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def host_rows(rows: torch.Tensor | np.ndarray) -> np.ndarray:
     """Sorted positions on the host: a host (CPU) tensor or array as is, a device one read back."""
     if isinstance(rows, np.ndarray):

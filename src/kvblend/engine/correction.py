@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .blend_io import MOVED
+from .blend_io import MOVED, to_device
 
 
 class StaleCorrection:
@@ -59,7 +59,7 @@ class StaleCorrection:
         stale_column = np.where(counts[stale_span] > 0, stale_span, spans)
 
         def on_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(device)
+            return to_device(array, device)
 
         self.local, self.recomputed = on_device(local), on_device(recomputed)
         self.stale, self.stale_column = on_device(stale_rows), on_device(stale_column)

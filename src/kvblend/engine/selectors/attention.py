@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED, read_back
+from ..blend_io import COMPUTE, MOVED, read_back, to_device
 from ..decoder import Decoder
 from ..row_attention import attention_mask
 from .base import (
@@ -78,10 +78,10 @@ class TailAttention:
         self.decoder = decoder
         device = decoder.device
         local = np.searchsorted(computed, tail)  # the tail among the computed rows
-        self.local = torch.from_numpy(local).to(device)
+        self.local = to_device(local, device)
         self.scores = torch.zeros(total, device=device, dtype=torch.float32)
         groups = decoder.shape.num_heads // decoder.shape.num_kv_heads
-        positions = torch.from_numpy(tail).to(device)
+        positions = to_device(tail, device)
         self.masks = {  # [groups * tail, total], made once per pass
             window: attention_mask(positions, 0, total, window, decoder.dtype).repeat(groups, 1)
             for window in set(decoder.windows)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan
+from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan, to_device
 from ..decoder import Decoder, DecoderShape
 
 
@@ -114,7 +114,7 @@ def top_scoring(
     A fixed-size selection (``topk``) on ``score``'s device: no host sync.
     """
     if isinstance(candidates, np.ndarray):
-        candidates = torch.from_numpy(candidates).to(score.device)
+        candidates = to_device(candidates, score.device)
     if keep >= candidates.numel():
         return candidates
     if keep <= 0:
