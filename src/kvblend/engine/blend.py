@@ -268,6 +268,10 @@ def run_pass(
     out = run_layers(state, kv is None, selector, observer, need_logits, cancel)
     if not keep_raw_keys:
         out.raw_keys = None
+    else:  # KV to be stored: tensors of their own, not views of one buffer
+        assert out.raw_keys is not None
+        out.raw_keys = [keys.clone() for keys in out.raw_keys]
+        out.values = [values.clone() for values in out.values]
     out.stats = pass_stats(state, blend_input)
     return out
 
