@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
@@ -37,10 +38,12 @@ def wrapper():
 
 def test_gpu_arguments_default_to_cuda_bf16_and_the_four_lengths() -> None:
     args = build_parser().parse_args(["gpu"])
-    assert (args.device, args.dtype) == ("cuda", "bf16")
+    assert (args.device, args.dtype, args.model_shape) == ("cuda", "bf16", None)
     assert (
-        parse_lengths(args.lengths) == [2048, 4096, 8192, 16384] == parse_lengths(DEFAULT_LENGTHS)
+        parse_lengths(args.lengths) == [4096, 8192, 16384, 32000] == parse_lengths(DEFAULT_LENGTHS)
     )
+    for shape in ("llama-1b", "llama-8b"):
+        assert build_parser().parse_args(["gpu", "--model-shape", shape]).model_shape == shape
     assert args.strategies == "full,default,cacheblend-value-0.15,reuse"
     smoke = build_parser().parse_args(["gpu", "--device", "cpu", "--lengths", "1024", "--dtype",
                                        "float32"])  # fmt: skip
@@ -76,7 +79,26 @@ def test_gpu_run_on_the_cpu(engine: BlendEngine, tmp_path: Path) -> None:
     assert settings == ["one-by-one", "batched-400"]
     table = gpu_table(result)
     assert "cacheblend-value-0.15" in table and "batched-400" in table
+    baseline = {(row["target_tokens"], row["run"]) for row in result["transformers"]}
+    assert baseline == {(192, "transformers-forward"), (192, "transformers-generate")}
+    assert "| transformers forward |" in table
     json.dumps(result)  # what the command writes
+
+
+def test_random_model_shapes() -> None:
+    """The shapes are those of the named models; a tiny one runs a blend end to end."""
+    from kvblend.bench.random_models import MODEL_SHAPES, random_model
+
+    eight = MODEL_SHAPES["llama-8b"]
+    assert (eight["num_hidden_layers"], eight["hidden_size"], eight["num_key_value_heads"]) == (
+        32, 4096, 8,
+    )  # fmt: skip
+    assert MODEL_SHAPES["llama-1b"]["num_hidden_layers"] == 16
+    tokenizer = byte_tokenizer()
+    model = random_model("tiny", tokenizer, torch.device("cpu"), torch.float32)
+    assert model.config.num_hidden_layers == 2 and model.dtype == torch.float32
+    engine = BlendEngine(model, tokenizer, store=MemoryKVStore(), name="tiny-shape")
+    assert engine.parity_error is not None and engine.parity_error < 1e-4
 
 
 def test_ingest_runs_every_setting_interleaved(engine: BlendEngine) -> None:

@@ -518,3 +518,23 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
             BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, correction=0),
         )
         assert not torch.allclose(plain.logits, pre.logits, atol=1e-5)
+
+
+def test_kv_kept_for_the_store_owns_its_memory() -> None:
+    """The loop keeps every layer's K/V in one buffer; KV returned to be stored (raw keys)
+    is copied out of it, so a store that serializes tensors never sees shared memory."""
+    from kvblend.engine.blend import BlendInput, run_blend
+    from kvblend.engine.blend_io import COMPUTE
+    from kvblend.engine.decoder import Decoder
+
+    decoder = Decoder(tiny_model("qwen2"))
+    ids = torch.arange(3, 23)
+    kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
+    out = run_blend(
+        decoder, BlendInput(ids, kinds, []), BlendConfig("full"), need_logits=False,
+        keep_raw_keys=True,
+    )  # fmt: skip
+    assert out.raw_keys is not None
+    tensors = [*out.raw_keys, *out.values]
+    storages = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(storages) == len(tensors)

@@ -63,7 +63,9 @@ class FakeEngine:
             "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
         )
 
-    def prefill(self, segments: list[Segment], config: BlendConfig | None = None) -> FakePrefill:
+    def prefill(
+        self, segments: list[Segment], config: BlendConfig | None = None, *, cancel: Any = None
+    ) -> FakePrefill:
         self.segments.append(list(segments))
         self.configs.append(config)
         stats = BlendStats(strategy=(config or BlendConfig()).strategy)

@@ -52,9 +52,9 @@ def prompts(engine: BlendEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[S
     seen: list[list[Segment]] = []
     original = engine.prefill
 
-    def recording(segments: Any, config: Any = None) -> Any:
+    def recording(segments: Any, config: Any = None, **kwargs: Any) -> Any:
         seen.append(list(segments))
-        return original(segments, config)
+        return original(segments, config, **kwargs)
 
     monkeypatch.setattr(engine, "prefill", recording)
     return seen

@@ -182,3 +182,88 @@ def test_many_known_documents_are_all_found() -> None:
     segments = split_prompt(prompt, known)
     assert [s.text for s in segments if s.cache] == used
     assert joined(segments) == prompt
+
+
+# ------------------------------------------------------------- vectorised engine matching
+def test_window_crc32_is_zlib_crc32_of_every_window() -> None:
+    """The registry's anchor hash at every position, vectorised, equals zlib's one by one."""
+    import zlib
+
+    from kvblend.engine.anchors import window_crc32
+
+    texts = [
+        "a plain ASCII text, long enough for a few windows of sixteen characters",
+        "héllo wörld ✓ 日本語 and 🙂 emoji, a lone \ud800 surrogate " * 3,
+    ]
+    for text in texts:
+        for width in (1, 2, 7, 16, 17):
+            expected = [
+                zlib.crc32(text[i : i + width].encode("utf-8", "surrogatepass"))
+                for i in range(len(text) - width + 1)
+            ]
+            assert window_crc32(text, width).tolist() == expected, width
+    assert window_crc32("short", 16).size == 0
+
+
+def _reference_longest_run(prompt, tokens, char_start, layout):  # type: ignore[no-untyped-def]
+    """The plain loop `_longest_run` replaced: first of the longest runs of equal tokens."""
+    where: dict[tuple[int, int, int], int] = {}
+    for index, (token_id, (start, end)) in enumerate(zip(layout.ids, layout.offsets, strict=True)):
+        where.setdefault((token_id, start, end), index)
+    best = (0, 0, 0)
+    run_start = run_cached = run_length = 0
+    for index in tokens:
+        start, end = prompt.offsets[index]
+        token = (prompt.ids[index], start - char_start, end - char_start)
+        expected = run_cached + run_length
+        if (
+            run_length
+            and expected < len(layout.ids)
+            and (layout.ids[expected], *layout.offsets[expected]) == token
+        ):
+            run_length += 1
+        else:
+            found = where.get(token)
+            run_start, run_cached, run_length = index, found or 0, int(found is not None)
+        if run_length > best[2]:
+            best = (run_start, run_cached, run_length)
+    return best
+
+
+def test_longest_run_matches_the_plain_loop() -> None:
+    """Random prompts and layouts: breaks, shifted offsets, repeated ids, no match at all."""
+    import random
+
+    from kvblend.engine.prompt import DocumentLayout, PromptTokens, _longest_run
+
+    rng = random.Random(3)
+    for _ in range(300):
+        length = rng.randint(1, 40)
+        ids = [rng.randint(0, 4) for _ in range(length)]
+        offsets = [(2 * i, 2 * i + rng.choice((1, 2))) for i in range(length)]
+        shift = rng.choice((0, 0, 2, -2))
+        cached_ids = [i if rng.random() > 0.15 else rng.randint(0, 4) for i in ids]
+        cached_offsets = [(s + shift, e + shift) for s, e in offsets]
+        cut = rng.randint(0, length)
+        layout = DocumentLayout([], cached_ids[cut:], cached_offsets[cut:])
+        prompt = PromptTokens([9, *ids], [(0, 0)] + [(s + 10, e + 10) for s, e in offsets])
+        tokens = range(1, length + 1)
+        got = _longest_run(prompt, tokens, 10, layout)
+        expected = _reference_longest_run(prompt, tokens, 10, layout)
+        assert got[2] == expected[2] and (got == expected or not got[2]), (got, expected)
+
+
+def test_registry_finds_documents_while_and_after_they_are_added() -> None:
+    """Searches between additions (each position looked up) and on an unchanged registry
+    (sorted anchor arrays) find the same documents."""
+    from kvblend.engine.registry import DocumentRegistry
+
+    registry = DocumentRegistry(None, "log")
+    texts = [f"Document number {i}: a text long enough to be registered." for i in range(5)]
+    prompt = "Head. " + " ".join(texts) + " Question?"
+    for count in range(1, 6):
+        registry.add(texts[count - 1 : count])
+        for _ in range(3):  # changed, then unchanged, then unchanged again
+            found = [prompt[m.start : m.end] for m in registry.find(prompt)]
+            assert found == texts[:count]
+    assert registry.find("nothing known here at all") == []

@@ -309,3 +309,69 @@ def test_full_prefill_reports_documents_found_and_none_reused() -> None:
     assert stats.reused_tokens == 0 and stats.computed_tokens == len(
         engine.encode("".join(segment.text for segment in prompt))
     )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_flex_attention_rows_equal_the_chunked_ones(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``KVBLEND_ATTENTION=flex`` (one call per layer, a block mask built once per pass) gives
+    the chunked attention's output, sliding windows included (run eagerly on the CPU)."""
+    import warnings
+
+    from kvblend.engine.row_attention import ATTENTION_ENV
+
+    decoder = Decoder(tiny_model(family))
+    total = 300
+    rows = torch.tensor(sorted({*range(0, total, 7), *range(250, total)}))
+    shape = decoder.shape
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(shape.num_heads, rows.numel(), shape.head_dim, generator=generator)
+    k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
+    with torch.inference_mode():
+        chunked = RowAttention(decoder, rows, total)(0, q, k, v)
+        monkeypatch.setenv(ATTENTION_ENV, "flex")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager flex attention warns that it is slow
+            flex = RowAttention(decoder, rows, total)
+            assert flex.flex is not None
+            got = flex(0, q, k, v)
+    torch.testing.assert_close(got, chunked, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("strategy", "most"), [("reuse", 0), ("attention", 1), ("epic", 0)])
+def test_a_whole_blend_syncs_at_most_once_on_cuda(
+    strategy: str, most: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the first pass to the logits, the host waits for the GPU at most once (the rows the
+    default's probe chose): torch warns at every sync in ``set_sync_debug_mode("warn")``."""
+    import warnings
+
+    from kvblend.engine import engine as engine_module
+
+    real = engine_module.run_blend
+    counted: list[int] = []
+
+    def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = real(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        counted.append(sum("synchroniz" in str(w.message) for w in caught))
+        return out
+
+    engine = BlendEngine(tiny_model("qwen2").to("cuda"), byte_tokenizer(), store=MemoryKVStore())
+    _blend_every_strategy(engine)  # stores every segment: the prefill below reads them
+    monkeypatch.setattr(engine_module, "run_blend", checked)
+    documents = ["Doc one: Marta Quill lives in Lisbon. " * 3, "Doc two: a meeting at 9:30. " * 4]
+    prompt = [Segment("System:\n", role="prefix"), *map(Segment, reversed(documents)),
+              Segment("\nQuestion: where?\nAnswer:", cache=False)]  # fmt: skip
+    settings = {"min_recompute": 0, "full_above": 1.0} if strategy == "attention" else {}
+    engine.prefill(prompt, BlendConfig(strategy, **settings))
+    assert counted and counted[-1] <= most

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 import threading
 import time
@@ -168,8 +169,11 @@ def run_prompt(
     config: BlendConfig | None,
     options: dict[str, Any],
 ) -> BlendRun:
-    """Blended prefill and full decoding; ``options`` are `BlendEngine.generate` keywords."""
-    result = engine.generate(segments, config, **options)
+    """Blended prefill and full decoding; ``options`` are `BlendEngine.generate` keywords.
+
+    Run by `run_in_thread`, it stops within one layer (or token) once its caller is cancelled.
+    """
+    result = engine.generate(segments, config, **options, **_cancel_option())
     return BlendRun(
         result.text, len(result.token_ids), result.stats, result.ttft_s, result.finish_reason
     )
@@ -186,10 +190,10 @@ def stream_prompt(
     ``options`` are `BlendEngine.stream` keywords and must include ``max_new_tokens``.
     """
     started = time.perf_counter()
-    prefill = engine.prefill(segments, config)
+    prefill = engine.prefill(segments, config, **_cancel_option())
     ttft: float | None = None
     pieces: list[str] = []
-    for piece in engine.stream(prefill, **options):
+    for piece in engine.stream(prefill, **options):  # stops when the consumer leaves
         if ttft is None:
             ttft = time.perf_counter() - started
         pieces.append(piece)
@@ -217,6 +221,35 @@ def precompute_texts(engine: BlendEngine, texts: Iterable[str]) -> None:
 
 _DONE = object()
 
+#: The cancel event of the request running in this thread (`iterate_in_thread`,
+#: `run_in_thread`): `run_prompt` and `stream_prompt` hand it to the engine.
+_CANCEL: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "kvblend_cancel", default=None
+)
+
+
+def _cancel_option() -> dict[str, Any]:
+    """``{"cancel": event}`` inside `run_in_thread` / `iterate_in_thread`, else nothing."""
+    cancel = _CANCEL.get()
+    return {} if cancel is None else {"cancel": cancel}
+
+
+async def run_in_thread(func: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """Await ``func(*args, **kwargs)`` run in a thread, as ``asyncio.to_thread`` does.
+
+    Cancelling the awaiting task stops the engine work in the thread within one layer (or
+    decoded token).
+    """
+    cancelled = threading.Event()
+    context = contextvars.copy_context()
+    context.run(_CANCEL.set, cancelled)
+    loop = asyncio.get_running_loop()
+    call = functools.partial(context.run, func, *args, **kwargs)
+    try:
+        return await loop.run_in_executor(None, call)
+    finally:
+        cancelled.set()  # a no-op once the work is done; else it stops at the next layer
+
 
 async def iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncGenerator[_T, None]:
     """Run a blocking iterator in a thread and yield its items without blocking the loop.
@@ -235,6 +268,7 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[_T]]) -> AsyncG
             cancelled.set()
 
     def produce() -> None:
+        _CANCEL.set(cancelled)  # the engine stops within one layer once the consumer leaves
         iterator = make_iterator()
         try:
             for item in iterator:

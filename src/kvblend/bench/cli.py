@@ -183,13 +183,26 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 def cmd_gpu(args: argparse.Namespace) -> None:
     """TTFT, decode speed, peak memory and ingestion on one device (a GPU, or a CPU smoke run)."""
-    from .gpu import gpu_table, run_gpu
+    from .gpu import gpu_table, run_gpu, shaped_engine
     from .ttft import SYSTEM
 
-    engine = _engine(args, SYSTEM)
+    engine = shaped_engine(args) if args.model_shape else _engine(args, SYSTEM)
     result = run_gpu(engine, args)
     result["machine"] = _machine(engine)
     _write(result, Path(args.output), gpu_table(result))
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    """Time tokenizing and matching a string prompt against the tokenizer alone."""
+    from ..engine.loading import load_model, resolve_model
+    from .planning import planning_line, run_planning, tokenizer_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _, tokenizer = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32)
+    engine = tokenizer_engine(tokenizer)
+    result = run_planning(engine, args.tokens, args.doc_tokens, args.repeats)
+    print(planning_line(result))
 
 
 HEAD_CHOICES = {"auto": ["untold"], "head": ["told"], "both": ["told", "untold"], "bos": ["bos"]}
@@ -383,6 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
+
+    from .planning import add_plan_arguments
+
+    plan = sub.add_parser("plan", help="tokenizing and matching a string prompt vs the tokenizer")
+    model_options(plan)
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
+
+    from .ops import add_ops_arguments, cmd_ops
+
+    ops = sub.add_parser("ops", help="aten ops per layer and host syncs of a prefill (CPU)")
+    add_ops_arguments(ops)
+    ops.set_defaults(func=cmd_ops)
     nq_strategies = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
 
     def retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:

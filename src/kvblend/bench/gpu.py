@@ -1,17 +1,23 @@
 """The GPU benchmark: one run gives every figure the GPU path is judged by.
 
-TTFT of ``full``, the default, ``cacheblend-value-0.15`` and ``reuse`` at 2K, 4K, 8K and 16K
+TTFT of ``full``, the default, ``cacheblend-value-0.15`` and ``reuse`` at 4K, 8K, 16K and 32K
 prompt tokens, with the documents in memory and read from a cold disk tier (`run_ttft`, runs
 interleaved), decode tokens/s after a full prefill and after the default, peak GPU memory of
 every timed prefill (``torch.cuda.max_memory_allocated``, from `PeakMemory`) and of the whole
 run, and documents/s of precompute, one by one vs batched (`run_ingest`). Nothing here is
 specific to a GPU model: it runs unchanged on any CUDA machine, and on the CPU
 (``--device cpu --lengths 1024 --dtype float32``) as a smoke test of the same code path.
+
+The baselines are transformers' own: its forward over the same prompt's token ids
+(``model(input_ids, logits_to_keep=1)``, SDPA attention) and ``generate`` up to the first token
+(`run_transformers`). ``--model-shape llama-1b`` / ``llama-8b`` replaces the model by one of
+that shape with random weights (`kvblend.bench.random_models`): timing needs no trained weights.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -19,10 +25,11 @@ import torch
 
 from ..engine import BlendEngine
 from .ingest import ingest_table, run_ingest
+from .random_models import MODEL_SHAPES
 from .strategies import parse_strategies
-from .ttft import run_ttft, ttft_table
+from .ttft import QUESTION, SYSTEM, build_documents, run_ttft, ttft_table
 
-DEFAULT_LENGTHS = "2048,4096,8192,16384"
+DEFAULT_LENGTHS = "4096,8192,16384,32000"
 DEFAULT_STRATEGIES = "full,default,cacheblend-value-0.15,reuse"
 
 
@@ -40,7 +47,28 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                              "the CPU; 0 to skip it)")  # fmt: skip
     parser.add_argument("--batch-tokens", default="4096,16384",
                         help="token budgets of the batched precompute runs")  # fmt: skip
+    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
+                        help="time a model of this shape with random weights instead of --model "
+                             "(whose tokenizer is still used)")  # fmt: skip
     parser.add_argument("--output", default="benchmarks/results/gpu.json")
+
+
+def shaped_engine(args: argparse.Namespace) -> BlendEngine:
+    """Build an engine over a random-weight ``--model-shape`` model and ``--model``'s tokenizer."""
+    from ..cli_args import check_device
+    from ..engine.loading import load_model, resolve_device, resolve_dtype, resolve_model
+    from ..store import MemoryKVStore
+    from .random_models import random_model
+
+    check_device(args.device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    _, tokenizer = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32)
+    model = random_model(args.model_shape, tokenizer, device, dtype)
+    return BlendEngine(
+        model, tokenizer, store=MemoryKVStore(8 << 30), system_prompt=SYSTEM,
+        name=f"{args.model_shape} (random weights)",
+    )  # fmt: skip
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -75,14 +103,106 @@ def run_gpu(engine: BlendEngine, args: argparse.Namespace) -> dict[str, Any]:
             batch_tokens=parse_lengths(args.batch_tokens), repeats=args.repeats,
             seed=args.seed,
         )  # fmt: skip
+    baseline = run_transformers(
+        engine, parse_lengths(args.lengths), args.repeats, args.doc_tokens, args.seed
+    )
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {
         "benchmark": "gpu",
+        "model_shape": args.model_shape,
         "elapsed_s": time.perf_counter() - started,
         "peak_gpu_mib": peak,
         "ttft": ttft,
+        "transformers": baseline,
         "ingest": ingest,
     }
+
+
+def _timed(device: torch.device, run: Any) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def run_transformers(
+    engine: BlendEngine, lengths: list[int], repeats: int, doc_tokens: int, seed: int
+) -> list[dict[str, Any]]:
+    """Time transformers' forward and ``generate`` to the first token on the TTFT prompts.
+
+    The same prompts as `run_ttft` (same documents and template), as token ids; the forward
+    keeps only the last position's logits and reads the first token, as ``generate`` does.
+    """
+    model: Any = engine.model
+    device = engine.decoder.device
+    prompts = {}
+    for length in lengths:
+        documents = build_documents(engine, length, doc_tokens, seed + length)
+        plan = engine.plan(engine.rag_segments(QUESTION, documents, system=SYSTEM))
+        prompts[length] = torch.tensor([plan.token_ids], device=device)
+
+    def forward(ids: torch.Tensor) -> None:
+        logits = model(ids, logits_to_keep=1).logits
+        int(logits[0, -1].argmax())
+
+    def generate(ids: torch.Tensor) -> None:
+        model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
+            pad_token_id=engine.tokenizer.eos_token_id,
+        )  # fmt: skip
+
+    runs = {"transformers-forward": forward, "transformers-generate": generate}
+    times: dict[tuple[int, str], list[float]] = {}
+    with torch.inference_mode():
+        for ids in list(prompts.values())[:1]:  # warm-up
+            forward(ids)
+            generate(ids)
+        for _ in range(repeats):
+            for length, ids in prompts.items():
+                for name, run in runs.items():
+                    elapsed = _timed(device, lambda run=run, ids=ids: run(ids))
+                    times.setdefault((length, name), []).append(elapsed)
+    return [
+        {
+            "target_tokens": length,
+            "prompt_tokens": prompts[length].shape[1],
+            "run": name,
+            "ttft_median_s": statistics.median(values),
+            "ttft_min_s": min(values),
+        }  # fmt: skip
+        for (length, name), values in times.items()
+    ]
+
+
+def baseline_table(result: dict[str, Any]) -> str:
+    """Markdown: transformers' forward and generate vs kvblend's strategies, per length."""
+    summary = result["ttft"]["summary"]
+    lines = [
+        "| prompt | transformers forward | transformers generate | kvblend full / forward "
+        "| default / forward | reuse / forward |",
+        "|---|---|---|---|---|---|",
+    ]
+    baseline = {(row["target_tokens"], row["run"]): row for row in result["transformers"]}
+    for length in sorted({row["target_tokens"] for row in result["transformers"]}):
+        forward = baseline[(length, "transformers-forward")]["ttft_median_s"]
+        generate = baseline[(length, "transformers-generate")]["ttft_median_s"]
+        ours = {
+            s["strategy"]: s["ttft_median_s"]
+            for s in summary
+            if s["store"] == "memory" and s.get("target_tokens") == length
+        }
+        ratios = [
+            f"{ours[name] / forward:.2f}" if name in ours else "n/a"
+            for name in ("full", "default", "reuse")
+        ]
+        lines.append(
+            f"| {baseline[(length, 'transformers-forward')]['prompt_tokens']} | "
+            f"{forward:.3f} s | {generate:.3f} s | {' | '.join(ratios)} |"
+        )
+    return "\n".join(lines)
 
 
 def gpu_table(result: dict[str, Any]) -> str:
@@ -93,6 +213,8 @@ def gpu_table(result: dict[str, Any]) -> str:
         + (f"{peak:.0f} MiB" if peak is not None else "n/a (not a CUDA device)"),
         "",
         ttft_table(result["ttft"]["summary"]),
+        "",
+        baseline_table(result),
     ]
     if result["ingest"] is not None:
         parts += ["", ingest_table(result["ingest"])]

@@ -5,10 +5,12 @@ from .decoder import SUPPORTED_FAMILIES, UnsupportedModelError
 from .engine import BlendEngine, BlendStats, BlendUnavailableError, PrefillResult
 from .generation import GenerationResult
 from .loading import ModelNotFoundError
+from .results import BlendCancelledError
 from .segments import Segment
 
 __all__ = [
     "SUPPORTED_FAMILIES",
+    "BlendCancelledError",
     "BlendConfig",
     "BlendEngine",
     "BlendStats",

@@ -1,23 +1,31 @@
 """The blended prefill: one plain loop over the decoder's layers.
 
 A selector (`kvblend.engine.selectors`) picks the rows computed from layer 0 on: the uncached
-tokens always, and the reused tokens its strategy recomputes. At every layer the loop then
+tokens always, and the reused tokens its strategy recomputes. The computed rows are known on
+the host before the first layer, so every size and index the loop needs (attention chunks, the
+correction's rows) is set up once per pass and no layer reads a value back from the device.
+The prompt's un-rotated KV of every layer lives in one preallocated buffer (`PromptKV`). At
+every layer the loop then
 
-1. loads the layer's cached KV into full-length buffers (or takes a first pass's KV),
+1. places the layer's cached KV, every span in one copy (or keeps a first pass's buffer),
 2. lets the selector narrow the computed rows, at its refine layers,
-3. projects the computed rows, moves the stale cached rows by the correction (`correction.py`)
-   and writes the fresh K/V over their cached rows,
-4. attends the computed rows over the whole patched KV (`row_attention.py`) and runs the MLP.
+3. projects the computed rows (keys and values in one product), moves the stale cached rows by
+   the correction (`correction.py`) and writes the fresh K/V over their cached rows (one op),
+4. rotates the whole layer's keys in one step (`rotate`, over a table of every position made
+   once per prefill), attends the computed rows over them (`row_attention.py`) and runs the MLP.
 
 Keys are kept un-rotated (before RoPE) and rotated to their prompt positions with the model's own
 rotary embedding, so re-placing a cached segment is exact. Read `blend_io.py` for the token kinds.
+A prefill can be cancelled between layers (``cancel``, a `threading.Event`).
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .blend_io import (
@@ -28,12 +36,16 @@ from .blend_io import (
     BlendOutput,
     CachedSpan,
     LayerKV,
+    host_rows,
     moved_span_index,
+    read_back,
+    to_device,
 )
 from .config import BlendConfig
 from .correction import StaleCorrection
-from .decoder import Decoder, apply_rope, signed_sin
-from .row_attention import RowAttention, attention_mask
+from .decoder import Decoder, rope_table, rotate
+from .results import BlendCancelledError
+from .row_attention import RowAttention
 from .selectors import Selection, SelectionContext, Selector, selector_class
 from .selectors.base import PassObserver
 
@@ -51,215 +63,166 @@ __all__ = [
 ]
 
 
-@dataclass
-class Rotary:
-    """The prompt's RoPE tables: ``cos`` and the signed ``sin`` of every position."""
+class PromptKV:
+    """The un-rotated K/V of every layer of one prompt, in one preallocated buffer.
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def rotate(self, x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``x`` rotated to positions ``rows`` (every position when None)."""
-        if rows is None:
-            return apply_rope(x, self.cos, self.sin)
-        return apply_rope(x, self.cos[rows], self.sin[rows])
-
-    def unrotate(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, self.cos[rows], -self.sin[rows])
-
-
-class CachedBuffers:
-    """A layer's KV loaded from the cache: un-rotated keys, rotated once after the writes."""
-
-    def __init__(self, raw_keys: torch.Tensor, values: torch.Tensor, rotary: Rotary) -> None:
-        self.raw_keys, self.values, self.rotary = raw_keys, values, rotary
-
-    def cached_keys(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.raw_keys.index_select(1, rows)
-
-    def shift(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.values.index_add_(1, rows, values)
-        self.raw_keys.index_add_(1, rows, keys)
-
-    def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.raw_keys.index_copy_(1, rows, keys)
-        self.values.index_copy_(1, rows, values)
-
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.rotary.rotate(self.raw_keys), self.values, self.raw_keys
-
-
-class StartBuffers(CachedBuffers):
-    """A layer's KV taken from a first pass: keys already rotated, updated in place."""
-
-    def cached_keys(self, rows: torch.Tensor) -> torch.Tensor:
-        return self.rotary.unrotate(self.raw_keys.index_select(1, rows), rows)
-
-    def shift(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.values.index_add_(1, rows, values)
-        self.raw_keys.index_add_(1, rows, self.rotary.rotate(keys, rows))
-
-    def write(self, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.raw_keys.index_copy_(1, rows, self.rotary.rotate(keys, rows))
-        self.values.index_copy_(1, rows, values)
-
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self.raw_keys, self.values, None
-
-
-def load_cached(
-    decoder: Decoder, spans: list[CachedSpan], layer: int, total: int, rotary: Rotary
-) -> CachedBuffers:
-    """Return the cached un-rotated K/V of ``layer`` written into full-length buffers.
-
-    Rows no span covers are left unset: they are computed, so written before they are read.
+    ``data`` is ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values). A layer's
+    cached rows are placed with one op (every span at once), the computed rows' fresh K/V
+    written with one more; the rotated keys are made from it once per layer.
     """
-    shape = decoder.shape
-    raw_keys = torch.empty(
-        shape.num_kv_heads, total, shape.head_dim, device=decoder.device, dtype=decoder.dtype
-    )
-    values = torch.empty_like(raw_keys)
-    for span in spans:
-        span_keys, span_values = span.source.layer(layer)
-        raw_keys[:, span.start : span.end] = span_keys
-        values[:, span.start : span.end] = span_values
-    return CachedBuffers(raw_keys, values, rotary)
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    @classmethod
+    def empty(cls, decoder: Decoder, total: int) -> PromptKV:
+        """Return an unset buffer for ``total`` tokens (every row is written before it is read)."""
+        shape = decoder.shape
+        return cls(torch.empty(
+            shape.num_layers, 2, shape.num_kv_heads, total, shape.head_dim,
+            device=decoder.device, dtype=decoder.dtype,
+        ))  # fmt: skip
+
+    def load(self, layer: int, spans: list[CachedSpan]) -> None:
+        """Place every span's cached K/V of ``layer`` (one multi-tensor copy)."""
+        targets, sources = [], []
+        for span in spans:
+            keys, values = span.source.layer(layer)
+            targets += [self.data[layer, 0, :, span.start : span.end],
+                        self.data[layer, 1, :, span.start : span.end]]  # fmt: skip
+            sources += [keys, values]
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
 
 @dataclass
 class PassState:
-    """One pass over one prompt: the rows it computes and their hidden states, as layers go."""
+    """One pass over one prompt: the rows it computes and their hidden states, as layers go.
+
+    ``computed`` are the sorted computed positions on the host; everything the loop needs
+    about them (chunk bounds, the correction's rows) is derived there, never read back.
+    """
 
     decoder: Decoder
     prompt: BlendInput
-    rotary: Rotary
-    computed: torch.Tensor  # sorted positions
+    host_kinds: np.ndarray
+    table: torch.Tensor  # `rope_table` of every position
+    kv: PromptKV
+    computed: np.ndarray
     hidden: torch.Tensor  # [len(computed), hidden]
     share: float  # the stale-KV correction's share (0: off)
-    attention: RowAttention | None = None
-    correction: StaleCorrection | None = None
+    rows: torch.Tensor = field(init=False)  # ``computed`` on the device
+    row_table: torch.Tensor = field(init=False)
+    attention: RowAttention = field(init=False)
+    correction: StaleCorrection | None = field(init=False)
     load_s: float = 0.0
     token_layers: int = 0
-
-    @classmethod
-    def begin(
-        cls, decoder: Decoder, prompt: BlendInput, computed: torch.Tensor, share: float
-    ) -> PassState:
-        """Embed the computed rows and prepare their attention and correction."""
-        positions = torch.arange(prompt.token_ids.numel(), device=decoder.device)
-        cos, sin = decoder.rotary(positions)
-        hidden = decoder.embed(prompt.token_ids[computed])
-        state = cls(decoder, prompt, Rotary(cos, signed_sin(sin)), computed, hidden, share)
-        state.narrow(None)
-        return state
 
     @property
     def total(self) -> int:
         return self.prompt.token_ids.numel()
 
-    def narrow(self, keep: torch.Tensor | None) -> None:
-        """Keep only the computed rows ``keep`` (indices into ``computed``; None: all)."""
-        if keep is not None:
-            self.computed = self.computed.index_select(0, keep)
-            self.hidden = self.hidden.index_select(0, keep)
-        kinds = self.prompt.kinds
-        self.attention = RowAttention(self.decoder, self.computed, self.total)
-        if self.share > 0:
-            spans = moved_span_index(kinds, self.prompt.spans)
-            self.correction = StaleCorrection(kinds, spans, self.computed, self.share)
+    @property
+    def every_row(self) -> bool:
+        return self.computed.size == self.total
+
+    def set_rows(self, computed: np.ndarray, rows: torch.Tensor) -> None:
+        """Make ``computed`` (host) / ``rows`` (device) the computed rows: attention, correction."""
+        self.computed, self.rows = computed, rows
+        self.row_table = self.table.index_select(0, rows)
+        self.attention = RowAttention(self.decoder, rows, self.total, host=computed)
+        self.correction = None
+        if self.share > 0 and not self.every_row:
+            spans = moved_span_index(self.host_kinds, self.prompt.spans)
+            self.correction = StaleCorrection(
+                self.host_kinds, spans, computed, self.share, self.decoder.device
+            )
+
+    def narrow(self, keep: torch.Tensor) -> None:
+        """Keep only the computed rows ``keep`` (indices into ``computed``, on the device)."""
+        self.hidden = self.hidden.index_select(0, keep)
+        self.set_rows(self.computed[read_back(keep)], self.rows.index_select(0, keep))
 
 
-def load_layer(
-    state: PassState, layer: int, start: BlendOutput | None, refine: bool
-) -> CachedBuffers | None:
-    """Step 1: the layer's KV buffers (None: every row is computed, nothing to read)."""
-    if start is not None:
-        return StartBuffers(start.keys[layer], start.values[layer], state.rotary)
-    if state.computed.numel() == state.total and not refine:
-        return None
-    loaded = time.perf_counter()
-    buffers = load_cached(state.decoder, state.prompt.spans, layer, state.total, state.rotary)
-    state.load_s += time.perf_counter() - loaded
-    return buffers
+def begin_pass(
+    decoder: Decoder, prompt: BlendInput, table: torch.Tensor, computed: np.ndarray, share: float,
+    kv: PromptKV | None,
+) -> PassState:  # fmt: skip
+    """Embed the computed rows and prepare their attention and correction."""
+    rows = to_device(computed, decoder.device)
+    hidden = decoder.embed(prompt.token_ids.index_select(0, rows))
+    assert prompt.host_kinds is not None
+    kv = kv if kv is not None else PromptKV.empty(decoder, prompt.token_ids.numel())
+    state = PassState(decoder, prompt, prompt.host_kinds, table, kv, computed, hidden, share)
+    state.set_rows(computed, rows)
+    return state
 
 
-def write_fresh(
-    state: PassState, layer: int, buffers: CachedBuffers | None
-) -> tuple[torch.Tensor, CachedBuffers]:
+def write_fresh(state: PassState, layer: int) -> torch.Tensor:
     """Step 3: project the computed rows, correct the stale rows, write the fresh K/V.
 
-    Returns the computed rows' un-rotated queries and the layer's patched buffers.
+    Returns the computed rows' un-rotated queries.
     """
-    queries, fresh_keys, fresh_values = state.decoder.project(layer, state.hidden)
-    state.token_layers += state.computed.numel()
-    if buffers is None:  # every row computed: the fresh K/V are the layer's whole KV
-        return queries, CachedBuffers(
-            fresh_keys.contiguous(), fresh_values.contiguous(), state.rotary
-        )
-    correct_stale(state.correction, buffers, fresh_keys, fresh_values)
-    buffers.write(state.computed, fresh_keys, fresh_values)
-    return queries, buffers
-
-
-def correct_stale(
-    correction: StaleCorrection | None,
-    buffers: CachedBuffers,
-    fresh_keys: torch.Tensor,
-    fresh_values: torch.Tensor,
-) -> None:
-    """Move the stale cached rows by part of the change their recomputed neighbours show.
-
-    Runs before the recomputed rows overwrite their cached K/V (keys un-rotated on both sides).
-    """
-    if correction is None or not correction.enabled:
-        return
-    rows, local = correction.recomputed, correction.recomputed_local
-    key_change = correction.deltas(fresh_keys.index_select(1, local), buffers.cached_keys(rows))
-    value_change = correction.deltas(
-        fresh_values.index_select(1, local), buffers.values.index_select(1, rows)
-    )
-    buffers.shift(correction.stale, key_change, value_change)
+    queries, fresh = state.decoder.project_rows(layer, state.hidden)
+    state.token_layers += state.computed.size
+    target = state.kv.data[layer]
+    if state.every_row:
+        target.copy_(fresh.permute(1, 2, 0, 3))
+        return queries
+    if state.correction is not None:  # before the fresh K/V overwrite the cached ones
+        state.correction.apply(target, fresh)
+    target.index_copy_(2, state.rows, fresh.permute(1, 2, 0, 3))
+    return queries
 
 
 def attend_and_mlp(
     state: PassState, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> None:
     """Step 4: the computed rows attend over the whole patched KV, then the MLP."""
-    assert state.attention is not None
     state.hidden = state.hidden + state.attention(layer, queries, keys, values)
     state.hidden = state.decoder.feed_forward(layer, state.hidden)
 
 
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Raise `BlendCancelledError` once ``cancel`` is set (a host flag: no device sync)."""
+    if cancel is not None and cancel.is_set():
+        raise BlendCancelledError("the prefill was cancelled")
+
+
 def run_layers(
     state: PassState,
-    start: BlendOutput | None,
+    loads: bool,
     selector: Selector | None,
     observer: PassObserver | None,
     need_logits: bool,
-    keep_raw_keys: bool,
+    cancel: threading.Event | None = None,
 ) -> BlendOutput:
     """Run the layer loop of a pass and return its KV (and logits).
 
     Nothing in it reads a value back from the device (no host sync on CUDA), except a
-    selector's refine step, which chooses rows by their values.
+    selector's refine step, which chooses rows by their values. ``loads``: place the cached
+    KV of each layer (False: the buffer holds it already, from a first pass).
     """
     decoder, prompt = state.decoder, state.prompt
     refine_layers = selector.refine_layers if selector is not None else frozenset()
-    out = BlendOutput(None, [], [], [] if keep_raw_keys else None)
+    out = BlendOutput(None, [], [], [], raw_kv=state.kv.data)
     last = decoder.shape.num_layers - 1
     for layer in range(last + 1):
-        buffers = load_layer(state, layer, start, layer in refine_layers)
+        check_cancel(cancel)
+        if loads and (not state.every_row or layer in refine_layers):  # step 1
+            loaded = time.perf_counter()
+            state.kv.load(layer, prompt.spans)
+            state.load_s += time.perf_counter() - loaded
         if layer in refine_layers:  # step 2: the selector narrows the computed rows
-            assert selector is not None and buffers is not None
-            cached = (buffers.raw_keys, buffers.values)
+            assert selector is not None
+            cached = (state.kv.data[layer, 0], state.kv.data[layer, 1])
             kinds = prompt.kinds
-            state.narrow(
-                selector.refine(decoder, layer, state.hidden, state.computed, kinds, cached)
-            )
-        queries, buffers = write_fresh(state, layer, buffers)
-        keys, values, raw_keys = buffers.finish()
+            state.narrow(selector.refine(decoder, layer, state.hidden, state.rows, kinds, cached))
+        queries = write_fresh(state, layer)
+        raw_keys, values = state.kv.data[layer, 0], state.kv.data[layer, 1]
+        keys = rotate(raw_keys, state.table)
         if layer < last or need_logits or observer is not None:
-            queries = state.rotary.rotate(queries, state.computed)
+            queries = rotate(queries, state.row_table)
             if observer is not None:
                 observer.observe(layer, queries, keys, values)
             if layer < last:
@@ -268,8 +231,8 @@ def run_layers(
                 state.hidden = last_row(decoder, layer, state.hidden, queries, keys, values)
         out.keys.append(keys)
         out.values.append(values)
-        if out.raw_keys is not None and raw_keys is not None:
-            out.raw_keys.append(raw_keys)
+        assert out.raw_keys is not None
+        out.raw_keys.append(raw_keys)
     if need_logits:
         out.logits = decoder.logits(state.hidden)
     return out
@@ -284,6 +247,8 @@ def run_pass(
     observer: PassObserver | None = None,
     need_logits: bool = True,
     keep_raw_keys: bool = False,
+    cancel: threading.Event | None = None,
+    table: torch.Tensor | None = None,
 ) -> BlendOutput:
     """One pass over the layers: compute ``selection.computed``, read the other rows' KV."""
     share = selector.correction if selector is not None else 0.0
@@ -291,28 +256,45 @@ def run_pass(
     start = selection.start
     if start is not None and (refine_layers or keep_raw_keys):
         raise ValueError("a start pass cannot be combined with refine layers or raw keys")
+    blend_input = on_host(blend_input)
     total = blend_input.token_ids.numel()
-    if need_logits and int(selection.computed[-1]) != total - 1:
+    computed = host_rows(selection.computed)
+    if need_logits and computed[-1] != total - 1:
         raise RuntimeError("the last prompt token must be computed to produce logits")
-    state = PassState.begin(decoder, blend_input, selection.computed, share)
-    out = run_layers(state, start, selector, observer, need_logits, keep_raw_keys)
-    kinds = blend_input.kinds
-    out.stats = {
-        "load_s": state.load_s,
-        "recomputed_tokens": int((kinds[state.computed] == MOVED).sum()),
-        "token_layers": state.token_layers,
-        "token_layers_full": total * decoder.shape.num_layers,
-        "moved_tokens": int((kinds == MOVED).sum()),
-        "moved_spans_read": moved_spans_read(blend_input.spans, state.computed, total),
-    }
+    if table is None:
+        table = prompt_rope(decoder, total)
+    kv = None if start is None or start.raw_kv is None else PromptKV(start.raw_kv)
+    state = begin_pass(decoder, blend_input, table, computed, share, kv)
+    out = run_layers(state, kv is None, selector, observer, need_logits, cancel)
+    if not keep_raw_keys:
+        out.raw_keys = None
+    else:  # KV to be stored: tensors of their own, not views of one buffer
+        assert out.raw_keys is not None
+        out.raw_keys = [keys.clone() for keys in out.raw_keys]
+        out.values = [values.clone() for values in out.values]
+    out.stats = pass_stats(state, blend_input)
     return out
 
 
-def moved_spans_read(spans: list[CachedSpan], computed: torch.Tensor, total: int) -> int:
+def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
+    """Return what a pass did, counted on the host after its last layer."""
+    kinds = state.host_kinds
+    moved = kinds == MOVED
+    return {
+        "load_s": state.load_s,
+        "recomputed_tokens": int(moved[state.computed].sum()),
+        "token_layers": state.token_layers,
+        "token_layers_full": state.total * state.decoder.shape.num_layers,
+        "moved_tokens": int(moved.sum()),
+        "moved_spans_read": moved_spans_read(blend_input.spans, state.computed, state.total),
+    }
+
+
+def moved_spans_read(spans: list[CachedSpan], computed: np.ndarray, total: int) -> int:
     """How many moved spans kept some cached rows (were not recomputed whole)."""
-    done = torch.zeros(total, dtype=torch.bool, device=computed.device)
+    done = np.zeros(total, dtype=bool)
     done[computed] = True
-    return sum(1 for s in spans if s.kind == MOVED and not bool(done[s.start : s.end].all()))
+    return sum(1 for s in spans if s.kind == MOVED and not done[s.start : s.end].all())
 
 
 def last_row(
@@ -325,26 +307,55 @@ def last_row(
 ) -> torch.Tensor:
     """Run the last layer for the last row only.
 
-    The other rows' K/V are written already and only the last row's output feeds the logits.
+    The other rows' K/V are written already and only the last row's output feeds the logits:
+    it attends to every key (from the window's start on a sliding-window layer).
     """
     total = keys.shape[1]
-    last = torch.arange(total - 1, total, device=keys.device)  # made on the device: no copy
-    mask = attention_mask(last, 0, total, decoder.windows[layer], decoder.dtype)
-    out = decoder.attend(layer, queries[:, -1:], keys, values, mask)
+    window = decoder.windows[layer]
+    if window is not None and window < total:
+        keys, values = keys[:, total - window :], values[:, total - window :]
+    out = decoder.attend(layer, queries[:, -1:], keys, values, None, causal=False)
     return decoder.feed_forward(layer, hidden[-1:] + out)
 
 
-def selection_context(decoder: Decoder, blend_input: BlendInput) -> SelectionContext:
+def prompt_rope(decoder: Decoder, total: int) -> torch.Tensor:
+    """Return the `rope_table` of positions ``0..total-1`` (made once per prefill)."""
+    cos, sin = decoder.rotary(torch.arange(total, device=decoder.device))
+    return rope_table(cos, sin)
+
+
+def on_host(blend_input: BlendInput) -> BlendInput:
+    """``blend_input`` with its kinds on the host too (read back once if only on a device)."""
+    if blend_input.host_kinds is not None:
+        return blend_input
+    kinds = blend_input.kinds
+    host = kinds.numpy() if kinds.device.type == "cpu" else read_back(kinds).astype(np.int8)
+    return BlendInput(blend_input.token_ids, kinds, blend_input.spans, host)
+
+
+def selection_context(
+    decoder: Decoder,
+    blend_input: BlendInput,
+    cancel: threading.Event | None = None,
+    table: torch.Tensor | None = None,
+) -> SelectionContext:
     """Return what a selector sees of a prompt (``blend_input`` on the decoder's device).
 
-    Its first passes compute the rows a selector names and read the rest from the cache.
+    Its kinds are on the host; its first passes compute the rows a selector names and read the
+    rest from the cache.
     """
+    blend_input = on_host(blend_input)
+    assert blend_input.host_kinds is not None
 
     def first_pass(computed: torch.Tensor, observer: PassObserver) -> BlendOutput:
         selection = Selection(computed)
-        return run_pass(decoder, blend_input, selection, observer=observer, need_logits=False)
+        return run_pass(
+            decoder, blend_input, selection, observer=observer, need_logits=False,
+            cancel=cancel, table=table,
+        )  # fmt: skip
 
-    return SelectionContext(decoder, blend_input.kinds, blend_input.spans, first_pass)
+    kinds = torch.from_numpy(blend_input.host_kinds)
+    return SelectionContext(decoder, kinds, blend_input.spans, first_pass)
 
 
 @torch.inference_mode()
@@ -355,19 +366,27 @@ def run_blend(
     *,
     need_logits: bool = True,
     keep_raw_keys: bool = False,
+    cancel: threading.Event | None = None,
 ) -> BlendOutput:
-    """Run the blended prefill of one prompt and return logits and the fused KV cache."""
+    """Run the blended prefill of one prompt and return logits and the fused KV cache.
+
+    ``cancel``: checked between layers; once set, `BlendCancelledError` is raised.
+    """
+    blend_input = on_host(blend_input)
     device = decoder.device
     blend_input = BlendInput(
-        blend_input.token_ids.to(device), blend_input.kinds.to(device), blend_input.spans
-    )
+        to_device(blend_input.token_ids, device), to_device(blend_input.kinds, device),
+        blend_input.spans,
+        blend_input.host_kinds,
+    )  # fmt: skip
     selector = selector_class(config.strategy)(config.settings)
+    table = prompt_rope(decoder, blend_input.token_ids.numel())
     started = time.perf_counter()
-    selection = selector.select(selection_context(decoder, blend_input))
+    selection = selector.select(selection_context(decoder, blend_input, cancel, table))
     select_s = time.perf_counter() - started
     out = run_pass(
-        decoder, blend_input, selection, selector=selector,
-        need_logits=need_logits, keep_raw_keys=keep_raw_keys,
+        decoder, blend_input, selection, selector=selector, need_logits=need_logits,
+        keep_raw_keys=keep_raw_keys, cancel=cancel, table=table,
     )  # fmt: skip
     out.stats["probe_s"] = 0.0
     if selection.start is not None:  # the first pass's work and reads count too

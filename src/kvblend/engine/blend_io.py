@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from .prompt import TokenKind
@@ -47,6 +48,8 @@ class BlendInput:
     token_ids: torch.Tensor  # [tokens] long
     kinds: torch.Tensor  # [tokens] int8: PREFIX / MOVED / COMPUTE
     spans: list[CachedSpan]
+    #: ``kinds`` on the host (read from ``kinds`` when None: a sync if that is on a device)
+    host_kinds: np.ndarray | None = None
 
 
 @dataclass
@@ -58,11 +61,46 @@ class BlendOutput:
     values: list[torch.Tensor]
     raw_keys: list[torch.Tensor] | None  # per layer, un-rotated (when asked for)
     stats: dict[str, float] = field(default_factory=dict)
+    #: the pass's un-rotated KV of every layer ``[layers, 2, kv_heads, tokens, head_dim]``
+    raw_kv: torch.Tensor | None = field(default=None, repr=False)
 
 
-def moved_span_index(kinds: torch.Tensor, spans: list[CachedSpan]) -> torch.Tensor:
+def read_back(tensor: torch.Tensor) -> np.ndarray:
+    """Copy a device tensor of indices to the host: the blend's only way to read device values.
+
+    Each call is a host sync on CUDA; the loop calls it at most once per pass (the rows a
+    selector chose on the device), never inside a layer, except at a check layer.
+    """
+    return np.asarray(tensor.tolist(), dtype=np.int64)
+
+
+def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host array (or CPU tensor) to ``device`` without waiting for the device.
+
+    On CUDA through pinned memory, asynchronously (a copy from pageable memory would
+    synchronise the stream); on the CPU the same memory, no copy.
+    """
+    tensor = torch.from_numpy(host) if isinstance(host, np.ndarray) else host
+    if device.type == "cpu":
+        return tensor
+    if tensor.device.type == "cpu" and torch.cuda.is_available():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
+def host_rows(rows: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Sorted positions on the host: a host (CPU) tensor or array as is, a device one read back."""
+    if isinstance(rows, np.ndarray):
+        return rows.astype(np.int64, copy=False)
+    if rows.device.type == "cpu":
+        return rows.numpy().astype(np.int64, copy=False)
+    return read_back(rows)
+
+
+def moved_span_index(kinds: np.ndarray, spans: list[CachedSpan]) -> np.ndarray:
     """``[tokens]``: the index of the moved span each moved row belongs to, -1 elsewhere."""
-    index = torch.full(kinds.shape, -1, dtype=torch.long, device=kinds.device)
+    index = np.full(kinds.shape, -1, dtype=np.int64)
     for number, span in enumerate(s for s in spans if s.kind == MOVED):
         index[span.start : span.end] = number
-    return index.masked_fill_(kinds != MOVED, -1)
+    index[kinds != MOVED] = -1
+    return index

@@ -116,6 +116,44 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     return out
 
 
+def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Return the rotation of every position as one table ``[tokens, 2, 2, head_dim // 2]``.
+
+    Entry ``[t, i, m]`` multiplies input half ``m`` into output half ``i``, so `rotate` is one
+    product and one sum: the same products and sums as transformers' ``apply_rotary_pos_emb``
+    (``x * cos + rotate_half(x) * sin``), so the result is bit for bit the same.
+    """
+    half = cos.shape[-1] // 2
+    first = torch.stack((cos[..., :half], -sin[..., :half]), dim=-2)
+    second = torch.stack((sin[..., half:], cos[..., half:]), dim=-2)
+    return torch.stack((first, second), dim=-3)
+
+
+def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[heads, tokens, head_dim]`` by a `rope_table` of its tokens (two ops)."""
+    halves = x.unflatten(-1, (2, -1)).unsqueeze(-3)  # [heads, tokens, 1, 2, half]
+    return (halves * table).sum(dim=-2).flatten(-2)
+
+
+#: RMSNorm classes whose forward is exactly ``weight * rms_norm(x.float()).to(x.dtype)``.
+_PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+
+
+def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Apply a norm module of the model: a plain RMSNorm as torch's one fused op, else as is.
+
+    The supported families' RMSNorm computes ``weight * (x * rsqrt(mean(x^2) + eps))`` in
+    float32 in five ops; ``F.rms_norm`` is one (and gives the same values).
+    """
+    if type(module).__name__ not in _PLAIN_RMS_NORMS:
+        return module(x)
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    eps = float(module.variance_epsilon)  # type: ignore[arg-type]
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
 class Decoder:
     """Pure-torch steps over one transformers decoder model (no state per request)."""
 
@@ -145,6 +183,8 @@ class Decoder:
         self.scaling: float = float(first_attention.scaling)
         self.has_qk_norm = hasattr(first_attention, "q_norm")
         self.windows: list[int | None] = _sliding_windows(config, len(self.layers))
+        # Per layer: k_proj and v_proj stacked into one projection (built on first use).
+        self._kv_proj: list[tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     @property
     def device(self) -> torch.device:
@@ -175,16 +215,49 @@ class Decoder:
         """
         block = self.layers[layer]
         attention = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = norm(block.input_layernorm, hidden)
         tokens = x.shape[0]
         head_dim = self.shape.head_dim
         q = attention.q_proj(x).view(tokens, -1, head_dim)
         k = attention.k_proj(x).view(tokens, -1, head_dim)
         v = attention.v_proj(x).view(tokens, -1, head_dim)
         if self.has_qk_norm:
-            q = attention.q_norm(q)
-            k = attention.k_norm(k)
+            q = norm(attention.q_norm, q)
+            k = norm(attention.k_norm, k)
         return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+    def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return queries ``[heads, tokens, head_dim]`` and K/V ``[tokens, 2, kv_heads, head_dim]``.
+
+        The blend loop's projection: keys (un-rotated) and values come out of one matrix
+        product over k_proj and v_proj stacked (a copy of those weights, made once: about a
+        tenth of the attention weights of a GQA model), so they are written with one op.
+        """
+        block = self.layers[layer]
+        attention = block.self_attn
+        x = norm(block.input_layernorm, hidden)
+        tokens, head_dim = x.shape[0], self.shape.head_dim
+        queries = attention.q_proj(x).view(tokens, -1, head_dim)
+        if self.has_qk_norm:  # the key norm acts on the keys alone: two projections
+            keys = norm(attention.k_norm, attention.k_proj(x).view(tokens, -1, head_dim))
+            values = attention.v_proj(x).view(tokens, -1, head_dim)
+            queries = norm(attention.q_norm, queries)
+            return queries.transpose(0, 1), torch.stack((keys, values), 1)
+        weight, bias = self.kv_projection(layer)
+        kv = F.linear(x, weight, bias).view(tokens, 2, -1, head_dim)
+        return queries.transpose(0, 1), kv
+
+    def kv_projection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k_proj and v_proj of ``layer`` stacked: weight and bias (None: no biases)."""
+        if self._kv_proj is None:
+            stacked: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+            with torch.no_grad():
+                for block in self.layers:
+                    k, v = block.self_attn.k_proj, block.self_attn.v_proj
+                    bias = None if k.bias is None else torch.cat((k.bias, v.bias))
+                    stacked.append((torch.cat((k.weight, v.weight)), bias))
+            self._kv_proj = stacked
+        return self._kv_proj[layer]
 
     def project_kv(self, layer: int, hidden: torch.Tensor, *, keys: bool) -> torch.Tensor:
         """Return only the un-rotated keys (``keys=True``) or the values of ``hidden`` at ``layer``.
@@ -194,12 +267,12 @@ class Decoder:
         """
         block = self.layers[layer]
         attention = block.self_attn
-        x = block.input_layernorm(hidden)
+        x = norm(block.input_layernorm, hidden)
         tokens = x.shape[0]
         if keys:
             k = attention.k_proj(x).view(tokens, -1, self.shape.head_dim)
             if self.has_qk_norm:
-                k = attention.k_norm(k)
+                k = norm(attention.k_norm, k)
             return k.transpose(0, 1)
         return attention.v_proj(x).view(tokens, -1, self.shape.head_dim).transpose(0, 1)
 
@@ -211,13 +284,14 @@ class Decoder:
         values: torch.Tensor,
         mask: torch.Tensor | None,
         rows: torch.Tensor | None = None,
+        causal: bool = True,
     ) -> torch.Tensor:
         """Attention output ``[tokens, hidden]`` (after ``o_proj``) of rotated inputs.
 
         ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf = may not) or a
         boolean one (True = may attend), or None for plain causal
-        attention over aligned queries and keys. ``rows`` keeps only those query rows (before
-        ``o_proj``).
+        attention over aligned queries and keys (``causal=False``: every key). ``rows`` keeps
+        only those query rows (before ``o_proj``).
         """
         groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
         if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
@@ -227,7 +301,7 @@ class Decoder:
             keys.unsqueeze(0),
             values.unsqueeze(0),
             attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
-            is_causal=mask is None,
+            is_causal=mask is None and causal,
             scale=self.scaling,
             enable_gqa=queries.shape[0] != keys.shape[0],
         )
@@ -240,11 +314,11 @@ class Decoder:
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""
         block = self.layers[layer]
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return hidden + block.mlp(norm(block.post_attention_layernorm, hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``[vocab]`` for the last row of ``hidden``."""
-        last = self.inner.norm(hidden[-1:])
+        last = norm(self.inner.norm, hidden[-1:])
         return self.model.lm_head(last)[0].float()
 
 

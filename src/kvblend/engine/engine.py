@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -33,11 +34,12 @@ from .precompute import DEFAULT_BATCH_TOKENS
 from .prompt import (
     CachedPiece,
     PrefillPlan,
+    encode_in_background,
     encode_prompt,
     plan_prefill,
 )
 from .registry import DEFAULT_CAPACITY, DocumentRegistry
-from .results import BlendStats, BlendUnavailableError, PrefillResult
+from .results import BlendCancelledError, BlendStats, BlendUnavailableError, PrefillResult
 from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
 from .validation import check_generation, check_text, short
@@ -417,10 +419,15 @@ class BlendEngine:
 
     def plan(self, prompt: PromptLike) -> PrefillPlan:
         """Tokenize the whole prompt once and decide where each token's KV comes from."""
+        early = None
+        if isinstance(prompt, str) and prompt:  # tokenized while its documents are found
+            check_text(prompt, "the prompt")
+            self._check_chars(len(prompt))
+            early = encode_in_background(self.tokenizer, prompt)
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
         self._check_chars(len(text))
-        tokens = encode_prompt(self.tokenizer, text)
+        tokens = early.result() if early is not None else encode_prompt(self.tokenizer, text)
         self._check_length(len(tokens.ids))
         if not tokens.ids:
             raise ValueError("the prompt has no tokens")
@@ -447,11 +454,18 @@ class BlendEngine:
         return Explanation(text, plan, stored, len(self.documents))
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, prompt: PromptLike, config: BlendConfig | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        prompt: PromptLike,
+        config: BlendConfig | None = None,
+        *,
+        cancel: threading.Event | None = None,
+    ) -> PrefillResult:
         """Blended prefill of a prompt: a string (known documents are found in it) or segments.
 
         Cached segments missing from the store, or whose entry cannot be read, are computed
-        (and stored) within the call.
+        (and stored) within the call. ``cancel``: once set, the prefill stops before its next
+        layer and raises `BlendCancelledError`.
         """
         if config is not None and not isinstance(config, BlendConfig):
             raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}")
@@ -479,7 +493,8 @@ class BlendEngine:
             stats.segments_cached = len(spans)
         stats.timings["lookup_s"] = time.perf_counter() - lookup_started
         compute_started = time.perf_counter()
-        out = run_blend(self.decoder, BlendInput(token_ids, kinds, spans), config)
+        blend_input = BlendInput(token_ids, kinds, spans, kinds.numpy())
+        out = run_blend(self.decoder, blend_input, config, cancel=cancel)
         assert out.logits is not None
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
@@ -513,15 +528,24 @@ class BlendEngine:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> GenerationResult:
-        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats."""
+        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
+
+        ``cancel``: once set, prefill stops before its next layer and decoding after its next
+        token; either raises `BlendCancelledError`.
+        """
         started = time.perf_counter()
         check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
-        pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
+        pre = (
+            segments
+            if isinstance(segments, PrefillResult)
+            else self.prefill(segments, config, cancel=cancel)
+        )
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
             started=started, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop=stop, seed=seed,
+            top_p=top_p, stop=stop, seed=seed, cancel=cancel,
         )  # fmt: skip
 
     def stream(
@@ -534,12 +558,20 @@ class BlendEngine:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        cancel: threading.Event | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
         check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
-        pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
-        yield from decode_stream(
+        pre = (
+            segments
+            if isinstance(segments, PrefillResult)
+            else self.prefill(segments, config, cancel=cancel)
+        )
+        for piece in decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
             stop=stop, seed=seed,
-        )  # fmt: skip
+        ):  # fmt: skip
+            if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
+                raise BlendCancelledError("the generation was cancelled")
+            yield piece

@@ -39,6 +39,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .results import BlendCancelledError
 from .validation import check_sampling, check_stop
 
 # transformers' StopStringCriteria scans the whole vocabulary when it is built (0.75 s for a
@@ -255,20 +256,24 @@ def decode(
     top_p: float = 1.0,
     stop: str | Sequence[str] | None = None,
     seed: int | None = None,
+    cancel: threading.Event | None = None,
 ) -> GenerationResult:
     """Decode after a blended prefill that began at ``started`` (a perf_counter time).
 
-    ``stop`` is one stop sequence (a str) or several; ``seed`` seeds this call's own sampler.
+    ``stop`` is one stop sequence (a str) or several; ``seed`` seeds this call's own sampler;
+    ``cancel``, once set, stops decoding after the current token (`BlendCancelledError`).
     """
     plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
     first = _first_token(logits, plan)
     first_at = time.perf_counter()
     new_ids = [first]
-    kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan)
+    kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
     if kwargs is not None:
         with torch.inference_mode():
             output = _generate(model, kwargs)
         new_ids = output[0, len(token_ids) :].tolist()
+    if cancel is not None and cancel.is_set():
+        raise BlendCancelledError("the generation was cancelled")
     text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
     finished = stopped or new_ids[-1] in plan.eos_ids
     end = time.perf_counter()

@@ -17,11 +17,17 @@ tokenizer family follows the same rule and the plan can be tested without a mode
 
 from __future__ import annotations
 
-import bisect
+import functools
+import itertools
+import os
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
+
+import numpy as np
 
 __all__ = [
     "DocumentLayout",
@@ -31,6 +37,7 @@ __all__ = [
     "SpanReport",
     "TokenKind",
     "document_layout",
+    "encode_in_background",
     "encode_prompt",
     "plan_prefill",
     "CachedPiece",
@@ -52,6 +59,14 @@ class PromptTokens:
     ids: list[int]
     offsets: list[tuple[int, int]]
 
+    @functools.cached_property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``ids``, span starts and span ends as int64 arrays (made once)."""
+        count = len(self.ids)
+        flat = itertools.chain.from_iterable(self.offsets)
+        spans = np.fromiter(flat, dtype=np.int64, count=2 * count).reshape(count, 2)
+        return np.fromiter(self.ids, dtype=np.int64, count=count), spans[:, 0], spans[:, 1]
+
 
 def encode_prompt(tokenizer: Any, text: str) -> PromptTokens:
     """Tokenize ``text`` as a whole, as transformers would before ``generate``.
@@ -68,9 +83,30 @@ def encode_prompt(tokenizer: Any, text: str) -> PromptTokens:
         )
     bos = getattr(tokenizer, "bos_token", None)
     add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # the Rust tokenizer ``tokenizer(text)`` calls, without its wrapping
+        encoding = backend.encode(text, add_special_tokens=add_special)
+        return PromptTokens(encoding.ids, encoding.offsets)
     encoded = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
     offsets = [(int(start), int(end)) for start, end in encoded["offset_mapping"]]
     return PromptTokens(list(encoded["input_ids"]), offsets)
+
+
+_ENCODER: ThreadPoolExecutor | None = None
+_ENCODER_LOCK = threading.Lock()
+
+
+def encode_in_background(tokenizer: Any, text: str) -> Future[PromptTokens]:
+    """`encode_prompt` in a worker thread, so a prompt is tokenized while its documents are found.
+
+    The Rust tokenizer releases the GIL, so on two or more cores matching costs no latency.
+    """
+    global _ENCODER
+    with _ENCODER_LOCK:
+        if _ENCODER is None:
+            workers = min(8, os.cpu_count() or 2)
+            _ENCODER = ThreadPoolExecutor(workers, thread_name_prefix="kvblend-tokenize")
+    return _ENCODER.submit(encode_prompt, tokenizer, text)
 
 
 @dataclass(frozen=True)
@@ -84,6 +120,19 @@ class DocumentLayout:
     context_ids: list[int]
     ids: list[int]
     offsets: list[tuple[int, int]]
+
+    @functools.cached_property
+    def lookup(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cached tokens by (start, id), for `_longest_run` (made once per layout).
+
+        Returns the sorted keys, the token index of each key (the first of equal keys) and
+        every token's end offset.
+        """
+        tokens = PromptTokens(self.ids, self.offsets)
+        ids, starts, ends = tokens.arrays
+        keys = _token_keys(starts, ids)
+        order = np.argsort(keys, kind="stable")
+        return keys[order], order, ends
 
 
 def document_layout(tokenizer: Any, context_text: str, text: str) -> DocumentLayout:
@@ -145,17 +194,28 @@ class CachedPiece:
     role: str
 
 
-def _tokens_within(
-    starts: Sequence[int], offsets: Sequence[tuple[int, int]], start: int, end: int
-) -> range:
-    """Return the indices of the tokens lying entirely inside characters ``[start, end)``."""
-    first = bisect.bisect_left(starts, start)
-    while first < len(offsets) and offsets[first][0] == offsets[first][1]:
+def _token_keys(starts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """One int64 per (start offset, token id): equal keys for equal pairs."""
+    return (starts + (1 << 30)) * (1 << 32) + ids
+
+
+def _tokens_within(prompt: PromptTokens, start: int, end: int) -> range:
+    """Return the indices of the tokens lying entirely inside characters ``[start, end)``.
+
+    From the first token starting at or after ``start`` (zero-width, special, tokens skipped)
+    up to the first one ending after ``end``.
+    """
+    _, starts, ends = prompt.arrays
+    first = int(np.searchsorted(starts, start, side="left"))
+    while first < len(starts) and starts[first] == ends[first]:
         first += 1  # zero-width (special) tokens belong to no document
-    last = first
-    while last < len(offsets) and offsets[last][1] <= end:
-        last += 1
-    return range(first, last)
+    # No more tokens than characters end inside [start, end), zero-width ones aside: look at
+    # that many first, the rest of the prompt only if they all do.
+    nearby = ends[first : first + (end - start) + 64] > end
+    if nearby.any():
+        return range(first, first + int(np.argmax(nearby)))
+    beyond = ends[first:] > end
+    return range(first, first + (int(np.argmax(beyond)) if beyond.any() else len(beyond)))
 
 
 def _straddling(offsets: Sequence[tuple[int, int]], tokens: range, start: int, end: int) -> int:
@@ -170,29 +230,86 @@ def _longest_run(
 ) -> tuple[int, int, int]:
     """Longest run of prompt tokens equal (id and relative offsets) to consecutive cached ones.
 
-    Returns ``(prompt_index, cached_index, length)``; length 0 when nothing matches.
+    Returns ``(prompt_index, cached_index, length)``; length 0 when nothing matches. Each
+    prompt token is looked up among the cached ones by (start, id), the first such cached
+    token, as a run restarts there; a run goes on while the next prompt token is the next
+    cached one; the first of the longest runs wins.
     """
-    where: dict[tuple[int, int, int], int] = {}
-    for index, (token_id, (start, end)) in enumerate(zip(layout.ids, layout.offsets, strict=True)):
-        where.setdefault((token_id, start, end), index)
-    best = (0, 0, 0)
-    run_start = run_cached = run_length = 0
-    for index in tokens:
-        start, end = prompt.offsets[index]
-        token = (prompt.ids[index], start - char_start, end - char_start)
-        expected = run_cached + run_length
-        if (
-            run_length
-            and expected < len(layout.ids)
-            and (layout.ids[expected], *layout.offsets[expected]) == token
-        ):
-            run_length += 1
-        else:
-            found = where.get(token)
-            run_start, run_cached, run_length = index, found or 0, int(found is not None)
-        if run_length > best[2]:
-            best = (run_start, run_cached, run_length)
-    return best
+    if not len(tokens) or not layout.ids:
+        return (0, 0, 0)
+    keys, order, cached_ends = layout.lookup
+    ids, starts, ends = (array[tokens.start : tokens.stop] for array in prompt.arrays)
+    starts, ends = starts - char_start, ends - char_start
+    wanted = _token_keys(starts, ids)
+    slot = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    cached = order[slot]
+    found = (keys[slot] == wanted) & (cached_ends[cached] == ends)
+    follows = np.zeros_like(found)
+    follows[1:] = found[1:] & found[:-1] & (cached[1:] == cached[:-1] + 1)
+    if not found.any():
+        return (0, 0, 0)
+    run_starts = np.flatnonzero(found & ~follows)
+    # lengths of the runs: from each start, the found tokens that follow without a break
+    breaks = np.flatnonzero(~follows)
+    stops = np.append(breaks, len(found))
+    run_ends = stops[np.searchsorted(stops, run_starts, side="right")]
+    lengths = run_ends - run_starts
+    best = int(np.argmax(lengths))
+    first = int(run_starts[best])
+    return (tokens.start + first, int(cached[first]), int(lengths[best]))
+
+
+def _plan_prefix(prompt: PromptTokens, plan: PrefillPlan, prefix_end: int) -> None:
+    """Mark the tokens of the cached prompt head ``[0, prefix_end)`` as a prefix span."""
+    _, _, ends = prompt.arrays
+    beyond = ends > prefix_end
+    count = int(np.argmax(beyond)) if beyond.any() else len(ends)
+    if count:
+        plan.kinds[:count] = [TokenKind.PREFIX] * count
+        plan.spans.append(PlannedSpan(0, count, 0, TokenKind.PREFIX, [], prompt.ids[:count]))
+    plan.report.append(
+        SpanReport(
+            0, prefix_end, count, "prefix", count, True, "prompt head, reused exactly",
+            0 if count else None,
+        )
+    )  # fmt: skip
+
+
+def _plan_document(
+    prompt: PromptTokens, plan: PrefillPlan, piece: CachedPiece, layout: DocumentLayout
+) -> None:
+    """Place one cached document: its longest run of tokens as cached, reported."""
+    ids, kinds = prompt.ids, plan.kinds
+    tokens = _tokens_within(prompt, piece.start, piece.end)
+    first, cached, length = _longest_run(prompt, tokens, piece.start, layout)
+    context = layout.context_ids
+    exact = (
+        length > 0
+        and cached == 0
+        and first == len(context)
+        and ids[: len(context)] == context
+        and all(kind != TokenKind.PREFIX for kind in kinds[first : first + length])
+    )
+    kind = TokenKind.PREFIX if exact else TokenKind.MOVED
+    span_index = len(plan.spans) if length else None
+    if length:
+        kinds[first : first + length] = [kind] * length
+        plan.spans.append(PlannedSpan(first, first + length, cached, kind, context, layout.ids))
+    overlapping = len(tokens) + _straddling(prompt.offsets, tokens, piece.start, piece.end)
+    edge = overlapping - length
+    if not length:
+        reason = "no token tokenizes as in the cache: computed"
+    elif exact:
+        reason = "right after the text it was precomputed behind: reused exactly"
+    else:
+        reason = "moved: reused at its new position"
+    if length and edge:
+        reason += f"; {edge} edge token(s) tokenize differently here and are computed"
+    plan.report.append(
+        SpanReport(
+            piece.start, piece.end, overlapping, "document", length, exact, reason, span_index
+        )
+    )
 
 
 def plan_prefill(
@@ -207,58 +324,13 @@ def plan_prefill(
     pieces, and document tokens that tokenize differently in context, are computed; the last
     token is always computed (it gives the logits).
     """
-    ids = prompt.ids
-    starts = [start for start, _ in prompt.offsets]
-    kinds = [TokenKind.COMPUTE] * len(ids)
-    plan = PrefillPlan(list(ids), kinds)
+    plan = PrefillPlan(list(prompt.ids), [TokenKind.COMPUTE] * len(prompt.ids))
     prefix_end = max((piece.end for piece in pieces if piece.role == "prefix"), default=0)
     if prefix_end:
-        count = 0
-        while count < len(ids) and prompt.offsets[count][1] <= prefix_end:
-            count += 1
-        if count:
-            kinds[:count] = [TokenKind.PREFIX] * count
-            plan.spans.append(PlannedSpan(0, count, 0, TokenKind.PREFIX, [], ids[:count]))
-        plan.report.append(
-            SpanReport(
-                0, prefix_end, count, "prefix", count, True, "prompt head, reused exactly",
-                0 if count else None,
-            )
-        )  # fmt: skip
+        _plan_prefix(prompt, plan, prefix_end)
     for piece in pieces:
-        if piece.role == "prefix":
-            continue
-        layout = layout_of(piece.start, piece.end)
-        tokens = _tokens_within(starts, prompt.offsets, piece.start, piece.end)
-        first, cached, length = _longest_run(prompt, tokens, piece.start, layout)
-        context = layout.context_ids
-        exact = (
-            length > 0
-            and cached == 0
-            and first == len(context)
-            and ids[: len(context)] == context
-            and all(kind != TokenKind.PREFIX for kind in kinds[first : first + length])
-        )
-        kind = TokenKind.PREFIX if exact else TokenKind.MOVED
-        span_index = len(plan.spans) if length else None
-        if length:
-            kinds[first : first + length] = [kind] * length
-            plan.spans.append(PlannedSpan(first, first + length, cached, kind, context, layout.ids))
-        overlapping = len(tokens) + _straddling(prompt.offsets, tokens, piece.start, piece.end)
-        edge = overlapping - length
-        if not length:
-            reason = "no token tokenizes as in the cache: computed"
-        elif exact:
-            reason = "right after the text it was precomputed behind: reused exactly"
-        else:
-            reason = "moved: reused at its new position"
-        if length and edge:
-            reason += f"; {edge} edge token(s) tokenize differently here and are computed"
-        plan.report.append(
-            SpanReport(
-                piece.start, piece.end, overlapping, "document", length, exact, reason, span_index
-            )
-        )
-    if kinds:
-        kinds[-1] = TokenKind.COMPUTE
+        if piece.role != "prefix":
+            _plan_document(prompt, plan, piece, layout_of(piece.start, piece.end))
+    if plan.kinds:
+        plan.kinds[-1] = TokenKind.COMPUTE
     return plan

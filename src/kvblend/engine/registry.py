@@ -32,6 +32,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .anchors import window_crc32
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "document_metadata", "text_digest"]
@@ -260,23 +264,58 @@ class DocumentRegistry:
         self.refresh()
         found: list[tuple[int, int, bytes]] = []
         with self._lock:
-            lengths = list(self._anchor_lengths)
+            # The anchor hashes known, per anchor length, as sorted arrays, made when the
+            # registry is unchanged since the last search (an added document is the most
+            # recent: the last key); while documents are being added, each position is looked
+            # up in the anchor table instead (the cost of either follows the prompt's length).
+            signature = (len(self._documents), next(reversed(self._documents), None))
+            cached = getattr(self, "_known_anchors", None)
+            arrays: dict[int, np.ndarray] | None = None
+            if cached is not None and cached[0] == signature:
+                arrays = cached[1]
+                if arrays is None:
+                    by_length: dict[int, list[int]] = {}
+                    for anchor, anchor_length in self._anchors:
+                        by_length.setdefault(anchor_length, []).append(anchor)
+                    arrays = {
+                        n: np.unique(np.array(v, dtype=np.uint32)) for n, v in by_length.items()
+                    }
+            # digest -> anchor hash of a found document's last characters: a candidate whose
+            # last characters hash otherwise is not hashed whole
+            tails: dict[bytes, int] = getattr(self, "_tail_anchors", {})
             size = len(prompt)
-            for anchor_length in lengths:
-                for start in range(size - anchor_length + 1):
-                    piece = prompt[start : start + anchor_length]
-                    bucket = self._anchors.get(
-                        (zlib.crc32(piece.encode("utf-8", "surrogatepass")), anchor_length)
-                    )
-                    if bucket is None:
-                        continue
+            for anchor_length in list(self._anchor_lengths):
+                hashes = window_crc32(prompt, anchor_length)  # every position at once
+                if arrays is not None:
+                    anchors = arrays[anchor_length]
+                    slots = np.minimum(np.searchsorted(anchors, hashes), len(anchors) - 1)
+                    starts = np.flatnonzero(anchors[slots] == hashes).tolist()
+                else:
+                    starts = [
+                        start
+                        for start, value in enumerate(hashes.tolist())
+                        if (value, anchor_length) in self._anchors
+                    ]
+                for start in starts:
+                    bucket = self._anchors.get((int(hashes[start]), anchor_length), {})
                     for length, digests in bucket.items():
-                        if start + length <= size:
-                            digest = text_digest(prompt[start : start + length])
-                            if digest in digests:
-                                found.append((start, start + length, digest))
+                        if start + length > size:
+                            continue
+                        tail = int(hashes[start + length - anchor_length])
+                        if all(tails.get(other, tail) != tail for other in digests):
+                            continue
+                        digest = text_digest(prompt[start : start + length])
+                        if digest in digests:
+                            found.append((start, start + length, digest))
+                            tails[digest] = tail
+            if len(tails) > 2 * len(self._documents):
+                tails = {d: tail for d, tail in tails.items() if d in self._documents}
+            self._tail_anchors = tails
             for _, _, digest in found:
                 self._documents.move_to_end(digest)
+            # moving matched documents changed the last key, not the anchors
+            last = next(reversed(self._documents), None)
+            self._known_anchors = ((len(self._documents), last), arrays)
         return _non_overlapping(found)
 
     def _insert(self, digest: bytes, anchor: int, length: int, context: bytes) -> None:

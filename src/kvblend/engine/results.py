@@ -6,11 +6,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BlendStats", "BlendUnavailableError", "PrefillResult"]
+__all__ = ["BlendCancelledError", "BlendStats", "BlendUnavailableError", "PrefillResult"]
 
 
 class BlendUnavailableError(RuntimeError):
     """The model failed kvblend's parity self-check, so blending would produce wrong text."""
+
+
+class BlendCancelledError(RuntimeError):
+    """A prefill was cancelled through its ``cancel`` event (checked between layers)."""
 
 
 @dataclass

@@ -12,16 +12,25 @@ how many rows are computed:
   (from the window's start on sliding-window layers) with an additive mask of exactly that key
   range, so a chunk skips the causal upper triangle beyond it.
 
-The chunk boundaries are read from the device once, when the computed rows are set, never in
-the layer loop. Masks are kept for the whole pass while they fit in ``mask_budget`` bytes and
-built per call beyond it, so mask memory stays O(rows x keys) only for short prompts and never
-grows past the budget (a 32K-token prompt would otherwise hold about 1 GiB of bf16 masks).
+With ``KVBLEND_ATTENTION=flex`` the masked case is instead one FlexAttention call per layer
+(`FlexRows`): the exact causal (and sliding-window) mask of the computed rows as a block mask,
+built once per pass, over the grouped KV heads (no copies); compiled on CUDA, where it is meant
+to run (the CPU runs the same code eagerly, which is exact but slow, and what tests check).
+
+The chunk boundaries come from the computed rows on the host (the plan knows them), so the
+layer loop never reads the device. Masks are kept for the whole pass while they fit in
+``mask_budget`` bytes and built per call beyond it, so mask memory stays O(rows x keys) only
+for short prompts and never grows past the budget (a 32K-token prompt would otherwise hold
+about 1 GiB of bf16 masks).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+import os
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from .decoder import Decoder, repeat_kv, sdpa_takes_gqa
@@ -56,6 +65,52 @@ def attention_mask(
     return mask.masked_fill_(~allowed, float("-inf"))
 
 
+#: Environment variable choosing the masked attention: ``chunks`` (default) or ``flex``.
+ATTENTION_ENV = "KVBLEND_ATTENTION"
+
+
+@functools.cache
+def _flex_kernel(compiled: bool) -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+
+
+class FlexRows:
+    """The computed rows' attention in one FlexAttention call per layer (a CUDA path).
+
+    The block mask of each window size (query ``i`` at position ``rows[i]`` sees keys
+    ``<= rows[i]``, and ``> rows[i] - window``) is built once per pass and reused by every layer.
+    """
+
+    def __init__(self, decoder: Decoder, rows: torch.Tensor, total: int) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        self.decoder = decoder
+        self.kernel = _flex_kernel(rows.device.type == "cuda")
+
+        def mask_of(window: int | None) -> Any:
+            def causal(batch: Any, head: Any, query: Any, key: Any) -> Any:
+                allowed = key <= rows[query]
+                return allowed if window is None else allowed & (key > rows[query] - window)
+
+            return create_block_mask(causal, None, None, rows.numel(), total, device=rows.device)
+
+        self.masks = {window: mask_of(window) for window in set(decoder.windows)}
+
+    def __call__(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Return the attention output ``[rows, hidden]`` (after ``o_proj``) at ``layer``."""
+        out = self.kernel(
+            queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            block_mask=self.masks[self.decoder.windows[layer]], scale=self.decoder.scaling,
+            enable_gqa=queries.shape[0] != keys.shape[0],
+        )  # fmt: skip
+        out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+        return self.decoder.layers[layer].self_attn.o_proj(out)
+
+
 class QueryChunk(NamedTuple):
     """One query chunk: computed rows ``[begin, end)`` over keys ``[key_begin, key_end)``.
 
@@ -72,8 +127,18 @@ class RowAttention:
     """Attention output ``[rows, hidden]`` of the computed rows at any layer of one pass."""
 
     def __init__(
-        self, decoder: Decoder, rows: torch.Tensor, total: int, *, mask_budget: int = MASK_BUDGET
+        self,
+        decoder: Decoder,
+        rows: torch.Tensor,
+        total: int,
+        *,
+        mask_budget: int = MASK_BUDGET,
+        host: np.ndarray | None = None,
     ) -> None:
+        """Attention of the computed ``rows`` (sorted positions on the decoder's device).
+
+        ``host``: the same positions on the host (read from ``rows`` when None).
+        """
         self.decoder = decoder
         self.rows = rows
         self.total = total
@@ -83,14 +148,18 @@ class RowAttention:
         self.chunks: dict[int | None, list[QueryChunk]] = {}
         self.masks: dict[int | None, list[torch.Tensor]] = {}
         self.mask_bytes = 0
+        self.flex: FlexRows | None = None
         windows = set(decoder.windows)
         if (self.dense or self.scatter) and windows == {None}:
             return  # no masks: plain causal attention at every layer
-        # First and last position of every chunk, read from the device once.
-        firsts = rows[::QUERY_CHUNK].tolist()
-        lasts = rows[QUERY_CHUNK - 1 :: QUERY_CHUNK].tolist()
+        if os.environ.get(ATTENTION_ENV) == "flex":
+            self.flex = FlexRows(decoder, rows, total)
+            return
+        positions = rows.tolist() if host is None else host  # first and last of every chunk
+        firsts = [int(p) for p in positions[::QUERY_CHUNK]]
+        lasts = [int(p) for p in positions[QUERY_CHUNK - 1 :: QUERY_CHUNK]]
         if len(lasts) < len(firsts):
-            lasts.append(int(rows[-1]))
+            lasts.append(int(positions[-1]))
         element = torch.empty((), dtype=decoder.dtype).element_size()
         kept = 0
         for window in windows:
@@ -123,6 +192,8 @@ class RowAttention:
         whole rotated KV ``[kv_heads, total, head_dim]``.
         """
         window = self.decoder.windows[layer]
+        if self.flex is not None and not (window is None and self.dense):
+            return self.flex(layer, queries, keys, values)
         if window is None and self.dense:
             return self.decoder.attend(layer, queries, keys, values, None)
         if window is None and self.scatter:

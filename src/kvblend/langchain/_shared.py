@@ -21,6 +21,7 @@ from .._adapters import (
     lazy_engine,
     model_name,
     prompt_segments,
+    run_in_thread,
     run_prompt,
     shared_engine,
     stream_prompt,
@@ -31,6 +32,7 @@ __all__ = [
     "BlendRun",
     "BlendSettings",
     "iterate_in_thread",
+    "run_in_thread",
     "langchain_usage",
     "shared_engine",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
+from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage, run_in_thread
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
@@ -93,7 +92,7 @@ class ChatBlend(BlendSettings, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return await asyncio.to_thread(self._generate, messages, stop, None, **kwargs)
+        return await run_in_thread(self._generate, messages, stop, None, **kwargs)
 
     def _stream(
         self,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -10,7 +9,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
+from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage, run_in_thread
 
 
 class BlendLLM(BlendSettings, BaseLLM):
@@ -121,7 +120,7 @@ class BlendLLM(BlendSettings, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return await asyncio.to_thread(self._generate, prompts, stop, None, **kwargs)
+        return await run_in_thread(self._generate, prompts, stop, None, **kwargs)
 
     def _chunks(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]

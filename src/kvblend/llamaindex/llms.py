@@ -33,6 +33,7 @@ from .._adapters import (
     lazy_engine,
     model_name,
     prompt_segments,
+    run_in_thread,
     run_prompt,
     stream_prompt,
 )
@@ -248,7 +249,7 @@ class BlendLLM(CustomLLM):
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
         """Like `complete`, run in a thread so the event loop keeps running."""
-        return await asyncio.to_thread(self._complete_body, prompt, formatted, kwargs)
+        return await run_in_thread(self._complete_body, prompt, formatted, kwargs)
 
     @llm_completion_callback()
     async def astream_complete(
@@ -274,7 +275,7 @@ class BlendLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         """Like `chat`, run in a thread so the event loop keeps running."""
-        return await asyncio.to_thread(self._chat_body, messages, kwargs)
+        return await run_in_thread(self._chat_body, messages, kwargs)
 
     @llm_chat_callback()
     async def astream_chat(

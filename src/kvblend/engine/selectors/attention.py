@@ -10,9 +10,10 @@ starting point, so the cached KV is loaded and rotated once.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED
+from ..blend_io import COMPUTE, MOVED, read_back, to_device
 from ..decoder import Decoder
 from ..row_attention import attention_mask
 from .base import (
@@ -28,16 +29,17 @@ from .base import (
 )
 
 
-def tail_rows(kinds: torch.Tensor) -> torch.Tensor:
-    """Positions of the uncached tail: the computed tokens after the last moved one.
+def tail_rows(kinds: torch.Tensor | np.ndarray) -> np.ndarray:
+    """Positions of the uncached tail: the computed tokens after the last moved one (host).
 
     In a RAG prompt that is the question and the template text after it, the part of the prompt
-    the answer is generated from.
+    the answer is generated from. ``kinds`` is on the host.
     """
-    moved = (kinds == MOVED).nonzero()
-    start = int(moved[-1]) + 1 if moved.numel() else 0
-    tail = (kinds[start:] == COMPUTE).nonzero().squeeze(1) + start
-    return tail if tail.numel() else torch.tensor([kinds.numel() - 1], device=kinds.device)
+    kinds = np.asarray(kinds)
+    moved = np.flatnonzero(kinds == MOVED)
+    start = int(moved[-1]) + 1 if moved.size else 0
+    tail = np.flatnonzero(kinds[start:] == COMPUTE) + start
+    return tail if tail.size else np.array([kinds.size - 1])
 
 
 def tail_attention(
@@ -59,20 +61,29 @@ def tail_attention(
     kv_heads, total, head_dim = keys.shape
     groups = queries.shape[0] // kv_heads
     grouped = queries.reshape(kv_heads, groups * queries.shape[1], head_dim)
-    scores = torch.bmm(grouped, keys.transpose(1, 2)).float() * decoder.scaling
-    weights = (scores.view(kv_heads, groups, -1, total) + mask).softmax(dim=-1)
-    return (weights.sum(dim=(1, 2)) * values.float().norm(dim=-1)).sum(dim=0)
+    if mask.shape[0] != grouped.shape[1]:  # one mask row per (head of the group, query)
+        mask = mask.repeat(groups, 1)
+    scores = torch.baddbmm(
+        mask.to(keys.dtype), grouped, keys.transpose(1, 2), alpha=decoder.scaling
+    )
+    weights = scores.softmax(dim=-1, dtype=torch.float32)
+    norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
+    return (weights.sum(dim=1) * norms).sum(dim=0)
 
 
 class TailAttention:
     """A probe pass's observer: sums `tail_attention` of the tail rows over every layer."""
 
-    def __init__(self, decoder: Decoder, computed: torch.Tensor, tail: torch.Tensor, total: int):
+    def __init__(self, decoder: Decoder, computed: np.ndarray, tail: np.ndarray, total: int):
         self.decoder = decoder
-        self.local = torch.searchsorted(computed, tail)  # the tail among the computed rows
-        self.scores = torch.zeros(total, device=computed.device, dtype=torch.float32)
-        self.masks = {
-            window: attention_mask(tail, 0, total, window, torch.float32)
+        device = decoder.device
+        local = np.searchsorted(computed, tail)  # the tail among the computed rows
+        self.local = to_device(local, device)
+        self.scores = torch.zeros(total, device=device, dtype=torch.float32)
+        groups = decoder.shape.num_heads // decoder.shape.num_kv_heads
+        positions = to_device(tail, device)
+        self.masks = {  # [groups * tail, total], made once per pass
+            window: attention_mask(positions, 0, total, window, decoder.dtype).repeat(groups, 1)
             for window in set(decoder.windows)
         }
 
@@ -82,15 +93,15 @@ class TailAttention:
         """Add this layer's tail attention to the scores."""
         tail_queries = queries.index_select(1, self.local)
         mask = self.masks[self.decoder.windows[layer]]
-        self.scores += tail_attention(self.decoder, tail_queries, keys, values, mask)
+        self.scores.add_(tail_attention(self.decoder, tail_queries, keys, values, mask))
 
 
-def leading_rows(context: SelectionContext, count: int, short: int = 0) -> torch.Tensor:
-    """Boolean ``[tokens]``: the first ``count`` rows of every moved span.
+def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.ndarray:
+    """Boolean ``[tokens]`` (host): the first ``count`` rows of every moved span.
 
     Every row of a moved span of at most ``short`` rows.
     """
-    lead = torch.zeros_like(context.uncached)
+    lead = np.zeros(context.kinds.numel(), dtype=bool)
     for span in context.spans:
         if span.kind == MOVED:
             rows = span.end - span.start if span.end - span.start <= short else count
@@ -133,26 +144,29 @@ class AttentionSelector(Selector):
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most."""
-        kinds = context.kinds
+        # Every count here is on the host (numpy): the decision costs no device sync.
+        kinds = context.kinds.numpy()
+        uncached = context.uncached.numpy()
         lead = leading_rows(context, self.options["lead_tokens"], self.options["short_document"])
-        computed = context.uncached | lead
-        moved = context.moved
+        computed = uncached | lead
+        moved = context.moved.numpy()
         candidates = moved[~lead[moved]]  # moved rows not recomputed already
-        share = round(self.options["recompute_ratio"] * moved.numel())
-        floor = self.options["min_recompute"] - (moved.numel() - candidates.numel())  # leads count
-        keep = min(max(share, floor), candidates.numel())
-        probe = int(context.uncached.sum()) if 0 < keep < candidates.numel() else 0
+        share = round(self.options["recompute_ratio"] * moved.size)
+        floor = self.options["min_recompute"] - (moved.size - candidates.size)  # leads count
+        keep = min(max(share, floor), candidates.size)
+        probe = int(uncached.sum()) if 0 < keep < candidates.size else 0
         full_above = self.options["full_above"]
-        if keep == candidates.numel() or (
-            full_above < 1 and int(computed.sum()) + keep + probe > full_above * kinds.numel()
+        if keep == candidates.size or (
+            full_above < 1 and int(computed.sum()) + keep + probe > full_above * kinds.size
         ):  # every moved row, or a blend that would cost about as much as full prefill
             computed[moved] = True
-            return Selection(computed.nonzero().squeeze(1))
+            return Selection(torch.from_numpy(np.flatnonzero(computed)))
         if not probe:  # nothing to choose (ratio 0): no probe
-            return Selection(computed.nonzero().squeeze(1))
-        probe_rows = context.uncached.nonzero().squeeze(1)
-        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.numel())
-        start = context.run_pass(probe_rows, observer)
-        computed[top_scoring(observer.scores, candidates, keep)] = True
+            return Selection(torch.from_numpy(np.flatnonzero(computed)))
+        probe_rows = np.flatnonzero(uncached)
+        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
+        start = context.run_pass(torch.from_numpy(probe_rows), observer)
+        # the one host sync of the prefill: the rows chosen on the device
+        computed[read_back(top_scoring(observer.scores, candidates, keep))] = True
         self.scores = observer.scores
-        return Selection(computed.nonzero().squeeze(1), start=start)
+        return Selection(torch.from_numpy(np.flatnonzero(computed)), start=start)

@@ -14,9 +14,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan
+from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan, to_device
 from ..decoder import Decoder, DecoderShape
 
 
@@ -69,38 +70,51 @@ class PassObserver(Protocol):
 
 
 class SelectionContext(NamedTuple):
-    """What a selector may look at: the prompt and a way to run a first pass over it."""
+    """What a selector may look at: the prompt and a way to run a first pass over it.
+
+    ``kinds`` is on the host (a CPU tensor), so deciding on it costs no device sync; so are
+    ``moved`` and ``uncached``. Only a first pass runs on the decoder's device.
+    """
 
     decoder: Decoder
-    kinds: torch.Tensor  # [tokens] on the decoder's device
+    kinds: torch.Tensor  # [tokens] on the host
     spans: list[CachedSpan]
     run_pass: Callable[[torch.Tensor, PassObserver], BlendOutput]  # (computed rows, observer)
 
     @property
     def moved(self) -> torch.Tensor:
-        """Positions of the moved rows."""
-        return (self.kinds == MOVED).nonzero().squeeze(1)
+        """Positions of the moved rows (host)."""
+        return torch.from_numpy(np.flatnonzero(self.kinds.numpy() == MOVED))
 
     @property
     def uncached(self) -> torch.Tensor:
-        """Boolean mask of the rows computed whatever the strategy."""
-        return self.kinds == COMPUTE
+        """Boolean mask of the rows computed whatever the strategy (host)."""
+        return torch.from_numpy(self.kinds.numpy() == COMPUTE)
 
 
 @dataclass
 class Selection:
     """The positions computed from layer 0 on, and optionally a pass to start from.
 
-    ``start``: a pass over the same prompt whose computed rows are a subset of ``computed``;
-    the prefill updates its (rotated) KV in place instead of loading every cached row again.
+    ``computed``: sorted positions, on the host (a CPU tensor or array; a tensor on another
+    device is read back once, a host sync). ``start``: a pass over the same prompt whose
+    computed rows are a subset of ``computed``; the prefill updates its KV buffer in place
+    instead of loading every cached row again.
     """
 
-    computed: torch.Tensor  # sorted positions
+    computed: torch.Tensor | np.ndarray  # sorted positions
     start: BlendOutput | None = None
 
 
-def top_scoring(score: torch.Tensor, candidates: torch.Tensor, keep: int) -> torch.Tensor:
-    """Return the ``keep`` entries of ``candidates`` (indices into ``score``) scoring most."""
+def top_scoring(
+    score: torch.Tensor, candidates: torch.Tensor | np.ndarray, keep: int
+) -> torch.Tensor:
+    """Return the ``keep`` entries of ``candidates`` (indices into ``score``) scoring most.
+
+    A fixed-size selection (``topk``) on ``score``'s device: no host sync.
+    """
+    if isinstance(candidates, np.ndarray):
+        candidates = to_device(candidates, score.device)
     if keep >= candidates.numel():
         return candidates
     if keep <= 0:

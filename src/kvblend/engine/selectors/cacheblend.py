@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..blend_io import COMPUTE, MOVED
@@ -108,8 +109,9 @@ class CacheBlendSelector(Selector):
 
     def select(self, context: SelectionContext) -> Selection:
         """Compute every moved row up to the first check layer."""
-        self.moved_total = int((context.kinds == MOVED).sum())
-        return Selection((context.uncached | (context.kinds == MOVED)).nonzero().squeeze(1))
+        kinds = context.kinds.numpy()
+        self.moved_total = int((kinds == MOVED).sum())
+        return Selection(torch.from_numpy(np.flatnonzero((kinds == COMPUTE) | (kinds == MOVED))))
 
     def refine(
         self,

@@ -7,6 +7,9 @@ restores most of what the document missed, at a cost set per document rather tha
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from ..blend_io import MOVED
 from .base import CORRECTION, Selection, SelectionContext, Selector, Setting, non_negative_int
 
@@ -22,11 +25,10 @@ class EpicSelector(Selector):
 
     def select(self, context: SelectionContext) -> Selection:
         """Compute the uncached rows and each moved span's leading tokens."""
-        computed = context.uncached
+        computed = context.uncached.numpy()  # a fresh host array
         lead = self.options["epic_tokens"]
         if lead > 0:
-            computed = computed.clone()
             for span in context.spans:
                 if span.kind == MOVED:
                     computed[span.start : min(span.end, span.start + lead)] = True
-        return Selection(computed.nonzero().squeeze(1))
+        return Selection(torch.from_numpy(np.flatnonzero(computed)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .base import Selection, SelectionContext, Selector
@@ -15,4 +16,4 @@ class FullSelector(Selector):
 
     def select(self, context: SelectionContext) -> Selection:
         """Compute every row."""
-        return Selection(torch.arange(context.kinds.numel(), device=context.kinds.device))
+        return Selection(torch.from_numpy(np.arange(context.kinds.numel())))

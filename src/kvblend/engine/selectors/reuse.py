@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
+import torch
+
 from .base import Selection, SelectionContext, Selector
 
 
@@ -12,4 +15,4 @@ class ReuseSelector(Selector):
 
     def select(self, context: SelectionContext) -> Selection:
         """Compute the uncached rows only."""
-        return Selection(context.uncached.nonzero().squeeze(1))
+        return Selection(torch.from_numpy(np.flatnonzero(context.uncached.numpy())))

@@ -1,0 +1,96 @@
+"""Prompt handling cost: tokenizing and matching a string prompt vs the tokenizer alone.
+
+A string prompt is planned by finding the known documents in it (`DocumentRegistry.find`),
+tokenizing it once with offsets (`encode_prompt`), and locating every document's cached tokens
+in that sequence (`plan_prefill`, over memoised per-document layouts). ``kvblend bench plan``
+times that (`BlendEngine.plan`) against ``tokenizer(prompt)`` on the same chat-formatted RAG
+prompt, documents precomputed, medians of interleaved repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from ..engine import BlendEngine
+from .synthetic import synthetic_text
+
+SYSTEM = "You are a helpful assistant. Answer using the documents."
+
+
+def tokenizer_engine(tokenizer: Any) -> BlendEngine:
+    """Build an engine over ``tokenizer`` and a tiny random Llama with a 64K-token window.
+
+    Planning never runs the model, so its size does not matter; the window does (12K-token
+    prompts are longer than the bundled model's).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..store import MemoryKVStore
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=65536,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    return BlendEngine(
+        model, tokenizer, store=MemoryKVStore(), system_prompt=SYSTEM, check_parity=False
+    )
+
+
+def rag_prompt_string(engine: BlendEngine, documents: list[str], question: str) -> str:
+    """Return the chat-formatted RAG prompt over ``documents`` as one string."""
+    segments = engine.rag_segments(question, documents, system=SYSTEM)
+    return "".join(segment.text for segment in segments)
+
+
+def run_planning(
+    engine: BlendEngine, prompt_tokens: int, doc_tokens: int, repeats: int
+) -> dict[str, Any]:
+    """Time ``tokenizer(prompt)`` and ``engine.plan(prompt)``; return medians and their ratio."""
+    count = max(1, prompt_tokens // doc_tokens)
+    documents = [synthetic_text(engine.tokenizer, doc_tokens, 7000 + i) for i in range(count)]
+    engine.register(documents)
+    prompt = rag_prompt_string(engine, documents, "Which document mentions the harbour?")
+    engine.plan(prompt)  # every document's layout memoised, as after its first use
+    tokenizer_s, plan_s = [], []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        engine.tokenizer(prompt)
+        tokenizer_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        plan = engine.plan(prompt)
+        plan_s.append(time.perf_counter() - started)
+    found = sum(1 for row in plan.report if row.role == "document" and row.reused)
+    tokenizer_median, plan_median = statistics.median(tokenizer_s), statistics.median(plan_s)
+    return {
+        "prompt_tokens": len(plan.token_ids),
+        "documents": count,
+        "documents_found": found,
+        "tokenizer_s": tokenizer_median,
+        "plan_s": plan_median,
+        "ratio": plan_median / tokenizer_median,
+        "ratio_of_minimums": min(plan_s) / min(tokenizer_s),
+    }
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvblend bench plan`` (the model options are added by the caller)."""
+    parser.add_argument("--tokens", type=int, default=12288, help="prompt tokens")
+    parser.add_argument("--doc-tokens", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=20)
+
+
+def planning_line(result: dict[str, Any]) -> str:
+    """One line: both medians and the ratio."""
+    return (
+        f"{result['prompt_tokens']}-token prompt, {result['documents_found']} of "
+        f"{result['documents']} documents found: tokenizer {result['tokenizer_s'] * 1e3:.1f} ms, "
+        f"tokenize + match (engine.plan) {result['plan_s'] * 1e3:.1f} ms "
+        f"-> {result['ratio']:.2f}x the tokenizer (target <= 1.3; "
+        f"{result['ratio_of_minimums']:.2f}x by the fastest runs)"
+    )
