@@ -79,8 +79,16 @@ def _corrupt_dropped(store: KVStore) -> int:
 
 
 def _fits(tensors: Tensors, reference: Tensors) -> bool:
+    """Same names, shapes and dtypes, and values within float rounding.
+
+    A segment recomputed inside a prefill goes through the blend loop, whose fused products
+    round differently from precompute's batched forward in the last bit.
+    """
     return tensors.keys() == reference.keys() and all(
-        torch.equal(tensors[name], reference[name]) for name in reference
+        tensors[name].shape == reference[name].shape
+        and tensors[name].dtype == reference[name].dtype
+        and torch.allclose(tensors[name], reference[name], atol=1e-5, rtol=0)
+        for name in reference
     )
 
 
@@ -308,10 +316,11 @@ def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Pat
         connection.execute(
             "DELETE FROM Cache WHERE filename = ?", (str(whole.relative_to(folder)),)
         )
-    partial = folder / "ee" / "ff" / ("1" * 28 + ".val")  # killed while writing the file
+    free = [f"{n:02x}" for n in range(256) if not (folder / f"{n:02x}").exists()]
+    partial = folder / free[0] / "ff" / ("1" * 28 + ".val")  # killed while writing the file
     partial.parent.mkdir(parents=True)
     partial.write_bytes(whole.read_bytes()[:5000])
-    empty = folder / "dd" / "cc"  # killed after making its folders
+    empty = folder / free[1] / "cc"  # killed after making its folders
     empty.mkdir(parents=True)
     long_ago = time.time() - 3600
     for path in (whole, partial, partial.parent, partial.parent.parent, empty, empty.parent):
@@ -319,7 +328,8 @@ def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Pat
     (folder / SWEEP_STAMP).unlink()  # no sweep for ten minutes, as the last opening was then
 
     engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=DiskKVStore(folder))
-    assert not partial.exists() and not (folder / "ee").exists() and not (folder / "dd").exists()
+    assert not partial.exists() and not (folder / free[0]).exists()
+    assert not (folder / free[1]).exists()
     assert whole.exists() and engine.store.stats().entries == len(DOCS)  # taken back in
     engine.register(DOCS)
     for doc in DOCS:
