@@ -281,14 +281,14 @@ def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> Non
     assert blended.stats.documents_reused == 3
     planned = blended.stats.estimated_cost  # the probe's rows and the reused rows included
     assert blended.stats.fallback is None and blended.stats.strategy_run == "attention"
-    whole = engine.prefill(prompt, config.replace(full_above=planned - 0.01))
+    whole = engine.prefill(prompt, config.replace(full_above=min(planned - 0.01, 0.99)))
     assert whole.stats.fallback is not None and whole.stats.fallback.startswith("full_above")
     assert whole.stats.strategy_run == "full" and len(whole.stats.documents_lost) == 3
     assert whole.stats.recomputed_tokens == whole.stats.moved_tokens == sum(lengths)
     assert whole.stats.reused_tokens == whole.stats.prefix_tokens > 0  # the head is in place
     assert whole.stats.documents_reused == 0 and whole.stats.timings["probe_s"] == 0.0
     assert torch.allclose(whole.logits, full.logits, atol=1e-4, rtol=0)
-    kept = engine.prefill(prompt, config.replace(full_above=planned + 0.01))
+    kept = engine.prefill(prompt, config.replace(full_above=min(planned + 0.01, 1.0)))
     assert kept.stats.recomputed_tokens == blended.stats.recomputed_tokens
 
 

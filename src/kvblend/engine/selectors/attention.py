@@ -105,8 +105,8 @@ def leading_rows(context: SelectionContext, count: int, short: int = 0) -> torch
 #: Cost of a row read from a cache relative to a computed row (loading, rotating and attending
 #: over it) and the blend loop's fixed cost in rows, fitted to the TTFTs of the shapes
 #: benchmark on CPU (docs/configuration.md, "When a blend computes the whole prompt").
-REUSED_ROW_COST = 0.2
-BLEND_OVERHEAD_ROWS = 20
+REUSED_ROW_COST = 0.23
+BLEND_OVERHEAD_ROWS = 27
 
 
 class SpanRows(Protocol):
