@@ -211,7 +211,7 @@ def near_miss(registry: object, prompt: str, matched: list[tuple[int, int]]) -> 
     """
     anchors = getattr(registry, "_anchors", None)
     lock = getattr(registry, "_lock", None)
-    if anchors is None or lock is None:
+    if not anchors or lock is None:  # no document known: nothing to scan for
         return None
     size, cursor = len(prompt), 0
     with lock:
