@@ -47,9 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: One warning per cause a minute, for every engine of the process (`FallbackLog`).
-_FALLBACK_LOG = FallbackLog(logger)
-
 _PARITY_TEXT = (
     "Blended prefill must match the model's own forward pass: the quick brown fox jumps over "
     "the lazy dog, 0123456789."
@@ -122,6 +119,7 @@ class BlendEngine:
             check_length=self._check_length,
         )  # fmt: skip
         self._max_token_chars: int | None = None
+        self._fallback_log = FallbackLog(logger)  # each cause once a minute
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store, model and document context (see `kvblend.engine.registry`).
         self.documents = DocumentRegistry(self.store, self._registry_log(), capacity=max_documents)
@@ -406,16 +404,16 @@ class BlendEngine:
         """Log each reason a prompt's documents were not reused, once per cause a minute."""
         if stats.fallback is not None:
             cause = stats.fallback.split(":")[0]
-            _FALLBACK_LOG.warn(
+            self._fallback_log.warn(
                 cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
                 "docs/configuration.md says when and how to change it)",
             )  # fmt: skip
         for line in stats.documents_lost:
             reason = line.split(": ", 1)[1]
             if "recomputed whole" not in reason:  # the fallback's line says it already
-                _FALLBACK_LOG.warn(f"lost: {reason}", f"found document not reused: {line}")
+                self._fallback_log.warn(f"lost: {reason}", f"found document not reused: {line}")
         if stats.near_miss is not None:
-            _FALLBACK_LOG.warn(
+            self._fallback_log.warn(
                 "near_miss", f"no precomputed document reused there: {stats.near_miss}; a "
                 "document is found only when its exact text occurs in the prompt; "
                 "engine.explain(prompt) or `kvblend explain` shows what is reused",
