@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random-init models of every supported family with a real tokenizer.
 
-Also the CI rule: with ``CI=true`` a test that would be skipped for a missing dependency (its
+The run stops on SIGINT and SIGTERM (`stop_on_signals`). And the CI rule: with ``CI=true`` a
+test that would be skipped for a missing dependency (its
 skip reason starts with `MISSING_DEPENDENCY`: the bundled model, an extra) fails instead, so an
 install that lost the model or an extra cannot pass as a green run with tests quietly skipped.
 """
@@ -8,6 +9,7 @@ install that lost the model or an extra cannot pass as a green run with tests qu
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
@@ -27,6 +29,26 @@ from transformers import (
 from conftest_redis import make_redis_server, redis_server  # noqa: F401 - shared fixtures
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def stop_on_signals() -> None:
+    """Make SIGINT and SIGTERM stop the run through pytest's own interrupt path.
+
+    A shell starts a background job (``pytest ... &`` in a script or CI step) with SIGINT
+    ignored, and Python then installs no handler: Ctrl-C or ``kill -INT`` did nothing and the
+    run had to be killed. SIGTERM's default killed the process without teardown, leaving the
+    redis-server the fixtures start running. Both now raise KeyboardInterrupt: pytest stops,
+    runs the teardowns (the server is stopped) and exits with status 2.
+    """
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+stop_on_signals()
 
 #: How the skip reason of a test that needs something installed begins.
 MISSING_DEPENDENCY = "needs the "

@@ -47,8 +47,10 @@ def test_precompute_ask_and_store_stats(tmp_path: Path, capsys: pytest.CaptureFi
     prompt = "Context: Tomas Elm is a violin maker who lives in Cremona.\nWho makes violins?"
     assert main(["explain", prompt, "--store-dir", store, *system]) == 0
     explained = capsys.readouterr().out
-    assert "1 cached segment(s) found (2 documents known)" in explained
+    assert "1 document(s) found (2 known)" in explained
     assert "moved: reused at its new position" in explained
+    # a one-line document is recomputed whole by default, as prefill does, and explain says so
+    assert "0 reused from caches" in explained and "short_document" in explained
     assert main(["store", "clear", "--store-dir", store]) == 0
     # two documents + the prompt head: ask found the documents precompute stored (same system
     # prompt, so the same document context and segment ids)

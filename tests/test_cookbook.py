@@ -1,8 +1,10 @@
 """Every cookbook notebook runs top to bottom on the bundled model, so none of them rots.
 
 The notebooks are executed in memory with nbclient on the ``python3`` kernel of the running
-interpreter (the committed files are not rewritten). A notebook whose packages are missing is
-skipped with their names.
+interpreter (the committed files are not rewritten; ``scripts/run_cookbook.py`` rewrites them).
+A cell tagged ``checked`` (its output holds no timing) must print what its committed output
+says, so committed outputs cannot go stale. A notebook whose packages are missing is skipped
+with their names.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ def test_notebook_runs(notebook: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     nb = nbformat.read(notebook, as_version=4)
+    committed = [_text_outputs(cell) for cell in nb.cells]
     client = NotebookClient(
         nb,
         timeout=600,
@@ -99,3 +102,27 @@ def test_notebook_runs(notebook: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         resources={"metadata": {"path": str(COOKBOOK)}},
     )
     client.execute()  # raises CellExecutionError naming the failing cell
+    for index, cell in enumerate(nb.cells):
+        if "checked" in cell.metadata.get("tags", []):
+            assert _text_outputs(cell) == committed[index], (
+                f"{notebook.name} cell {index}: its committed output is stale; run "
+                "scripts/run_cookbook.py"
+            )
+
+
+def _text_outputs(cell: object) -> str:
+    """The text a cell printed (streams and plain-text results), joined."""
+    pieces = []
+    for output in getattr(cell, "outputs", None) or []:
+        text = output.get("text") or output.get("data", {}).get("text/plain", "")
+        pieces.append(text if isinstance(text, str) else "".join(text))
+    return "".join(pieces)
+
+
+def test_the_tuning_notebook_checks_its_fallback_output() -> None:
+    """Notebook 03's explain/fallback cell is checked against the code on every run."""
+    import nbformat
+
+    nb = nbformat.read(COOKBOOK / "03_precompute_and_tune.ipynb", as_version=4)
+    checked = [cell for cell in nb.cells if "checked" in cell.metadata.get("tags", [])]
+    assert checked and "min_recompute" in _text_outputs(checked[0])

@@ -476,7 +476,9 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
         return run_blend(decoder, blend_input, config, **kwargs)
 
     monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
-    config = BlendConfig("attention", recompute_ratio=0.3, min_recompute=0, correction=share)
+    config = BlendConfig(
+        "attention", recompute_ratio=0.3, min_recompute=0, full_above=1.0, correction=share
+    )
     pre = tiny_engine.prefill(segments(order), config)
     inputs = seen[-1]
     selected, _ = attention_selection(tiny_engine, inputs, config)

@@ -22,7 +22,7 @@ def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
     assert BlendConfig().settings == {
         "recompute_ratio": 0.2, "min_recompute": 256, "lead_tokens": 8, "short_document": 32,
-        "full_above": 0.7, "correction": 0.5,
+        "full_above": 0.8, "correction": 0.5,
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
@@ -279,13 +279,16 @@ def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> Non
     blended = engine.prefill(prompt, config.replace(full_above=1.0))
     assert 0 < blended.stats.recomputed_tokens < blended.stats.moved_tokens
     assert blended.stats.documents_reused == 3
-    planned = blended.stats.compute_fraction  # the probe's rows included
-    whole = engine.prefill(prompt, config.replace(full_above=planned - 0.01))
+    planned = blended.stats.estimated_cost  # the probe's rows and the reused rows included
+    assert blended.stats.fallback is None and blended.stats.strategy_run == "attention"
+    whole = engine.prefill(prompt, config.replace(full_above=min(planned - 0.01, 0.99)))
+    assert whole.stats.fallback is not None and whole.stats.fallback.startswith("full_above")
+    assert whole.stats.strategy_run == "full" and len(whole.stats.documents_lost) == 3
     assert whole.stats.recomputed_tokens == whole.stats.moved_tokens == sum(lengths)
     assert whole.stats.reused_tokens == whole.stats.prefix_tokens > 0  # the head is in place
     assert whole.stats.documents_reused == 0 and whole.stats.timings["probe_s"] == 0.0
     assert torch.allclose(whole.logits, full.logits, atol=1e-4, rtol=0)
-    kept = engine.prefill(prompt, config.replace(full_above=planned + 0.01))
+    kept = engine.prefill(prompt, config.replace(full_above=min(planned + 0.01, 1.0)))
     assert kept.stats.recomputed_tokens == blended.stats.recomputed_tokens
 
 

@@ -2,7 +2,8 @@
 
 Every user mistake (a bad option, a missing file, an unknown device or model) is one line on
 stderr and exit status 2, found before the model loads wherever it can be: a traceback is for
-bugs, not for typos.
+bugs, not for typos. The engine (and torch) is imported only by the command that runs, so
+``kvblend --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -15,16 +16,23 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .cli_args import CLIError, OneLineParser, check_device, positive_int, printable
+from .cli_args import (
+    DEFAULT_CORRECTION,
+    DEFAULT_RATIO,
+    STRATEGIES,
+    CLIError,
+    OneLineParser,
+    check_device,
+    default_threads,
+    positive_int,
+    printable,
+)
 from .cli_store import add_store_parser
-from .engine import BlendConfig, BlendEngine, ModelNotFoundError, UnsupportedModelError
-from .engine.config import parse_setting
-from .engine.engine import DEFAULT_SYSTEM_PROMPT
-from .engine.selectors import strategy_names
-from .engine.validation import check_text
-from .samples import sample_corpus
+
+if TYPE_CHECKING:
+    from .engine import BlendConfig, BlendEngine
 
 logger = logging.getLogger("kvblend")
 
@@ -37,6 +45,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
         _config(args)  # a bad setting fails before the model loads
     if hasattr(args, "device"):
         check_device(args.device)
+    from .engine.validation import check_text
+
     for name in ("question", "system"):
         value = getattr(args, name, None)
         if value is not None:
@@ -48,6 +58,8 @@ def _check_arguments(args: argparse.Namespace) -> None:
 
 def load_sample_corpus() -> dict[str, Any]:
     """Load the demo corpus shipped inside the package (`kvblend.samples.sample_corpus`)."""
+    from .samples import sample_corpus
+
     return sample_corpus()
 
 
@@ -64,6 +76,9 @@ def _config(args: argparse.Namespace) -> BlendConfig:
 
     A setting the strategy does not use is an error (one line), never silently ignored.
     """
+    from .engine import BlendConfig
+    from .engine.config import parse_setting
+
     options = {"recompute_ratio": args.ratio, "deviation": args.deviation,
                "correction": args.correction}  # fmt: skip
     given = {name: value for name, value in options.items() if value is not None}
@@ -84,7 +99,14 @@ def _config(args: argparse.Namespace) -> BlendConfig:
 
 
 def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
+    import torch
+
+    from .engine import BlendEngine
+    from .engine.engine import DEFAULT_SYSTEM_PROMPT
+
     _quiet_transformers()
+    threads = args.threads or default_threads()
+    torch.set_num_threads(threads)
     store = _store(args)
     print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
     started = time.perf_counter()
@@ -96,7 +118,7 @@ def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
     )  # fmt: skip
     print(
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
-        f"(parity self-check error {engine.parity_error:.1e})",
+        f"(parity self-check error {engine.parity_error:.1e}; {threads} CPU thread(s))",
         file=sys.stderr,
     )
     return engine
@@ -110,7 +132,11 @@ def _store(args: argparse.Namespace):  # noqa: ANN202
     return default_store(getattr(args, "store_dir", None))
 
 
-def _read_documents(paths: Sequence[str]) -> list[str]:
+def _read_named(paths: Sequence[str]) -> list[tuple[str, str]]:
+    """Read every text file of ``paths`` (files or folders) as ``(file name, text)``.
+
+    A file that cannot be read or is not UTF-8 is skipped with one warning line.
+    """
     files: list[Path] = []
     for raw in paths:
         path = Path(raw).expanduser()
@@ -133,10 +159,14 @@ def _read_documents(paths: Sequence[str]) -> list[str]:
             logger.warning(printable(f"skipping {file}: {error.strerror or error}"))
             continue
         if text:
-            documents.append(text)
+            documents.append((str(file), text))
     if not documents:
         raise CLIError("no documents found (text files: " + ", ".join(sorted(TEXT_SUFFIXES)) + ")")
     return documents
+
+
+def _read_documents(paths: Sequence[str]) -> list[str]:
+    return [text for _, text in _read_named(paths)]
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -147,6 +177,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     engine = _engine(args, corpus.get("system"))
     engine.precompute(documents, progress=True)
     config = _config(args)
+    from .engine import BlendConfig
+
     setting = f"strategy: {config.strategy}" + "".join(
         f", {name.replace('_', ' ')} {value}" for name, value in config.settings.items()
     )
@@ -181,12 +213,19 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_precompute(args: argparse.Namespace) -> None:
-    """Precompute and store the KV of every document file."""
-    documents = _read_documents(args.paths)
+    """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
+    from .cli_precompute import fitting_documents, precompute_each
+
+    named = _read_named(args.paths)
     engine = _engine(args)
     started = time.perf_counter()
-    ids = engine.precompute(documents, progress=True)
-    print(f"precomputed {len(ids)} documents in {time.perf_counter() - started:.1f} s")
+    documents = fitting_documents(engine, named, chunk=args.chunk)
+    stored = precompute_each(engine, documents)
+    skipped = len(named) - len({name for name, _ in documents})
+    print(
+        f"precomputed {stored} documents in {time.perf_counter() - started:.1f} s"
+        + (f"; {skipped} file(s) skipped (named above)" if skipped else "")
+    )
     _print_stats(engine.store.stats())
 
 
@@ -196,6 +235,8 @@ def cmd_ask(args: argparse.Namespace) -> None:
     engine = _engine(args)
     engine.precompute(documents)
     segments = engine.rag_segments(args.question, documents)
+    from .engine import BlendConfig
+
     if args.compare:
         full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
         print(f"full prefill  ({full.ttft_s:.2f} s to first token): {full.text.strip()}")
@@ -205,10 +246,11 @@ def cmd_ask(args: argparse.Namespace) -> None:
     else:
         print(out.text.strip())
     stats = out.stats
+    fallback = f"; ran as full prefill: {stats.fallback}" if stats.fallback else ""
     print(
         f"[{stats.prompt_tokens} prompt tokens: {stats.reused_tokens} reused, "
         f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed; "
-        f"TTFT {out.ttft_s:.2f} s]",
+        f"TTFT {out.ttft_s:.2f} s{fallback}]",
         file=sys.stderr,
     )
 
@@ -228,7 +270,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     engine = _engine(args)
     if documents:
         engine.precompute(documents)
-    print(engine.explain(prompt))
+    print(engine.explain(prompt, _config(args)))
 
 
 def _print_stats(stats: Any, indent: str = "") -> None:
@@ -267,19 +309,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
         p.add_argument(
             "--strategy",
-            default=BlendConfig().strategy,
-            choices=list(strategy_names()),
-            help="how reused tokens are chosen for recompute (default %(default)s)",
+            default=STRATEGIES[0],
+            help=f"how reused tokens are chosen for recompute: {', '.join(STRATEGIES)} "
+            "(default %(default)s)",
         )
         p.add_argument("--ratio", type=float, default=None,
                        help="recompute ratio for attention and cacheblend "
-                            f"(default {BlendConfig().recompute_ratio})")  # fmt: skip
+                            f"(default {DEFAULT_RATIO})")  # fmt: skip
         p.add_argument("--deviation", default=None, choices=["value", "key"],
                        help="cacheblend's deviation metric (default value)")  # fmt: skip
         p.add_argument("--correction", type=float, default=None,
                        help="share of the recomputed tokens' mean KV change added to the other "
                             "tokens of their document, for attention, cacheblend and epic "
-                            f"(default {BlendConfig().correction}; 0: off)")  # fmt: skip
+                            f"(default {DEFAULT_CORRECTION}; 0: off)")  # fmt: skip
         p.add_argument("--set", action="append", metavar="NAME=VALUE",
                        help="any other setting of the strategy, such as lead_tokens=16 or "
                             "short_document=0 (docs/configuration.md); repeatable")  # fmt: skip
@@ -287,7 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--system", default=None,
                        help="system prompt of the RAG prompt; documents are precomputed behind "
                             "it, so use the same one for precompute and ask (default: "
-                            f"{DEFAULT_SYSTEM_PROMPT!r})")  # fmt: skip
+                            "'Answer the question using only the documents.')")  # fmt: skip
+        p.add_argument("--threads", type=positive_int, default=None,
+                       help="torch CPU threads (default: the physical cores the last minute's "
+                            "load leaves idle, at least 1)")  # fmt: skip
 
     demo = sub.add_parser(
         "demo", help="answer the bundled sample corpus's questions, full vs blended"
@@ -302,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
     model_options(pre)
     pre.add_argument("paths", nargs="+", help="text files or folders (one document per file)")
+    pre.add_argument("--chunk", action="store_true",
+                     help="split a file longer than the model's context window into documents "
+                          "that fit (default: skip it, naming it)")  # fmt: skip
     pre.set_defaults(func=cmd_precompute)
 
     ask = sub.add_parser("ask", help="answer a question over documents with blended prefill")
@@ -342,7 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = build_parser().parse_args(argv)
         _check_arguments(args)
         args.func(args)
-    except (CLIError, ModelNotFoundError, UnsupportedModelError, ValueError) as error:
+    except (CLIError, FileNotFoundError, ValueError) as error:
+        if isinstance(error, FileNotFoundError) and not _is_model_not_found(error):
+            raise
         message = " ".join(str(error).split())  # one line, whatever the error holds
         print(printable(f"kvblend: error: {message}"), file=sys.stderr)
         return 2
@@ -351,6 +401,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _is_model_not_found(error: Exception) -> bool:
+    """Whether ``error`` is the engine's `ModelNotFoundError` (a user mistake, one line)."""
+    if "kvblend.engine" not in sys.modules:  # no model was looked for
+        return False
+    from .engine import ModelNotFoundError
+
+    return isinstance(error, ModelNotFoundError)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,15 @@ and failing in ``model.to`` costs seconds and prints a long traceback).
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import NoReturn
 
-import torch
+#: Strategies and defaults the help shows; importing the engine (torch) only to print help
+#: would cost seconds. tests/test_cli.py checks them against `BlendConfig`.
+STRATEGIES = ("attention", "cacheblend", "epic", "reuse", "full")
+DEFAULT_RATIO = 0.2
+DEFAULT_CORRECTION = 0.5
 
 
 class CLIError(Exception):
@@ -59,6 +65,8 @@ def check_device(name: str) -> None:
     """Refuse a device this machine's torch cannot use, before any model is loaded."""
     if name == "auto":
         return
+    import torch
+
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -79,3 +87,40 @@ def check_device(name: str) -> None:
             raise CLIError(f"--device {name}: MPS is not available on this machine")
     elif device.type != "cpu":
         raise CLIError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+
+
+def physical_cores() -> int:
+    """Physical CPU cores this process may use (hyper-threads counted once; Linux, else all)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    usable = usable or os.cpu_count() or 1
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return usable
+    cores = {
+        (block.get("physical id"), block.get("core id"))
+        for block in (
+            dict(
+                (key.strip(), value.strip())
+                for key, _, value in (line.partition(":") for line in chunk.splitlines())
+            )
+            for chunk in cpuinfo.split("\n\n")
+        )
+        if "core id" in block
+    }
+    return max(1, min(usable, len(cores) or usable))
+
+
+def default_threads() -> int:
+    """Torch CPU threads for a command: the physical cores, fewer on a busy machine.
+
+    The cores the last minute's load average leaves idle, at least 1: threads beyond the idle
+    cores wait on each other and make every prefill slower, and a blend (many small steps)
+    more than a full prefill.
+    """
+    cores = physical_cores()
+    try:
+        busy = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return cores
+    return max(1, min(cores, round((os.cpu_count() or cores) - busy)))

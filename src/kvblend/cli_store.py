@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .store import DiskKVStore, StoreError, default_store_dir
-from .store.files import INDEX_NAME
-from .store.index import DAMAGED_NAME
+from .cli_args import CLIError
+
+if TYPE_CHECKING:  # the store (and torch) load only when a store command runs
+    from .store import DiskKVStore
 
 
 def add_store_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparsers action
@@ -36,13 +37,13 @@ def add_store_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private sub
 
 
 def _user_error(message: str) -> Exception:
-    from .cli import CLIError  # the command line's one-line error, exit status 2
-
-    return CLIError(message)
+    return CLIError(message)  # the command line's one-line error, exit status 2
 
 
 def _check_folder(directory: Path, action: str) -> bool:
     """Return False if there is no folder (nothing to do); raise for a folder that is no store."""
+    from .store.files import INDEX_NAME
+
     if not directory.exists():
         if action == "clear":
             return False
@@ -56,6 +57,8 @@ def _check_folder(directory: Path, action: str) -> bool:
 
 def cmd_store(args: argparse.Namespace) -> None:
     """Show, clear or repair the on-disk store."""
+    from .store import DiskKVStore, StoreError, default_store_dir
+
     directory = Path(args.store_dir).expanduser() if args.store_dir else default_store_dir()
     try:
         if not _check_folder(directory, args.action):
@@ -78,6 +81,9 @@ def cmd_store(args: argparse.Namespace) -> None:
 
 
 def _print_stats(directory: Path, store: DiskKVStore) -> None:
+    from .store import StoreError
+    from .store.index import DAMAGED_NAME
+
     stats = store.stats()
     print(f"store folder: {directory}")
     print(f"entries: {stats.entries}")
@@ -101,6 +107,8 @@ def _print_stats(directory: Path, store: DiskKVStore) -> None:
 
 
 def _print_repair(directory: Path, store: DiskKVStore) -> None:
+    from .store.index import DAMAGED_NAME
+
     report = store.repair()
     print(f"store folder: {directory}")
     set_aside = f"set aside as {DAMAGED_NAME} and rebuilt" if report.index_set_aside else "ok"

@@ -26,8 +26,9 @@ class BlendConfig:
       recomputed), ``min_recompute`` (256: at least this many moved tokens recomputed, leading
       ones included), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
       top), ``short_document`` (32: moved documents of at most this many tokens recomputed
-      whole), ``full_above`` (0.7: a blend that would compute more than this share of a full
-      prefill, probe included, computes the whole prompt; 1 never), ``correction`` (0.5).
+      whole), ``full_above`` (0.8: a blend whose estimated cost is above this share of a full
+      prefill's recomputes every moved token; 1 never; ``stats.fallback`` says why),
+      ``correction`` (0.5).
     - ``"cacheblend"``: every moved token is computed up to a check layer, where the ones whose
       KV deviates most from the cache are kept. Settings: ``recompute_ratio`` (0.2),
       ``check_layer`` (1), ``deviation`` (``"value"``, or ``"key"`` as LMCache),

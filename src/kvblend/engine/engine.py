@@ -20,7 +20,7 @@ from . import templates
 from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
-from .explain import Explanation
+from .explain import Explanation, FallbackLog, forecast_blend, near_miss
 from .generation import GenerationResult, decode, decode_stream
 from .loading import (
     display_name,
@@ -120,10 +120,10 @@ class BlendEngine:
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
             check_length=self._check_length, context_of=self._context_for,
         )  # fmt: skip
-        self._last_unmatched_warning = -float("inf")
         vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
         self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
+        self._fallback_log = FallbackLog(logger)  # each cause once a minute
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store and model, whatever their document context (see `kvblend.engine.registry`).
         self.documents = DocumentRegistry(
@@ -378,9 +378,7 @@ class BlendEngine:
     def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
         """Cut a prompt string into segments: the known documents in it and the text between.
 
-        ``cache_prefix``: the text before the first document is cached as a prefix. A prompt
-        with no known document while documents are known logs a warning (at most once a
-        minute) saying why reuse may have failed.
+        ``cache_prefix``: the text before the first document is cached as a prefix.
         """
         if isinstance(prompt, str):
             self._check_chars(len(prompt))  # before reading, searching or tokenizing megabytes
@@ -388,17 +386,6 @@ class BlendEngine:
         if not prompt:
             raise ValueError("the prompt is empty")
         matches = self.documents.find(prompt)
-        if not matches and len(self.documents):
-            now = time.monotonic()
-            if now - self._last_unmatched_warning > 60:
-                self._last_unmatched_warning = now
-                logger.warning(
-                    "no precomputed document found in the prompt although %d are known: a "
-                    "document is found only when its exact text occurs in the prompt (text "
-                    "trimmed, truncated, re-joined or escaped by a formatter is computed in "
-                    "full); engine.explain(prompt) or `kvblend explain` shows what is reused",
-                    len(self.documents),
-                )
         pieces: list[Segment] = []
         cursor = 0
         for match in matches:
@@ -440,8 +427,15 @@ class BlendEngine:
             tokens, pieces, lambda start, end: self.segment_kv.layout(text[start:end])
         )
 
-    def explain(self, prompt: PromptLike) -> Explanation:
-        """Show, without computing anything, which parts of a prompt would be reused and why."""
+    def explain(self, prompt: PromptLike, config: BlendConfig | None = None) -> Explanation:
+        """Show, without running the model, what `prefill` with ``config`` would do, and why.
+
+        The counts (reused, recomputed, computed tokens), the fallback reason and the documents
+        not reused are the ones `prefill` reports for the same prompt and config: both come
+        from `forecast_blend` over the same plan.
+        """
+        config = config or BlendConfig()
+        config.check_model(self.decoder.shape)
         items = self._segments(prompt)
         plan = self.plan(items)
         text = "".join(segment.text for segment in items)
@@ -451,7 +445,40 @@ class BlendEngine:
             )
             for index, span in enumerate(plan.spans)
         }
-        return Explanation(text, plan, stored, len(self.documents))
+        return Explanation(
+            text, plan, stored, len(self.documents), forecast_blend(plan, config),
+            config.strategy, self._near_miss(prompt, items),
+        )  # fmt: skip
+
+    def _near_miss(self, prompt: PromptLike, items: list[Segment]) -> str | None:
+        """Describe a known document whose start, not whole text, is in a prompt string."""
+        if not isinstance(prompt, str):
+            return None
+        matched, cursor = [], 0
+        for segment in items:
+            if segment.cache:
+                matched.append((cursor, cursor + len(segment.text)))
+            cursor += len(segment.text)
+        return near_miss(self.documents, prompt, matched)
+
+    def _report_fallbacks(self, stats: BlendStats) -> None:
+        """Log each reason a prompt's documents were not reused, once per cause a minute."""
+        if stats.fallback is not None:
+            cause = stats.fallback.split(":")[0]
+            self._fallback_log.warn(
+                cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
+                "docs/configuration.md says when and how to change it)",
+            )  # fmt: skip
+        for line in stats.documents_lost:
+            reason = line.split(": ", 1)[1]
+            if "recomputed whole" not in reason:  # the fallback's line says it already
+                self._fallback_log.warn(f"lost: {reason}", f"found document not reused: {line}")
+        if stats.near_miss is not None:
+            self._fallback_log.warn(
+                "near_miss", f"no precomputed document reused there: {stats.near_miss}; a "
+                "document is found only when its exact text occurs in the prompt; "
+                "engine.explain(prompt) or `kvblend explain` shows what is reused",
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill
     def prefill(
@@ -464,8 +491,10 @@ class BlendEngine:
         """Blended prefill of a prompt: a string (known documents are found in it) or segments.
 
         Cached segments missing from the store, or whose entry cannot be read, are computed
-        (and stored) within the call. ``cancel``: once set, the prefill stops before its next
-        layer and raises `BlendCancelledError`.
+        (and stored) within the call. ``stats.fallback`` says why a blend ran as full prefill
+        (and ``stats.documents_lost`` why a found document was not reused); each cause is
+        logged once a minute. ``cancel``: once set, the prefill stops before its next layer and
+        raises `BlendCancelledError`.
         """
         if config is not None and not isinstance(config, BlendConfig):
             raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}")
@@ -478,12 +507,15 @@ class BlendEngine:
         if config.reads_cache:
             self._require_parity()
         started = time.perf_counter()
-        plan = self.plan(prompt)
+        items = self._segments(prompt)
+        plan = self.plan(items)
         stats = BlendStats(strategy=config.strategy)
         stats.timings["tokenize_s"] = time.perf_counter() - started
-        documents = [row for row in plan.report if row.role == "document"]
-        stats.documents_found = len(documents)
-        stats.documents_reused = sum(1 for row in documents if row.reused)
+        forecast = forecast_blend(plan, config)
+        stats.strategy_run, stats.fallback = forecast.strategy_run, forecast.fallback
+        stats.estimated_cost = forecast.estimated_cost
+        stats.documents_lost = list(forecast.documents_lost)
+        stats.near_miss = self._near_miss(prompt, items)
         kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
         lookup_started = time.perf_counter()
@@ -496,25 +528,16 @@ class BlendEngine:
         blend_input = BlendInput(token_ids, kinds, spans, kinds.numpy())
         out = run_blend(self.decoder, blend_input, config, cancel=cancel)
         assert out.logits is not None
+        # entries that failed while their layers were read, recomputed in place
+        stats.segments_precomputed += sum(
+            bool(getattr(s.source, "recomputed", False)) for s in spans
+        )
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
-        stats.prompt_tokens = len(plan.token_ids)
-        if not config.reads_cache:  # found, but nothing is read from the store
-            stats.computed_tokens = len(plan.token_ids)
-            stats.documents_reused = 0
-        else:
-            stats.prefix_tokens = int((kinds == PREFIX).sum())
-            stats.moved_tokens = int((kinds == MOVED).sum())
-            stats.recomputed_tokens = int(out.stats["recomputed_tokens"])
-            stats.computed_tokens = int((kinds == COMPUTE).sum())
-            stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
-            # documents read in place, and moved ones the blend did not recompute whole
-            in_place = sum(1 for row in documents if row.reused and row.exact)
-            read = in_place + int(out.stats["moved_spans_read"])
-            stats.documents_reused = min(stats.documents_reused, read)
-        stats.compute_fraction = out.stats["token_layers"] / out.stats["token_layers_full"]
+        _count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
+        self._report_fallbacks(stats)
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
 
     # ------------------------------------------------------------------ generation
@@ -575,3 +598,29 @@ class BlendEngine:
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")
             yield piece
+
+
+def _count_tokens(
+    stats: BlendStats,
+    plan: PrefillPlan,
+    kinds: torch.Tensor,
+    blend: dict[str, Any],
+    reads_cache: bool,
+) -> None:
+    """Fill the token and document counts of ``stats`` from the plan and the blend's stats."""
+    documents = [row for row in plan.report if row.role == "document"]
+    stats.documents_found = len(documents)
+    stats.prompt_tokens = len(plan.token_ids)
+    if not reads_cache:  # found, but nothing is read from the store
+        stats.computed_tokens = len(plan.token_ids)
+    else:
+        stats.prefix_tokens = int((kinds == PREFIX).sum())
+        stats.moved_tokens = int((kinds == MOVED).sum())
+        stats.recomputed_tokens = int(blend["recomputed_tokens"])
+        stats.computed_tokens = int((kinds == COMPUTE).sum())
+        stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
+        # documents read in place, and moved ones the blend did not recompute whole
+        in_place = sum(1 for row in documents if row.reused and row.exact)
+        reused = sum(1 for row in documents if row.reused)
+        stats.documents_reused = min(reused, in_place + int(blend["moved_spans_read"]))
+    stats.compute_fraction = blend["token_layers"] / blend["token_layers_full"]

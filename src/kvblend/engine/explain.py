@@ -1,12 +1,112 @@
-"""`Explanation`: what a prefill would reuse, recompute or compute in a prompt, and why."""
+"""What a prefill will do with a prompt, and why: the forecast both `explain` and `prefill` use.
+
+`forecast_blend` is a pure function of the prefill plan and the config: how many moved tokens
+the strategy recomputes, whether it computes every one of them instead of blending (and why),
+and which found documents end up not reused. `BlendEngine.prefill` reports it in its stats and
+`BlendEngine.explain` prints it, so the two agree by construction; the attention strategy's
+budget rule is `attention_budget`, which its selector runs too.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+import zlib
+from dataclasses import dataclass, field
 
-from .prompt import PrefillPlan, TokenKind
+from .config import BlendConfig
+from .prompt import PrefillPlan, SpanReport, TokenKind
+from .registry import ANCHOR_CHARS
+from .selectors.attention import attention_budget
 
-__all__ = ["Explanation"]
+__all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend", "near_miss"]
+
+
+@dataclass(frozen=True)
+class BlendForecast:
+    """What a prefill of one plan with one config does, decided before the model runs."""
+
+    strategy_run: str  # the config's strategy, or "full" when every moved token is recomputed
+    recomputed_tokens: int  # moved tokens recomputed at every layer
+    fallback: str | None = None  # why the blend does not run as asked
+    estimated_cost: float = 0.0  # attention: the budget rule's cost estimate (of full prefill)
+    documents_lost: list[str] = field(default_factory=list)  # found, not reused: why
+
+
+def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
+    if row.span is None:
+        return 0
+    span = plan.spans[row.span]
+    return sum(1 for kind in plan.kinds[span.start : span.end] if kind == TokenKind.MOVED)
+
+
+def _lead_rows(config: BlendConfig) -> tuple[int, int]:
+    """Leading rows of each moved document a strategy recomputes, and the 'short' length."""
+    if config.strategy == "attention":
+        return config.lead_tokens, config.short_document
+    if config.strategy == "epic":
+        return config.epic_tokens, 0
+    return 0, 0
+
+
+def _recomputed(
+    plan: PrefillPlan, config: BlendConfig, moved: int
+) -> tuple[int, float, str | None]:
+    """Return the moved tokens recomputed, the cost estimate and the fallback reason."""
+    if config.strategy == "attention":
+        budget = attention_budget(plan.kinds, plan.spans, dict(config.settings))
+        return (moved if budget.recompute_all else budget.recomputed), budget.cost, budget.fallback
+    if config.strategy == "cacheblend":
+        schedule = config.ratio_schedule or ((config.check_layer, config.recompute_ratio),)
+        return min(moved, round(schedule[-1][1] * moved)), 0.0, None
+    if config.strategy == "epic":
+        lead, _ = _lead_rows(config)
+        rows = sum(
+            sum(1 for kind in plan.kinds[span.start : span.start + lead] if kind == TokenKind.MOVED)
+            for span in plan.spans
+            if span.kind == TokenKind.MOVED
+        )
+        return rows, 0.0, None
+    return 0, 0.0, None  # reuse, and strategies this module does not know
+
+
+def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
+    """Forecast the prefill of ``plan`` with ``config`` (a pure function: no model runs)."""
+    if not config.reads_cache:
+        return BlendForecast(config.strategy, 0)
+    moved = sum(1 for kind in plan.kinds if kind == TokenKind.MOVED)
+    recomputed, cost, fallback = _recomputed(plan, config, moved)
+    lead, short = _lead_rows(config)
+    lost = []
+    for number, row in enumerate((row for row in plan.report if row.role == "document"), start=1):
+        moved_rows = _moved_rows(plan, row)
+        if not row.reused:
+            lost.append(f"document {number}: {row.reason}")
+        elif moved_rows and fallback is not None:
+            lost.append(f"document {number}: recomputed whole ({fallback.split(':')[0]})")
+        elif moved_rows and recomputed == moved:
+            lost.append(f"document {number}: recomputed whole (every moved token is)")
+        elif moved_rows and (moved_rows <= lead or row.reused <= short):
+            lost.append(f"document {number}: recomputed whole ({row.reused} tokens, short)")
+    strategy_run = "full" if fallback is not None else config.strategy
+    return BlendForecast(strategy_run, recomputed, fallback, cost, lost)
+
+
+class FallbackLog:
+    """Warn once per cause and ``interval`` seconds (a busy server logs each cause once)."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+
+    def warn(self, cause: str, message: str) -> None:
+        """Log ``message`` unless ``cause`` was logged less than ``interval`` seconds ago."""
+        now = time.monotonic()
+        if now - self._last.get(cause, -float("inf")) < self.interval:
+            return
+        self._last[cause] = now
+        self.logger.warning("%s", message)
 
 
 def _snippet(text: str, width: int = 48) -> str:
@@ -18,34 +118,72 @@ def _snippet(text: str, width: int = 48) -> str:
 
 @dataclass(frozen=True)
 class Explanation:
-    """The plan of one prompt: per segment, the tokens reused and why; ``str()`` is a table.
+    """The plan of one prompt and its forecast: per segment, the tokens reused and why.
 
-    ``stored`` tells, per cached span (by its index in ``plan.spans``), whether the store holds
-    its KV now (KV that is missing is computed and stored by the prefill that needs it).
+    ``str()`` is a table. ``stored`` tells, per cached span (by its index in ``plan.spans``),
+    whether the store holds its KV now (KV that is missing is computed and stored by the
+    prefill that needs it). The counts are the ones `BlendEngine.prefill` reports for the same
+    prompt and config.
     """
 
     text: str
     plan: PrefillPlan
     stored: dict[int, bool]
     known_documents: int
+    forecast: BlendForecast
+    strategy: str = "attention"
+    near_miss: str | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens a cache holds (before any recompute)."""
+        return sum(1 for kind in self.plan.kinds if kind != TokenKind.COMPUTE)
 
     @property
     def reused_tokens(self) -> int:
-        """Prompt tokens whose KV would be read from a cache (before any recompute)."""
-        return sum(1 for kind in self.plan.kinds if kind != TokenKind.COMPUTE)
+        """Prompt tokens whose KV the prefill reads from a cache (cached minus recomputed)."""
+        if self.strategy == "full":
+            return 0
+        return self.cached_tokens - self.recomputed_tokens
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Moved tokens the prefill recomputes."""
+        return self.forecast.recomputed_tokens
+
+    @property
+    def computed_tokens(self) -> int:
+        """Uncached prompt tokens, computed in full (every token for strategy ``full``)."""
+        if self.strategy == "full":
+            return len(self.plan.token_ids)
+        return sum(1 for kind in self.plan.kinds if kind == TokenKind.COMPUTE)
+
+    @property
+    def fallback(self) -> str | None:
+        """Why the prefill would not blend as asked (None: it would)."""
+        return self.forecast.fallback
 
     @property
     def documents_found(self) -> int:
         """Cached document segments in the prompt."""
         return sum(1 for row in self.plan.report if row.role == "document")
 
-    def __str__(self) -> str:
+    def _summary(self) -> list[str]:
         total = len(self.plan.token_ids)
         lines = [
-            f"{total} prompt tokens; {self.reused_tokens} from caches, "
-            f"{total - self.reused_tokens} computed; {self.documents_found} cached segment(s) "
-            f"found ({self.known_documents} documents known)"
+            f"{total} prompt tokens; strategy {self.strategy}: {self.reused_tokens} reused from "
+            f"caches, {self.recomputed_tokens} recomputed, {self.computed_tokens} computed; "
+            f"{self.documents_found} document(s) found ({self.known_documents} known)"
         ]
+        if self.fallback is not None:
+            lines.append(f"  runs as full prefill (prompt head reused): {self.fallback}")
+        lines += [f"  not reused: {line}" for line in self.forecast.documents_lost]
+        if self.near_miss is not None:
+            lines.append(f"  near miss: {self.near_miss}")
+        return lines
+
+    def __str__(self) -> str:
+        lines = self._summary()
         covered = 0
         for row in sorted(self.plan.report, key=lambda row: row.char_start):
             if row.char_start > covered:
@@ -55,9 +193,38 @@ class Explanation:
             note = "; not in the store yet: computed and stored on first use" if missing else ""
             lines.append(
                 f"  {row.role:<9} {_snippet(self.text[row.char_start : row.char_end])}: "
-                f"{row.reused}/{row.tokens} tokens reused; {row.reason}{note}"
+                f"{row.reused} of {row.tokens} tokens cached; {row.reason}{note}"
             )
             covered = row.char_end
         if covered < len(self.text):
             lines.append(f"  text      {_snippet(self.text[covered:])}: uncached, computed")
         return "\n".join(lines)
+
+
+def near_miss(registry: object, prompt: str, matched: list[tuple[int, int]]) -> str | None:
+    """Describe a known document whose start occurs in ``prompt`` outside ``matched`` spans.
+
+    The registry finds a document by its first `ANCHOR_CHARS` characters and then its whole
+    text; a prompt that holds those first characters but not the whole text holds a truncated
+    or rewritten copy, which is computed in full. None when there is no such start (a prompt
+    without documents, such as a greeting). Reads the registry's anchor table.
+    """
+    anchors = getattr(registry, "_anchors", None)
+    lock = getattr(registry, "_lock", None)
+    if not anchors or lock is None:  # no document known: nothing to scan for
+        return None
+    size, cursor = len(prompt), 0
+    with lock:
+        for start_of_match, end_of_match in [*matched, (size, size)]:
+            for start in range(cursor, max(cursor, start_of_match - ANCHOR_CHARS + 1)):
+                piece = prompt[start : start + ANCHOR_CHARS].encode("utf-8", "surrogatepass")
+                bucket = anchors.get((zlib.crc32(piece), ANCHOR_CHARS))
+                if bucket:
+                    length = max(bucket)
+                    return (
+                        f"a known document of {length} characters starts at character {start} "
+                        f"({_snippet(prompt[start : start + 40], 44)}) but the prompt does not "
+                        "hold its whole text (truncated, rewritten or re-joined): computed in full"
+                    )
+            cursor = end_of_match
+    return None

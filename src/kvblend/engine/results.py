@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,11 +35,30 @@ class BlendStats:
     documents_reused: int = 0  # of those, how many had tokens read from their cache
     compute_fraction: float = 0.0  # token-layers computed / token-layers of a full prefill
     timings: dict[str, float] = field(default_factory=dict)
+    #: The strategy that ran: ``strategy``, or ``"full"`` when every moved token was recomputed
+    #: instead (the prompt head is still reused in place, which full prefill equals exactly).
+    strategy_run: str = ""
+    #: Why the blend did not run as asked (``"full_above: blend would cost 0.86 of full
+    #: prefill (limit 0.8)"``, ``"min_recompute: ..."``, ``"short_document: ..."``); None when
+    #: it did.
+    fallback: str | None = None
+    #: The blend's estimated cost as a share of a full prefill's (what ``full_above`` is
+    #: compared with; 0 for strategies without that rule).
+    estimated_cost: float = 0.0
+    #: One line per document found in the prompt but not reused, saying why.
+    documents_lost: list[str] = field(default_factory=list)
+    #: A known document that nearly occurs in the prompt (its start is there, its whole text
+    #: is not: truncated or rewritten), described in one line; None when there is none.
+    near_miss: str | None = None
 
     @property
     def recompute_fraction(self) -> float:
         """Recomputed share of the moved tokens."""
         return self.recomputed_tokens / self.moved_tokens if self.moved_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain JSON-ready values (for result metadata)."""
+        return asdict(self)
 
 
 @dataclass

@@ -10,6 +10,10 @@ starting point, so the cached KV is loaded and rotated once.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
 import numpy as np
 import torch
 
@@ -109,6 +113,102 @@ def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.nd
     return lead
 
 
+#: Cost of a row read from a cache relative to a computed row (loading, rotating and attending
+#: over it) and the blend loop's fixed cost in rows, fitted to the TTFTs of the shapes
+#: benchmark on CPU (docs/configuration.md, "When a blend computes the whole prompt").
+REUSED_ROW_COST = 0.23
+BLEND_OVERHEAD_ROWS = 27
+
+
+class SpanRows(Protocol):
+    """A planned or cached span: prompt rows ``[start, end)`` and their kind."""
+
+    @property
+    def start(self) -> int:
+        """First prompt row."""
+        ...
+
+    @property
+    def end(self) -> int:
+        """Prompt row past the last."""
+        ...
+
+    @property
+    def kind(self) -> int:
+        """`MOVED` or `PREFIX`."""
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionBudget:
+    """The attention strategy's decision for one prompt, from its token kinds alone.
+
+    ``lead``: moved rows recomputed as leading rows (whole short documents included);
+    ``keep``: moved rows the probe picks on top; ``probe``: rows the probe pass computes (0:
+    none); ``recompute_all``: every moved row is recomputed (the blend reads no moved row);
+    ``cost``: the blend's estimated cost as a share of a full prefill's; ``fallback``: why
+    every moved row is recomputed, None when the blend runs as asked.
+    """
+
+    lead: int
+    keep: int
+    probe: int
+    recompute_all: bool
+    cost: float
+    fallback: str | None
+
+    @property
+    def recomputed(self) -> int:
+        """Moved rows recomputed at every layer (every one when ``recompute_all``)."""
+        return self.lead + self.keep
+
+
+def attention_budget(
+    kinds: Sequence[int], spans: Iterable[SpanRows], options: dict[str, Any]
+) -> AttentionBudget:
+    """Decide how many moved rows the attention strategy recomputes, and whether to blend.
+
+    A pure function of the prompt's token kinds and cached spans: `AttentionSelector.select`
+    and `kvblend.engine.explain` both call it, so what ``explain`` reports is what runs. The
+    blend's cost is its computed rows (uncached, leading, chosen, and the probe's) plus
+    `REUSED_ROW_COST` per row read from a cache and `BLEND_OVERHEAD_ROWS`, over a full
+    prefill's rows (a prediction of the blend's TTFT as a share of full prefill's); above
+    ``full_above`` every moved row is recomputed (the prompt head stays reused in place).
+    """
+    moved = sum(1 for kind in kinds if kind == MOVED)
+    uncached = sum(1 for kind in kinds if kind == COMPUTE)
+    lead_count, short = options["lead_tokens"], options["short_document"]
+    lead = 0
+    for span in spans:
+        if span.kind == MOVED:
+            rows = span.end - span.start if span.end - span.start <= short else lead_count
+            lead += sum(1 for kind in kinds[span.start : span.start + rows] if kind == MOVED)
+    candidates = moved - lead
+    share = round(options["recompute_ratio"] * moved)
+    keep = min(max(share, options["min_recompute"] - lead), candidates)
+    probe = uncached if 0 < keep < candidates else 0
+    cached = len(kinds) - uncached - lead - keep
+    rows = uncached + lead + keep + probe + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
+    cost = rows / max(len(kinds), 1)
+    reason = None
+    if moved and keep == candidates and options["recompute_ratio"] < 1:
+        reason = (
+            f"short_document: every moved document has at most {short} tokens"
+            if lead == moved
+            else f"min_recompute: the floor of {options['min_recompute']} tokens covers all "
+            f"{moved} moved tokens"
+        )
+    elif moved and options["full_above"] < 1 and cost > options["full_above"]:
+        reason = (
+            f"full_above: blend would cost {cost:.2f} of full prefill "
+            f"(limit {options['full_above']:g})"
+        )
+    recompute_all = keep == candidates or reason is not None
+    if recompute_all:
+        keep, probe = candidates, 0
+    return AttentionBudget(lead, keep, probe, recompute_all, cost, reason)
+
+
 class AttentionSelector(Selector):
     """Recompute the top ``recompute_ratio`` of moved tokens by the probe's tail attention.
 
@@ -120,10 +220,10 @@ class AttentionSelector(Selector):
     saw only the document head when cached and act as the document's attention sink; a short
     document's answer depends on them most), on top of the ratio's budget.
 
-    When the blend would compute more than ``full_above`` of a full prefill's tokens, probe
-    included (short documents, such as a few one-line records), the whole prompt is computed
-    instead: such a blend is no faster than full prefill, and the few rows it leaves stale
-    still cost quality.
+    When the blend's estimated cost (`attention_budget`: its computed rows, probe included,
+    plus the rows it reads from caches at `REUSED_ROW_COST` each) is above ``full_above`` of a
+    full prefill's, every moved token is recomputed instead: such a blend is barely faster
+    than full prefill, and the rows it leaves stale still cost quality.
     """
 
     name = "attention"
@@ -137,36 +237,34 @@ class AttentionSelector(Selector):
             32, non_negative_int, "moved documents of at most this many tokens are recomputed whole"
         ),
         "full_above": Setting(
-            0.7, ratio, "compute above which the whole prompt is computed (1: never)"
+            0.8,
+            ratio,
+            "estimated cost (of full prefill) above which every moved token is "
+            "recomputed (1: never)",
         ),
         "correction": CORRECTION,
     }
 
     def select(self, context: SelectionContext) -> Selection:
-        """Run the probe and pick the moved rows scoring most."""
+        """Run the probe and pick the moved rows scoring most (`attention_budget` says how many)."""
         # Every count here is on the host (numpy): the decision costs no device sync.
         kinds = context.kinds.numpy()
+        budget = attention_budget(kinds.tolist(), context.spans, self.options)
+        self.budget = budget
         uncached = context.uncached.numpy()
         lead = leading_rows(context, self.options["lead_tokens"], self.options["short_document"])
         computed = uncached | lead
         moved = context.moved.numpy()
-        candidates = moved[~lead[moved]]  # moved rows not recomputed already
-        share = round(self.options["recompute_ratio"] * moved.size)
-        floor = self.options["min_recompute"] - (moved.size - candidates.size)  # leads count
-        keep = min(max(share, floor), candidates.size)
-        probe = int(uncached.sum()) if 0 < keep < candidates.size else 0
-        full_above = self.options["full_above"]
-        if keep == candidates.size or (
-            full_above < 1 and int(computed.sum()) + keep + probe > full_above * kinds.size
-        ):  # every moved row, or a blend that would cost about as much as full prefill
+        if budget.recompute_all:  # every moved row: no probe
             computed[moved] = True
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
-        if not probe:  # nothing to choose (ratio 0): no probe
+        if not budget.probe:  # nothing to choose (ratio 0): no probe
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
+        candidates = moved[~lead[moved]]  # moved rows not recomputed already
         probe_rows = np.flatnonzero(uncached)
         observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
         start = context.run_pass(torch.from_numpy(probe_rows), observer)
         # the one host sync of the prefill: the rows chosen on the device
-        computed[read_back(top_scoring(observer.scores, candidates, keep))] = True
+        computed[read_back(top_scoring(observer.scores, candidates, budget.keep))] = True
         self.scores = observer.scores
         return Selection(torch.from_numpy(np.flatnonzero(computed)), start=start)
