@@ -453,14 +453,24 @@ class BlendEngine:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool | None = None,
     ) -> GenerationResult:
-        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats."""
+        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
+
+        The decoding options are transformers' (see `kvblend.engine.generation.DecodeOptions`):
+        ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
+        ``repetition_penalty`` go through transformers' own logits processors, for the first
+        token (drawn from the blended logits) as for every later one.
+        """
         started = time.perf_counter()
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
             started=started, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop=stop, seed=seed,
+            top_p=top_p, stop=stop, seed=seed, top_k=top_k,
+            repetition_penalty=repetition_penalty, do_sample=do_sample,
         )  # fmt: skip
 
     def stream(
@@ -473,11 +483,15 @@ class BlendEngine:
         top_p: float = 1.0,
         stop: Sequence[str] | None = None,
         seed: int | None = None,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
         pre = segments if isinstance(segments, PrefillResult) else self.prefill(segments, config)
         yield from decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed,
+            stop=stop, seed=seed, top_k=top_k, repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
         )  # fmt: skip
