@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import templates
+from .batch_decode import decode_batch
 from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
@@ -133,17 +134,26 @@ class BlendEngine:
         store: KVStore | None = None,
         device: str | torch.device = "auto",
         dtype: torch.dtype | str | None = None,
+        *,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> BlendEngine:
         """Load a model (None = ``KVBLEND_MODEL`` or the bundled SmolLM2-135M) and wrap it.
 
         ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
-        and fp32 on CPU. Other keyword arguments go to `BlendEngine`.
+        and fp32 on CPU. ``revision``, ``trust_remote_code`` and ``model_kwargs`` go to
+        transformers' ``from_pretrained`` (see `kvblend.engine.loading.LOADING_OPTIONS`). Other
+        keyword arguments go to `BlendEngine`.
         """
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
-        hf_model, tokenizer = load_model(spec, resolved_device, resolved_dtype)
+        hf_model, tokenizer = load_model(
+            spec, resolved_device, resolved_dtype, revision=revision,
+            trust_remote_code=trust_remote_code, model_kwargs=model_kwargs,
+        )  # fmt: skip
         kwargs.setdefault("name", display_name(spec))
         engine = cls(hf_model, tokenizer, store=store, **kwargs)
         engine.model_spec = spec
@@ -472,6 +482,35 @@ class BlendEngine:
             top_p=top_p, stop=stop, seed=seed, top_k=top_k,
             repetition_penalty=repetition_penalty, do_sample=do_sample,
         )  # fmt: skip
+
+    def generate_batch(
+        self,
+        prompts: Sequence[PromptLike | PrefillResult],
+        config: BlendConfig | None = None,
+        **options: Any,
+    ) -> list[GenerationResult]:
+        """`generate` for several prompts: each prefilled on its own, then decoded together.
+
+        ``options`` are `generate`'s decoding keywords, common to every prompt. One batched
+        decode reads the weights once per step for every prompt; each result equals that
+        prompt's own `generate` (positions stay exact under the padding), up to floating-point
+        rounding of the batched kernels. A prompt whose output budget the context window clips
+        is decoded alone. TTFT is the time to the first tokens of the whole batch.
+        """
+        started = time.perf_counter()
+        pres = [p if isinstance(p, PrefillResult) else self.prefill(p, config) for p in prompts]
+        budget = int(options.get("max_new_tokens", 64))
+        limit = self.context_window
+        fits = [i for i, p in enumerate(pres) if not limit or len(p.token_ids) + budget <= limit]
+        results: dict[int, GenerationResult] = {}
+        if len(fits) > 1:
+            batch = [pres[i] for i in fits]
+            decoded = decode_batch(self.model, self.tokenizer, batch, started=started, **options)
+            results.update(zip(fits, decoded, strict=True))
+        for index, pre in enumerate(pres):
+            if index not in results:
+                results[index] = self.generate(pre, **options)
+        return [results[index] for index in range(len(pres))]
 
     def stream(
         self,
