@@ -8,6 +8,8 @@ Each adapter only translates its framework's calls; what they have in common liv
 - `prompt_segments`: a finished prompt cut into segments over the engine's known documents;
 - `run_prompt` / `stream_prompt`: one prompt's blended prefill and decoding, summarised as a
   `BlendRun`, whose `BlendRun.kvblend_metadata` is the stats dict both adapters report;
+  `run_prompts`: several prompts, decoded in one batch; `gather_prompt`: the async form that
+  batches the calls an event loop makes concurrently (``abatch``, ``asyncio.gather``);
 - `precompute_texts`: precompute document texts, logging those that cannot be cached, and
   `SEGMENT_ID_KEY`, the metadata key documents are tagged with;
 - `iterate_in_thread`: a blocking iterator consumed from asyncio without blocking the loop.
@@ -42,6 +44,8 @@ __all__ = [
     "precompute_texts",
     "prompt_segments",
     "run_prompt",
+    "run_prompts",
+    "gather_prompt",
     "shared_engine",
     "stream_prompt",
 ]
@@ -173,6 +177,110 @@ def run_prompt(
     return BlendRun(
         result.text, len(result.token_ids), result.stats, result.ttft_s, result.finish_reason
     )
+
+
+def run_prompts(
+    engine: BlendEngine,
+    prompts: list[list[Segment]],
+    config: BlendConfig | None,
+    options: dict[str, Any],
+) -> list[BlendRun]:
+    """`run_prompt` for several prompts: their prefills, then one batched decode.
+
+    Uses `BlendEngine.generate_batch` when the engine has it (else one prompt at a time).
+    """
+    generate_batch = getattr(engine, "generate_batch", None)
+    if len(prompts) < 2 or generate_batch is None:
+        return [run_prompt(engine, segments, config, options) for segments in prompts]
+    results = generate_batch(prompts, config, **options)
+    return [BlendRun(r.text, len(r.token_ids), r.stats, r.ttft_s, r.finish_reason) for r in results]
+
+
+@dataclass
+class _Waiting:
+    engine: BlendEngine
+    segments: list[Segment]
+    config: BlendConfig | None
+    options: dict[str, Any]
+    future: asyncio.Future[BlendRun]
+
+    def key(self) -> tuple[int, str, str]:
+        return (id(self.engine), repr(self.config), repr(sorted(self.options.items())))
+
+
+_WAITING: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[_Waiting]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+async def gather_prompt(
+    engine: BlendEngine,
+    segments: list[Segment],
+    config: BlendConfig | None,
+    options: dict[str, Any],
+) -> BlendRun:
+    """`run_prompt` in a thread, batched with the other calls the event loop makes meanwhile.
+
+    Calls arriving while the loop is busy starting others (``abatch``, ``asyncio.gather``,
+    LlamaIndex's async fan-out) and sharing an engine, config and options are run together by
+    `run_prompts`: their prefills, then one batched decode.
+    """
+    loop = asyncio.get_running_loop()
+    waiting = _WAITING.setdefault(loop, [])
+    entry = _Waiting(engine, segments, config, options, loop.create_future())
+    waiting.append(entry)
+    if len(waiting) == 1:
+        loop.create_task(_flush(loop))
+    return await entry.future
+
+
+async def _flush(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait until no call has arrived for 3 ms (50 ms at most), then run the waiting ones.
+
+    Calls of one ``gather`` reach the engine a few loop turns and thread hops apart (callback
+    handlers run in executors); a few milliseconds are nothing next to a prefill.
+    """
+    started = last = loop.time()
+    seen = 0
+    while loop.time() - last < 0.003 and loop.time() - started < 0.05:
+        await asyncio.sleep(0.0005)
+        count = len(_WAITING.get(loop, ()))
+        if count != seen:
+            seen, last = count, loop.time()
+    groups: dict[tuple[int, str, str], list[_Waiting]] = {}
+    for entry in _WAITING.pop(loop, []):
+        groups.setdefault(entry.key(), []).append(entry)
+    for group in groups.values():
+        try:
+            runs = await asyncio.to_thread(_run_group, group)
+        except BaseException as error:  # noqa: BLE001 - handed to every waiting call
+            runs = [error] * len(group)
+        for entry, run in zip(group, runs, strict=True):
+            if entry.future.done():
+                continue
+            if isinstance(run, BaseException):
+                entry.future.set_exception(run)
+            else:
+                entry.future.set_result(run)
+
+
+def _run_group(group: list[_Waiting]) -> list[BlendRun | BaseException]:
+    """Run a group batched; if that fails, one by one, so each call gets its own error."""
+    first = group[0]
+    try:
+        return list(
+            run_prompts(first.engine, [e.segments for e in group], first.config, first.options)
+        )
+    except Exception:  # noqa: BLE001 - retried alone below
+        if len(group) == 1:
+            raise
+    results: list[BlendRun | BaseException] = []
+    for entry in group:
+        try:
+            results.append(run_prompt(entry.engine, entry.segments, entry.config, entry.options))
+        except Exception as error:  # noqa: BLE001 - this call's own error
+            results.append(error)
+    return results
 
 
 def stream_prompt(

@@ -156,7 +156,7 @@ class EngineHolder:
             value = (self.__pydantic_private__ or {}).get(name)  # type: ignore[attr-defined]
             if value is not None:
                 memo[id(value)] = _private_default(self, name)
-        return pydantic.BaseModel.__deepcopy__(self, memo)  # type: ignore[arg-type]
+        return pydantic.BaseModel.__deepcopy__(self, memo)  # type: ignore[type-var]
 
 
 def _private_default(owner: Any, name: str) -> Any:
