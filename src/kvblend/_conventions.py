@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pydantic
 
@@ -123,7 +123,7 @@ class EngineHolder:
     """
 
     #: Private attributes reset in a pickled state (besides the lazily loaded ``_engine``).
-    _UNPICKLED_PRIVATE: tuple[str, ...] = ()
+    _UNPICKLED_PRIVATE: ClassVar[tuple[str, ...]] = ()
 
     def __getstate__(self) -> dict[Any, Any]:
         state = pydantic.BaseModel.__getstate__(self)  # type: ignore[arg-type]

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
