@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import logging
 import threading
 import time
@@ -149,21 +150,33 @@ class BlendRun:
     finish_reason: str
 
     def kvblend_metadata(self) -> dict[str, Any]:
-        """Describe what the prefill did (reported as ``kvblend`` metadata by the adapters)."""
+        """Describe what the prefill did (reported as ``kvblend`` metadata by the adapters).
+
+        Every field of the prefill's `BlendStats` but its timings (so a field the engine adds,
+        such as why a prompt fell back to a full prefill, reaches the metadata as is), and the
+        time to the first token.
+        """
         stats = self.stats
-        return {
-            "strategy": stats.strategy,
-            "prompt_tokens": stats.prompt_tokens,
-            "reused_tokens": stats.reused_tokens,
-            "prefix_tokens": stats.prefix_tokens,
-            "recomputed_tokens": stats.recomputed_tokens,
-            "computed_tokens": stats.computed_tokens,
-            "segments_cached": stats.segments_cached,
-            "segments_precomputed": stats.segments_precomputed,
-            "documents_found": stats.documents_found,
-            "documents_reused": stats.documents_reused,
-            "ttft_s": self.ttft_s,
-        }
+        if dataclasses.is_dataclass(stats):
+            names = [f.name for f in dataclasses.fields(stats) if f.name != "timings"]
+        else:  # a stats object of another kind: the fields every version has
+            names = [*_STATS_FIELDS]
+        return {**{name: getattr(stats, name, None) for name in names}, "ttft_s": self.ttft_s}
+
+
+#: The `BlendStats` fields the metadata always holds.
+_STATS_FIELDS = (
+    "strategy",
+    "prompt_tokens",
+    "reused_tokens",
+    "prefix_tokens",
+    "recomputed_tokens",
+    "computed_tokens",
+    "segments_cached",
+    "segments_precomputed",
+    "documents_found",
+    "documents_reused",
+)
 
 
 def run_prompt(
