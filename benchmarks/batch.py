@@ -3,8 +3,9 @@
 Each prompt is a chat RAG prompt over three of five precomputed corpus documents (the
 LangChain tests' corpus), in another order per prompt; the documents' KV is reused. Both ways
 run the same blended prefills; the batch decodes the four answers in one transformers
-`generate`. Greedy outputs are checked equal. Repeats alternate the two ways. Writes
-``benchmarks/results/batch.json`` and ``batch.md``.
+`generate`. The same through LangChain: `ChatBlend.batch` vs one `invoke` per prompt. Greedy
+outputs are checked equal. Repeats alternate the ways. Writes ``benchmarks/results/batch.json``
+and ``batch.md``.
 
     python benchmarks/batch.py [--repeats 3] [--max-new-tokens 48] [--threads 1]
 """
@@ -16,6 +17,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,6 +53,20 @@ def prompts(engine: BlendEngine) -> list[str]:
     return out
 
 
+def langchain_chat(engine: BlendEngine, config: BlendConfig, max_new_tokens: int) -> Any:
+    """`ChatBlend` on the engine and the four user turns, or ``(None, [])`` without LangChain."""
+    try:
+        from kvblend.langchain import ChatBlend
+    except ImportError:
+        return None, []
+    chat = ChatBlend(engine=engine, blend_config=config, max_tokens=max_new_tokens)
+    questions = []
+    for i, question in enumerate(QUESTIONS):
+        docs = [CORPUS[(i + j) % len(CORPUS)] for j in range(3)][::-1]
+        questions.append("Documents:\n\n" + "\n\n".join(docs) + f"\n\nQuestion: {question}")
+    return chat, questions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -66,8 +82,19 @@ def main() -> None:
     options = {"max_new_tokens": args.max_new_tokens}
     engine.generate_batch(texts[:2], config, **options)  # warm-up
     times: dict[str, list[float]] = {"sequential": [], "batched": []}
+    chat, questions = langchain_chat(engine, config, args.max_new_tokens)
+    if chat is not None:
+        times |= {"ChatBlend.invoke x4": [], "ChatBlend.batch": []}
     tokens = {}
     for _ in range(args.repeats):
+        if chat is not None:
+            started = time.perf_counter()
+            one_by_one = [chat.invoke(question) for question in questions]
+            times["ChatBlend.invoke x4"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            if [m.text for m in chat.batch(questions)] != [m.text for m in one_by_one]:
+                raise SystemExit("ChatBlend.batch answers differ from the one-by-one answers")
+            times["ChatBlend.batch"].append(time.perf_counter() - started)
         started = time.perf_counter()
         one = [engine.generate(text, config, **options) for text in texts]
         times["sequential"].append(time.perf_counter() - started)
@@ -98,6 +125,10 @@ def main() -> None:
             "output_tokens_per_s": round(tokens["output_tokens"] / median, 1),
         }
     report["speedup"] = round(report["sequential"]["median_s"] / report["batched"]["median_s"], 2)
+    if chat is not None:
+        report["langchain_speedup"] = round(
+            report["ChatBlend.invoke x4"]["median_s"] / report["ChatBlend.batch"]["median_s"], 2
+        )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "batch.json").write_text(json.dumps(report, indent=2) + "\n")
     rows = [
@@ -112,7 +143,9 @@ def main() -> None:
     header = (
         f"{len(texts)} requests, {report['model']}, {args.threads} thread(s), "
         f"{args.max_new_tokens} new tokens at most ({tokens['output_tokens']} generated), "
-        f"{args.repeats} repeats; batched is {report['speedup']}x sequential\n\n"
+        f"{args.repeats} repeats; batched is {report['speedup']}x sequential"
+        + (f", ChatBlend.batch {report['langchain_speedup']}x" if chat is not None else "")
+        + "\n\n"
     )
     (RESULTS / "batch.md").write_text(header + "\n".join(rows) + "\n")
     print(header + "\n".join(rows))
