@@ -411,3 +411,40 @@ def test_conventions_on_the_real_model() -> None:
     retriever = BlendRetriever(retriever=FixedRetriever(documents=[]), engine=engine)
     assert pickle.loads(pickle.dumps(retriever)).model == engine.model_spec
     assert copy.deepcopy(retriever).engine is engine and retriever.engine is engine
+
+
+def test_from_model_id_loads_through_from_pretrained() -> None:
+    import torch
+
+    from kvblend.engine.loading import bundled_model_path
+    from kvblend.llamaindex import BlendLLM as LlamaIndexLLM
+    from kvblend.store import MemoryKVStore
+
+    path = str(bundled_model_path())
+    with pytest.raises(ValueError, match="model_kwargs key 'load_in_4bit' is not supported"):
+        ChatBlend.from_model_id(path, model_kwargs={"load_in_4bit": True})
+    with pytest.raises(ValueError, match="one device"):
+        ChatBlend.from_model_id(path, device_map={"model.layers.0": 0, "lm_head": "cpu"})
+    with pytest.raises(ValueError, match="give device or device_map, not both"):
+        ChatBlend.from_model_id(path, device=-1, device_map="cpu")
+    chat = ChatBlend.from_model_id(
+        path,
+        device=-1,  # transformers pipelines' "CPU"
+        model_kwargs={"torch_dtype": "bf16", "low_cpu_mem_usage": True},
+        revision="main",  # a local model ignores it, as transformers does
+        pipeline_kwargs={"max_new_tokens": 4},
+        engine_kwargs={"store": MemoryKVStore(), "check_parity": False},
+        temperature=0.0,
+    )
+    engine = chat.engine
+    assert engine is not None and engine.model_spec == path and chat.model == path
+    assert engine.decoder.dtype == torch.bfloat16 and engine.model.device.type == "cpu"
+    assert chat.model_kwargs == {"max_new_tokens": 4}
+    assert chat.model_name == "SmolLM2-135M-Instruct" and chat.invoke("Hi").text
+    llm = LlamaIndexLLM.from_model_id(
+        path, device_map="cpu", dtype="auto", generate_kwargs={"max_new_tokens": 3},
+        engine_kwargs={"store": MemoryKVStore(), "check_parity": False},
+    )  # fmt: skip
+    assert llm.engine is not None and llm.engine.decoder.dtype == torch.float32
+    assert llm.metadata.num_output == 3
+    assert llm.complete("Hi").raw["usage"]["completion_tokens"] <= 3

@@ -268,7 +268,7 @@ class BlendLLM(EngineHolder, CustomLLM):
         """Context window of the loaded model (loads it), output budget and chat mode."""
         return LLMMetadata(
             context_window=self.context_window or self.get_engine().context_window,
-            num_output=self.max_new_tokens or self.max_tokens,
+            num_output=self._options({})["max_new_tokens"],
             is_chat_model=self.chat_template,
             model_name=self.model_name,
         )
