@@ -103,3 +103,51 @@ def test_bad_options_are_one_clear_error(
 ) -> None:
     with pytest.raises((ValueError, TypeError), match=message):
         engine.generate(["q"], max_new_tokens=2, **setting)
+
+
+# ---------------------------------------------------------------------------- batched decoding
+DOCS = ["Marta lives in Lisbon by the river.", "Tomas bakes bread.", "The cafe opens at seven."]
+
+
+def _batch_prompts() -> list[str]:
+    # different lengths: the batch is left-padded, so positions must come from the mask
+    return [
+        f"Q{i}: " + "\n".join(DOCS[i % 3 :] + DOCS[: i % 3]) + " Who?" * (i + 1) for i in range(4)
+    ]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_new_tokens": 16},
+        {"max_new_tokens": 16, "repetition_penalty": 1.3},
+        {"max_new_tokens": 16, "temperature": 1.0, "top_k": 50, "seed": 3},
+        {"max_new_tokens": 1},
+    ],
+    ids=["greedy", "repetition-penalty", "seeded-sampling", "one-token"],
+)
+def test_generate_batch_equals_one_by_one(engine: BlendEngine, options: dict[str, Any]) -> None:
+    engine.precompute(DOCS, progress=False)
+    prompts = _batch_prompts()
+    config = BlendConfig(short_document=0, min_recompute=0, full_above=1.0)
+    alone = [engine.generate(prompt, config, **options) for prompt in prompts]
+    together = engine.generate_batch(prompts, config, **options)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [(r.text, r.finish_reason) for r in together] == [
+        (r.text, r.finish_reason) for r in alone
+    ]
+    assert [r.stats.reused_tokens for r in together] == [r.stats.reused_tokens for r in alone]
+    assert all(r.stats.reused_tokens > 0 for r in together)
+
+
+def test_generate_batch_rows_end_on_their_own_stop_string(engine: BlendEngine) -> None:
+    prompts = _batch_prompts()
+    alone = [engine.generate(prompt, max_new_tokens=16) for prompt in prompts]
+    stop = alone[0].text[3:5]  # ends the first row early; the others when (if) they meet it
+    assert stop
+    alone = [engine.generate(prompt, max_new_tokens=16, stop=[stop]) for prompt in prompts]
+    together = engine.generate_batch(prompts, max_new_tokens=16, stop=[stop])
+    assert [(r.text, r.token_ids, r.finish_reason) for r in together] == [
+        (r.text, r.token_ids, r.finish_reason) for r in alone
+    ]
+    assert together[0].finish_reason == "stop"
