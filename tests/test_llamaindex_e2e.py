@@ -198,9 +198,10 @@ def plain_query_engine(config: BlendConfig, response_mode: str) -> Any:
 
 
 # Documents each call of a response mode finds: compact and tree_summarize pack the three
-# nodes into one call, refine asks once per node, simple_summarize puts a Python list repr
-# of the texts into the prompt (newlines escaped), where no document is found.
-MODES = {"compact": [3], "refine": [1, 1, 1], "tree_summarize": [3], "simple_summarize": [0]}
+# nodes into one call, refine asks once per node. simple_summarize puts a Python list repr of
+# the texts into the prompt (newlines escaped), where no node text with its metadata line is
+# found (None below): only a document precomputed as the bare node text (no newline) is.
+MODES = {"compact": [3], "refine": [1, 1, 1], "tree_summarize": [3], "simple_summarize": None}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -208,7 +209,11 @@ def test_response_modes_reuse_what_they_keep_intact(mode: str, prefills: list[An
     response = plain_query_engine(TOY, mode).query(QUESTIONS[0][0])
     print(f"{mode}: {response.response!r}")
     assert "lena" in str(response).lower()
-    assert [stats.documents_found for stats in prefills] == MODES[mode]
+    expected = MODES[mode]
+    if expected is None:  # the bare texts known to the engine (another test may add them)
+        known = session_engine().documents
+        expected = [sum(item.node.text in known for item in response.source_nodes)]
+    assert [stats.documents_found for stats in prefills] == expected
     for stats in prefills:
         assert (stats.reused_tokens > 0) == (stats.documents_found > 0)
 

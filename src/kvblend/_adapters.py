@@ -187,6 +187,7 @@ def run_prompt(
 ) -> BlendRun:
     """Blended prefill and full decoding; ``options`` are `BlendEngine.generate` keywords."""
     result = engine.generate(segments, config, **options)
+    _note_run_time(engine, result.total_s)
     return BlendRun(
         result.text, len(result.token_ids), result.stats, result.ttft_s, result.finish_reason
     )
@@ -206,6 +207,7 @@ def run_prompts(
     if len(prompts) < 2 or generate_batch is None:
         return [run_prompt(engine, segments, config, options) for segments in prompts]
     results = generate_batch(prompts, config, **options)
+    _note_run_time(engine, max(r.total_s for r in results) / len(results))
     return [BlendRun(r.text, len(r.token_ids), r.stats, r.ttft_s, r.finish_reason) for r in results]
 
 
@@ -247,15 +249,38 @@ async def gather_prompt(
     return await entry.future
 
 
-async def _flush(loop: asyncio.AbstractEventLoop) -> None:
-    """Wait until no call has arrived for 3 ms (50 ms at most), then run the waiting ones.
+#: Seconds one prompt last took on each engine: how long gathering concurrent calls may wait.
+_RUN_SECONDS: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
 
-    Calls of one ``gather`` reach the engine a few loop turns and thread hops apart (callback
-    handlers run in executors); a few milliseconds are nothing next to a prefill.
+
+def _note_run_time(engine: Any, seconds: float) -> None:
+    try:
+        _RUN_SECONDS[engine] = float(seconds)
+    except TypeError:  # an engine that cannot be weakly referenced: the default wait
+        pass
+
+
+def _quiet_window(engine: Any) -> float:
+    """Seconds without a new call after which the waiting calls run: a tenth of a run."""
+    try:
+        seconds = _RUN_SECONDS.get(engine, 0.03)
+    except TypeError:
+        seconds = 0.03
+    return min(0.05, max(0.003, seconds / 10))
+
+
+async def _flush(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait until no call has arrived for a while, then run the waiting ones.
+
+    Calls of one ``gather`` reach the engine loop turns and thread hops apart (retrievers and
+    callback handlers run in executors). The wait is a tenth of the time a prompt last took
+    on the engine (3 to 50 ms, and 200 ms at most in all), so it stays small next to a run.
     """
+    waiting = _WAITING.get(loop) or []
+    window = _quiet_window(waiting[0].engine) if waiting else 0.003
     started = last = loop.time()
     seen = 0
-    while loop.time() - last < 0.003 and loop.time() - started < 0.05:
+    while loop.time() - last < window and loop.time() - started < max(0.05, 4 * window):
         await asyncio.sleep(0.0005)
         count = len(_WAITING.get(loop, ()))
         if count != seen:
