@@ -273,3 +273,178 @@ async def test_retriever_async_passes_k() -> None:
     assert len(found) == 2
     assert found[0].page_content == CORPUS[0]
     assert all(SEGMENT_ID_KEY in d.metadata for d in found)
+
+
+# ---------------------------------------------------------------------------- app shapes
+def check_blended_or_fallback(stats: dict[str, Any], documents: int) -> None:
+    """The documents were found; their KV was reused, or the metadata says why not.
+
+    The one place that reads the fallback fields: extend it (assert the reason's text) once
+    `BlendStats` carries them; before that, a full prefill shows as nothing reused.
+    """
+    print({k: stats.get(k) for k in ("documents_found", "documents_reused", "reused_tokens")})
+    assert stats["documents_found"] == documents
+    if stats["reused_tokens"] > 0:
+        assert stats["documents_reused"] > 0
+        return
+    assert stats["documents_reused"] == 0  # every found document was computed in full
+    if "fallback" in stats:  # the reason, once the engine reports one
+        assert stats["fallback"]
+
+
+@requires_rag_stack
+def test_lcel_over_a_plain_faiss_retriever_after_precompute() -> None:
+    engine = session_engine()
+    engine.precompute(CORPUS, progress=False)  # the documents an app indexes, precomputed once
+    plain = corpus_vectorstore().as_retriever(search_kwargs={"k": 3})
+    recorder = BlendStatsRecorder()
+    prompt = ChatPromptTemplate.from_messages(CHAT_TEMPLATE)
+    for config in (TOY, BlendConfig()):  # short documents blend; the defaults may not
+        chain = rag_chain(
+            plain, prompt, ChatBlend(engine=engine, max_tokens=8, blend_config=config)
+        )
+        chain.invoke(QUESTIONS[0][0], config={"callbacks": [recorder]})
+    toy, default = recorder.stats
+    check_reuse(toy)
+    check_blended_or_fallback(default, documents=3)
+
+
+@requires_rag_stack
+def test_create_retrieval_chain(retriever: BlendRetriever) -> None:
+    from langchain_classic.chains import create_retrieval_chain
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+
+    prompt = ChatPromptTemplate.from_messages(
+        [CHAT_TEMPLATE[0], ("human", "Context:\n{context}\n\nQuestion: {input}")]
+    )
+    llm = ChatBlend(engine=session_engine(), max_tokens=12, blend_config=TOY)
+    chain = create_retrieval_chain(retriever, create_stuff_documents_chain(llm, prompt))
+    recorder = BlendStatsRecorder()
+    question, expected = QUESTIONS[0]
+    result = chain.invoke({"input": question}, config={"callbacks": [recorder]})
+    assert expected in result["answer"].lower() and len(result["context"]) == 3
+    check_reuse(recorder.stats[0])
+
+
+@requires_rag_stack
+def test_batch_equals_one_by_one_and_reuses(retriever: BlendRetriever) -> None:
+    questions = [q for q, _ in QUESTIONS] + ["Who is the baker?", "When does the cafe open?"]
+    prompt = ChatPromptTemplate.from_messages(CHAT_TEMPLATE)
+    chat = ChatBlend(engine=session_engine(), max_tokens=12, blend_config=TOY)
+    chain = rag_chain(retriever, prompt, chat)
+    recorder = BlendStatsRecorder()
+    batched = chain.batch(questions, config={"callbacks": [recorder]})
+    assert batched == [chain.invoke(q) for q in questions]  # greedy: the same answers
+    assert len(recorder.stats) == 4 and all(s["reused_tokens"] > 0 for s in recorder.stats)
+    llm = BlendLLM(engine=session_engine(), max_tokens=12, blend_config=TOY)
+    texts = [f"Context:\n{CORPUS[i]}\n\nQuestion: {q}" for i, q in enumerate(questions)]
+    assert llm.batch(texts) == [llm.invoke(text) for text in texts]
+
+
+class TokenRecorder(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+async def test_every_streaming_path_fires_token_callbacks() -> None:
+    engine = session_engine()
+    prompt = "Say hello to Marta."
+    for model in (
+        ChatBlend(engine=engine, max_tokens=6),
+        BlendLLM(engine=engine, max_tokens=6),
+        BlendLLM(engine=engine, max_tokens=6, streaming=True),
+    ):
+        expected = model.invoke(prompt)
+        text = expected if isinstance(expected, str) else expected.text
+        paths: dict[str, Any] = {}
+        for name in ("stream", "astream", "ainvoke", "astream_events"):
+            recorder = TokenRecorder()
+            config: Any = {"callbacks": [recorder]}
+            if name == "stream":
+                list(model.stream(prompt, config=config))
+            elif name == "astream":
+                _ = [chunk async for chunk in model.astream(prompt, config=config)]
+            elif name == "ainvoke":
+                await model.ainvoke(prompt, config=config)
+            else:
+                events = [e async for e in model.astream_events(prompt, config=config)]
+                streamed = [e for e in events if e["event"].endswith("_stream")]
+                assert len(streamed) > 1, f"{type(model).__name__}: no stream events"
+            paths[name] = "".join(recorder.tokens)
+        streams = paths.pop("ainvoke")
+        assert all(tokens == text for tokens in paths.values()), (type(model).__name__, paths)
+        if getattr(model, "streaming", False) or isinstance(model, ChatBlend):
+            assert streams in (text, "")  # ainvoke streams only when asked to
+        if isinstance(model, BlendLLM) and model.streaming:
+            assert streams == text
+
+
+def test_conventions_on_the_real_model() -> None:
+    import copy
+    import pickle
+
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, trim_messages
+
+    engine = session_engine()
+    chat = ChatBlend(engine=engine, max_tokens=6)
+    text = "Marta Quill lives in Lisbon."
+    assert chat.get_token_ids(text) == engine.tokenize(text) and chat.get_num_tokens(text) > 5
+    history = [
+        SystemMessage("Be brief."),
+        HumanMessage("Where does Marta live? " * 8),
+        AIMessage("In Lisbon. " * 8),
+        HumanMessage("And her cats?"),
+    ]
+    total = chat.get_num_tokens_from_messages(history)
+    assert total == len(engine.encode(chat._prompt(history)))
+    trimmed = trim_messages(
+        history, max_tokens=total // 2, token_counter=chat, strategy="last", include_system=True
+    )
+    assert 1 < len(trimmed) < len(history)  # trimmed by the model's real token counts
+    answer = chat.invoke("Say hi.").text
+    for other in (copy.deepcopy(chat), pickle.loads(pickle.dumps(chat))):
+        assert other.invoke("Say hi.").text == answer
+    assert chat.engine is engine  # the original keeps its engine
+    retriever = BlendRetriever(retriever=FixedRetriever(documents=[]), engine=engine)
+    assert pickle.loads(pickle.dumps(retriever)).model == engine.model_spec
+    assert copy.deepcopy(retriever).engine is engine and retriever.engine is engine
+
+
+def test_from_model_id_loads_through_from_pretrained() -> None:
+    import torch
+
+    from kvblend.engine.loading import bundled_model_path
+    from kvblend.llamaindex import BlendLLM as LlamaIndexLLM
+    from kvblend.store import MemoryKVStore
+
+    path = str(bundled_model_path())
+    with pytest.raises(ValueError, match="model_kwargs key 'load_in_4bit' is not supported"):
+        ChatBlend.from_model_id(path, model_kwargs={"load_in_4bit": True})
+    with pytest.raises(ValueError, match="one device"):
+        ChatBlend.from_model_id(path, device_map={"model.layers.0": 0, "lm_head": "cpu"})
+    with pytest.raises(ValueError, match="give device or device_map, not both"):
+        ChatBlend.from_model_id(path, device=-1, device_map="cpu")
+    chat = ChatBlend.from_model_id(
+        path,
+        device=-1,  # transformers pipelines' "CPU"
+        model_kwargs={"torch_dtype": "bf16", "low_cpu_mem_usage": True},
+        revision="main",  # a local model ignores it, as transformers does
+        pipeline_kwargs={"max_new_tokens": 4},
+        engine_kwargs={"store": MemoryKVStore(), "check_parity": False},
+        temperature=0.0,
+    )
+    engine = chat.engine
+    assert engine is not None and engine.model_spec == path and chat.model == path
+    assert engine.decoder.dtype == torch.bfloat16 and engine.model.device.type == "cpu"
+    assert chat.model_kwargs == {"max_new_tokens": 4}
+    assert chat.model_name == "SmolLM2-135M-Instruct" and chat.invoke("Hi").text
+    llm = LlamaIndexLLM.from_model_id(
+        path, device_map="cpu", dtype="auto", generate_kwargs={"max_new_tokens": 3},
+        engine_kwargs={"store": MemoryKVStore(), "check_parity": False},
+    )  # fmt: skip
+    assert llm.engine is not None and llm.engine.decoder.dtype == torch.float32
+    assert llm.metadata.num_output == 3
+    assert llm.complete("Hi").raw["usage"]["completion_tokens"] <= 3

@@ -7,7 +7,9 @@ check what the adapters send to the engine and how they report it, in millisecon
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
+import pickle
 import subprocess
 import sys
 import time
@@ -45,6 +47,8 @@ class FakeEngine:
         self.segments: list[list[Segment]] = []
         self.options: list[dict[str, Any]] = []
         self.configs: list[BlendConfig | None] = []
+        self.batches: list[int] = []  # sizes of the generate_batch calls
+        self.model_spec = "fake-model"
 
     def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
         return split_prompt(prompt, self.documents, prefix_role=cache_prefix)
@@ -91,6 +95,12 @@ class FakeEngine:
         self.options.append(options)
         text = "".join(self._pieces(options["max_new_tokens"], options["stop"]))
         return GenerationResult(text, self.tokenize(text), 0.01, 0.02, stats, "stop")
+
+    def generate_batch(
+        self, prompts: list[list[Segment]], config: BlendConfig | None = None, **options: Any
+    ) -> list[GenerationResult]:
+        self.batches.append(len(prompts))
+        return [self.generate(prompt, config, **options) for prompt in prompts]
 
     def stream(self, prefill: FakePrefill, **options: Any) -> Iterator[str]:
         self.options.append(options)
@@ -251,7 +261,8 @@ def test_options_fields_call_overrides_and_stop_precedence() -> None:
     chat = chat_with(engine, max_tokens=3, temperature=0.5, top_p=0.9, seed=7, stop=["dear"])
     assert chat.invoke("hi").content == "Hello there, "
     assert engine.options[-1] == {
-        "max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["dear"]
+        "max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "seed": 7, "stop": ["dear"],
+        "top_k": 0, "repetition_penalty": 1.0,
     }  # fmt: skip
     chat.invoke("hi", stop=["there"], max_tokens=2, temperature=0.0)
     assert engine.options[-1]["stop"] == ["there"]
@@ -260,10 +271,65 @@ def test_options_fields_call_overrides_and_stop_precedence() -> None:
     assert engine.options[-1]["stop"] is None
 
 
+def test_hf_generation_options_as_fields_model_kwargs_and_call_kwargs() -> None:
+    engine = FakeEngine()
+    chat = chat_with(
+        engine, max_new_tokens=5, top_k=40, do_sample=True, model_kwargs={"repetition_penalty": 1.2}
+    )
+    chat.invoke("hi")
+    assert engine.options[-1] | {"stop": None} == {
+        "max_new_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "do_sample": True,
+        "repetition_penalty": 1.2, "stop": None,
+    }  # fmt: skip
+    chat.invoke("hi", max_new_tokens=2, top_k=3, repetition_penalty=1.5, do_sample=False)
+    assert engine.options[-1]["max_new_tokens"] == 2 and engine.options[-1]["top_k"] == 3
+    assert engine.options[-1]["repetition_penalty"] == 1.5
+    assert engine.options[-1]["do_sample"] is False
+    with pytest.raises(ValueError, match="disagree"):
+        chat.invoke("hi", max_tokens=2, max_new_tokens=3)
+    llm = llm_with(engine, top_k=7)
+    llm.invoke("hi", max_new_tokens=4)
+    assert engine.options[-1]["top_k"] == 7 and engine.options[-1]["max_new_tokens"] == 4
+
+
+def test_unknown_constructor_arguments_are_one_clear_error() -> None:
+    with pytest.raises(
+        TypeError, match="unexpected argument 'max_token'; did you mean 'max_tokens'"
+    ):
+        ChatBlend(model="fake-model", max_token=5)
+    with pytest.raises(TypeError, match="unexpected argument 'generate_kwargs'"):
+        BlendLLM(model="fake-model", generate_kwargs={})
+    with pytest.raises(ValueError, match="model_kwargs key 'num_beams' means nothing"):
+        ChatBlend(model="fake-model", model_kwargs={"num_beams": 2})
+    with pytest.raises(ValueError, match="did you mean 'top_k'"):
+        ChatBlend(model="fake-model", model_kwargs={"topk": 2})
+    with pytest.raises(ValueError, match="both as an argument and in model_kwargs"):
+        ChatBlend(model="fake-model", top_k=2, model_kwargs={"top_k": 3})
+    with pytest.raises(ValueError, match="disagree"):
+        ChatBlend(model="fake-model", max_tokens=2, max_new_tokens=3)
+    # what LangChain's test suites pass to every chat model is accepted and has no effect
+    chat = ChatBlend(model="fake-model", api_key="x", timeout=60, max_retries=2, streaming=True)
+    assert not hasattr(chat, "api_key") and chat.streaming
+
+
+def test_context_window_is_checked_with_one_error() -> None:
+    engine = FakeEngine()
+    engine.context_window = 10  # type: ignore[attr-defined]
+    engine.encode = engine.tokenize  # type: ignore[attr-defined]
+    chat = chat_with(engine, context_window=8, max_tokens=3)
+    assert chat.invoke("a b").content  # the rendered prompt is 1 "token" + 3 <= 8
+    with pytest.raises(ValueError, match=r"plus max_new_tokens=3 exceeds context_window=8"):
+        chat.invoke("a b c d e f g")
+    with pytest.raises(ValueError, match="context_window=11 is larger than fake-model's 10"):
+        chat_with(engine, context_window=11).invoke("hi")
+
+
 def test_unknown_kwargs_and_model_override_are_refused() -> None:
     chat = chat_with(FakeEngine())
     with pytest.raises(TypeError, match="frequency_penalty"):
         chat.invoke("hi", frequency_penalty=1.0)
+    with pytest.raises(TypeError, match="did you mean 'top_k'"):
+        chat.invoke("hi", topk=1.0)
     with pytest.raises(ValueError, match="per-call model"):
         chat.invoke("hi", model="another-model")
     assert chat.invoke("hi", model="fake-model").content  # naming its own model is fine
@@ -410,3 +476,67 @@ def test_llm_applies_the_chat_template_by_default() -> None:
     assert [s.text for s in segments if s.cache] == [DOC_A]
     llm_with(engine, chat_template=False).invoke(f"Context: {DOC_A}")
     assert "".join(s.text for s in engine.segments[-1]) == f"Context: {DOC_A}"
+
+
+def test_chat_batch_and_abatch_decode_together() -> None:
+    engine = FakeEngine()
+    chat = chat_with(engine, max_tokens=2)
+    answers = chat.batch(["a", "b", "c"], stop=["zzz"])
+    assert [m.content for m in answers] == ["Hello there,"] * 3
+    assert engine.batches == [3] and len(engine.segments) == 3  # no second run per invoke
+    assert all(m.usage_metadata is not None for m in answers)
+    assert asyncio.run(_abatch(chat, ["d", "e", "f", "g"])) == ["Hello there,"] * 4
+    assert engine.batches == [3, 4] and len(engine.segments) == 7
+
+
+async def _abatch(chat: ChatBlend, inputs: list[str]) -> list[Any]:
+    return [m.content for m in await chat.abatch(inputs)]
+
+
+def test_llm_batch_decodes_together_and_streaming_ainvoke_fires_callbacks() -> None:
+    engine = FakeEngine()
+    llm = llm_with(engine, max_tokens=2)
+    assert llm.batch(["a", "b"]) == ["Hello there,"] * 2
+    assert engine.batches == [2]
+
+    class Tokens(AsyncCallbackHandler):
+        def __init__(self) -> None:
+            self.tokens: list[str] = []
+
+        async def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+            self.tokens.append(token)
+
+    handler = Tokens()
+    streaming = llm_with(engine, max_tokens=3, streaming=True)
+    text = asyncio.run(streaming.ainvoke("hi", config={"callbacks": [handler]}))
+    assert handler.tokens == ["Hello ", "there, ", "dear"] and text == "".join(handler.tokens)
+
+
+def test_token_counts_use_the_engines_tokenizer() -> None:
+    engine = FakeEngine()
+    engine.encode = engine.tokenize  # type: ignore[attr-defined]
+    chat = chat_with(engine)
+    assert chat.get_token_ids("one two three") == [3, 3, 5]
+    assert chat.get_num_tokens("one two three") == 3
+    messages = [SystemMessage("be brief"), HumanMessage("one two three")]
+    rendered = chat._prompt(messages)
+    assert chat.get_num_tokens_from_messages(messages) == len(rendered.split())
+    assert llm_with(engine).get_num_tokens("a b") == 2
+    custom = chat_with(engine, custom_get_token_ids=lambda text: [0] * len(text))
+    assert custom.get_num_tokens("abc") == 3
+
+
+def test_pickle_and_deepcopy_never_touch_the_live_object() -> None:
+    engine = FakeEngine()
+    chat = chat_with(engine, max_tokens=7)
+    copied = copy.deepcopy(chat)
+    assert copied._engine is engine and copied.max_tokens == 7  # the live engine is shared
+    restored = pickle.loads(pickle.dumps(chat))
+    assert restored._engine is None and restored.model == "fake-model"  # reloaded on use
+    assert restored.max_tokens == 7
+    assert chat._engine is engine and chat.invoke("hi").content  # the original still works
+    llm = llm_with(engine)
+    assert pickle.loads(pickle.dumps(llm)).model == "fake-model" and llm._engine is engine
+    del engine.model_spec  # an engine with nothing to reload from: one clear error
+    with pytest.raises(TypeError, match="cannot pickle ChatBlend: its engine wraps a model"):
+        pickle.dumps(chat)

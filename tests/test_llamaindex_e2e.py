@@ -8,6 +8,7 @@ and still answers correctly. Greedy decoding with the bundled 135M model.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -150,3 +151,112 @@ def test_plain_query_engine_with_blend_llm() -> None:
     assert "lena" in str(response).lower() and len(response.source_nodes) == 3
     assert len(recorder.stats) == 1
     check_reuse(recorder.stats[0], computed_share=0.6)  # LlamaIndex's QA prompt is longer
+
+
+# ---------------------------------------------------------------------------- app shapes
+@pytest.fixture
+def prefills(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The `BlendStats` of every prefill the session engine runs during the test."""
+    engine = session_engine()
+    seen: list[Any] = []
+    original = engine.prefill
+
+    def recording(prompt: Any, config: Any = None) -> Any:
+        result = original(prompt, config)
+        seen.append(result.stats)
+        return result
+
+    monkeypatch.setattr(engine, "prefill", recording)
+    return seen
+
+
+def check_blended_or_fallback(stats: Any, documents: int) -> None:
+    """The documents were found; their KV was reused, or the stats say why not.
+
+    The one place that reads the fallback fields: extend it (assert the reason's text) once
+    `BlendStats` carries them; before that, a full prefill shows as nothing reused.
+    """
+    assert stats.documents_found == documents
+    if stats.reused_tokens > 0:
+        assert stats.documents_reused > 0
+        return
+    assert stats.documents_reused == 0  # every found document was computed in full
+    fallback = getattr(stats, "fallback", None)
+    if hasattr(stats, "fallback") and documents:  # the reason, once the engine reports one
+        assert fallback
+
+
+TOY = BlendConfig(**TOY_BLEND_SETTINGS)
+
+
+def plain_query_engine(config: BlendConfig, response_mode: str) -> Any:
+    llm = BlendLLM(engine=session_engine(), max_tokens=12, blend_config=config)
+    precompute = BlendNodePostprocessor(engine=session_engine(), order="most_relevant_last")
+    return corpus_index().as_query_engine(
+        llm=llm, similarity_top_k=3, node_postprocessors=[precompute], response_mode=response_mode
+    )
+
+
+# Documents each call of a response mode finds: compact and tree_summarize pack the three
+# nodes into one call, refine asks once per node. simple_summarize puts a Python list repr of
+# the texts into the prompt (newlines escaped), where no node text with its metadata line is
+# found (None below): only a document precomputed as the bare node text (no newline) is.
+MODES = {"compact": [3], "refine": [1, 1, 1], "tree_summarize": [3], "simple_summarize": None}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_response_modes_reuse_what_they_keep_intact(mode: str, prefills: list[Any]) -> None:
+    response = plain_query_engine(TOY, mode).query(QUESTIONS[0][0])
+    print(f"{mode}: {response.response!r}")
+    assert "lena" in str(response).lower()
+    expected = MODES[mode]
+    if expected is None:  # the bare texts known to the engine (another test may add them)
+        known = session_engine().documents
+        expected = [sum(item.node.text in known for item in response.source_nodes)]
+    assert [stats.documents_found for stats in prefills] == expected
+    for stats in prefills:
+        assert (stats.reused_tokens > 0) == (stats.documents_found > 0)
+
+
+def test_default_config_reports_a_fallback_on_short_prompts(prefills: list[Any]) -> None:
+    plain_query_engine(BlendConfig(), "compact").query(QUESTIONS[0][0])
+    check_blended_or_fallback(prefills[-1], documents=3)
+
+
+@pytest.mark.parametrize("mode", ["context", "condense_plus_context"])
+def test_chat_engines_reuse_the_context_documents(mode: str, prefills: list[Any]) -> None:
+    llm = BlendLLM(engine=session_engine(), max_tokens=12, blend_config=TOY)
+    precompute = BlendNodePostprocessor(engine=session_engine(), order="most_relevant_last")
+    chat = corpus_index().as_chat_engine(
+        chat_mode=mode, llm=llm, similarity_top_k=3, node_postprocessors=[precompute]
+    )
+    first = chat.chat(QUESTIONS[0][0])
+    second = chat.chat("And where does Marta Quill live?")
+    print(f"{mode}: {first.response!r} / {second.response!r}")
+    assert "lisbon" in second.response.lower()
+    answering = [stats for stats in prefills if stats.documents_found]
+    assert len(answering) == 2  # condense_plus_context's condense call holds no document
+    for stats in answering:
+        assert stats.documents_found == 3 and stats.reused_tokens > 0
+    assert all(stats.reused_tokens == 0 for stats in prefills if not stats.documents_found)
+
+
+async def test_concurrent_aqueries_decode_together(
+    prefills: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = session_engine()
+    batches: list[int] = []
+    original = engine.generate_batch
+
+    def recording(prompts: Any, config: Any = None, **options: Any) -> Any:
+        batches.append(len(prompts))
+        return original(prompts, config, **options)
+
+    monkeypatch.setattr(engine, "generate_batch", recording)
+    queries = query_engine(blend_llm())
+    alone = [str(queries.query(question)) for question, _ in QUESTIONS]
+    responses = await asyncio.gather(*(queries.aquery(question) for question, _ in QUESTIONS))
+    assert [str(r) for r in responses] == alone  # greedy: batched answers are the same
+    assert batches == [2]
+    for stats in prefills:
+        check_reuse({k: getattr(stats, k) for k in dir(stats) if not k.startswith("_")})

@@ -8,7 +8,9 @@ are real, so these tests check byte-exact prompts and KV reuse in well under a s
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
+import pickle
 import subprocess
 import sys
 import time
@@ -252,6 +254,114 @@ async def test_async_methods_do_not_block_the_event_loop(
     task.cancel()
     assert after_complete >= 10  # the loop ran while generate slept 0.2 s in a thread
     assert ticks - after_complete >= 10  # and while the stream slept
+
+
+@pytest.fixture
+def options_seen(engine: BlendEngine, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Records the decoding options of every `generate` / `generate_batch` call."""
+    seen: list[dict[str, Any]] = []
+    generate, generate_batch = engine.generate, engine.generate_batch
+
+    def recording(segments: Any, config: Any = None, **options: Any) -> Any:
+        seen.append(options)
+        return generate(segments, config, **options)
+
+    def recording_batch(prompts: Any, config: Any = None, **options: Any) -> Any:
+        seen.append({**options, "batch": len(prompts)})
+        return generate_batch(prompts, config, **options)
+
+    monkeypatch.setattr(engine, "generate", recording)
+    monkeypatch.setattr(engine, "generate_batch", recording_batch)
+    return seen
+
+
+def test_hf_options_as_fields_generate_kwargs_and_call_kwargs(
+    engine: BlendEngine, options_seen: list[dict[str, Any]]
+) -> None:
+    llm = BlendLLM(
+        engine=engine, max_new_tokens=4, top_k=9, generate_kwargs={"repetition_penalty": 1.1}
+    )
+    llm.complete("abc", formatted=True)
+    assert options_seen[-1] == {
+        "max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 9,
+        "repetition_penalty": 1.1, "stop": None,
+    }  # fmt: skip
+    llm.complete("abc", formatted=True, max_new_tokens=2, do_sample=False, top_k=3)
+    assert options_seen[-1]["max_new_tokens"] == 2 and options_seen[-1]["top_k"] == 3
+    assert options_seen[-1]["do_sample"] is False
+    assert llm.metadata.num_output == 4
+    with pytest.raises(TypeError, match="did you mean 'top_k'"):
+        llm.complete("abc", topk=3)
+
+
+def test_unknown_constructor_arguments_are_one_clear_error(engine: BlendEngine) -> None:
+    with pytest.raises(TypeError, match="'max_token'; did you mean 'max_tokens'"):
+        BlendLLM(engine=engine, max_token=3)
+    with pytest.raises(TypeError, match=r"BlendLLM.from_model_id\(model_name"):
+        BlendLLM(model_name="HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="generate_kwargs key 'num_beams' means nothing"):
+        BlendLLM(engine=engine, generate_kwargs={"num_beams": 2})
+    assert BlendLLM(engine=engine, api_key="x", timeout=5, max_retries=1).max_tokens == 256
+
+
+def test_query_wrapper_prompt_string_and_context_window(
+    engine: BlendEngine, prompts: list[list[Segment]]
+) -> None:
+    llm = BlendLLM(
+        engine=engine, chat_template=False, query_wrapper_prompt="[Q] {query_str} [A]",
+        context_window=64, max_tokens=4,
+    )  # fmt: skip
+    llm.complete("hello")
+    assert text_of(prompts[-1]) == "[Q] hello [A]"
+    llm.complete("hello", formatted=True)  # a formatted prompt is sent as is
+    assert text_of(prompts[-1]) == "hello"
+    assert llm.metadata.context_window == 64
+    with pytest.raises(ValueError, match="plus max_new_tokens=4 exceeds context_window=64"):
+        llm.complete("x" * 61, formatted=True)  # 61 bytes + BOS + 4 > 64
+    with pytest.raises(ValueError, match="context_window=2000 is larger than tiny's 1024"):
+        BlendLLM(engine=engine, context_window=2000).complete("hi")
+
+
+def test_tokenizer_is_the_engines(engine: BlendEngine) -> None:
+    llm = BlendLLM(engine=engine)
+    assert llm.tokenizer("Marta lives") == engine.tokenize("Marta lives")
+    counter = TokenCountingHandler(tokenizer=llm.tokenizer)
+    assert counter.tokenizer("abc") == engine.tokenize("abc")
+
+
+async def test_concurrent_async_calls_decode_together(
+    engine: BlendEngine, options_seen: list[dict[str, Any]]
+) -> None:
+    llm = BlendLLM(engine=engine, max_tokens=5)
+    questions = ["Hello", "Where is Marta?", "Hi"]
+    alone = [llm.complete(q).text for q in questions]
+    options_seen.clear()
+    together = await asyncio.gather(*(llm.acomplete(q) for q in questions))
+    assert [r.text for r in together] == alone
+    assert [o.get("batch") for o in options_seen] == [3]
+    chats = await asyncio.gather(
+        *(llm.achat([ChatMessage(role="user", content=q)]) for q in questions)
+    )
+    assert options_seen[-1].get("batch") == 3 and all(c.raw for c in chats)
+
+
+def test_pickle_and_deepcopy_never_touch_the_live_object(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = BlendLLM(engine=engine, max_tokens=3, query_wrapper_prompt="Q: {query_str}")
+    postprocessor = BlendNodePostprocessor(engine=engine)
+    with pytest.raises(TypeError, match="cannot pickle BlendLLM: its engine wraps a model"):
+        pickle.dumps(llm)  # an engine built in memory has nothing to reload from
+    monkeypatch.setattr(engine, "model_spec", "tiny-spec", raising=False)
+    restored = pickle.loads(pickle.dumps(llm))
+    assert restored.engine is None and restored.model == "tiny-spec" and restored.max_tokens == 3
+    assert llm.engine is engine and llm.complete("hi").text is not None  # untouched
+    copied = copy.deepcopy(llm)
+    assert copied.engine is engine and copied is not llm
+    assert copied.query_wrapper_prompt is not None
+    again = pickle.loads(pickle.dumps(postprocessor))
+    assert again.engine is None and again.model == "tiny-spec" and postprocessor.engine is engine
+    assert copy.deepcopy(postprocessor).engine is engine
 
 
 # ---------------------------------------------------------------------------- postprocessor

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import templates
+from .batch_decode import decode_batch
 from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
 from .explain import Explanation, FallbackLog, forecast_blend, near_miss
-from .generation import GenerationResult, decode, decode_stream
+from .generation import DecodeOptions, GenerationResult, decode, decode_stream
 from .loading import (
     display_name,
     load_model,
@@ -42,7 +43,7 @@ from .registry import DEFAULT_CAPACITY, DocumentRegistry
 from .results import BlendCancelledError, BlendStats, BlendUnavailableError, PrefillResult
 from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
-from .validation import check_generation, check_text, short
+from .validation import check_generation, check_hf_options, check_text, short
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -139,17 +140,26 @@ class BlendEngine:
         store: KVStore | None = None,
         device: str | torch.device = "auto",
         dtype: torch.dtype | str | None = None,
+        *,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> BlendEngine:
         """Load a model (None = ``KVBLEND_MODEL`` or the bundled SmolLM2-135M) and wrap it.
 
         ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
-        and fp32 on CPU. Other keyword arguments go to `BlendEngine`.
+        and fp32 on CPU. ``revision``, ``trust_remote_code`` and ``model_kwargs`` go to
+        transformers' ``from_pretrained`` (see `kvblend.engine.loading.LOADING_OPTIONS`). Other
+        keyword arguments go to `BlendEngine`.
         """
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
-        hf_model, tokenizer = load_model(spec, resolved_device, resolved_dtype)
+        hf_model, tokenizer = load_model(
+            spec, resolved_device, resolved_dtype, revision=revision,
+            trust_remote_code=trust_remote_code, model_kwargs=model_kwargs,
+        )  # fmt: skip
         kwargs.setdefault("name", display_name(spec))
         engine = cls(hf_model, tokenizer, store=store, **kwargs)
         engine.model_spec = spec
@@ -552,14 +562,22 @@ class BlendEngine:
         stop: Sequence[str] | None = None,
         seed: int | None = None,
         cancel: threading.Event | None = None,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool | None = None,
     ) -> GenerationResult:
         """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
 
-        ``cancel``: once set, prefill stops before its next layer and decoding after its next
-        token; either raises `BlendCancelledError`.
+        The decoding options are transformers' (see `kvblend.engine.generation.DecodeOptions`):
+        ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
+        ``repetition_penalty`` go through transformers' own logits processors, for the first
+        token (drawn from the blended logits) as for every later one. ``cancel``: once set,
+        prefill stops before its next layer and decoding after its next token; either raises
+        `BlendCancelledError`.
         """
         started = time.perf_counter()
         check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
+        check_hf_options(top_k, repetition_penalty, do_sample)
         pre = (
             segments
             if isinstance(segments, PrefillResult)
@@ -568,8 +586,43 @@ class BlendEngine:
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
             started=started, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop=stop, seed=seed, cancel=cancel,
+            top_p=top_p, stop=stop, seed=seed, cancel=cancel, top_k=top_k,
+            repetition_penalty=repetition_penalty, do_sample=do_sample,
         )  # fmt: skip
+
+    def generate_batch(
+        self,
+        prompts: Sequence[PromptLike | PrefillResult],
+        config: BlendConfig | None = None,
+        **options: Any,
+    ) -> list[GenerationResult]:
+        """`generate` for several prompts: each prefilled on its own, then decoded together.
+
+        ``options`` are `generate`'s decoding keywords, common to every prompt. One batched
+        decode reads the weights once per step for every prompt; each result equals that
+        prompt's own `generate` (positions stay exact under the padding), up to floating-point
+        rounding of the batched kernels. A prompt whose output budget the context window clips
+        is decoded alone. TTFT is the time to the first tokens of the whole batch.
+        """
+        started = time.perf_counter()
+        asked = DecodeOptions(**options)  # an unknown keyword is a TypeError here
+        check_generation(
+            asked.max_new_tokens, asked.temperature, asked.top_p, asked.stop, asked.seed
+        )
+        check_hf_options(asked.top_k, asked.repetition_penalty, asked.do_sample)
+        pres = [p if isinstance(p, PrefillResult) else self.prefill(p, config) for p in prompts]
+        budget = int(options.get("max_new_tokens", 64))
+        limit = self.context_window
+        fits = [i for i, p in enumerate(pres) if not limit or len(p.token_ids) + budget <= limit]
+        results: dict[int, GenerationResult] = {}
+        if len(fits) > 1:
+            batch = [pres[i] for i in fits]
+            decoded = decode_batch(self.model, self.tokenizer, batch, started=started, **options)
+            results.update(zip(fits, decoded, strict=True))
+        for index, pre in enumerate(pres):
+            if index not in results:
+                results[index] = self.generate(pre, **options)
+        return [results[index] for index in range(len(pres))]
 
     def stream(
         self,
@@ -582,9 +635,13 @@ class BlendEngine:
         stop: Sequence[str] | None = None,
         seed: int | None = None,
         cancel: threading.Event | None = None,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
         check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
+        check_hf_options(top_k, repetition_penalty, do_sample)
         pre = (
             segments
             if isinstance(segments, PrefillResult)
@@ -593,7 +650,8 @@ class BlendEngine:
         for piece in decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed,
+            stop=stop, seed=seed, top_k=top_k, repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
         ):  # fmt: skip
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")

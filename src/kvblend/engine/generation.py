@@ -1,9 +1,10 @@
 """Decoding from a fused KV cache through transformers' own `generate`.
 
 The blended prefill leaves rotated K and V for every prompt token and the next-token logits
-after the prompt. The first new token is picked from those logits (argmax, or transformers'
-temperature and top-p warpers when sampling), so the time to the first token is the prefill
-and nothing more. Transformers' `generate` then continues from a `DynamicCache` of the whole
+after the prompt. The first new token is picked from those logits through the same transformers
+logits processors `generate` then uses for every later token (repetition penalty; temperature,
+top-k and top-p warpers when sampling), so the time to the first token is the prefill and
+nothing more. Transformers' `generate` then continues from a `DynamicCache` of the whole
 prompt with the first token as its only new input: stop strings and streaming of every later
 token are transformers'.
 
@@ -31,16 +32,18 @@ from transformers import (
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
     StoppingCriteria,
     StoppingCriteriaList,
     StopStringCriteria,
     TemperatureLogitsWarper,
     TextIteratorStreamer,
+    TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
 from .results import BlendCancelledError
-from .validation import check_sampling, check_stop
+from .validation import check_hf_options, check_sampling, check_stop
 
 # transformers' StopStringCriteria scans the whole vocabulary when it is built (0.75 s for a
 # 151K-token Qwen2.5 vocabulary), and `generate(stop_strings=...)` builds one per call. It is
@@ -89,36 +92,70 @@ def _cache(
     return DynamicCache(ddp_cache_data=data, config=model.config)
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """How to decode: the keyword arguments of `BlendEngine.generate` and `BlendEngine.stream`.
+
+    The names and meanings are transformers' `GenerationConfig` ones. ``do_sample=None`` samples
+    when ``temperature > 0``; ``do_sample=True`` with ``temperature=0`` samples at temperature 1
+    (transformers' default); ``do_sample=False`` decodes greedily whatever the temperature.
+    ``top_k=0`` and ``repetition_penalty=1`` switch those processors off.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repetition_penalty: float = 1.0
+    do_sample: bool | None = None
+    stop: str | Sequence[str] | None = None
+    seed: int | None = None
+
+    @property
+    def samples(self) -> bool:
+        """Whether tokens are drawn at random (else greedy)."""
+        return self.do_sample if self.do_sample is not None else self.temperature > 0
+
+
 @dataclass
 class _Plan:
     """The decoding settings shared by `decode` and `decode_stream`."""
 
-    config: GenerationConfig  # greedy over the sampler's scores (see `_SeededSampler`)
+    config: GenerationConfig  # greedy over the processed scores (see `_SeededSampler`)
     eos_ids: frozenset[int]
     stop: tuple[str, ...]
-    sampler: _SeededSampler | None  # None: greedy decoding
+    processors: LogitsProcessorList  # repetition penalty, then the sampler when sampling
+    device: torch.device
 
 
 class _SeededSampler(LogitsProcessor):
-    """Draw the next token with the call's own generator; leave only that token possible.
+    """Draw the next token with the call's own generators; leave only that token possible.
 
-    Applies transformers' temperature and top-p warpers, samples one token per row with
-    ``generator``, and returns scores that are ``-inf`` everywhere else, so greedy decoding in
-    `generate` picks exactly the drawn token.
+    Applies transformers' temperature, top-k and top-p warpers, samples one token per row (row
+    ``i`` with ``generators[i]``, or the one generator for every row), and returns scores that
+    are ``-inf`` everywhere else, so greedy decoding in `generate` picks exactly the drawn token.
     """
 
-    def __init__(self, temperature: float, top_p: float, generator: torch.Generator) -> None:
-        self.temperature = TemperatureLogitsWarper(temperature)
-        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
-        self.generator = generator
+    def __init__(
+        self, temperature: float, top_k: int, top_p: float, generators: list[torch.Generator]
+    ) -> None:
+        self.warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+        if top_k > 0:
+            self.warpers.append(TopKLogitsWarper(top_k))
+        if top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p))
+        self.generators = generators
 
     def draw(self, scores: torch.Tensor) -> torch.Tensor:
         """Token ids ``[batch]`` drawn from ``scores`` ``[batch, vocab]``."""
-        warped = self.temperature(None, scores.float())
-        if self.top_p is not None:
-            warped = self.top_p(None, warped)
-        probs = torch.softmax(warped, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        probs = torch.softmax(self.warpers(None, scores.float()), dim=-1)  # type: ignore[arg-type]
+        if len(self.generators) == 1:
+            return torch.multinomial(probs, 1, generator=self.generators[0])[:, 0]
+        rows = [
+            torch.multinomial(row[None], 1, generator=generator)[0]
+            for row, generator in zip(probs, self.generators, strict=True)
+        ]
+        return torch.cat(rows)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         chosen = self.draw(scores)
@@ -142,33 +179,43 @@ class _Cancelled(StoppingCriteria):
         )
 
 
+def _generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """Return a generator of its own: seeded, or fresh entropy (the global RNG is untouched)."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(int(seed))
+    return generator
+
+
 def _plan(
-    model: Any,
-    tokenizer: Any,
-    prompt_tokens: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
-    stop: str | Sequence[str] | None,
-    seed: int | None,
+    model: Any, tokenizer: Any, prompt_tokens: int, options: DecodeOptions, rows: int = 1
 ) -> _Plan:
-    check_sampling(max_new_tokens, temperature, top_p)
-    stops = check_stop(stop)
+    """Check ``options`` and turn them into a greedy config over transformers' processors.
+
+    ``rows > 1`` (batched decoding) gives each row a generator seeded like a call of its own.
+    """
+    check_sampling(options.max_new_tokens, options.temperature, options.top_p)
+    check_hf_options(options.top_k, options.repetition_penalty, options.do_sample)
+    stops = check_stop(options.stop)
+    max_new_tokens = options.max_new_tokens
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit and prompt_tokens + max_new_tokens > limit:
         max_new_tokens = max(1, limit - prompt_tokens)
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = tokenizer.eos_token_id
-    sampler = None
-    if temperature > 0:
-        device = next(model.parameters()).device
-        generator = torch.Generator(device=device)
-        if seed is None:
-            generator.seed()  # fresh entropy, without touching the process-wide RNG
-        else:
-            generator.manual_seed(int(seed))
-        sampler = _SeededSampler(float(temperature), float(top_p), generator)
+    device = next(model.parameters()).device
+    processors = LogitsProcessorList()
+    if options.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyLogitsProcessor(float(options.repetition_penalty)))
+    if options.samples:
+        temperature = float(options.temperature) or 1.0  # do_sample=True at temperature 0
+        generators = [_generator(device, options.seed) for _ in range(rows)]
+        processors.append(
+            _SeededSampler(temperature, int(options.top_k), float(options.top_p), generators)
+        )
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
@@ -179,14 +226,16 @@ def _plan(
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
     )
     eos_ids = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return _Plan(config, eos_ids, stops, sampler)
+    return _Plan(config, eos_ids, stops, processors, device)
 
 
-def _first_token(logits: torch.Tensor, plan: _Plan) -> int:
+def _first_token(logits: torch.Tensor, token_ids: Sequence[int], plan: _Plan) -> int:
     """Pick the first new token from the prefill's logits as `generate` would."""
-    if plan.sampler is None:
-        return int(logits.argmax())
-    return int(plan.sampler.draw(logits.float()[None].to(plan.sampler.generator.device))[0])
+    scores = logits.float()[None].to(plan.device)
+    if plan.processors:
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=plan.device)
+        scores = plan.processors(ids, scores)  # type: ignore[arg-type]
+    return int(scores[0].argmax())
 
 
 def _continue_kwargs(
@@ -217,7 +266,7 @@ def _continue_kwargs(
         "past_key_values": _cache(model, keys, values),
         "generation_config": config,
         "stopping_criteria": StoppingCriteriaList(criteria),
-        "logits_processor": LogitsProcessorList([plan.sampler] if plan.sampler else []),
+        "logits_processor": plan.processors,
     }
 
 
@@ -251,20 +300,17 @@ def decode(
     stats: Any,
     *,
     started: float,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    stop: str | Sequence[str] | None = None,
-    seed: int | None = None,
     cancel: threading.Event | None = None,
+    **options: Any,
 ) -> GenerationResult:
     """Decode after a blended prefill that began at ``started`` (a perf_counter time).
 
-    ``stop`` is one stop sequence (a str) or several; ``seed`` seeds this call's own sampler;
-    ``cancel``, once set, stops decoding after the current token (`BlendCancelledError`).
+    ``options`` are `DecodeOptions` fields: ``stop`` is one stop sequence (a str) or several;
+    ``seed`` seeds this call's own sampler. ``cancel``, once set, stops decoding after the
+    current token (`BlendCancelledError`).
     """
-    plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
-    first = _first_token(logits, plan)
+    plan = _plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
+    first = _first_token(logits, token_ids, plan)
     first_at = time.perf_counter()
     new_ids = [first]
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
@@ -304,20 +350,15 @@ def decode_stream(
     logits: torch.Tensor,
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
-    *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    stop: str | Sequence[str] | None = None,
-    seed: int | None = None,
+    **options: Any,
 ) -> Iterator[str]:
     """Yield decoded text pieces as transformers produces them, cut at the first stop string.
 
     Closing the iterator early (``close()``, ``break`` in a for loop, garbage collection) stops
     decoding within one token and waits for the decoding thread to finish.
     """
-    plan = _plan(model, tokenizer, len(token_ids), max_new_tokens, temperature, top_p, stop, seed)
-    first = _first_token(logits, plan)
+    plan = _plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
+    first = _first_token(logits, token_ids, plan)
     cancel = threading.Event()
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
     streamer = _FirstTokenStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)

@@ -88,12 +88,57 @@ def display_name(spec: str) -> str:
     return path.name if path.exists() else spec
 
 
-def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
-    """Load ``(model, tokenizer)`` for ``spec`` on ``device`` in ``dtype``, in eval mode."""
+#: transformers ``from_pretrained`` keywords a caller may pass through ``model_kwargs``.
+LOADING_OPTIONS = (
+    "attn_implementation",
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "low_cpu_mem_usage",
+    "subfolder",
+    "token",
+    "use_safetensors",
+    "variant",
+)
+
+
+def _loading_options(
+    revision: str | None, trust_remote_code: bool, model_kwargs: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``from_pretrained`` keywords; refuse ``model_kwargs`` keys kvblend cannot honour."""
+    options = dict(model_kwargs or {})
+    for name in options:
+        if name not in LOADING_OPTIONS:
+            raise ValueError(
+                f"model_kwargs key {name!r} is not supported by kvblend's loader (accepted: "
+                f"{', '.join(LOADING_OPTIONS)}; the device, dtype, revision and "
+                "trust_remote_code have their own arguments; quantized weights cannot be blended)"
+            )
+    if revision is not None:
+        options["revision"] = revision
+    if trust_remote_code:
+        options["trust_remote_code"] = True
+    return options
+
+
+def load_model(
+    spec: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+) -> tuple[PreTrainedModel, Any]:
+    """Load ``(model, tokenizer)`` for ``spec`` on ``device`` in ``dtype``, in eval mode.
+
+    ``revision``, ``trust_remote_code`` and ``model_kwargs`` (keys in `LOADING_OPTIONS`) go to
+    transformers' ``from_pretrained`` of the tokenizer and the model.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(spec).expanduser()
-    extra: dict[str, Any] = {}
+    extra = _loading_options(revision, trust_remote_code, model_kwargs)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
@@ -109,7 +154,10 @@ def load_model(spec: str, device: torch.device, dtype: torch.dtype) -> tuple[Pre
         if _hub_offline():
             extra["local_files_only"] = True  # fail at once instead of retrying for a minute
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+        model_only = ("attn_implementation", "low_cpu_mem_usage", "use_safetensors", "variant")
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, **{k: v for k, v in extra.items() if k not in model_only}
+        )
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, device_map=device, **extra
         )

@@ -113,3 +113,17 @@ def short(value: object, chars: int = 40) -> str:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_hf_options(top_k: int, repetition_penalty: float, do_sample: bool | None) -> None:
+    """Refuse transformers-style generation options outside the ranges transformers accepts."""
+    if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0:
+        raise ValueError(f"top_k must be an int >= 0 (0: no top-k filtering), got {top_k!r}")
+    if not _is_number(repetition_penalty) or not (
+        math.isfinite(repetition_penalty) and repetition_penalty > 0
+    ):
+        raise ValueError(
+            f"repetition_penalty must be a finite number > 0 (1: none), got {repetition_penalty!r}"
+        )
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be True, False or None, got {type(do_sample).__name__}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import contextvars
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -10,10 +12,12 @@ from langchain_core.callbacks import (
     CallbackManagerForLLMRun,
 )
 from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.base import LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import RunnableConfig
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage, run_in_thread
+from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 
@@ -42,7 +46,7 @@ class ChatBlend(BlendSettings, BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model_name": self.model_name,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.max_new_tokens or self.max_tokens,
             "temperature": self.temperature,
             "blend_config": self.blend_config,
         }
@@ -53,11 +57,62 @@ class ChatBlend(BlendSettings, BaseChatModel):
             ls_model_name=str(kwargs.get("model") or self.model_name),
             ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_new_tokens or self.max_tokens),
         )
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
         return params
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """Tokens of ``messages`` rendered with the model's chat template (loads the model).
+
+        What ``trim_messages(token_counter=chat)`` counts: the prompt the model reads, template
+        included. ``custom_get_token_ids``, when set, counts the messages' text instead.
+        """
+        if tools:
+            raise ValueError("ChatBlend has no tool calling; count messages without tools")
+        if self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages)
+        return len(self._get_engine().encode(self._prompt(messages)))
+
+    def batch(
+        self,
+        inputs: list[LanguageModelInput],
+        config: RunnableConfig | list[RunnableConfig] | None = None,
+        *,
+        return_exceptions: bool = False,
+        **kwargs: Any,
+    ) -> list[AIMessage]:
+        """`invoke` on each input, with the answers decoded together in one batch.
+
+        The prompts are prefilled one by one and decoded in one batched `generate` first; each
+        input's `invoke` (callbacks and tracing as usual) then returns its answer.
+        """
+        primed = self._prime(inputs, kwargs)
+        token = _PRIMED.set(primed)
+        try:
+            return super().batch(inputs, config, return_exceptions=return_exceptions, **kwargs)
+        finally:
+            _PRIMED.reset(token)
+
+    def _prime(self, inputs: list[LanguageModelInput], kwargs: dict[str, Any]) -> _Primed:
+        """Answers of every input, batched; empty when batching does not apply or fails."""
+        if len(inputs) < 2 or self.streaming:
+            return {}
+        call = dict(kwargs)
+        stop = call.pop("stop", None)
+        try:
+            prompts = [self._prompt(self._convert_input(i).to_messages()) for i in inputs]
+            options = self._options(stop, call)
+            runs = self._run_many(prompts, stop, call)
+        except Exception:  # noqa: BLE001 - each invoke then reports its own error
+            return {}
+        primed: _Primed = {}
+        for prompt, run in zip(prompts, runs, strict=True):
+            primed.setdefault(_primed_key(prompt, options), collections.deque()).append(run)
+        return primed
 
     def _prompt(self, messages: Sequence[BaseMessage]) -> str:
         chat = [{"role": _role(message), "content": _text(message)} for message in messages]
@@ -77,7 +132,11 @@ class ChatBlend(BlendSettings, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        run = self._run(self._prompt(messages), stop, kwargs)
+        prompt = self._prompt(messages)
+        run = _take_primed(prompt, self._options(stop, kwargs)) or self._run(prompt, stop, kwargs)
+        return self._chat_result(run)
+
+    def _chat_result(self, run: BlendRun) -> ChatResult:
         message = AIMessage(
             content=run.text,
             usage_metadata=langchain_usage(run),
@@ -92,7 +151,8 @@ class ChatBlend(BlendSettings, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        return await run_in_thread(self._generate, messages, stop, None, **kwargs)
+        run = await self._arun(lambda: self._prompt(messages), stop, kwargs)
+        return self._chat_result(run)
 
     def _stream(
         self,
@@ -123,6 +183,27 @@ class ChatBlend(BlendSettings, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
             yield chunk
+
+
+_Primed = dict[tuple[str, str], "collections.deque[BlendRun]"]
+
+#: Answers computed by `ChatBlend.batch` ahead of the per-input `invoke` calls it makes.
+_PRIMED: contextvars.ContextVar[_Primed | None] = contextvars.ContextVar(
+    "kvblend_primed", default=None
+)
+
+
+def _primed_key(prompt: str, options: dict[str, Any]) -> tuple[str, str]:
+    return prompt, repr(sorted(options.items()))
+
+
+def _take_primed(prompt: str, options: dict[str, Any]) -> BlendRun | None:
+    """Return the answer `ChatBlend.batch` computed for this prompt and options, if any."""
+    queue = (_PRIMED.get() or {}).get(_primed_key(prompt, options))
+    try:
+        return queue.popleft() if queue is not None else None
+    except IndexError:  # every primed answer of this prompt is taken
+        return None
 
 
 def _role(message: BaseMessage) -> str:

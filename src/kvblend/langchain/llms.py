@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -41,7 +42,7 @@ class BlendLLM(BlendSettings, BaseLLM):
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model_name": self.model_name,
-            "max_tokens": self.max_tokens,
+            "max_tokens": self.max_new_tokens or self.max_tokens,
             "temperature": self.temperature,
             "blend_config": self.blend_config,
         }
@@ -52,7 +53,7 @@ class BlendLLM(BlendSettings, BaseLLM):
             ls_model_name=str(kwargs.get("model") or self.model_name),
             ls_model_type="llm",
             ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_new_tokens or self.max_tokens),
         )
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
@@ -78,19 +79,21 @@ class BlendLLM(BlendSettings, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        generations = []
-        input_tokens = output_tokens = cache_read = 0
-        for prompt in prompts:
-            run = self._complete(prompt, stop, run_manager, kwargs)
-            generations.append([Generation(text=run.text, generation_info=self._info(run))])
-            input_tokens += run.stats.prompt_tokens
-            output_tokens += run.output_tokens
-            cache_read += run.stats.reused_tokens
+        if self.streaming or len(prompts) < 2:
+            runs = [self._complete(prompt, stop, run_manager, kwargs) for prompt in prompts]
+        else:  # LangChain's batch() sends every prompt here at once: decode them together
+            runs = self._run_many([self._prompt(prompt) for prompt in prompts], stop, kwargs)
+        return self._result(runs)
+
+    def _result(self, runs: list[BlendRun]) -> LLMResult:
+        generations = [[Generation(text=run.text, generation_info=self._info(run))] for run in runs]
+        input_tokens = sum(run.stats.prompt_tokens for run in runs)
+        output_tokens = sum(run.output_tokens for run in runs)
         token_usage = {
             "prompt_tokens": input_tokens,
             "completion_tokens": output_tokens,
             "total_tokens": input_tokens + output_tokens,
-            "cache_read_tokens": cache_read,
+            "cache_read_tokens": sum(run.stats.reused_tokens for run in runs),
         }
         return LLMResult(
             generations=generations,
@@ -120,7 +123,20 @@ class BlendLLM(BlendSettings, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        return await run_in_thread(self._generate, prompts, stop, None, **kwargs)
+        if not self.streaming and len(prompts) == 1:  # batched with concurrent calls
+            run = await self._arun(lambda: self._prompt(prompts[0]), stop, kwargs)
+            return self._result([run])
+        if not self.streaming:
+            return await run_in_thread(self._generate, prompts, stop, None, **kwargs)
+        runs = []
+        for prompt in prompts:  # callbacks see every token, as in the sync path
+            text = await run_in_thread(self._prompt, prompt)
+            async for item in iterate_in_thread(partial(self._run_stream, text, stop, kwargs)):
+                if isinstance(item, BlendRun):
+                    runs.append(item)
+                elif run_manager is not None:
+                    await run_manager.on_llm_new_token(item, chunk=GenerationChunk(text=item))
+        return self._result(runs)
 
     def _chunks(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]

@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForRetrieverRun,
@@ -18,6 +18,7 @@ from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from .._adapters import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
+from .._conventions import EngineHolder
 from ..engine import BlendEngine
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
@@ -35,13 +36,15 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
         return _EXECUTOR
 
 
-class BlendRetriever(BaseRetriever):
+class BlendRetriever(EngineHolder, BaseRetriever):
     """Retriever wrapper that precomputes the KV of every document it returns.
 
     The returned documents are new `Document` objects (the wrapped retriever's are not changed)
     with ``metadata["kvblend_segment_id"]`` set. Their texts are registered with the engine, so
     `BlendLLM` / `ChatBlend` sharing that engine find them in the final prompt and reuse their
-    KV wherever the prompt template puts them.
+    KV wherever the prompt template puts them. Pickling keeps the engine's model spec (the
+    engine is reloaded, or shared, on first use) and drops pending background work; a deep
+    copy shares the live engine. Neither changes this object.
 
     Example:
         .. code-block:: python
@@ -83,6 +86,7 @@ class BlendRetriever(BaseRetriever):
         return adopt_engine(engine)
 
     _pending: list[concurrent.futures.Future[Any]] = PrivateAttr(default_factory=list)
+    _UNPICKLED_PRIVATE: ClassVar[tuple[str, ...]] = ("_pending",)
 
     def _get_engine(self) -> BlendEngine:
         return lazy_engine(self)

@@ -21,26 +21,47 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 
 from .._adapters import (
     BlendRun,
     adopt_engine,
+    gather_prompt,
     iterate_in_thread,
     lazy_engine,
     model_name,
     prompt_segments,
-    run_in_thread,
     run_prompt,
     stream_prompt,
+)
+from .._conventions import (
+    FRAMEWORK_EXTRAS,
+    GENERATION_OPTIONS,
+    EngineHolder,
+    check_arguments,
+    check_context_window,
+    check_passthrough,
+    check_window_fits,
+    decode_options,
+    load_engine,
 )
 from ..engine import BlendConfig, BlendEngine
 
 # Per-call keyword arguments accepted by complete()/chat() and their streaming variants.
-_CALL_OPTIONS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+_CALL_OPTIONS = (*GENERATION_OPTIONS, "stop")
+
+# HuggingFaceLLM constructor arguments that load a model: they belong to `from_model_id`.
+_LOADING_ARGUMENTS = ("model_name", "model_kwargs", "device_map", "tokenizer_name")
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -54,12 +75,18 @@ _ROLES = {
 }
 
 
-class BlendLLM(CustomLLM):
+class BlendLLM(EngineHolder, CustomLLM):
     """LlamaIndex LLM over a kvblend engine.
 
     Documents precomputed by the engine (for example by `BlendNodePostprocessor`) are found in
     the final prompt by exact match and their KV is reused wherever they land; everything else
     is computed normally. Chat messages go through the model's own chat template.
+
+    Unknown constructor arguments raise one `TypeError` naming the closest field (``api_key``,
+    ``timeout`` and ``max_retries`` are accepted without effect); `from_model_id` loads a model
+    as ``HuggingFaceLLM(model_name=..., device_map=..., model_kwargs=...)`` does. Pickling keeps
+    the engine's model spec and reloads (or shares) that engine lazily; a deep copy shares the
+    live engine; neither changes this object.
 
     Example:
         .. code-block:: python
@@ -88,13 +115,49 @@ class BlendLLM(CustomLLM):
         description="How the blended prefill recomputes reused tokens (None = BlendConfig()).",
     )
     max_tokens: int = Field(default=256, ge=1, description="Largest number of tokens to generate.")
+    max_new_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="transformers' name for max_tokens (when set, this one is used).",
+    )
     temperature: float = Field(
-        default=0.0, ge=0.0, description="Sampling temperature; 0 decodes greedily."
+        default=0.0,
+        ge=0.0,
+        description="Sampling temperature; 0 decodes greedily (unless do_sample=True).",
     )
     top_p: float = Field(
-        default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (when temperature > 0)."
+        default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (when sampling)."
+    )
+    top_k: int = Field(
+        default=0, ge=0, description="Sample among the top_k most likely tokens (0: no limit)."
+    )
+    repetition_penalty: float = Field(
+        default=1.0, gt=0.0, description="transformers' repetition penalty (1: none)."
+    )
+    do_sample: bool | None = Field(
+        default=None,
+        description="Sample (True) or decode greedily (False); None samples when "
+        "temperature > 0. True at temperature 0 samples at temperature 1, as transformers does.",
     )
     seed: int | None = Field(default=None, description="Random seed for sampling.")
+    generate_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More generation options by name, as HuggingFaceLLM's generate_kwargs: "
+        "max_tokens, max_new_tokens, temperature, top_p, top_k, repetition_penalty, do_sample, "
+        "seed (other keys are refused). A call's keyword arguments win over them.",
+    )
+    context_window: int | None = Field(
+        default=None,
+        ge=1,
+        description="Tokens of prompt plus max_tokens a call may use, reported as "
+        "metadata.context_window (None: the model's own window).",
+    )
+    query_wrapper_prompt: BasePromptTemplate | None = Field(
+        default=None,
+        exclude=True,
+        description="Template with {query_str} that complete() wraps an unformatted prompt in "
+        "(a str or a PromptTemplate), as HuggingFaceLLM does.",
+    )
     stop: list[str] | None = Field(
         default=None, description="Stop sequences: the output is cut before the first one."
     )
@@ -122,6 +185,59 @@ class BlendLLM(CustomLLM):
     def _share_engine(cls, engine: BlendEngine | None) -> BlendEngine | None:
         return adopt_engine(engine)
 
+    @field_validator("query_wrapper_prompt", mode="before")
+    @classmethod
+    def _wrapper_template(cls, value: Any) -> Any:
+        return PromptTemplate(value) if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_arguments(cls, data: Any) -> Any:
+        """Refuse unknown constructor arguments; drop the framework-wide no-op ones."""
+        if not isinstance(data, dict):
+            return data
+        for name in _LOADING_ARGUMENTS:
+            if name in data:
+                raise TypeError(
+                    f"BlendLLM got {name}=: a model is loaded by BlendLLM.from_model_id("
+                    "model_name, device_map=..., model_kwargs=...), or give engine= / model="
+                )
+        known = set(cls.model_fields) | set(FRAMEWORK_EXTRAS)
+        check_arguments(cls.__name__, data, known, "argument")
+        check_passthrough(cls.__name__, "generate_kwargs", data.get("generate_kwargs"))
+        return {key: value for key, value in data.items() if key not in FRAMEWORK_EXTRAS}
+
+    @classmethod
+    def from_model_id(
+        cls,
+        model_name: str,
+        *,
+        device: int | str | None = None,
+        device_map: str | dict[str, Any] | None = None,
+        dtype: Any = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> BlendLLM:
+        """Load ``model_name`` and build the LLM on it, as ``HuggingFaceLLM(model_name=...)``.
+
+        ``model_name`` is a hub id (needs the Hugging Face cache or a network), a folder or a
+        GGUF file. ``device`` / ``device_map`` (one device: ``"auto"``, ``"cpu"``,
+        ``"cuda:0"``), ``dtype``, ``revision``, ``trust_remote_code`` and ``model_kwargs``
+        (loading options such as ``attn_implementation``; ``torch_dtype`` is read as
+        ``dtype``) go to transformers; ``engine_kwargs`` to `BlendEngine` (``store``,
+        ``system_prompt``...); other keywords are the LLM's fields (``generate_kwargs``,
+        ``context_window``, ``max_new_tokens``...).
+        """
+        engine = load_engine(
+            model_name, device=device, device_map=device_map, dtype=dtype, revision=revision,
+            trust_remote_code=trust_remote_code, model_kwargs=model_kwargs,
+            engine_kwargs=engine_kwargs,
+        )  # fmt: skip
+        return cls(engine=engine, model=engine.model_spec, **fields)
+
     @classmethod
     def class_name(cls) -> str:
         """Name LlamaIndex serializes this class under."""
@@ -129,7 +245,18 @@ class BlendLLM(CustomLLM):
 
     def get_engine(self) -> BlendEngine:
         """Return the engine, loading the shared one for ``model`` on first use."""
-        return lazy_engine(self)
+        engine = lazy_engine(self)
+        check_window_fits(type(self).__name__, self.context_window, engine)
+        return engine
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer as LlamaIndex wants one: ``text -> token ids`` (loads the model).
+
+        Set ``Settings.tokenizer = llm.tokenizer`` (or pass it to ``TokenCountingHandler`` and
+        ``PromptHelper``) so that LlamaIndex counts and packs with the model's real tokens.
+        """
+        return self.get_engine().tokenize
 
     @property
     def model_name(self) -> str:
@@ -140,8 +267,8 @@ class BlendLLM(CustomLLM):
     def metadata(self) -> LLMMetadata:
         """Context window of the loaded model (loads it), output budget and chat mode."""
         return LLMMetadata(
-            context_window=self.get_engine().context_window,
-            num_output=self.max_tokens,
+            context_window=self.context_window or self.get_engine().context_window,
+            num_output=self._options({})["max_new_tokens"],
             is_chat_model=self.chat_template,
             model_name=self.model_name,
         )
@@ -150,6 +277,8 @@ class BlendLLM(CustomLLM):
     def _completion_prompt(self, prompt: str, formatted: bool) -> str:
         if formatted:
             return prompt
+        if self.query_wrapper_prompt is not None:
+            prompt = self.query_wrapper_prompt.format(query_str=prompt)
         convert = self.completion_to_prompt
         if convert is not None and convert is not default_completion_to_prompt:
             return convert(prompt)
@@ -169,18 +298,30 @@ class BlendLLM(CustomLLM):
         return self.get_engine().apply_chat_template(chat)
 
     def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """Merge the fields with one call's keyword arguments into decoding options."""
-        unknown = set(kwargs) - set(_CALL_OPTIONS)
-        if unknown:
-            raise TypeError(f"unexpected keyword arguments: {', '.join(sorted(unknown))}")
-        values = {name: kwargs.get(name, getattr(self, name)) for name in _CALL_OPTIONS}
-        return {
-            "max_new_tokens": values["max_tokens"],
-            "temperature": values["temperature"],
-            "top_p": values["top_p"],
-            "seed": values["seed"],
-            "stop": values["stop"] or None,
-        }
+        """Merge the fields, ``generate_kwargs`` and one call's keywords into decoding options."""
+        check_arguments(type(self).__name__, kwargs, _CALL_OPTIONS, "keyword argument")
+        fields = {name: getattr(self, name) for name in GENERATION_OPTIONS}
+        if self.max_new_tokens is not None:
+            fields.pop("max_tokens")  # the HF name, when set, wins over the default
+        call = {name: kwargs[name] for name in GENERATION_OPTIONS if name in kwargs}
+        options = decode_options(
+            [
+                (fields, "fields"),
+                (self.generate_kwargs, "in generate_kwargs"),
+                (call, "in one call"),
+            ]
+        )
+        options["stop"] = kwargs.get("stop", self.stop) or None
+        return options
+
+    def _prepared(self, prompt: str, options: dict[str, Any]) -> tuple[BlendEngine, list[Any]]:
+        """Return the engine and the prompt's segments, once it fits ``context_window``."""
+        engine = self.get_engine()
+        check_context_window(engine, prompt, options["max_new_tokens"], self.context_window)
+        segments = prompt_segments(
+            engine, prompt, separator=self.separator, cache_prefix=self.cache_prefix
+        )
+        return engine, segments
 
     # ------------------------------------------------------------------ runs
     def _raw(self, run: BlendRun) -> dict[str, Any]:
@@ -199,19 +340,27 @@ class BlendLLM(CustomLLM):
         }
 
     def _complete(self, prompt: str, options: dict[str, Any]) -> CompletionResponse:
-        engine = self.get_engine()
-        segments = prompt_segments(
-            engine, prompt, separator=self.separator, cache_prefix=self.cache_prefix
-        )
+        engine, segments = self._prepared(prompt, options)
         run = run_prompt(engine, segments, self.blend_config, options)
+        return CompletionResponse(text=run.text, raw=self._raw(run))
+
+    async def _acomplete(self, prompt: Any, kwargs: dict[str, Any]) -> CompletionResponse:
+        """`_complete` from asyncio, decoded together with the loop's concurrent calls.
+
+        ``prompt`` renders the prompt text (milliseconds, run on the loop once the model is
+        loaded). LlamaIndex's async fan-out (``tree_summarize`` with ``use_async``,
+        ``asyncio.gather`` of queries) thus gets one batched decode.
+        """
+        if self.engine is None and self._engine is None:
+            await asyncio.to_thread(self.get_engine)  # a first load takes seconds: off the loop
+        options = self._options(kwargs)
+        engine, segments = self._prepared(prompt(), options)
+        run = await gather_prompt(engine, segments, self.blend_config, options)
         return CompletionResponse(text=run.text, raw=self._raw(run))
 
     def _stream(self, prompt: str, options: dict[str, Any]) -> CompletionResponseGen:
         """Responses as text is decoded; a last one with an empty delta carries ``raw``."""
-        engine = self.get_engine()
-        segments = prompt_segments(
-            engine, prompt, separator=self.separator, cache_prefix=self.cache_prefix
-        )
+        engine, segments = self._prepared(prompt, options)
         text = ""
         for item in stream_prompt(engine, segments, self.blend_config, options):
             if isinstance(item, BlendRun):
@@ -248,8 +397,8 @@ class BlendLLM(CustomLLM):
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        """Like `complete`, run in a thread so the event loop keeps running."""
-        return await run_in_thread(self._complete_body, prompt, formatted, kwargs)
+        """Like `complete`; decoded in a thread, together with concurrent calls."""
+        return await self._acomplete(lambda: self._completion_prompt(prompt, formatted), kwargs)
 
     @llm_completion_callback()
     async def astream_complete(
@@ -274,8 +423,8 @@ class BlendLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        """Like `chat`, run in a thread so the event loop keeps running."""
-        return await run_in_thread(self._chat_body, messages, kwargs)
+        """Like `chat`; decoded in a thread, together with concurrent calls."""
+        return _chat_response(await self._acomplete(lambda: self._chat_prompt(messages), kwargs))
 
     @llm_chat_callback()
     async def astream_chat(

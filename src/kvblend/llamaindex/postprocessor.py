@@ -9,10 +9,11 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
 from .._adapters import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
+from .._conventions import EngineHolder
 from ..engine import BlendEngine
 
 
-class BlendNodePostprocessor(BaseNodePostprocessor):
+class BlendNodePostprocessor(EngineHolder, BaseNodePostprocessor):
     """Node postprocessor that precomputes the KV of every node it passes on.
 
     Query engines put ``node.get_content(MetadataMode.LLM)`` into the prompt: the node's text
@@ -21,6 +22,7 @@ class BlendNodePostprocessor(BaseNodePostprocessor):
     The returned nodes are copies (the retrieved nodes are not changed) with
     ``metadata["kvblend_segment_id"]`` set and that key excluded from LLM and embedding
     metadata, so the tag never reaches the prompt. Put it last among the postprocessors.
+    Pickling keeps the engine's model spec (reloaded lazily); a deep copy shares the engine.
 
     Example:
         .. code-block:: python
