@@ -84,13 +84,12 @@ class PromptKV:
         ))  # fmt: skip
 
     def load(self, layer: int, spans: list[CachedSpan]) -> None:
-        """Place every span's cached K/V of ``layer`` (one multi-tensor copy)."""
-        targets, sources = [], []
-        for span in spans:
-            keys, values = span.source.layer(layer)
-            targets += [self.data[layer, 0, :, span.start : span.end],
-                        self.data[layer, 1, :, span.start : span.end]]  # fmt: skip
-            sources += [keys, values]
+        """Place every span's cached K/V of ``layer`` (one multi-tensor copy, one per span).
+
+        A span's source is read, never written: it may be the store's own tensor.
+        """
+        targets = [self.data[layer, :, :, span.start : span.end] for span in spans]
+        sources = [span.source.layer(layer) for span in spans]
         if targets:
             torch._foreach_copy_(targets, sources)
 
