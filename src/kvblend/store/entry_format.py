@@ -1,22 +1,26 @@
 """The on-disk format of one entry: safetensors bytes with integrity metadata, read per tensor.
 
 An entry is a standard safetensors file (`safetensors.torch.save`), so any safetensors reader can
-open it. The store adds these `__metadata__` items next to the caller's own:
+open it. The engine stores one tensor per document, ``kv``: every layer's un-rotated keys and
+values laid out as its prompt buffer holds them, ``[layers, 2, kv_heads, tokens, head_dim]``
+(`kvblend.engine.segment_kv`), so a read is one contiguous run of bytes into one buffer,
+checksummed as it lands. The store itself accepts any names. It adds these `__metadata__`
+items next to the caller's own:
 
 - ``kvblend.format``: format version (``"1"``).
 - ``kvblend.key``: the store key the entry was written under, so bytes found under another key
   (a swapped or misfiled entry) are detected.
 - ``kvblend.checksum``: the checksum algorithm (``"crc32"``).
 - ``kvblend.tensors``: JSON list of ``[name, dtype, shape, checksum]`` in layer order.
-- ``kvblend.layers`` / ``kvblend.tokens``: layer and token counts when the names follow the
-  engine's ``k.<layer>`` / ``v.<layer>`` convention with ``[kv_heads, tokens, head_dim]``.
+- ``kvblend.layers`` / ``kvblend.tokens``: layer and token counts when the entry is the
+  engine's: one tensor ``kv`` of ``[layers, 2, kv_heads, tokens, head_dim]``.
 - ``kvblend.header_checksum``: checksum of all the other metadata items, canonically encoded.
 
 The header is parsed here (8-byte little-endian length, then JSON) rather than by safetensors,
 so that a tensor can be read straight from an open file handle into its own buffer, without
 reading the rest of the file, and checked against its checksum as it is read. CRC-32 guards
 against accidental damage (bit flips, truncation), not against someone who can write the
-folder; it runs at several GB/s so verification stays hidden under per-layer compute.
+folder; it runs at several GB/s, over the bytes already in the destination buffer.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import threading
 import zlib
 from collections.abc import Mapping
@@ -47,7 +50,8 @@ FORMAT_VERSION = "1"
 CHECKSUM_ALGORITHM = "crc32"
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 64 << 20
-_KV_NAME = re.compile(r"[kv]\.(\d+)")
+#: The name of the engine's one tensor per entry (`kvblend.engine.segments.KV_NAME`).
+KV_BLOB = "kv"
 
 
 def checksum(data: bytes | memoryview) -> str:
@@ -101,12 +105,10 @@ def encode_entry(
             "kvblend.tensors": json.dumps(listing, separators=(",", ":")),
         }
     )
-    layers = {int(m.group(1)) for name in names if (m := _KV_NAME.fullmatch(name))}
-    if layers:
-        full["kvblend.layers"] = str(max(layers) + 1)
-        first_key = cpu_tensors.get(f"k.{min(layers)}")
-        if first_key is not None and first_key.dim() == 3:
-            full["kvblend.tokens"] = str(first_key.shape[1])
+    blob = cpu_tensors.get(KV_BLOB)
+    if len(cpu_tensors) == 1 and blob is not None and blob.dim() == 5 and blob.shape[1] == 2:
+        full["kvblend.layers"] = str(blob.shape[0])
+        full["kvblend.tokens"] = str(blob.shape[3])
     full["kvblend.header_checksum"] = _header_checksum(full)
     return safetensors.torch.save(cpu_tensors, metadata=full)
 
@@ -299,14 +301,18 @@ def read_tensor(
     For a CUDA `device` the copy from the pinned buffer is issued on a side stream: the
     result is a `PendingCopy` (`kvblend.store.transfer`).
 
-    The bytes go straight from the file into the tensor's own buffer (pinned when the target
-    is a CUDA device). Raises `CorruptEntryError` on a short read, a checksum mismatch, a read
-    error or any other failure to decode the bytes; allocating the buffer and moving to `device`
-    are not decoding, so an out-of-memory error there is raised as it is.
+    The bytes go straight from the file into the tensor's own buffer, and the checksum is
+    computed over that buffer: no intermediate copy. The buffer is pinned when CUDA is
+    available and the target is a CUDA device or the host (the memory tier keeps host KV
+    pinned, and a host read there is on its way to the GPU). Raises `CorruptEntryError` on a
+    short read, a checksum mismatch, a read error or any other failure to decode the bytes;
+    allocating the buffer and moving to `device` are not decoding, so an out-of-memory error
+    there is raised as it is.
     """
     # Allocating is not decoding (the header bounds the size by the file's): its errors, such
     # as failing to pin memory, are raised as they are.
-    pin = device is not None and device.type == "cuda"
+    target = device.type if device is not None else "cpu"
+    pin = target in ("cpu", "cuda") and torch.cuda.is_available()
     buffer = torch.empty(info.nbytes, dtype=torch.uint8, pin_memory=pin)
     try:
         tensor = _decode_tensor(payload, info, key, buffer)
