@@ -10,7 +10,8 @@ items next to the caller's own:
 - ``kvblend.format``: format version (``"1"``).
 - ``kvblend.key``: the store key the entry was written under, so bytes found under another key
   (a swapped or misfiled entry) are detected.
-- ``kvblend.checksum``: the checksum algorithm (``"crc32"``).
+- ``kvblend.checksum``: the checksum algorithm: ``"xxh3-64"`` (written), or ``"crc32"``
+  (entries of earlier versions, still read).
 - ``kvblend.tensors``: JSON list of ``[name, dtype, shape, checksum]`` in layer order.
 - ``kvblend.layers`` / ``kvblend.tokens``: layer and token counts when the entry is the
   engine's: one tensor ``kv`` of ``[layers, 2, kv_heads, tokens, head_dim]``.
@@ -18,9 +19,10 @@ items next to the caller's own:
 
 The header is parsed here (8-byte little-endian length, then JSON) rather than by safetensors,
 so that a tensor can be read straight from an open file handle into its own buffer, without
-reading the rest of the file, and checked against its checksum as it is read. CRC-32 guards
-against accidental damage (bit flips, truncation), not against someone who can write the
-folder; it runs at several GB/s, over the bytes already in the destination buffer.
+reading the rest of the file, and checked against its checksum as it is read. The checksum
+(XXH3, 64 bits) guards against accidental damage (bit flips, truncation), not against someone
+who can write the folder; it runs at about 10 GB/s on one core (CRC-32: 1.5 GB/s), over the
+bytes already in the destination buffer.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ import json
 import os
 import threading
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import safetensors.torch
 import torch
+import xxhash
 
 from kvblend.store.base import (
     SAFETENSORS_DTYPES,
@@ -47,21 +50,34 @@ from kvblend.store.base import (
 from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
 FORMAT_VERSION = "1"
-CHECKSUM_ALGORITHM = "crc32"
+#: The checksum written into new entries; every algorithm of `_CHECKSUMS` is read.
+CHECKSUM_ALGORITHM = "xxh3-64"
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 64 << 20
 #: The name of the engine's one tensor per entry (`kvblend.engine.segments.KV_NAME`).
 KV_BLOB = "kv"
 
 
-def checksum(data: bytes | memoryview) -> str:
-    """Return the CRC-32 of `data` as 8 hex digits."""
+def _crc32(data: bytes | memoryview) -> str:
     return f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
 
 
+_CHECKSUMS: dict[str, Callable[[bytes | memoryview], str]] = {
+    "xxh3-64": xxhash.xxh3_64_hexdigest,
+    "crc32": _crc32,
+}
+
+
+def checksum(data: bytes | memoryview, algorithm: str = CHECKSUM_ALGORITHM) -> str:
+    """Return the checksum of `data` by `algorithm` (default: the one written), as hex digits."""
+    return _CHECKSUMS[algorithm](data)
+
+
 def _header_checksum(metadata: Mapping[str, str]) -> str:
+    """Return the checksum of every other metadata item, by the algorithm the metadata names."""
     items = {k: v for k, v in metadata.items() if k != "kvblend.header_checksum"}
-    return checksum(json.dumps(items, sort_keys=True, ensure_ascii=True).encode())
+    encoded = json.dumps(items, sort_keys=True, ensure_ascii=True).encode()
+    return checksum(encoded, metadata.get("kvblend.checksum", CHECKSUM_ALGORITHM))
 
 
 def _as_bytes_view(tensor: torch.Tensor) -> memoryview:
@@ -178,6 +194,7 @@ class TensorInfo:
     offset: int
     nbytes: int
     checksum: str
+    algorithm: str = CHECKSUM_ALGORITHM  # how `checksum` was computed
 
 
 @dataclass(frozen=True)
@@ -228,12 +245,13 @@ def _parse_header(payload: Payload, key: str) -> EntryHeader:
         raise corrupt(f"unreadable header ({error})") from None
     if metadata.get("kvblend.format") != FORMAT_VERSION:
         raise corrupt(f"not a kvblend entry of format {FORMAT_VERSION}")
+    algorithm = metadata.get("kvblend.checksum", "")
+    if algorithm not in _CHECKSUMS:
+        raise corrupt(f"unknown checksum {algorithm!r}")
     if metadata.get("kvblend.header_checksum") != _header_checksum(metadata):
         raise corrupt("header checksum mismatch")
     if metadata.get("kvblend.key") != key:
         raise corrupt(f"holds the entry of key {metadata.get('kvblend.key')!r}")
-    if metadata.get("kvblend.checksum") != CHECKSUM_ALGORITHM:
-        raise corrupt(f"unknown checksum {metadata.get('kvblend.checksum')!r}")
     data_start = 8 + header_size
     infos = []
     try:
@@ -257,6 +275,7 @@ def _parse_header(payload: Payload, key: str) -> EntryHeader:
                     data_start + begin,
                     end - begin,
                     tensor_checksum,
+                    algorithm,
                 )
             )
     except (ValueError, KeyError, TypeError) as error:
@@ -334,7 +353,7 @@ def _decode_tensor(
     filled = payload.read_into(info.offset, view)
     if filled != info.nbytes:
         raise CorruptEntryError(key, f"tensor {info.name!r} truncated")
-    if checksum(view) != info.checksum:
+    if checksum(view, info.algorithm) != info.checksum:
         raise CorruptEntryError(key, f"tensor {info.name!r} checksum mismatch")
     return buffer.view(info.dtype).reshape(info.shape)
 
