@@ -30,6 +30,10 @@ class LayerKV(Protocol):
         """Un-rotated keys and values ``[2, kv_heads, tokens, head_dim]`` of layer ``index``."""
         ...
 
+    def layers(self) -> torch.Tensor:
+        """Un-rotated keys and values of every layer ``[layers, 2, kv_heads, tokens, head_dim]``."""
+        ...
+
 
 @dataclass
 class CachedSpan:

@@ -75,9 +75,13 @@ class StoredRows:
 
     def layer(self, index: int) -> torch.Tensor:
         """Return a view of layer ``index``'s un-rotated K/V ``[2, kv_heads, rows, head_dim]``."""
+        return self.layers()[index]
+
+    def layers(self) -> torch.Tensor:
+        """Return a view of every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``."""
         if self._kv is None:
             self._kv = self._open()
-        return self._kv[index, :, :, self.rows]
+        return self._kv[:, :, :, self.rows]
 
     def _open(self) -> torch.Tensor:
         try:
