@@ -2,7 +2,8 @@
 
 An entry under the right key, with valid checksums, can still hold the wrong thing: more or
 fewer tokens than the document, another head dimension, a 2-D tensor, fp16 in an fp32 store, a
-single layer of three, NaN or infinity. Each is written through the store's own `put()` (so
+single layer of three, keys without values, the per-layer tensors of the layout before the
+one-tensor entry, NaN or infinity. Each is written through the store's own `put()` (so
 every checksum is right), and each must give the answer of a clean run, never an exception,
 be dropped and counted, and be replaced by an intact entry: by the prefill that met it, and by
 `precompute()`, which must never count it intact. Every store kind is tried, Redis included

@@ -93,3 +93,21 @@ def _inside(view: torch.Tensor, blob: torch.Tensor) -> bool:
     """Whether ``view`` shares ``blob``'s memory (a view of it, not a copy)."""
     start = blob.untyped_storage().data_ptr()
     return start <= view.data_ptr() < start + blob.untyped_storage().nbytes()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_tier_is_read_in_place_and_a_host_tier_is_pinned_once() -> None:
+    kv = torch.randn(3, 2, 2, 40, 16)
+    gpu = MemoryKVStore(device="cuda")
+    gpu.put("doc", {"kv": kv})
+    first, second = gpu.get("doc", device="cuda"), gpu.get("doc", device="cuda")
+    assert first is not None and second is not None
+    assert first["kv"].device.type == "cuda"
+    assert first["kv"].data_ptr() == second["kv"].data_ptr()  # no copy per read
+    host = MemoryKVStore()
+    host.put("doc", {"kv": kv})
+    kept = host.get("doc")
+    assert kept is not None and kept["kv"].is_pinned()
+    moved = host.get("doc", device="cuda")
+    assert moved is not None and torch.equal(moved["kv"].cpu(), kv)
+    assert host.get("doc")["kv"].data_ptr() == kept["kv"].data_ptr()  # pinned once, kept
