@@ -49,17 +49,12 @@ def test_bf16_blend_of_in_context_kv_is_within_bf16_noise(
     # Each document's cache is its KV in this very prompt: blending must change nothing.
     ids = torch.tensor(full.token_ids, device=device)
     kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8, device=device)
-    exact = run_blend(
-        engine.decoder, BlendInput(ids, kinds, []), BlendConfig("full"), keep_raw_keys=True
-    )
-    assert exact.raw_keys is not None
+    exact = run_blend(engine.decoder, BlendInput(ids, kinds, []), BlendConfig("full"))
+    assert exact.raw_kv is not None
     cursor = len(engine.tokenize(SYSTEM)) + 1
     for text in reversed(DOCS):
         length = len(engine.tokenize(text))
-        tensors = {}
-        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values, strict=True)):
-            tensors[f"k.{layer}"] = keys[:, cursor : cursor + length].clone()
-            tensors[f"v.{layer}"] = values[:, cursor : cursor + length].clone()
+        tensors = {"kv": exact.raw_kv[:, :, :, cursor : cursor + length].contiguous()}
         engine.store.put(engine.segment_id(text), tensors)
         cursor += length
     for config in CONFIGS:

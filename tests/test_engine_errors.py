@@ -134,7 +134,7 @@ def test_kv_dtype_is_honoured_in_the_store() -> None:
     )
     (key,) = engine.precompute(["a document"])
     entry = store.get(key)
-    assert entry is not None and entry["k.0"].dtype == torch.bfloat16
+    assert entry is not None and entry["kv"].dtype == torch.bfloat16
     pre = engine.prefill([Segment("a document"), Segment("?", cache=False)])
     assert torch.isfinite(pre.logits).all()
 

@@ -83,16 +83,13 @@ def plant_in_context_kv(engine: BlendEngine, token_ids: list[int], order) -> Non
         engine.decoder,
         BlendInput(ids, kinds, []),
         BlendConfig("full"),
-        keep_raw_keys=True,
     )
+    assert exact.raw_kv is not None
     # Plant the in-context KV under each document's store key.
     cursor = len(engine.tokenize(SYSTEM)) + 1  # after BOS and the system prompt
     for index in order:
         length = len(engine.tokenize(DOCS[index]))
-        tensors = {}
-        for layer, (keys, values) in enumerate(zip(exact.raw_keys, exact.values, strict=True)):
-            tensors[f"k.{layer}"] = keys[:, cursor : cursor + length].clone()
-            tensors[f"v.{layer}"] = values[:, cursor : cursor + length].clone()
+        tensors = {"kv": exact.raw_kv[:, :, :, cursor : cursor + length].contiguous()}
         engine.store.put(engine.segment_id(DOCS[index]), tensors)
         cursor += length
 
@@ -497,7 +494,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
         raw_keys = apply_rope(pre.keys[layer], cos, -signed_sin(sin))  # undo RoPE
         changes, fixed = [], []
         for rows, entry in documents:
-            cached = {"k": entry[f"k.{layer}"], "v": entry[f"v.{layer}"]}
+            cached = {"k": entry["kv"][layer, 0], "v": entry["kv"][layer, 1]}
             got = {"k": raw_keys[:, rows], "v": pre.values[layer][:, rows]}
             recomputed = torch.isin(rows, selected)
             change = {n: (got[n] - cached[n])[:, recomputed] for n in "kv"}

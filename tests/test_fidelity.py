@@ -239,22 +239,17 @@ def plant_in_context_kv(engine: BlendEngine, prompt: str) -> None:
         ),
         BlendConfig("full"),
         need_logits=False,
-        keep_raw_keys=True,
     )
-    assert full.raw_keys is not None
+    assert full.raw_kv is not None
     for span in plan.spans:
         from kvblend.engine.segments import segment_key
 
         key = segment_key(engine.fingerprint, span.context_ids, span.cached_ids)
         rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-        tensors = {}
-        for layer, (keys, values) in enumerate(zip(full.raw_keys, full.values, strict=True)):
-            shape = (keys.shape[0], len(span.cached_ids), keys.shape[2])
-            stored_keys, stored_values = torch.zeros(shape), torch.zeros(shape)
-            stored_keys[:, rows] = keys[:, span.start : span.end]
-            stored_values[:, rows] = values[:, span.start : span.end]
-            tensors[f"k.{layer}"], tensors[f"v.{layer}"] = stored_keys, stored_values
-        engine.store.put(key, tensors)
+        layers, _, heads, _, head_dim = full.raw_kv.shape
+        stored = torch.zeros(layers, 2, heads, len(span.cached_ids), head_dim)
+        stored[:, :, :, rows] = full.raw_kv[:, :, :, span.start : span.end]
+        engine.store.put(key, {"kv": stored})
 
 
 @pytest.mark.parametrize("config", STRATEGIES, ids=lambda c: c.strategy)

@@ -2,7 +2,8 @@
 
 An entry under the right key, with valid checksums, can still hold the wrong thing: more or
 fewer tokens than the document, another head dimension, a 2-D tensor, fp16 in an fp32 store, a
-single layer of three, NaN or infinity. Each is written through the store's own `put()` (so
+single layer of three, keys without values, the per-layer tensors of the layout before the
+one-tensor entry, NaN or infinity. Each is written through the store's own `put()` (so
 every checksum is right), and each must give the answer of a clean run, never an exception,
 be dropped and counted, and be replaced by an intact entry: by the prefill that met it, and by
 `precompute()`, which must never count it intact. Every store kind is tried, Redis included
@@ -34,17 +35,24 @@ Tensors = dict[str, torch.Tensor]
 
 def _poison(tensors: Tensors, value: float) -> Tensors:
     crafted = {name: tensor.clone() for name, tensor in tensors.items()}
-    crafted["v.1"][1, 3, 5] = value  # one value of a middle layer
+    crafted["kv"][1, 1, 1, 3, 5] = value  # one value of a middle layer's values
     return crafted
 
 
 CRAFTED: dict[str, Callable[[Tensors], Tensors]] = {
-    "more-tokens": lambda ts: {n: torch.cat([t, t[:, :4]], dim=1) for n, t in ts.items()},
-    "fewer-tokens": lambda ts: {n: t[:, :-4].contiguous() for n, t in ts.items()},
+    "more-tokens": lambda ts: {n: torch.cat([t, t[..., :4, :]], dim=3) for n, t in ts.items()},
+    "fewer-tokens": lambda ts: {n: t[..., :-4, :].contiguous() for n, t in ts.items()},
     "wrong-head-dim": lambda ts: {n: t[..., :8].contiguous() for n, t in ts.items()},
     "2-d": lambda ts: {n: t.reshape(-1, t.shape[-1]) for n, t in ts.items()},
     "fp16": lambda ts: {n: t.half() for n, t in ts.items()},
-    "one-of-three-layers": lambda ts: {n: t for n, t in ts.items() if n.endswith(".0")},
+    "one-of-three-layers": lambda ts: {n: t[:1].contiguous() for n, t in ts.items()},
+    "keys-only": lambda ts: {n: t[:, :1].contiguous() for n, t in ts.items()},
+    "per-layer-names": lambda ts: {
+        f"{kind}.{layer}": t[layer, index].contiguous()
+        for t in ts.values()
+        for layer in range(t.shape[0])
+        for index, kind in enumerate("kv")
+    },
     "nan": lambda ts: _poison(ts, float("nan")),
     "inf": lambda ts: _poison(ts, float("inf")),
 }
@@ -107,7 +115,7 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
     engine.register([DOC])
     key = engine.segment_id(DOC)
-    metadata = {"tokens": str(next(iter(tensors.values())).shape[1])}
+    metadata = {"tokens": str(tensors["kv"].shape[3])}
     writer = open_store()
     writer.put(key, CRAFTED[case](tensors), metadata)
     writer.close()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvblend.store import CorruptEntryError, DiskKVStore, MemoryKVStore, TieredKVStore
-from kvblend.store.entry_format import _header_checksum, checksum
+from kvblend.store.entry_format import CHECKSUM_ALGORITHM, _header_checksum, checksum
 
 SHARED_ENV = "KVBLEND_STORE_SHARED"
 
@@ -198,13 +198,21 @@ def test_a_value_file_reached_through_a_symbolic_link_is_refused(tmp_path):
 # --- crafted entries -------------------------------------------------------------------------
 
 
-def crafted(key: str, tensors: list[tuple[str, str, list, list[int]]], data: bytes) -> bytes:
+def crafted(
+    key: str,
+    tensors: list[tuple[str, str, list, list[int]]],
+    data: bytes,
+    algorithm: str = CHECKSUM_ALGORITHM,
+) -> bytes:
     """A kvblend entry with valid checksums whose tensor table is whatever the test says."""
-    listing = [[name, dtype, shape, checksum(data[b:e])] for name, dtype, shape, (b, e) in tensors]
+    listing = [
+        [name, dtype, shape, checksum(data[b:e], algorithm)]
+        for name, dtype, shape, (b, e) in tensors
+    ]
     metadata = {
         "kvblend.format": "1",
         "kvblend.key": key,
-        "kvblend.checksum": "crc32",
+        "kvblend.checksum": algorithm,
         "kvblend.tensors": json.dumps(listing),
     }
     metadata["kvblend.header_checksum"] = _header_checksum(metadata)
@@ -360,4 +368,28 @@ def test_a_fifo_in_place_of_a_value_file_is_dropped_without_blocking(tmp_path):
         pytest.fail("get() blocked on a FIFO")
     assert outcome == [None] and store.stats().corrupt_dropped == 1
     assert not store.contains("a")
+    store.close()
+
+
+def test_entries_checksummed_with_crc32_are_still_read(tmp_path):
+    folder = tmp_path / "kv"
+    store = DiskKVStore(folder)
+    data = torch.arange(6, dtype=torch.float32).numpy().tobytes()
+    plant(folder, "old", crafted("old", [("x", "F32", [6], [0, 24])], data, "crc32"))
+    entry = store.get("old")
+    assert entry is not None and torch.equal(entry["x"], torch.arange(6, dtype=torch.float32))
+    damaged = bytearray(crafted("bad", [("x", "F32", [6], [0, 24])], data, "crc32"))
+    damaged[-1] ^= 1
+    plant(folder, "bad", bytes(damaged))
+    with pytest.raises(CorruptEntryError, match="checksum"):
+        read_everything(store, "bad")
+    store.close()
+
+
+def test_an_unknown_checksum_algorithm_is_a_corrupt_entry(tmp_path):
+    folder = tmp_path / "kv"
+    store = DiskKVStore(folder)
+    entry = crafted("odd", [("x", "U8", [4], [0, 4])], b"abcd", "crc32")
+    plant(folder, "odd", entry.replace(b'"crc32"', b'"md5xx"'))
+    assert store.get("odd") is None and store.stats().corrupt_dropped == 1
     store.close()

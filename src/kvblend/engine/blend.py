@@ -7,7 +7,9 @@ correction's rows) is set up once per pass and no layer reads a value back from 
 The prompt's un-rotated KV of every layer lives in one preallocated buffer (`PromptKV`). At
 every layer the loop then
 
-1. places the layer's cached KV, every span in one copy (or keeps a first pass's buffer),
+1. places the layer's cached KV, one copy per document of keys and values together, straight
+   from the stored tensor (a pass that never narrows its rows places every layer's at once,
+   before layer 0; a second pass keeps the first pass's buffer),
 2. lets the selector narrow the computed rows, at its refine layers,
 3. projects the computed rows (keys and values in one product), moves the stale cached rows by
    the correction (`correction.py`) and writes the fresh K/V over their cached rows (one op),
@@ -84,13 +86,19 @@ class PromptKV:
         ))  # fmt: skip
 
     def load(self, layer: int, spans: list[CachedSpan]) -> None:
-        """Place every span's cached K/V of ``layer`` (one multi-tensor copy)."""
-        targets, sources = [], []
-        for span in spans:
-            keys, values = span.source.layer(layer)
-            targets += [self.data[layer, 0, :, span.start : span.end],
-                        self.data[layer, 1, :, span.start : span.end]]  # fmt: skip
-            sources += [keys, values]
+        """Place every span's cached K/V of ``layer`` (one multi-tensor copy, one per span).
+
+        A span's source is read, never written: it may be the store's own tensor.
+        """
+        targets = [self.data[layer, :, :, span.start : span.end] for span in spans]
+        sources = [span.source.layer(layer) for span in spans]
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+    def load_all(self, spans: list[CachedSpan]) -> None:
+        """Place every span's cached K/V of every layer (one multi-tensor copy, one per span)."""
+        targets = [self.data[:, :, :, span.start : span.end] for span in spans]
+        sources = [span.source.layers() for span in spans]
         if targets:
             torch._foreach_copy_(targets, sources)
 
@@ -189,6 +197,25 @@ def check_cancel(cancel: threading.Event | None) -> None:
         raise BlendCancelledError("the prefill was cancelled")
 
 
+def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> None:
+    """Step 1: place the cached K/V that ``layer`` reads.
+
+    A pass that computes only some rows from layer 0 on, and never narrows them, reads the
+    cached rows of every layer: they are all placed before layer 0, one copy per document.
+    Otherwise a layer's own rows are placed as it needs them: every layer of a pass that
+    computes only some rows, and a refine layer (which reads the cached K/V to choose rows).
+    """
+    whole = not state.every_row and not refine_layers
+    if (layer > 0) if whole else (state.every_row and layer not in refine_layers):
+        return
+    loaded = time.perf_counter()
+    if whole:
+        state.kv.load_all(state.prompt.spans)
+    else:
+        state.kv.load(layer, state.prompt.spans)
+    state.load_s += time.perf_counter() - loaded
+
+
 def run_layers(
     state: PassState,
     loads: bool,
@@ -209,10 +236,8 @@ def run_layers(
     last = decoder.shape.num_layers - 1
     for layer in range(last + 1):
         check_cancel(cancel)
-        if loads and (not state.every_row or layer in refine_layers):  # step 1
-            loaded = time.perf_counter()
-            state.kv.load(layer, prompt.spans)
-            state.load_s += time.perf_counter() - loaded
+        if loads:  # step 1
+            load_cached(state, layer, refine_layers)
         if layer in refine_layers:  # step 2: the selector narrows the computed rows
             assert selector is not None
             cached = (state.kv.data[layer, 0], state.kv.data[layer, 1])

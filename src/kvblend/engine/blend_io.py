@@ -24,10 +24,14 @@ PREFIX, MOVED, COMPUTE = TokenKind.PREFIX, TokenKind.MOVED, TokenKind.COMPUTE
 
 
 class LayerKV(Protocol):
-    """A cached segment's KV, readable one layer at a time."""
+    """A cached segment's KV, readable one layer at a time (read only: never written)."""
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Un-rotated keys and values ``[kv_heads, tokens, head_dim]`` of layer ``index``."""
+    def layer(self, index: int) -> torch.Tensor:
+        """Un-rotated keys and values ``[2, kv_heads, tokens, head_dim]`` of layer ``index``."""
+        ...
+
+    def layers(self) -> torch.Tensor:
+        """Un-rotated keys and values of every layer ``[layers, 2, kv_heads, tokens, head_dim]``."""
         ...
 
 

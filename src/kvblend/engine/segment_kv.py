@@ -4,15 +4,21 @@
 its cache (behind the document context, memoized), computes an entry with the engine's own
 layer loop and writes it, checks that an entry reads back, and opens the entries a prefill plan
 needs. A store that fails never fails an answer: a missing or unreadable entry is computed,
-and one that fails while its layers are being read (a damaged tensor, a remote tier gone
-mid-prompt) is recomputed in place (`StoredRows`).
+and one that fails while it is being read (a damaged tensor, a remote tier gone mid-prompt) is
+recomputed in place (`StoredRows`).
 
-Nothing read is trusted: every entry is opened with the tensors the model needs (names
-``k.{layer}``/``v.{layer}`` for each layer, ``kv_dtype``, ``[kv_heads, tokens, head_dim]`` with
-the document's token count) and finite values, which the store checks in the same pass as the
-checksum (`kvblend.store.base.EntrySpec`); an entry that differs is corrupt: dropped, counted
-and recomputed, never used. `StoredRows` checks each layer's shape again as it is used, so a
-store that ignores the expectation still never feeds a wrong-shaped tensor to the model.
+An entry is one tensor, ``kv``: every layer's un-rotated keys and values of the document,
+``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values), laid out as the prompt buffer
+of the blend loop (`kvblend.engine.blend.PromptKV`) holds them, so a document's rows of a layer
+are placed with one copy. What a store hands out is read in place: `StoredRows` gives views
+into it, and the blend loop only ever copies out of them, never writes into them.
+
+Nothing read is trusted: every entry is opened with the tensor the model needs (``kv``,
+``kv_dtype``, the shape above with the document's token count) and finite values, which the
+store checks in the same pass as the checksum (`kvblend.store.base.EntrySpec`); an entry that
+differs is corrupt: dropped, counted and recomputed, never used. `StoredRows` checks the shape
+again as it is used, so a store that ignores the expectation still never feeds a wrong-shaped
+tensor to the model.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from .decoder import Decoder
 from .precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
 from .prompt import DocumentLayout, PrefillPlan, document_layout
 from .registry import document_metadata
-from .segments import KV_LAYOUT, segment_key
+from .segments import KV_LAYOUT, KV_NAME, segment_key
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +50,12 @@ _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 
 
 class StoredRows:
-    """Rows of a store entry (tensors ``k.{layer}``/``v.{layer}``), read a layer at a time.
+    """Rows of a store entry (one tensor ``kv``, `SegmentKV.entry_shape`), read a layer at a time.
 
-    A lazy entry reads its tensors while the blend loop runs (on CUDA, each tensor is handed
-    out once the current stream is ordered after its copy: `kvblend.store.transfer`); if a
-    read fails there, whatever the store raised, ``recompute`` produces the segment's KV
+    ``layer(i)`` is a view into the stored tensor, never a copy: the caller only reads it. A
+    lazy entry reads its tensor when the blend loop first asks for a layer (on CUDA, the tensor
+    is handed out once the current stream is ordered after its copy: `kvblend.store.transfer`);
+    if that read fails, whatever the store raised, ``recompute`` produces the segment's KV
     instead (and stores it again).
     """
 
@@ -61,33 +68,40 @@ class StoredRows:
     ) -> None:
         self.tensors = tensors
         self.rows = rows
-        self.expected = expected  # dtype and shape of every stored tensor, when known
+        self.expected = expected  # dtype and shape of the stored ``kv``, when known
         self.recomputed = False  # True once a failed read made this segment be computed anew
         self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
+        self._kv: torch.Tensor | None = None
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Un-rotated keys and values of layer ``index`` for these rows."""
+    def layer(self, index: int) -> torch.Tensor:
+        """Return a view of layer ``index``'s un-rotated K/V ``[2, kv_heads, rows, head_dim]``."""
+        return self.layers()[index]
+
+    def layers(self) -> torch.Tensor:
+        """Return a view of every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``."""
+        if self._kv is None:
+            self._kv = self._open()
+        return self._kv[:, :, :, self.rows]
+
+    def _open(self) -> torch.Tensor:
         try:
-            keys, values = self._read(index)
+            return self._read()
         except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
             if self._recompute is None:
                 raise
             logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
             self.tensors, self._recompute = self._recompute(), None
             self.recomputed = True
-            keys, values = self._read(index)
-        return keys[:, self.rows], values[:, self.rows]
+            return self._read()
 
-    def _read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.tensors[f"k.{index}"], self.tensors[f"v.{index}"]
-        if self.expected is not None:
-            for name, tensor in ((f"k.{index}", keys), (f"v.{index}", values)):
-                if (tensor.dtype, tuple(tensor.shape)) != self.expected:
-                    raise ValueError(
-                        f"stored tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the "
-                        f"model needs {self.expected[0]} {list(self.expected[1])}"
-                    )
-        return keys, values
+    def _read(self) -> torch.Tensor:
+        kv = self.tensors[KV_NAME]
+        if self.expected is not None and (kv.dtype, tuple(kv.shape)) != self.expected:
+            raise ValueError(
+                f"stored tensor {KV_NAME!r} is {kv.dtype} {list(kv.shape)}, the model needs "
+                f"{self.expected[0]} {list(self.expected[1])}"
+            )
+        return kv
 
 
 class SegmentKV:
@@ -123,17 +137,15 @@ class SegmentKV:
         self.dropped = 0
 
     def entry_shape(self, tokens: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Return the dtype and shape of each stored tensor of a ``tokens``-token document."""
+        """Return the dtype and shape of the stored tensor of a ``tokens``-token document."""
         shape = self.decoder.shape
-        return self.kv_dtype, (shape.num_kv_heads, tokens, shape.head_dim)
+        return self.kv_dtype, (shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim)
 
     def expectation(self, tokens: int) -> Any:
         """Return the `EntrySpec` a ``tokens``-token document's entry is checked against."""
         from ..store.base import EntrySpec  # the store's contract type; no store is built here
 
-        fits = self.entry_shape(tokens)
-        layers = range(self.decoder.shape.num_layers)
-        return EntrySpec({f"{kind}.{layer}": fits for layer in layers for kind in "kv"})
+        return EntrySpec({KV_NAME: self.entry_shape(tokens)})
 
     def open_entry(
         self, key: str, tokens: int, device: torch.device | None = None
@@ -230,10 +242,8 @@ class SegmentKV:
     def _check_read(self, entry: Mapping[str, torch.Tensor], tokens: int) -> None:
         """Read every tensor of ``entry``; raise ValueError if one does not fit the model."""
         fits = self.entry_shape(tokens)
-        layers = range(self.decoder.shape.num_layers)
-        names = {f"{kind}.{layer}" for layer in layers for kind in "kv"}
-        if set(entry) != names:
-            raise ValueError(f"holds {len(entry)} tensors, the model needs {len(names)}")
+        if set(entry) != {KV_NAME}:
+            raise ValueError(f"holds tensors {sorted(entry)[:3]}, the model needs [{KV_NAME!r}]")
         for name in entry:
             tensor = entry[name]
             if (tensor.dtype, tuple(tensor.shape)) != fits:
@@ -262,14 +272,10 @@ class SegmentKV:
             BlendInput(ids, kinds, []),
             BlendConfig("full"),
             need_logits=False,
-            keep_raw_keys=True,
         )
-        assert out.raw_keys is not None
-        start = len(context)
-        tensors: dict[str, torch.Tensor] = {}
-        for layer, (keys, values) in enumerate(zip(out.raw_keys, out.values, strict=True)):
-            tensors[f"k.{layer}"] = keys[:, start:].to(self.kv_dtype).contiguous()
-            tensors[f"v.{layer}"] = values[:, start:].to(self.kv_dtype).contiguous()
+        assert out.raw_kv is not None  # the pass's own buffer: nobody else holds it
+        rows = out.raw_kv[:, :, :, len(context) :]
+        tensors = {KV_NAME: rows.to(self.kv_dtype, memory_format=torch.contiguous_format)}
         self._put(key, tensors, len(context), len(token_ids))
         return tensors
 
@@ -290,12 +296,20 @@ class SegmentKV:
         keys, values = forward_batch(self.decoder, sequences)
         for row, (key, layout) in enumerate(entries):
             start, end = len(layout.context_ids), len(sequences[row])
-            tensors: dict[str, torch.Tensor] = {}
-            for layer in range(self.decoder.shape.num_layers):
-                for name, source in (("k", keys), ("v", values)):
-                    rows = source[layer][row, :, start:end]
-                    tensors[f"{name}.{layer}"] = rows.to(self.kv_dtype, copy=True).contiguous()
+            tensors = {KV_NAME: self._blob(keys, values, row, slice(start, end))}
             self._put(key, tensors, start, end - start, (described or {}).get(key))
+
+    def _blob(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], row: int, rows: slice
+    ) -> torch.Tensor:
+        """Batch row ``row``'s ``rows`` of per-layer K/V as one new entry tensor (one copy)."""
+        tokens = rows.stop - rows.start
+        dtype, shape = self.entry_shape(tokens)
+        blob = torch.empty(shape, dtype=dtype, device=keys[0].device)
+        targets = [blob[layer, kind] for layer in range(shape[0]) for kind in (0, 1)]
+        sources = [kv[layer][row, :, rows] for layer in range(shape[0]) for kv in (keys, values)]
+        torch._foreach_copy_(targets, sources)
+        return blob
 
     def _put(
         self,

@@ -13,9 +13,13 @@ from .validation import check_text
 
 Role = Literal["document", "prefix"]
 
-#: Version of the stored KV layout (un-rotated keys, values, per layer, whole-text token ids);
-#: part of every segment key, so entries of another layout are never read.
-KV_LAYOUT = "kvblend-segment-kv/2"
+#: Version of the stored KV layout (one tensor `KV_NAME` of un-rotated keys and values,
+#: ``[layers, 2, kv_heads, tokens, head_dim]``, whole-text token ids); part of every segment
+#: key, so entries of another layout are never found, let alone read.
+KV_LAYOUT = "kvblend-segment-kv/3"
+
+#: The name of a segment entry's one tensor.
+KV_NAME = "kv"
 
 
 @dataclass(frozen=True)

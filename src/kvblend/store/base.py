@@ -200,9 +200,11 @@ class KVStore(abc.ABC):
     """A key -> named tensors store. Implementations are thread safe.
 
     `get()` may return a lazy mapping (`LazyTensors`) that reads each tensor on first access
-    and prefetches the next ones in layer order; its tensors belong to the caller (mutating them
-    never changes the store). Stores are context managers; `close()` releases threads and
-    handles but leaves the store usable.
+    and prefetches the next ones in layer order. Its tensors are for reading: a memory tier hands
+    out the tensors it holds (no defensive copy), so writing into one would change the store; a
+    caller that needs to modify one clones it first. `put()` always keeps its own copy, so the
+    caller may reuse what it passed. Stores are context managers; `close()` releases threads
+    and handles but leaves the store usable.
     """
 
     @abc.abstractmethod

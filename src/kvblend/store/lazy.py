@@ -271,10 +271,12 @@ def copy_then_keep(
     metadata: dict[str, str],
     on_close: Callable[[], None] | None,
 ) -> LazyTensors:
-    """Return a lazy view of a slower tier's entry that hands out copies on `target`.
+    """Return a lazy view of a slower tier's entry that hands out its tensors on `target`.
 
     Once every tensor has been read (as a prefill does), ``keep(tensors)`` receives the pristine
-    tensors, to keep them in a faster tier without a second read.
+    tensors, to keep them in a faster tier without a second read. A tensor already on `target`
+    is handed out as it is (read, never written: `KVStore.get`), so it may be the very tensor the
+    faster tier keeps.
     """
     names = list(stored)
     collected: dict[str, torch.Tensor] = {}
@@ -287,6 +289,6 @@ def copy_then_keep(
             complete = len(collected) == len(names)
         if complete:
             keep(dict(collected))
-        return HOST_TO_DEVICE.copy(pristine, target)  # a copy: the caller may patch it
+        return HOST_TO_DEVICE.copy(pristine, target, copy=False)  # read in place
 
     return LazyTensors(names, load, metadata=metadata, on_close=on_close)

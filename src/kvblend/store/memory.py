@@ -1,9 +1,12 @@
 """`MemoryKVStore`: an in-process LRU store bounded by the bytes of the tensors it holds.
 
 Entries are kept as tensors, optionally on a compute device (a GPU tier), in an `OrderedDict`
-used as an LRU list. `put()` stores private copies and `get()` hands out copies (made lazily, per
-tensor, with prefetch), so a caller that patches rows of the returned KV in place never changes
-what the store holds.
+used as an LRU list. `put()` stores private copies; host tensors are kept in pinned (page-locked)
+memory when CUDA is available, pinned once as they are stored, so every copy to the GPU is an
+asynchronous DMA with no staging. `get()` reads in place: it hands out the stored tensors
+themselves when they are on the device asked for (a GPU tier read on its own device, a host tier
+read on the host), and only a copy to another device otherwise. What `get()` returns is read,
+never written (`KVStore.get`).
 """
 
 from __future__ import annotations
@@ -88,7 +91,10 @@ class MemoryKVStore(KVStore):
         *,
         expect: EntrySpec | None = None,
     ) -> LazyTensors | None:
-        """Return a lazy mapping of copies of the tensors under `key` (on `device`), or None.
+        """Return a lazy mapping of the tensors under `key` (on `device`), or None.
+
+        Tensors already on `device` (or every tensor, when `device` is None) are the stored
+        ones, handed out in place: read them, never write them. Others are copies.
 
         An entry whose names, dtypes or shapes are not those `expect` gives, or (with
         `expect.finite`) that holds NaN or infinity, is dropped, counted and reported as a
@@ -112,7 +118,7 @@ class MemoryKVStore(KVStore):
         stored = entry.tensors
 
         def load(name: str) -> torch.Tensor | PendingCopy:
-            return HOST_TO_DEVICE.copy(stored[name], target)  # a copy: the caller may patch it
+            return HOST_TO_DEVICE.copy(stored[name], target, copy=False)  # read in place
 
         return LazyTensors(
             sorted(stored, key=layer_order),
@@ -125,20 +131,26 @@ class MemoryKVStore(KVStore):
     def put(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
     ) -> None:
-        """Store private copies of `tensors` (on the store's device) under `key`."""
+        """Store private copies of `tensors` under `key`, on the store's device.
+
+        Host copies are made straight into pinned memory when CUDA is available.
+        """
         validate_key(key)
         checked, user_metadata = validate_entry(tensors, metadata)
         if sum(t.nbytes for t in checked.values()) > self.max_bytes:
             logger.debug("entry %s is larger than the memory store (%d bytes)", key, self.max_bytes)
             self.delete(key)
             return
-        copies = {
-            name: tensor.detach().to(
-                self.device if self.device is not None else tensor.device, copy=True
-            )
-            for name, tensor in checked.items()
-        }
+        copies = {name: self._private_copy(tensor.detach()) for name, tensor in checked.items()}
         self.insert_owned(key, copies, user_metadata)
+
+    def _private_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return a copy of `tensor` on the store's device, in pinned memory if kept pinned."""
+        device = self.device if self.device is not None else tensor.device
+        if not _pins(device):
+            return tensor.to(device, copy=True)
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return pinned.copy_(tensor)
 
     def insert_owned(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]
@@ -146,8 +158,13 @@ class MemoryKVStore(KVStore):
         """Store tensors the store may keep as they are (no copy), evicting LRU entries.
 
         For use inside the store package (the tiered store promotes disk hits this way); the
-        tensors must not be used by anyone else afterwards.
+        tensors are only read afterwards, by anyone. Host tensors not pinned yet are pinned
+        here when CUDA is available (once: they are kept pinned).
         """
+        tensors = {
+            name: t.pin_memory() if _pins(t.device) and not t.is_pinned() else t
+            for name, t in tensors.items()
+        }
         nbytes = sum(t.nbytes for t in tensors.values())
         with self._lock:
             old = self._entries.pop(key, None)
@@ -215,3 +232,8 @@ class MemoryKVStore(KVStore):
     def close(self) -> None:
         """Stop the prefetch threads (the entries are kept)."""
         self._pool.close()
+
+
+def _pins(device: torch.device) -> bool:
+    """Whether tensors kept on `device` are kept pinned: host memory when CUDA is available."""
+    return device.type == "cpu" and torch.cuda.is_available()
