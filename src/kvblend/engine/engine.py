@@ -119,7 +119,7 @@ class BlendEngine:
         self.segment_kv = SegmentKV(
             self.decoder, tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            check_length=self._check_length, context_of=self._context_for,
+            check_length=self._check_length, context_of=self._context_for, known=self.is_known,
         )  # fmt: skip
         vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).

@@ -352,8 +352,8 @@ class DocumentRegistry:
 def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str] | None:
     """Parse what `document_metadata` stored: (digest, anchor, length, context digest, context).
 
-    None for an entry that names no document (a prompt head, a segment computed during a
-    prefill) or names one in a way `document_metadata` never writes.
+    None for an entry that names no document (a prompt head, a segment passed in a list and
+    never registered) or names one in a way `document_metadata` never writes.
     """
     try:
         digest = bytes.fromhex(metadata["document.digest"])
@@ -369,7 +369,8 @@ def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str
 def document_metadata(text: str, context: str) -> dict[str, str]:
     """Entry metadata naming the document an entry holds (hashes, not text) and its context.
 
-    Stored with every precomputed entry, so the registry can be rebuilt from the store's own
+    Stored with every entry of a known document (precomputed, computed during a prefill or
+    recomputed after a damaged read), so the registry can be rebuilt from the store's own
     entries (`DocumentRegistry.rebuild`) when its log is lost.
     """
     return {
