@@ -206,6 +206,56 @@ def test_the_same_model_from_two_folders_shares_one_store(tmp_path: Path) -> Non
     assert other != fingerprint and (reused, tokens) == (0, 0)
 
 
+REDIS_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from kvblend import BlendConfig, BlendEngine
+    from kvblend.store import default_store
+
+    # each process has its own local tiers (under its cache home); only Redis is shared
+    store = default_store(sys.argv[5], redis_url=sys.argv[6])
+    engine = BlendEngine.from_pretrained(sys.argv[1], store=store, device="cpu",
+                                         system_prompt=sys.argv[2])
+    if sys.argv[3] == "precompute":
+        engine.precompute(json.loads(sys.argv[4]))
+    else:
+        stats = engine.prefill(sys.argv[4], BlendConfig("reuse")).stats
+        print(json.dumps([engine.fingerprint, stats.documents_found, stats.documents_reused,
+                          stats.reused_tokens, stats.segments_precomputed]))
+    """
+)
+
+
+def test_the_same_model_from_two_cache_homes_shares_one_redis(tmp_path: Path, redis_server) -> None:
+    import json
+
+    model, tokenizer = tiny_model("qwen2"), byte_tokenizer()
+    homes = [tmp_path / "alice", tmp_path / "bob"]
+    folders = [homes[0] / "cache" / "model", homes[1] / "models" / "tiny"]
+    for folder in folders:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    script = tmp_path / "worker.py"
+    script.write_text(REDIS_WORKER)
+    system, url = "Answer from the documents.", redis_server.url
+
+    def run(home: Path, folder: Path, *args: str) -> str:
+        return _run_worker(script, home, str(folder), system, *args, str(home / "kv"), url)
+
+    run(homes[0], folders[0], "precompute", json.dumps([A, B]))
+    assert not (homes[1] / "kv").exists()  # the second process starts with empty local tiers
+    prompt = f"Docs: {B}\n\n{A}\nWho keeps bees?"
+    fingerprint, found, reused, tokens, precomputed = json.loads(
+        run(homes[1], folders[1], "ask", prompt)
+    )
+    assert (found, reused, precomputed) == (2, 2, 0) and tokens > 0
+    with __import__("torch").no_grad():  # another model over the same server reads nothing
+        model.get_parameter("model.norm.weight").view(-1)[0] += 1e-2
+    model.save_pretrained(folders[1])
+    other, found, reused, tokens, _ = json.loads(run(homes[1], folders[1], "ask", prompt))
+    assert other != fingerprint and (found, reused, tokens) == (0, 0, 0)
+
+
 def test_documents_are_found_whatever_head_they_were_precomputed_behind(tmp_path: Path) -> None:
     model = tiny_model("llama")
     first = BlendEngine(
