@@ -48,6 +48,57 @@ def test_least_recently_matched_documents_are_dropped_past_capacity() -> None:
     assert A in registry and B not in registry and len(registry) == 2
 
 
+def test_finds_follow_documents_added_and_dropped_between_searches() -> None:
+    import random
+
+    from kvblend.engine.registry import _non_overlapping
+
+    rng = random.Random(7)
+    words = ["hive", "violin", "Lisbon", "river", "lamp", "quill", "harbour", "saffron"]
+    texts = [" ".join(rng.choices(words, k=rng.randint(2, 9))) + f" #{n}." for n in range(40)]
+    texts += [text[: len(text) // 2 + 4] for text in texts[:10]]  # prefixes: shared anchors
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test", capacity=12)
+    for step in range(60):
+        if step % 3:  # two searches in a row: the second one uses the sorted anchor arrays
+            registry.add(rng.sample(texts, rng.randint(1, 4)))  # past capacity: some dropped
+        prompt = " | ".join(rng.sample(texts, 8))
+        known = [text for text in set(texts) if text in registry]
+        expected = _non_overlapping(
+            [
+                (start, start + len(text), b"")
+                for text in known
+                for start in range(len(prompt))
+                if prompt.startswith(text, start)
+            ]
+        )
+        assert registry.find(prompt) == expected, step
+        assert registry.find(prompt) == expected, step
+
+
+def test_a_document_added_is_found_though_the_newest_document_is_unchanged() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test", capacity=2)
+    third = "A third document, long enough."
+    registry.add([A, B])
+    assert spans(A, registry.find(A)) == spans(A, registry.find(A)) == [A]
+    registry.add([third])  # B dropped: as many documents as before
+    registry.add([A])  # already known: A is again the newest, as at the last search
+    assert spans(f"{third} {A}", registry.find(f"{third} {A}")) == [third, A]
+    assert registry.find(B) == []
+
+
+def test_a_near_miss_is_the_first_known_start_outside_the_matches() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test")
+    assert registry.anchor_in(f"x {A}") is None
+    registry.add([A, B])
+    prompt = f"{A[:30]} and {B} and {A[:20]}"
+    matches = [(m.start, m.end) for m in registry.find(prompt)]
+    assert registry.anchor_in(prompt, matches) == (0, len(A))
+    assert registry.anchor_in(prompt[30:], [(m - 30, n - 30) for m, n in matches]) == (
+        len(prompt) - 20 - 30,
+        len(A),
+    )
+
+
 def test_registries_over_one_folder_share_documents(tmp_path: Path) -> None:
     writer = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
     reader = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
