@@ -161,8 +161,8 @@ def prefills(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     seen: list[Any] = []
     original = engine.prefill
 
-    def recording(prompt: Any, config: Any = None) -> Any:
-        result = original(prompt, config)
+    def recording(prompt: Any, config: Any = None, **options: Any) -> Any:
+        result = original(prompt, config, **options)  # e.g. generate's ``cancel``
         seen.append(result.stats)
         return result
 
