@@ -6,8 +6,9 @@ all. `ReadOnlyIndex` reads the same SQLite index with SQLite's read-only modes a
 calls a reader makes (`get`, ``in``, `len`, `volume`) with diskcache's own row layout and the
 store's bytes-only serializer; every write raises `sqlite3.OperationalError` ("attempt to
 write a readonly database"), which the disk store reports as a failed write like any other.
-The folder's record logs, when they cannot be opened there (or their folder or files are
-symbolic links, never followed), are kept in memory instead (`record_logs`).
+The folder's record logs open read-only the same way (`DiskRecordLogs`); only when there are
+none to read there (or their folder or files are symbolic links, never followed) are they kept
+in memory instead (`record_logs`).
 """
 
 from __future__ import annotations
