@@ -48,6 +48,57 @@ def test_least_recently_matched_documents_are_dropped_past_capacity() -> None:
     assert A in registry and B not in registry and len(registry) == 2
 
 
+def test_finds_follow_documents_added_and_dropped_between_searches() -> None:
+    import random
+
+    from kvblend.engine.registry import _non_overlapping
+
+    rng = random.Random(7)
+    words = ["hive", "violin", "Lisbon", "river", "lamp", "quill", "harbour", "saffron"]
+    texts = [" ".join(rng.choices(words, k=rng.randint(2, 9))) + f" #{n}." for n in range(40)]
+    texts += [text[: len(text) // 2 + 4] for text in texts[:10]]  # prefixes: shared anchors
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test", capacity=12)
+    for step in range(60):
+        if step % 3:  # two searches in a row: the second one uses the sorted anchor arrays
+            registry.add(rng.sample(texts, rng.randint(1, 4)))  # past capacity: some dropped
+        prompt = " | ".join(rng.sample(texts, 8))
+        known = [text for text in set(texts) if text in registry]
+        expected = _non_overlapping(
+            [
+                (start, start + len(text), b"")
+                for text in known
+                for start in range(len(prompt))
+                if prompt.startswith(text, start)
+            ]
+        )
+        assert registry.find(prompt) == expected, step
+        assert registry.find(prompt) == expected, step
+
+
+def test_a_document_added_is_found_though_the_newest_document_is_unchanged() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test", capacity=2)
+    third = "A third document, long enough."
+    registry.add([A, B])
+    assert spans(A, registry.find(A)) == spans(A, registry.find(A)) == [A]
+    registry.add([third])  # B dropped: as many documents as before
+    registry.add([A])  # already known: A is again the newest, as at the last search
+    assert spans(f"{third} {A}", registry.find(f"{third} {A}")) == [third, A]
+    assert registry.find(B) == []
+
+
+def test_a_near_miss_is_the_first_known_start_outside_the_matches() -> None:
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test")
+    assert registry.anchor_in(f"x {A}") is None
+    registry.add([A, B])
+    prompt = f"{A[:30]} and {B} and {A[:20]}"
+    matches = [(m.start, m.end) for m in registry.find(prompt)]
+    assert registry.anchor_in(prompt, matches) == (0, len(A))
+    assert registry.anchor_in(prompt[30:], [(m - 30, n - 30) for m, n in matches]) == (
+        len(prompt) - 20 - 30,
+        len(A),
+    )
+
+
 def test_registries_over_one_folder_share_documents(tmp_path: Path) -> None:
     writer = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
     reader = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
@@ -204,6 +255,56 @@ def test_the_same_model_from_two_folders_shares_one_store(tmp_path: Path) -> Non
         _run_worker(script, tmp_path / "bob", str(folders[1]), system, "ask", prompt)
     )
     assert other != fingerprint and (reused, tokens) == (0, 0)
+
+
+REDIS_WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from kvblend import BlendConfig, BlendEngine
+    from kvblend.store import default_store
+
+    # each process has its own local tiers (under its cache home); only Redis is shared
+    store = default_store(sys.argv[5], redis_url=sys.argv[6])
+    engine = BlendEngine.from_pretrained(sys.argv[1], store=store, device="cpu",
+                                         system_prompt=sys.argv[2])
+    if sys.argv[3] == "precompute":
+        engine.precompute(json.loads(sys.argv[4]))
+    else:
+        stats = engine.prefill(sys.argv[4], BlendConfig("reuse")).stats
+        print(json.dumps([engine.fingerprint, stats.documents_found, stats.documents_reused,
+                          stats.reused_tokens, stats.segments_precomputed]))
+    """
+)
+
+
+def test_the_same_model_from_two_cache_homes_shares_one_redis(tmp_path: Path, redis_server) -> None:
+    import json
+
+    model, tokenizer = tiny_model("qwen2"), byte_tokenizer()
+    homes = [tmp_path / "alice", tmp_path / "bob"]
+    folders = [homes[0] / "cache" / "model", homes[1] / "models" / "tiny"]
+    for folder in folders:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    script = tmp_path / "worker.py"
+    script.write_text(REDIS_WORKER)
+    system, url = "Answer from the documents.", redis_server.url
+
+    def run(home: Path, folder: Path, *args: str) -> str:
+        return _run_worker(script, home, str(folder), system, *args, str(home / "kv"), url)
+
+    run(homes[0], folders[0], "precompute", json.dumps([A, B]))
+    assert not (homes[1] / "kv").exists()  # the second process starts with empty local tiers
+    prompt = f"Docs: {B}\n\n{A}\nWho keeps bees?"
+    fingerprint, found, reused, tokens, precomputed = json.loads(
+        run(homes[1], folders[1], "ask", prompt)
+    )
+    assert (found, reused, precomputed) == (2, 2, 0) and tokens > 0
+    with __import__("torch").no_grad():  # another model over the same server reads nothing
+        model.get_parameter("model.norm.weight").view(-1)[0] += 1e-2
+    model.save_pretrained(folders[1])
+    other, found, reused, tokens, _ = json.loads(run(homes[1], folders[1], "ask", prompt))
+    assert other != fingerprint and (found, reused, tokens) == (0, 0, 0)
 
 
 def test_documents_are_found_whatever_head_they_were_precomputed_behind(tmp_path: Path) -> None:

@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
+from kvblend.engine.registry import text_digest
 from kvblend.store import DiskKVStore, MemoryKVStore, RedisKVStore, default_store
 
 A = "Marta Quill is a beekeeper who lives in Lisbon."
@@ -88,6 +90,30 @@ def test_entries_not_of_this_model_or_naming_no_document_are_skipped(model) -> N
     store._memory_record_logs.clear()
     again = engine_over(model, store)
     assert again.is_known(A) and not again.is_known(B) and again.documents.rebuilds == 1
+
+
+def test_entries_computed_in_a_prefill_or_healed_name_their_documents(
+    model, tmp_path: Path
+) -> None:
+    first = engine_over(model, DiskKVStore(tmp_path))
+    first.register([A, B])  # nothing precomputed: the prefill computes both entries
+    assert first.prefill(PROMPT, BlendConfig("reuse")).stats.segments_precomputed == 2
+    key = first.segment_id(B)
+    first.store.put(key, {"k.0": torch.zeros(2, 3)}, {"tokens": "6"})  # damaged, unnamed
+    healer = engine_over(model, DiskKVStore(tmp_path))
+    stats = healer.prefill(PROMPT, BlendConfig("reuse")).stats
+    assert stats.segments_precomputed == 1 and healer.segment_kv.dropped == 1
+    assert healer.store.metadata(key)["document.digest"] == text_digest(B).hex()
+    shutil.rmtree(tmp_path / "records")  # the registry is lost: only the entries name them
+    fresh = engine_over(model, DiskKVStore(tmp_path))
+    assert_reuses_both(fresh)
+    assert fresh.documents.rebuilds == 1
+
+
+def test_a_segment_passed_in_a_list_and_never_registered_stays_unnamed(model) -> None:
+    engine = engine_over(model, MemoryKVStore())
+    engine.prefill(engine.rag_segments("Q?", [B]), BlendConfig("reuse"))
+    assert "document.digest" not in engine.store.metadata(engine.segment_id(B))
 
 
 # ---------------------------------------------------------------------------- redis

@@ -68,8 +68,29 @@ def test_repair_reports_what_it_fixed(folder, capsys):
     os.utime(orphan, (time.time() - 3600, time.time() - 3600))
     code, out, _ = run(capsys, "repair", "--store-dir", str(folder))
     assert code == 0
-    assert "index: ok" in out and "orphan files deleted: 1 (500 bytes)" in out
+    assert (
+        "index: ok" in out
+        and "unusable files deleted (partial, damaged or duplicate): 1 (500 bytes)" in out
+    )
+    assert "entry files taken back into the index: 0" in out
     assert "entries: 2" in out and not orphan.exists()
+
+
+def test_repair_takes_back_a_whole_entry_no_row_names(folder, capsys):
+    import sqlite3
+
+    with sqlite3.connect(folder / "cache.db") as db:  # a writer killed before its row
+        (filename,) = db.execute("SELECT filename FROM Cache WHERE key = 'b'").fetchone()
+        db.execute("DELETE FROM Cache WHERE key = 'b'")
+    db.close()
+    entry = folder / filename
+    os.utime(entry, (time.time() - 3600, time.time() - 3600))
+    code, out, _ = run(capsys, "repair", "--store-dir", str(folder))
+    assert code == 0 and entry.exists()
+    assert "entry files taken back into the index: 1" in out
+    assert "unusable files deleted (partial, damaged or duplicate): 0 (0 bytes)" in out
+    with DiskKVStore(folder) as store:
+        assert torch.equal(store.get("b")["k.0"], make_kv(1)["k.0"])
 
 
 def test_clear_empties_the_folder(folder, capsys):

@@ -30,7 +30,9 @@ def add_store_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private sub
         "action",
         choices=["stats", "clear", "repair"],
         help="stats: what the folder holds; clear: delete every entry; repair: set a damaged "
-        "index aside, drop index rows without a file, delete files no entry names",
+        "index aside and rebuild it from the entry files, drop index rows without a valid file, "
+        "take whole entry files no row names back into the index and delete the partial or "
+        "unusable ones",
     )
     store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
     store.set_defaults(func=cmd_store)
@@ -114,5 +116,9 @@ def _print_repair(directory: Path, store: DiskKVStore) -> None:
     set_aside = f"set aside as {DAMAGED_NAME} and rebuilt" if report.index_set_aside else "ok"
     print(f"index: {set_aside}")
     print(f"index rows without a valid file dropped: {report.rows_dropped}")
-    print(f"orphan files deleted: {report.orphans_deleted} ({report.orphan_bytes:,} bytes)")
+    print(f"entry files taken back into the index: {report.files_adopted}")
+    print(
+        f"unusable files deleted (partial, damaged or duplicate): {report.orphans_deleted} "
+        f"({report.orphan_bytes:,} bytes)"
+    )
     print(f"entries: {report.entries}, bytes: {report.bytes:,}")

@@ -63,6 +63,19 @@ PromptLike = str | Sequence[Segment | str]
 DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents."
 
 
+def _default_store() -> KVStore:
+    """Build the store of an engine given none (the default wiring; the engine sees get/put)."""
+    from ..store import default_store
+
+    return default_store()
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest vocabulary entry (64 when it has no vocabulary)."""
+    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(token) for token in vocabulary), default=64) or 64
+
+
 class BlendEngine:
     """Blended prefill and generation over one Hugging Face decoder model."""
 
@@ -102,11 +115,7 @@ class BlendEngine:
         self.decoder = Decoder(model)
         self.model = model
         self.tokenizer = tokenizer
-        if store is None:
-            from ..store import default_store  # the default wiring only; the engine sees get/put
-
-            store = default_store()
-        self.store = store
+        self.store = store if store is not None else _default_store()
         self.kv_dtype = kv_dtype or self.decoder.dtype
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
@@ -115,23 +124,26 @@ class BlendEngine:
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
+        #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
+        self._max_token_chars = _longest_token_chars(tokenizer)
+        self._fallback_log = FallbackLog(logger)  # each cause once a minute
+        self._connect_store(max_documents)
+        if check_parity:
+            self.check_parity()
+
+    def _connect_store(self, max_documents: int) -> None:
+        """Build what reads and writes this engine's entries and finds its documents."""
         #: Computes, checks and opens the store entries of segment KV.
         self.segment_kv = SegmentKV(
-            self.decoder, tokenizer, self.store, fingerprint=self.fingerprint,
+            self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            check_length=self._check_length, context_of=self._context_for,
+            check_length=self._check_length, context_of=self._context_for, known=self.is_known,
         )  # fmt: skip
-        vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
-        self._max_token_chars = max((len(token) for token in vocabulary), default=64) or 64
-        self._fallback_log = FallbackLog(logger)  # each cause once a minute
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store and model, whatever their document context (see `kvblend.engine.registry`).
         self.documents = DocumentRegistry(
             self.store, self._registry_log(), capacity=max_documents, stored=self._stored_documents
         )
-        if check_parity:
-            self.check_parity()
 
     @classmethod
     def from_pretrained(

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
 
 from .config import BlendConfig
 from .prompt import PrefillPlan, SpanReport, TokenKind
-from .registry import ANCHOR_CHARS
+from .registry import DocumentRegistry
 from .selectors.attention import attention_budget
 
 __all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend", "near_miss"]
@@ -201,30 +200,22 @@ class Explanation:
         return "\n".join(lines)
 
 
-def near_miss(registry: object, prompt: str, matched: list[tuple[int, int]]) -> str | None:
+def near_miss(
+    registry: DocumentRegistry, prompt: str, matched: list[tuple[int, int]]
+) -> str | None:
     """Describe a known document whose start occurs in ``prompt`` outside ``matched`` spans.
 
     The registry finds a document by its first `ANCHOR_CHARS` characters and then its whole
     text; a prompt that holds those first characters but not the whole text holds a truncated
     or rewritten copy, which is computed in full. None when there is no such start (a prompt
-    without documents, such as a greeting). Reads the registry's anchor table.
+    without documents, such as a greeting): `DocumentRegistry.anchor_in`.
     """
-    anchors = getattr(registry, "_anchors", None)
-    lock = getattr(registry, "_lock", None)
-    if not anchors or lock is None:  # no document known: nothing to scan for
+    found = registry.anchor_in(prompt, matched)
+    if found is None:
         return None
-    size, cursor = len(prompt), 0
-    with lock:
-        for start_of_match, end_of_match in [*matched, (size, size)]:
-            for start in range(cursor, max(cursor, start_of_match - ANCHOR_CHARS + 1)):
-                piece = prompt[start : start + ANCHOR_CHARS].encode("utf-8", "surrogatepass")
-                bucket = anchors.get((zlib.crc32(piece), ANCHOR_CHARS))
-                if bucket:
-                    length = max(bucket)
-                    return (
-                        f"a known document of {length} characters starts at character {start} "
-                        f"({_snippet(prompt[start : start + 40], 44)}) but the prompt does not "
-                        "hold its whole text (truncated, rewritten or re-joined): computed in full"
-                    )
-            cursor = end_of_match
-    return None
+    start, length = found
+    return (
+        f"a known document of {length} characters starts at character {start} "
+        f"({_snippet(prompt[start : start + 40], 44)}) but the prompt does not "
+        "hold its whole text (truncated, rewritten or re-joined): computed in full"
+    )

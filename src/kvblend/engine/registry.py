@@ -28,7 +28,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,12 @@ class DocumentRegistry:
         self._anchor_lengths: dict[int, int] = {}  # anchor length -> documents using it
         self._stored_behind: dict[bytes, list[bytes]] = {}  # digest -> context digests, newest last
         self._contexts: dict[bytes, str] = {}  # context digest -> context text
+        # Search caches of `find`, both cleared by `_insert` and `_remove`: the known anchor
+        # hashes per anchor length as sorted arrays (made once the anchors are unchanged since
+        # the last search), and digest -> hash of a found document's last characters.
+        self._anchor_arrays: dict[int, np.ndarray] | None = None
+        self._anchors_settled = False  # no document inserted or removed since the last search
+        self._tail_anchors: dict[bytes, int] = {}
         self._context_parts: dict[bytes, dict[int, bytes]] = {}  # contexts still incomplete
         self._stored = stored
         self._looked = False  # whether the log has been read once
@@ -264,39 +270,12 @@ class DocumentRegistry:
         self.refresh()
         found: list[tuple[int, int, bytes]] = []
         with self._lock:
-            # The anchor hashes known, per anchor length, as sorted arrays, made when the
-            # registry is unchanged since the last search (an added document is the most
-            # recent: the last key); while documents are being added, each position is looked
-            # up in the anchor table instead (the cost of either follows the prompt's length).
-            signature = (len(self._documents), next(reversed(self._documents), None))
-            cached = getattr(self, "_known_anchors", None)
-            arrays: dict[int, np.ndarray] | None = None
-            if cached is not None and cached[0] == signature:
-                arrays = cached[1]
-                if arrays is None:
-                    by_length: dict[int, list[int]] = {}
-                    for anchor, anchor_length in self._anchors:
-                        by_length.setdefault(anchor_length, []).append(anchor)
-                    arrays = {
-                        n: np.unique(np.array(v, dtype=np.uint32)) for n, v in by_length.items()
-                    }
-            # digest -> anchor hash of a found document's last characters: a candidate whose
-            # last characters hash otherwise is not hashed whole
-            tails: dict[bytes, int] = getattr(self, "_tail_anchors", {})
+            arrays = self._search_arrays()
+            tails = self._tail_anchors
             size = len(prompt)
             for anchor_length in list(self._anchor_lengths):
                 hashes = window_crc32(prompt, anchor_length)  # every position at once
-                if arrays is not None:
-                    anchors = arrays[anchor_length]
-                    slots = np.minimum(np.searchsorted(anchors, hashes), len(anchors) - 1)
-                    starts = np.flatnonzero(anchors[slots] == hashes).tolist()
-                else:
-                    starts = [
-                        start
-                        for start, value in enumerate(hashes.tolist())
-                        if (value, anchor_length) in self._anchors
-                    ]
-                for start in starts:
+                for start in self._anchor_starts(hashes, anchor_length, arrays):
                     bucket = self._anchors.get((int(hashes[start]), anchor_length), {})
                     for length, digests in bucket.items():
                         if start + length > size:
@@ -308,15 +287,61 @@ class DocumentRegistry:
                         if digest in digests:
                             found.append((start, start + length, digest))
                             tails[digest] = tail
-            if len(tails) > 2 * len(self._documents):
-                tails = {d: tail for d, tail in tails.items() if d in self._documents}
-            self._tail_anchors = tails
             for _, _, digest in found:
-                self._documents.move_to_end(digest)
-            # moving matched documents changed the last key, not the anchors
-            last = next(reversed(self._documents), None)
-            self._known_anchors = ((len(self._documents), last), arrays)
+                self._documents.move_to_end(digest)  # recency only: the anchors are unchanged
+            self._anchors_settled = True
         return _non_overlapping(found)
+
+    def _search_arrays(self) -> dict[int, np.ndarray] | None:
+        """Return the known anchor hashes per anchor length, sorted; None while documents change.
+
+        Made on a search when no document was inserted or removed since the previous one, and
+        kept until one is; while documents are being added, each position is looked up in the
+        anchor table instead (the cost of either follows the prompt's length). Lock held.
+        """
+        if self._anchor_arrays is None and self._anchors_settled:
+            by_length: dict[int, list[int]] = {}
+            for anchor, anchor_length in self._anchors:
+                by_length.setdefault(anchor_length, []).append(anchor)
+            self._anchor_arrays = {
+                n: np.unique(np.array(v, dtype=np.uint32)) for n, v in by_length.items()
+            }
+        return self._anchor_arrays
+
+    def _anchor_starts(
+        self, hashes: np.ndarray, anchor_length: int, arrays: dict[int, np.ndarray] | None
+    ) -> list[int]:
+        """Positions whose window hash is a known anchor of ``anchor_length``. Lock held."""
+        if arrays is not None:
+            anchors = arrays[anchor_length]
+            slots = np.minimum(np.searchsorted(anchors, hashes), len(anchors) - 1)
+            return np.flatnonzero(anchors[slots] == hashes).tolist()
+        return [
+            start
+            for start, value in enumerate(hashes.tolist())
+            if (value, anchor_length) in self._anchors
+        ]
+
+    def anchor_in(
+        self, prompt: str, matched: Sequence[tuple[int, int]] = ()
+    ) -> tuple[int, int] | None:
+        """Find a known document whose first characters, not whole text, are in ``prompt``.
+
+        Returns the first ``(start, length)``: where a full `ANCHOR_CHARS`-character anchor of a
+        known document starts, outside the ``matched`` character spans (sorted, as `find`
+        returns them), and the longest known document with that anchor; None when none does.
+        """
+        self.refresh()
+        hashes = window_crc32(prompt, ANCHOR_CHARS)
+        cursor, size = 0, len(prompt)
+        with self._lock:
+            for match_start, match_end in [*matched, (size, size)]:
+                for start in range(cursor, max(cursor, match_start - ANCHOR_CHARS + 1)):
+                    bucket = self._anchors.get((int(hashes[start]), ANCHOR_CHARS))
+                    if bucket:
+                        return start, max(bucket)
+                cursor = match_end
+        return None
 
     def _insert(self, digest: bytes, anchor: int, length: int, context: bytes) -> None:
         behind = self._stored_behind.setdefault(digest, [])
@@ -327,6 +352,7 @@ class DocumentRegistry:
             self._documents.move_to_end(digest)
             return
         anchor_length = min(length, ANCHOR_CHARS)
+        self._anchor_arrays, self._anchors_settled = None, False
         self._documents[digest] = (anchor, length)
         self._anchors.setdefault((anchor, anchor_length), {}).setdefault(length, set()).add(digest)
         self._anchor_lengths[anchor_length] = self._anchor_lengths.get(anchor_length, 0) + 1
@@ -336,6 +362,8 @@ class DocumentRegistry:
 
     def _remove(self, digest: bytes, anchor: int, length: int) -> None:
         self._stored_behind.pop(digest, None)
+        self._tail_anchors.pop(digest, None)
+        self._anchor_arrays, self._anchors_settled = None, False
         anchor_length = min(length, ANCHOR_CHARS)
         bucket = self._anchors.get((anchor, anchor_length), {})
         digests = bucket.get(length, set())
@@ -352,8 +380,8 @@ class DocumentRegistry:
 def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str] | None:
     """Parse what `document_metadata` stored: (digest, anchor, length, context digest, context).
 
-    None for an entry that names no document (a prompt head, a segment computed during a
-    prefill) or names one in a way `document_metadata` never writes.
+    None for an entry that names no document (a prompt head, a segment passed in a list and
+    never registered) or names one in a way `document_metadata` never writes.
     """
     try:
         digest = bytes.fromhex(metadata["document.digest"])
@@ -369,7 +397,8 @@ def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str
 def document_metadata(text: str, context: str) -> dict[str, str]:
     """Entry metadata naming the document an entry holds (hashes, not text) and its context.
 
-    Stored with every precomputed entry, so the registry can be rebuilt from the store's own
+    Stored with every entry of a known document (precomputed, computed during a prefill or
+    recomputed after a damaged read), so the registry can be rebuilt from the store's own
     entries (`DocumentRegistry.rebuild`) when its log is lost.
     """
     return {

@@ -119,6 +119,7 @@ class SegmentKV:
         model_name: str,
         check_length: Callable[[int], None],
         context_of: Callable[[str], str] | None = None,
+        known: Callable[[str], bool] | None = None,
     ) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
@@ -130,7 +131,13 @@ class SegmentKV:
         self._check_length = check_length
         #: Which document context a document's KV is read from (default: `doc_prefix`).
         self.context_of = context_of
+        #: Whether a text is a known document (registered): only those entries name it.
+        self.known = known
         self._layouts: OrderedDict[tuple[str, str], DocumentLayout] = OrderedDict()
+        #: segment id -> (text, context) of each document whose layout is memoized, so an
+        #: entry computed during a prefill or recomputed after a damaged read names its
+        #: document as `ensure_many`'s entries do (the registry is rebuilt from those names)
+        self._documents: dict[str, tuple[str, str]] = {}
         self._lock = threading.Lock()
         self._takes_expect = _accepts_keyword(store.get, "expect")
         #: entries found damaged or not fitting the model since this object was built
@@ -170,11 +177,28 @@ class SegmentKV:
                 self._layouts.move_to_end(memo)
                 return found
         layout = document_layout(self.tokenizer, context, text)
+        key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
         with self._lock:
             self._layouts[memo] = layout
+            self._documents[key] = (text, context)
             if len(self._layouts) > _LAYOUT_CACHE:
-                self._layouts.popitem(last=False)
+                (old_context, old_text), old = self._layouts.popitem(last=False)
+                old_key = segment_key(self.fingerprint, old.context_ids, old.ids)
+                if self._documents.get(old_key) == (old_text, old_context):
+                    del self._documents[old_key]
         return layout
+
+    def described(self, key: str) -> dict[str, str]:
+        """Entry metadata naming the known document stored under ``key`` (tokenized here).
+
+        Empty for a segment that is no known document (a prompt head, a segment passed in a
+        list and never registered) or one whose layout is no longer memoized.
+        """
+        with self._lock:
+            found = self._documents.get(key)
+        if found is None or (self.known is not None and not self.known(found[0])):
+            return {}
+        return document_metadata(*found)
 
     def key(self, text: str, context: str | None = None) -> str:
         """Return the segment id of a document text (``context`` as in `layout`)."""
@@ -263,7 +287,10 @@ class SegmentKV:
     def compute(
         self, key: str, context: list[int], token_ids: list[int]
     ) -> dict[str, torch.Tensor]:
-        """KV of ``token_ids`` computed behind ``context``; stored under ``key`` and returned."""
+        """KV of ``token_ids`` computed behind ``context``; stored under ``key`` and returned.
+
+        The entry names its document (`described`) when ``key`` is a document tokenized here.
+        """
         self._check_length(len(context) + len(token_ids))
         ids = torch.tensor(context + token_ids, dtype=torch.long)
         kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
@@ -319,8 +346,10 @@ class SegmentKV:
         tokens: int,
         described: Mapping[str, str] | None = None,
     ) -> None:
+        if described is None:
+            described = self.described(key)
         metadata = {
-            **(described or {}),
+            **described,
             "format": KV_LAYOUT,
             "model": self.model_name,
             "fingerprint": self.fingerprint,

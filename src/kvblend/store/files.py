@@ -308,3 +308,22 @@ def disk_class(modes: FileModes) -> type[BytesOnlyDisk]:
 
 class _SharedDisk(BytesOnlyDisk):
     modes = SHARED
+
+
+#: errno values and SQLite messages that say a folder can be read but not written.
+_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC})
+_READ_ONLY_MESSAGES = ("readonly", "read-only", "unable to open", "disk is full", "disk i/o error")
+
+
+def looks_read_only(error: BaseException) -> bool:
+    """Whether `error`, raised opening a folder's index, says the disk cannot be written."""
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno in _READ_ONLY_ERRNOS:
+            return True
+        if isinstance(cause, sqlite3.OperationalError) and any(
+            text in str(cause).lower() for text in _READ_ONLY_MESSAGES
+        ):
+            return True
+        cause = cause.__cause__
+    return False

@@ -6,45 +6,36 @@ all. `ReadOnlyIndex` reads the same SQLite index with SQLite's read-only modes a
 calls a reader makes (`get`, ``in``, `len`, `volume`) with diskcache's own row layout and the
 store's bytes-only serializer; every write raises `sqlite3.OperationalError` ("attempt to
 write a readonly database"), which the disk store reports as a failed write like any other.
-The folder's record logs, when they cannot be opened there (or their folder or files are
-symbolic links, never followed), are kept in memory instead (`record_logs`).
+The folder's record logs open read-only the same way (`DiskRecordLogs`); only when there are
+none to read there (or their folder or files are symbolic links, never followed) are they kept
+in memory instead (`record_logs`).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import sqlite3
 from pathlib import Path
 from typing import Any
 
-from kvblend.store.files import INDEX_NAME, SQLITE_SUFFIXES, FileModes, disk_class, refuse_links
+from kvblend.store.files import (
+    INDEX_NAME,
+    SQLITE_SUFFIXES,
+    FileModes,
+    disk_class,
+    looks_read_only,
+    refuse_links,
+)
 from kvblend.store.records import DiskRecordLogs, MemoryRecordLogs
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["RECORDS_NAME", "ReadOnlyIndex", "looks_read_only", "record_logs"]
 
 #: The record logs' sub-folder in a store folder, and the files SQLite keeps there.
 RECORDS_NAME = "records"
 RECORDS_FILES = tuple(DiskRecordLogs.FILE_NAME + suffix for suffix in SQLITE_SUFFIXES)
 _STORAGE_ERRORS = (OSError, sqlite3.Error)
-
-#: errno values and SQLite messages that say a folder can be read but not written.
-_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC})
-_READ_ONLY_MESSAGES = ("readonly", "read-only", "unable to open", "disk is full", "disk i/o error")
-
-
-def looks_read_only(error: BaseException) -> bool:
-    """Whether `error`, raised opening a folder's index, says the disk cannot be written."""
-    cause: BaseException | None = error
-    while cause is not None:
-        if isinstance(cause, OSError) and cause.errno in _READ_ONLY_ERRNOS:
-            return True
-        if isinstance(cause, sqlite3.OperationalError) and any(
-            text in str(cause).lower() for text in _READ_ONLY_MESSAGES
-        ):
-            return True
-        cause = cause.__cause__
-    return False
 
 
 def _refuse(*args: object, **kwargs: object) -> Any:

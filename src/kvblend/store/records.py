@@ -15,7 +15,9 @@ from the oldest record still kept.
 - `DiskRecordLogs`: logs in an SQLite file in the store folder (WAL mode, as diskcache uses),
   shared by every process that opens it; a read is one indexed range query, so a new process
   loads a 100,000-document registry in a fraction of a second. Records are stored as blobs:
-  nothing is pickled.
+  nothing is pickled. A folder that cannot be written (a read-only or full disk, files the
+  process may only read) is opened read-only: its records are read, appends fail. The folder
+  and SQLite's files in it are never followed through a symbolic link.
 """
 
 from __future__ import annotations
@@ -25,11 +27,20 @@ import os
 import secrets
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from kvblend.store.files import PRIVATE, FileModes, prepare_folder, set_mode
+from kvblend.store.files import (
+    PRIVATE,
+    SQLITE_SUFFIXES,
+    FileModes,
+    looks_read_only,
+    prepare_folder,
+    refuse_links,
+    set_mode,
+)
 from kvblend.store.index import is_damage
 
 logger = logging.getLogger(__name__)
@@ -41,6 +52,8 @@ __all__ = ["DEFAULT_MAX_RECORDS", "DiskRecordLogs", "MemoryRecordLogs", "validat
 #: Records kept per log before the oldest are dropped.
 DEFAULT_MAX_RECORDS = 1_000_000
 _MAX_RECORD_BYTES = 4096
+#: While a record log is read-only, opening it writable is tried again this often (seconds).
+WRITABLE_RETRY_S = 60.0
 _LOG_NAME_CHARS = frozenset("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_.-")
 
 
@@ -108,6 +121,12 @@ class DiskRecordLogs:
     whose cursor is past every sequence number the file ever gave (the file was replaced) reads
     the log from its start again, and learns so from the cursor going back; a new file numbers
     its records from a random point, so an old cursor never lands inside its sequence.
+
+    When the folder cannot be written (`kvblend.store.files.looks_read_only`), an existing file
+    is opened read-only (`read_only`: SQLite's ``mode=ro``, else ``immutable=1``): reads serve
+    its records, appends raise `sqlite3.OperationalError`, and opening it writable is tried
+    again on an append, at most every `WRITABLE_RETRY_S` seconds. The sub-folder, or one of
+    SQLite's files in it, being a symbolic link raises `OSError` (``ELOOP``): never followed.
     """
 
     _TRIM_EVERY = 1024
@@ -127,13 +146,51 @@ class DiskRecordLogs:
         self._local = threading.local()
         self._appended = 0
         self._inode = -1
-        prepare_folder(self.directory, modes)
+        #: Whether the file is open read-only (the folder could not be written).
+        self.read_only = False
+        self._writable_retry_at = 0.0
+        try:
+            prepare_folder(self.directory, modes)
+            self._create()
+        except (OSError, sqlite3.Error) as error:
+            if isinstance(error, sqlite3.DatabaseError) and is_damage(error):
+                self._start_anew(error)
+            elif looks_read_only(error) and self.path.is_file():
+                self._open_read_only(error)
+            else:
+                raise
+
+    def _refuse_links(self) -> None:
+        """Raise `OSError` if the folder or a file SQLite keeps in it is a symbolic link."""
+        refuse_links(self.directory.parent, self.directory.name)
+        refuse_links(self.directory, *(self.FILE_NAME + suffix for suffix in SQLITE_SUFFIXES))
+
+    def _open_read_only(self, error: BaseException) -> None:
+        """Serve the existing file read-only, after ``error`` said the folder cannot be written."""
+        self.close()
+        self.read_only = True
+        self._writable_retry_at = time.monotonic() + WRITABLE_RETRY_S
+        self._open()
+        logger.warning(
+            "record log %s opened read-only (%s): its records are read, appends fail",
+            self.path, error,
+        )  # fmt: skip
+
+    def _try_writable(self) -> bool:
+        """Open a read-only file writable again if the folder allows it now (at most so often)."""
+        if time.monotonic() < self._writable_retry_at:
+            return False
+        self._writable_retry_at = time.monotonic() + WRITABLE_RETRY_S
+        self.read_only = False
         try:
             self._create()
-        except sqlite3.DatabaseError as error:
-            if not is_damage(error):
-                raise
-            self._start_anew(error)
+        except (OSError, sqlite3.Error) as error:
+            logger.debug("record log %s still read-only: %s", self.path, error)
+            self.read_only = True
+            self.close()
+            return False
+        logger.warning("record log %s is writable again", self.path)
+        return True
 
     def _start_anew(self, error: BaseException) -> None:
         """Set the damaged file aside and start an empty one.
@@ -155,18 +212,23 @@ class DiskRecordLogs:
         self._create()
 
     def _healing(self, operation: Callable[[], _T]) -> _T:
-        """Run ``operation``; if it finds the file damaged, start anew and run it once more."""
+        """Run ``operation``; if it finds the file damaged, start anew and run it once more.
+
+        A read-only file found damaged is left as it is (the error is raised).
+        """
         try:
             return operation()
         except sqlite3.DatabaseError as error:
-            if not is_damage(error):
+            if self.read_only or not is_damage(error):
                 raise
             self._start_anew(error)
             return operation()
 
     def _create(self) -> None:
         self.close()
+        self._refuse_links()
         prepare_folder(self.directory, self.modes)  # it may have been deleted
+        self._refuse_links()  # nothing SQLite opens is reached through a link
         descriptor = os.open(self.path, os.O_RDONLY | os.O_CREAT, self.modes.file)
         self._inode = os.fstat(descriptor).st_ino
         os.close(descriptor)
@@ -196,20 +258,44 @@ class DiskRecordLogs:
     def _connection(self) -> sqlite3.Connection:
         """Return the thread's connection to the file now at `path` (reopened if replaced)."""
         db = getattr(self._local, "db", None)
-        if db is None:
+        if db is None or getattr(self._local, "read_only", None) != self.read_only:
+            self.close()
             return self._open()
         if self._file_inode() != getattr(self._local, "inode", None):
+            if self.read_only:  # replaced by a process that can write: read the new file
+                self.close()
+                return self._open()
             self._create()  # replaced or deleted by another process: use (or make) the new one
             return self._local.db
         return db
 
     def _open(self) -> sqlite3.Connection:
         inode = self._file_inode()
-        db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        self._local.db, self._local.inode = db, inode
+        if self.read_only:
+            db = self._open_file_read_only()
+        else:
+            db = sqlite3.connect(str(self.path), timeout=60, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+        self._local.db, self._local.inode, self._local.read_only = db, inode, self.read_only
         return db
+
+    def _open_file_read_only(self) -> sqlite3.Connection:
+        """Connect with ``mode=ro`` (which needs the ``-shm`` file), else ``immutable=1``."""
+        self._refuse_links()
+        uri = self.path.resolve().as_uri()
+        last: sqlite3.Error | None = None
+        for options in ("mode=ro", "immutable=1"):
+            db = sqlite3.connect(f"{uri}?{options}", uri=True, timeout=60, isolation_level=None)
+            try:
+                db.execute("SELECT seq FROM records ORDER BY seq DESC LIMIT 1").fetchall()
+            except sqlite3.Error as error:
+                db.close()
+                last = error
+                continue
+            return db
+        assert last is not None
+        raise last
 
     def append(self, log: str, records: Sequence[bytes]) -> None:
         """Append ``records`` to ``log`` atomically (one transaction)."""
@@ -217,6 +303,10 @@ class DiskRecordLogs:
         checked = _validate_records(records)
         if not checked:
             return
+        if self.read_only and not self._try_writable():
+            raise sqlite3.OperationalError(
+                f"attempt to write a readonly database (record log {self.path} opened read-only)"
+            )
 
         def insert() -> None:
             db = self._connection()
