@@ -48,7 +48,14 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, _interrupt)
 
 
-stop_on_signals()
+def pytest_configure(config: pytest.Config) -> None:
+    """Stop on signals in the pytest process only.
+
+    Not at import: a child process that imports this module for its helpers (a spawned pool
+    worker) must keep SIGTERM's default, or ``Pool.terminate`` cannot end it.
+    """
+    stop_on_signals()
+
 
 #: How the skip reason of a test that needs something installed begins.
 MISSING_DEPENDENCY = "needs the "

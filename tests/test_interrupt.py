@@ -52,3 +52,13 @@ def test_a_signal_stops_the_run(tmp_path: Path, signum: int) -> None:
             run.communicate()
     assert run.returncode == 2, output  # pytest's "interrupted"
     assert "KeyboardInterrupt" in output and "1 passed" not in output
+
+
+def test_importing_the_fixtures_keeps_sigterm_default() -> None:
+    """A spawned pool worker that imports conftest for its helpers still ends on SIGTERM."""
+    code = "import signal, conftest; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"
+    env = {**os.environ, "PYTHONPATH": str(TESTS)}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.stdout.strip() == "True", result.stderr
