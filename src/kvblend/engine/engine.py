@@ -43,7 +43,7 @@ from .registry import DEFAULT_CAPACITY, DocumentRegistry
 from .results import BlendCancelledError, BlendStats, BlendUnavailableError, PrefillResult
 from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, check_segments, segment_key
-from .validation import check_generation, check_hf_options, check_text, short
+from .validation import check_text, short
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -563,6 +563,17 @@ class BlendEngine:
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
 
     # ------------------------------------------------------------------ generation
+    def _prefilled(
+        self,
+        prompt: PromptLike | PrefillResult,
+        config: BlendConfig | None,
+        cancel: threading.Event | None = None,
+    ) -> PrefillResult:
+        """``prompt`` itself when it is a prefill result already, else its prefill."""
+        if isinstance(prompt, PrefillResult):
+            return prompt
+        return self.prefill(prompt, config, cancel=cancel)
+
     def generate(
         self,
         segments: Sequence[Segment | str] | PrefillResult,
@@ -588,13 +599,17 @@ class BlendEngine:
         `BlendCancelledError`.
         """
         started = time.perf_counter()
-        check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
-        check_hf_options(top_k, repetition_penalty, do_sample)
-        pre = (
-            segments
-            if isinstance(segments, PrefillResult)
-            else self.prefill(segments, config, cancel=cancel)
-        )
+        DecodeOptions(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
+            stop=stop,
+            seed=seed,
+        ).check()  # before any model work
+        pre = self._prefilled(segments, config, cancel)
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
             started=started, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -617,12 +632,8 @@ class BlendEngine:
         is decoded alone. TTFT is the time to the first tokens of the whole batch.
         """
         started = time.perf_counter()
-        asked = DecodeOptions(**options)  # an unknown keyword is a TypeError here
-        check_generation(
-            asked.max_new_tokens, asked.temperature, asked.top_p, asked.stop, asked.seed
-        )
-        check_hf_options(asked.top_k, asked.repetition_penalty, asked.do_sample)
-        pres = [p if isinstance(p, PrefillResult) else self.prefill(p, config) for p in prompts]
+        DecodeOptions(**options).check()  # an unknown keyword is a TypeError here
+        pres = [self._prefilled(prompt, config) for prompt in prompts]
         budget = int(options.get("max_new_tokens", 64))
         limit = self.context_window
         fits = [i for i, p in enumerate(pres) if not limit or len(p.token_ids) + budget <= limit]
@@ -652,13 +663,17 @@ class BlendEngine:
         do_sample: bool | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
-        check_generation(max_new_tokens, temperature, top_p, stop, seed)  # before any model work
-        check_hf_options(top_k, repetition_penalty, do_sample)
-        pre = (
-            segments
-            if isinstance(segments, PrefillResult)
-            else self.prefill(segments, config, cancel=cancel)
-        )
+        DecodeOptions(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
+            stop=stop,
+            seed=seed,
+        ).check()  # before any model work
+        pre = self._prefilled(segments, config, cancel)
         for piece in decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

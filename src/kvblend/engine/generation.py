@@ -43,7 +43,7 @@ from transformers import (
 )
 
 from .results import BlendCancelledError
-from .validation import check_hf_options, check_sampling, check_stop
+from .validation import check_generation, check_hf_options, check_sampling, check_stop
 
 # transformers' StopStringCriteria scans the whole vocabulary when it is built (0.75 s for a
 # 151K-token Qwen2.5 vocabulary), and `generate(stop_strings=...)` builds one per call. It is
@@ -110,6 +110,11 @@ class DecodeOptions:
     do_sample: bool | None = None
     stop: str | Sequence[str] | None = None
     seed: int | None = None
+
+    def check(self) -> None:
+        """Refuse any option out of range, with one line (before any model work)."""
+        check_generation(self.max_new_tokens, self.temperature, self.top_p, self.stop, self.seed)
+        check_hf_options(self.top_k, self.repetition_penalty, self.do_sample)
 
     @property
     def samples(self) -> bool:
