@@ -204,6 +204,11 @@ def test_doc_context_runner_end_to_end(engine, tmp_path):
                              ("prefix", "reuse"), ("prefix", "cb15L2")]  # fmt: skip
     assert all(s["questions"] == 2 for s in summary.values())
     assert summary[("-", "full")]["kl"] == 0.0
+    assert summary[("-", "full")]["agreement"] == 1.0
+    rows = json.loads(out.read_text())["rows"]
+    full = {r["qid"]: r["answer"] for r in rows if r["config"] == "full"}
+    for row in rows:  # agreement is the answer equal to full prefill's, row by row
+        assert row["agrees"] == (row["answer"] == full[row["qid"]])
     assert summary[("bos", "reuse")]["recompute_fraction"] == 0.0
     assert 0.1 < summary[("bos", "cb15L2")]["recompute_fraction"] < 0.2
     assert summary[("bos", "reuse")]["kl"] > 0.0  # documents precomputed without their context

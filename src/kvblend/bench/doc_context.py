@@ -74,7 +74,9 @@ def context_engines(base: BlendEngine, contexts: Sequence[str], head: str) -> di
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Accuracy, mean KL and recomputed share per (context, setting), in first-seen order."""
+    """Accuracy, agreement with full prefill's answer, mean KL and recomputed share per
+    (context, setting), in first-seen order (rows written before agreement was kept have none).
+    """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["context"], row["config"]), []).append(row)
@@ -84,6 +86,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "config": name,
             "questions": len(group),
             "accuracy": sum(r["correct"] for r in group) / len(group),
+            "agreement": _agreement(group),
             "kl": statistics.fmean(r["kl"] for r in group),
             "recompute_fraction": statistics.fmean(r["recompute_fraction"] for r in group),
         }
@@ -91,16 +94,23 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
+def _agreement(group: Sequence[dict[str, Any]]) -> float | None:
+    if any("agrees" not in row for row in group):
+        return None
+    return sum(row["agrees"] for row in group) / len(group)
+
+
 def doc_context_table(summary: Sequence[dict[str, Any]]) -> str:
     """Return the summary as a markdown table."""
     lines = [
-        "| context | setting | questions | accuracy | mean KL | recomputed |",
-        "|---|---|---|---|---|---|",
+        "| context | setting | questions | accuracy | agreement with full | mean KL | recomputed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in summary:
+        agreement = "-" if s.get("agreement") is None else f"{s['agreement']:.0%}"
         lines.append(
             f"| {s['context']} | {s['config']} | {s['questions']} | {s['accuracy']:.1%} | "
-            f"{s['kl']:.3f} | {s['recompute_fraction']:.0%} |"
+            f"{agreement} | {s['kl']:.3f} | {s['recompute_fraction']:.0%} |"
         )
     return "\n".join(lines)
 
@@ -137,7 +147,7 @@ def run_doc_context(
         full_answer = base.generate(full, max_new_tokens=max_new_tokens, stop=list(STOP))
         rows.append({"qid": item.qid, "context": "-", "config": "full",
                      "correct": score(full_answer.text.strip(), item.answers, item.wrong),
-                     "kl": 0.0, "recompute_fraction": 0.0,
+                     "agrees": True, "kl": 0.0, "recompute_fraction": 0.0,
                      "answer": full_answer.text.strip()})  # fmt: skip
         for context, engine in engines.items():
             for name in configs:
@@ -146,6 +156,7 @@ def run_doc_context(
                 rows.append({
                     "qid": item.qid, "context": context, "config": name,
                     "correct": score(answer.text.strip(), item.answers, item.wrong),
+                    "agrees": answer.text.strip() == full_answer.text.strip(),
                     "kl": kl_divergence(full.logits, pre.logits),
                     "recompute_fraction": pre.stats.recompute_fraction,
                     "answer": answer.text.strip(),
