@@ -148,6 +148,38 @@ def test_quality_runner_end_to_end(engine, tmp_path):
     assert 0.15 < blend["recompute_fraction"] < 0.25
     assert summary["reuse"]["kl_mean"] > 0.0  # reused KV without its context differs
     assert summarize(result["rows"]) == summary
+    full = {r["qid"]: r["answer"] for r in result["rows"] if r["strategy"] == "full"}
+    for name, entry in summary.items():  # agreement: the answer equal to full prefill's
+        mine = [r for r in result["rows"] if r["strategy"] == name]
+        assert all(r["agrees"] == (r["answer"] == full[r["qid"]]) for r in mine)
+        assert entry["agreement"] == sum(r["answer"] == full[r["qid"]] for r in mine) / len(mine)
+        for qtype, typed in entry["by_type"].items():
+            marks = [r["answer"] == full[r["qid"]] for r in mine if r["qtype"] == qtype]
+            assert typed["agreement"] == sum(marks) / len(marks)
+    assert all(t["agreement"] == 1.0 for t in summary["full"]["by_type"].values())
+
+
+def test_quality_report_shows_agreement_from_the_rows(engine, tmp_path):
+    from kvblend.bench.quality import quality_report
+    from kvblend.bench.report import write_report
+
+    items = generate_qa(3, seed=1, docs_per_prompt=(3, 3), styles=("record",))
+    out = tmp_path / "quality.json"
+    result = run_quality(engine, items, parse_strategies("reuse"), max_new_tokens=3,
+                         output=out, log=lambda m: None)  # fmt: skip
+    saved = json.loads(out.read_text())
+    for entry in saved["summary"].values():  # a summary written before by-type agreement
+        for typed in entry["by_type"].values():
+            del typed["agreement"]
+    out.write_text(json.dumps(saved))
+    report = write_report(tmp_path / "no-ttft.json", out, tmp_path / "img")
+    assert quality_report(result["summary"]) in report  # recomputed from the rows
+    table = report.split("| agreement with full, by type |")[1]
+    full_cells = {line.split(" | ")[2] for line in table.splitlines()[2:] if line.startswith("|")}
+    assert full_cells == {"100%"}
+    reuse = result["summary"]["reuse"]
+    assert f"| reuse | {reuse['accuracy']:.1%} | " in report
+    assert f"| {reuse['agreement']:.1%} | " in report
 
 
 def test_ttft_runner_end_to_end(engine, tmp_path):
@@ -212,6 +244,28 @@ def test_doc_context_runner_end_to_end(engine, tmp_path):
     assert summary[("bos", "reuse")]["recompute_fraction"] == 0.0
     assert 0.1 < summary[("bos", "cb15L2")]["recompute_fraction"] < 0.2
     assert summary[("bos", "reuse")]["kl"] > 0.0  # documents precomputed without their context
+
+
+def test_doc_context_agreement_from_answers_of_older_rows():
+    from kvblend.bench.doc_context import doc_context_table, summarize
+
+    def row(qid, context, config, answer, **extra):
+        return {"qid": qid, "context": context, "config": config, "correct": True, "kl": 0.0,
+                "recompute_fraction": 0.0, "answer": answer, **extra}  # fmt: skip
+
+    rows = [row("a", "-", "full", "Paris."), row("b", "-", "full", "Rome."),
+            row("a", "prefix", "cb15", "Paris."), row("b", "prefix", "cb15", "Rome, Italy."),
+            row("a", "prefix", "epic16", "Lyon.", agrees=True),  # a recorded mark wins
+            row("b", "prefix", "epic16", "Rome.", agrees=False)]  # fmt: skip
+    summary = {s["config"]: s for s in summarize(rows)}
+    assert summary["full"]["agreement"] == 1.0
+    assert summary["cb15"]["agreement"] == 0.5
+    assert summary["epic16"]["agreement"] == 0.5
+    unknown = [{k: v for k, v in r.items() if k != "answer"} for r in rows]
+    assert summarize(unknown)[1]["agreement"] is None  # nothing recorded: no figure
+    table = doc_context_table(summarize(unknown)).splitlines()
+    assert table[0].count("agreement with full") == 1 and "| 0.000 | 0% |" in table[3]
+    assert "| 100.0% | - | 0.000 |" in table[3]
 
 
 def test_bench_cli_rejects_unknown_subcommand():

@@ -14,7 +14,7 @@ from conftest import byte_tokenizer, tiny_model
 from conftest_langchain import requires_model, requires_rag_stack
 from kvblend import BlendConfig, BlendEngine
 from kvblend.bench import main as bench_main
-from kvblend.bench.compare import PromptItem, evaluate_item, summarize_rows
+from kvblend.bench.compare import PromptItem, evaluate_item, summarize_rows, summary_table
 from kvblend.bench.nq import (
     Passage,
     Retriever,
@@ -172,7 +172,14 @@ def test_evaluate_item_rows_per_head(tiny_engine: BlendEngine):
         ("untold", "reuse"),
     ]
     assert rows[0]["answer"] == rows[2]["answer"] and rows[1]["documents_reused"] > 0
+    assert all(r["agrees"] == (r["answer"] == rows[0]["answer"]) for r in rows)
     summary = summarize_rows(rows)
+    by_key = {(s["head"], s["strategy"]): s for s in summary}
+    assert by_key[("told", "full")]["agreement"] == 1.0
+    assert by_key[("told", "reuse")]["agreement"] == float(rows[1]["agrees"])
+    table = summary_table(summary)
+    assert "agreement with full" in table.splitlines()[0]
+    assert f"| {by_key[('untold', 'reuse')]['agreement']:.0%} |" in table.splitlines()[-1]
     assert {(s["head"], s["strategy"]) for s in summary} == {(r["head"], r["strategy"])
                                                              for r in rows}  # fmt: skip
     with pytest.raises(ValueError, match="full"):
@@ -210,6 +217,8 @@ def test_quality_rows_get_the_paired_table(tiny_engine: BlendEngine):
     result = run_quality(tiny_engine, generate_qa(4), strategies, max_new_tokens=2, log=print)
     table = paired_table(strategy_stats(result["rows"]))
     assert "| full | 4 | " in table and "| reuse | 4 | " in table
+    assert table.splitlines()[0].endswith("| agreement with full |")
+    assert table.splitlines()[2].endswith("| 100% |")  # full prefill agrees with itself
 
 
 @requires_model

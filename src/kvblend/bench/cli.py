@@ -140,7 +140,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
     """Accuracy and fidelity of every strategy on the generated QA task."""
     from ..engine import BlendConfig
     from .qa import SYSTEM_PROMPT, generate_qa
-    from .quality import quality_table, run_quality, type_table
+    from .quality import quality_report, run_quality
     from .stats import paired_table, strategy_stats
     from .strategies import parse_strategies
 
@@ -160,7 +160,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
     result["paired"] = strategy_stats(result["rows"], seed=args.seed)
     _write(
         result, Path(args.output),
-        quality_table(result["summary"]) + "\n\n" + type_table(result["summary"])
+        quality_report(result["summary"])
         + "\n\nPaired with full prefill (bootstrap over questions):\n\n"
         + paired_table(result["paired"]),
     )  # fmt: skip

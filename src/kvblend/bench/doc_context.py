@@ -74,19 +74,23 @@ def context_engines(base: BlendEngine, contexts: Sequence[str], head: str) -> di
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Accuracy, agreement with full prefill's answer, mean KL and recomputed share per
-    (context, setting), in first-seen order (rows written before agreement was kept have none).
+    """Accuracy, agreement with full, mean KL and recomputed share per (context, setting).
+
+    Groups come in first-seen order. Agreement is each row's ``agrees``, or, in rows written
+    before that field was kept, its ``answer`` equal to the full-prefill row's of the same
+    question; ``None`` where neither is recorded.
     """
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["context"], row["config"]), []).append(row)
+    full = {r["qid"]: r["answer"] for r in rows if r["config"] == "full" and "answer" in r}
     return [
         {
             "context": context,
             "config": name,
             "questions": len(group),
             "accuracy": sum(r["correct"] for r in group) / len(group),
-            "agreement": _agreement(group),
+            "agreement": _agreement(group, full),
             "kl": statistics.fmean(r["kl"] for r in group),
             "recompute_fraction": statistics.fmean(r["recompute_fraction"] for r in group),
         }
@@ -94,10 +98,16 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def _agreement(group: Sequence[dict[str, Any]]) -> float | None:
-    if any("agrees" not in row for row in group):
+def _agreement(group: Sequence[dict[str, Any]], full: dict[str, str]) -> float | None:
+    marks = [
+        row["agrees"] if "agrees" in row
+        else row["answer"] == full[row["qid"]] if "answer" in row and row["qid"] in full
+        else None
+        for row in group
+    ]  # fmt: skip
+    if any(mark is None for mark in marks):
         return None
-    return sum(row["agrees"] for row in group) / len(group)
+    return sum(bool(mark) for mark in marks) / len(marks)
 
 
 def doc_context_table(summary: Sequence[dict[str, Any]]) -> str:
@@ -107,7 +117,7 @@ def doc_context_table(summary: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        agreement = "-" if s.get("agreement") is None else f"{s['agreement']:.0%}"
+        agreement = "-" if s.get("agreement") is None else f"{s['agreement']:.1%}"
         lines.append(
             f"| {s['context']} | {s['config']} | {s['questions']} | {s['accuracy']:.1%} | "
             f"{agreement} | {s['kl']:.3f} | {s['recompute_fraction']:.0%} |"

@@ -122,6 +122,7 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 entry["by_type"][qtype] = {
                     "questions": len(typed),
                     "accuracy": sum(r["correct"] for r in typed) / len(typed),
+                    "agreement": sum(r["agrees"] for r in typed) / len(typed),
                 }
         summary[name] = entry
     for entry in summary.values():
@@ -187,14 +188,26 @@ def quality_table(summary: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def type_table(summary: dict[str, dict[str, Any]]) -> str:
-    """Markdown table of accuracy by question type (rows) and strategy (columns)."""
+def type_table(summary: dict[str, dict[str, Any]], metric: str = "accuracy") -> str:
+    """Markdown table of ``metric`` by question type (rows) and strategy (columns).
+
+    ``metric``: ``accuracy``, or ``agreement`` (the answer equal to full prefill's); ``-`` where
+    a summary lacks it.
+    """
     names = list(summary)
-    lines = ["| type | n | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    title = "type" if metric == "accuracy" else f"{metric} with full, by type"
+    lines = [f"| {title} | n | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     for qtype in QUESTION_TYPES:
         cells = [summary[n]["by_type"].get(qtype) for n in names]
         if cells[0] is None:
             continue
-        row = " | ".join(f"{c['accuracy']:.0%}" if c else "-" for c in cells)
+        row = " | ".join(f"{c[metric]:.0%}" if c and metric in c else "-" for c in cells)
         lines.append(f"| {qtype} | {cells[0]['questions']} | {row} |")
     return "\n".join(lines)
+
+
+def quality_report(summary: dict[str, dict[str, Any]]) -> str:
+    """Return the quality table, then accuracy and agreement with full prefill's by type."""
+    return "\n\n".join(
+        [quality_table(summary), type_table(summary), type_table(summary, "agreement")]
+    )

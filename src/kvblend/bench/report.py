@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .quality import quality_table, type_table
+from .quality import quality_report, summarize
 from .ttft import ttft_table
 
 _CORRECTION_SUFFIX = re.compile(r"-c[0-9.]+$")
@@ -125,10 +125,11 @@ def write_report(ttft_path: Path, quality_path: Path, img_dir: Path) -> str:
         parts += ["## TTFT", "", ttft_table(ttft["summary"]), "", f"![TTFT]({plot})", ""]
     if quality_path.exists():
         quality = json.loads(quality_path.read_text())
+        if quality.get("rows"):  # per-question rows: every figure, agreement by type included
+            quality["summary"] = summarize(quality["rows"])
         plot = plot_quality(quality, img_dir / "quality_vs_ratio.png")
         parts += [
             f"## Quality ({quality['questions']} questions)", "",
-            quality_table(quality["summary"]), "", type_table(quality["summary"]), "",
-            f"![quality]({plot})", "",
+            quality_report(quality["summary"]), "", f"![quality]({plot})", "",
         ]  # fmt: skip
     return "\n".join(parts) if parts else "no results found"
