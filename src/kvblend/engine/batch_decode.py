@@ -1,7 +1,8 @@
 """Decoding several prefilled prompts at once: one transformers `generate` over padded caches.
 
 Each prompt keeps its own blended prefill; decoding is what batches well (one step reads the
-weights once for every row). The fused caches are left-padded to one length and `generate` gets
+weights once for every row). The fused caches are left-padded to one length, put in one cache
+of the plan's kind (`decode_cache.py`: static unless asked otherwise) and `generate` gets
 an attention mask, from which it derives each row's positions (``cumsum(mask) - 1``): a row's
 real tokens keep positions ``0..n-1``, exactly those its cached keys were rotated at, so every
 row decodes as it would alone. Padding repeats the row's own first token (masked out), so a
@@ -18,7 +19,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import Cache
 
 from .generation import (
     DecodeOptions,
@@ -60,18 +62,17 @@ def _padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _padded_cache(model: Any, prefills: Sequence[Any], width: int) -> DynamicCache:
+def _padded_cache(model: Any, prefills: Sequence[Any], width: int, plan: _Plan) -> Cache:
     """Build one cache of every row's keys and values, left-padded with zeros to ``width``."""
 
     def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
         pad = torch.nn.functional.pad
         return torch.stack([pad(t, (0, 0, width - t.shape[1], 0)) for t in tensors])
 
-    data = [
-        (stacked([p.keys[layer] for p in prefills]), stacked([p.values[layer] for p in prefills]))
-        for layer in range(len(prefills[0].keys))
-    ]
-    return DynamicCache(ddp_cache_data=data, config=model.config)
+    layers = range(len(prefills[0].keys))
+    keys = [stacked([p.keys[layer] for p in prefills]) for layer in layers]
+    values = [stacked([p.values[layer] for p in prefills]) for layer in layers]
+    return plan.cache.build(model, keys, values, plan.config.max_new_tokens)
 
 
 def _first_tokens(prefills: Sequence[Any], plan: _Plan) -> list[int]:
@@ -116,7 +117,7 @@ def _decode_rows(
             {
                 "input_ids": input_ids.to(device),
                 "attention_mask": mask.to(device),
-                "past_key_values": _padded_cache(model, prefills, input_ids.shape[1] - 1),
+                "past_key_values": _padded_cache(model, prefills, input_ids.shape[1] - 1, plan),
                 "generation_config": config,
                 "stopping_criteria": StoppingCriteriaList([ends]),
                 "logits_processor": plan.processors,

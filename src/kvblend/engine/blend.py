@@ -4,12 +4,15 @@ A selector (`kvblend.engine.selectors`) picks the rows computed from layer 0 on:
 tokens always, and the reused tokens its strategy recomputes. The computed rows are known on
 the host before the first layer, so every size and index the loop needs (attention chunks, the
 correction's rows) is set up once per pass and no layer reads a value back from the device.
-The prompt's un-rotated KV of every layer lives in one preallocated buffer (`PromptKV`). At
-every layer the loop then
+The prompt's un-rotated KV of every layer lives in one preallocated buffer (`PromptKV`,
+`prompt_kv.py`). At every layer the loop then
 
-1. places the layer's cached KV, one copy per document of keys and values together, straight
-   from the stored tensor (a pass that never narrows its rows places every layer's at once,
-   before layer 0; a second pass keeps the first pass's buffer),
+1. waits for the layer's cached KV: the first layer that reads cached KV issues its copies, a
+   group of layers per copy (every document's keys and values at once, straight from the
+   stored tensors) with one event per group, for every layer from it on when the pass computes
+   only some rows; on CUDA they run on a side stream, so later groups load while earlier
+   layers compute (one group of every layer on the CPU; a second pass keeps the first pass's
+   buffer),
 2. lets the selector narrow the computed rows, at its refine layers,
 3. projects the computed rows (keys and values in one product), moves the stale cached rows by
    the correction (`correction.py`) and writes the fresh K/V over their cached rows (one op),
@@ -46,6 +49,7 @@ from .blend_io import (
 from .config import BlendConfig
 from .correction import StaleCorrection
 from .decoder import Decoder, rope_table, rotate
+from .prompt_kv import LayerLoads, PromptKV
 from .results import BlendCancelledError
 from .row_attention import RowAttention
 from .selectors import Selection, SelectionContext, Selector, selector_class
@@ -65,44 +69,6 @@ __all__ = [
 ]
 
 
-class PromptKV:
-    """The un-rotated K/V of every layer of one prompt, in one preallocated buffer.
-
-    ``data`` is ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values). A layer's
-    cached rows are placed with one op (every span at once), the computed rows' fresh K/V
-    written with one more; the rotated keys are made from it once per layer.
-    """
-
-    def __init__(self, data: torch.Tensor) -> None:
-        self.data = data
-
-    @classmethod
-    def empty(cls, decoder: Decoder, total: int) -> PromptKV:
-        """Return an unset buffer for ``total`` tokens (every row is written before it is read)."""
-        shape = decoder.shape
-        return cls(torch.empty(
-            shape.num_layers, 2, shape.num_kv_heads, total, shape.head_dim,
-            device=decoder.device, dtype=decoder.dtype,
-        ))  # fmt: skip
-
-    def load(self, layer: int, spans: list[CachedSpan]) -> None:
-        """Place every span's cached K/V of ``layer`` (one multi-tensor copy, one per span).
-
-        A span's source is read, never written: it may be the store's own tensor.
-        """
-        targets = [self.data[layer, :, :, span.start : span.end] for span in spans]
-        sources = [span.source.layer(layer) for span in spans]
-        if targets:
-            torch._foreach_copy_(targets, sources)
-
-    def load_all(self, spans: list[CachedSpan]) -> None:
-        """Place every span's cached K/V of every layer (one multi-tensor copy, one per span)."""
-        targets = [self.data[:, :, :, span.start : span.end] for span in spans]
-        sources = [span.source.layers() for span in spans]
-        if targets:
-            torch._foreach_copy_(targets, sources)
-
-
 @dataclass
 class PassState:
     """One pass over one prompt: the rows it computes and their hidden states, as layers go.
@@ -119,6 +85,7 @@ class PassState:
     computed: np.ndarray
     hidden: torch.Tensor  # [len(computed), hidden]
     share: float  # the stale-KV correction's share (0: off)
+    loads: LayerLoads = field(init=False)  # the cached K/V's copies, a group of layers each
     rows: torch.Tensor = field(init=False)  # ``computed`` on the device
     row_table: torch.Tensor = field(init=False)
     attention: RowAttention = field(init=False)
@@ -162,6 +129,7 @@ def begin_pass(
     assert prompt.host_kinds is not None
     kv = kv if kv is not None else PromptKV.empty(decoder, prompt.token_ids.numel())
     state = PassState(decoder, prompt, prompt.host_kinds, table, kv, computed, hidden, share)
+    state.loads = LayerLoads.for_pass(decoder, kv, prompt.spans)
     state.set_rows(computed, rows)
     return state
 
@@ -198,22 +166,21 @@ def check_cancel(cancel: threading.Event | None) -> None:
 
 
 def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> None:
-    """Step 1: place the cached K/V that ``layer`` reads.
+    """Step 1: have the cached K/V that ``layer`` reads placed, then wait for it.
 
-    A pass that computes only some rows from layer 0 on, and never narrows them, reads the
-    cached rows of every layer: they are all placed before layer 0, one copy per document.
-    Otherwise a layer's own rows are placed as it needs them: every layer of a pass that
-    computes only some rows, and a refine layer (which reads the cached K/V to choose rows).
+    A layer reads cached K/V when the pass computes only some rows, or at a refine layer (which
+    reads it to choose rows). The first such layer issues the copies (`LayerLoads`, a group of
+    layers each): of every layer from it on when the pass computes only some rows (they all
+    read it), else of that layer alone (a pass computing every row until a refine layer). Each
+    layer then waits for its own group only, so on CUDA later groups load while it computes.
     """
-    whole = not state.every_row and not refine_layers
-    if (layer > 0) if whole else (state.every_row and layer not in refine_layers):
-        return
-    loaded = time.perf_counter()
-    if whole:
-        state.kv.load_all(state.prompt.spans)
-    else:
-        state.kv.load(layer, state.prompt.spans)
-    state.load_s += time.perf_counter() - loaded
+    loads = state.loads
+    if not loads.issued(layer) and (not state.every_row or layer in refine_layers):
+        loaded = time.perf_counter()
+        stop = state.decoder.shape.num_layers if not state.every_row else layer + 1
+        loads.issue(range(layer, stop))
+        state.load_s += time.perf_counter() - loaded
+    loads.wait(layer)
 
 
 def run_layers(

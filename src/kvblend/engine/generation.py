@@ -4,9 +4,9 @@ The blended prefill leaves rotated K and V for every prompt token and the next-t
 after the prompt. The first new token is picked from those logits through the same transformers
 logits processors `generate` then uses for every later token (repetition penalty; temperature,
 top-k and top-p warpers when sampling), so the time to the first token is the prefill and
-nothing more. Transformers' `generate` then continues from a `DynamicCache` of the whole
-prompt with the first token as its only new input: stop strings and streaming of every later
-token are transformers'.
+nothing more. Transformers' `generate` then continues from a cache of the whole prompt
+(`decode_cache.py`: a `StaticCache` sized for the answer, written in place) with the first
+token as its only new input: stop strings and streaming of every later token are transformers'.
 
 Sampling draws from a `torch.Generator` of the call (seeded by ``seed``), never from the
 process-wide RNG, so seeded calls on several threads each get their own reproducible text:
@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 from transformers import (
-    DynamicCache,
     GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
@@ -42,6 +41,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from .decode_cache import DecodeCache, check_environment
 from .results import BlendCancelledError
 from .validation import check_generation, check_hf_options, check_sampling, check_stop
 
@@ -84,14 +84,6 @@ class GenerationResult:
         return len(self.token_ids)
 
 
-def _cache(
-    model: Any, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]
-) -> DynamicCache:
-    """Build a transformers cache of every prompt token."""
-    data = [(k[None], v[None]) for k, v in zip(keys, values, strict=True)]
-    return DynamicCache(ddp_cache_data=data, config=model.config)
-
-
 @dataclass(frozen=True)
 class DecodeOptions:
     """How to decode: the keyword arguments of `BlendEngine.generate` and `BlendEngine.stream`.
@@ -115,6 +107,7 @@ class DecodeOptions:
         """Refuse any option out of range, with one line (before any model work)."""
         check_generation(self.max_new_tokens, self.temperature, self.top_p, self.stop, self.seed)
         check_hf_options(self.top_k, self.repetition_penalty, self.do_sample)
+        check_environment()
 
     @property
     def samples(self) -> bool:
@@ -131,6 +124,7 @@ class _Plan:
     stop: tuple[str, ...]
     processors: LogitsProcessorList  # repetition penalty, then the sampler when sampling
     device: torch.device
+    cache: DecodeCache  # the cache kind decoding continues from
 
 
 class _SeededSampler(LogitsProcessor):
@@ -230,8 +224,10 @@ def _plan(
         eos_token_id=eos,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
     )
+    cache = DecodeCache.choose(device)
+    cache.configure(config)
     eos_ids = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return _Plan(config, eos_ids, stops, processors, device)
+    return _Plan(config, eos_ids, stops, processors, device, cache)
 
 
 def _first_token(logits: torch.Tensor, token_ids: Sequence[int], plan: _Plan) -> int:
@@ -268,7 +264,9 @@ def _continue_kwargs(
     return {
         "input_ids": input_ids,
         "attention_mask": torch.ones_like(input_ids),
-        "past_key_values": _cache(model, keys, values),
+        "past_key_values": plan.cache.build(
+            model, [k[None] for k in keys], [v[None] for v in values], config.max_new_tokens
+        ),
         "generation_config": config,
         "stopping_criteria": StoppingCriteriaList(criteria),
         "logits_processor": plan.processors,

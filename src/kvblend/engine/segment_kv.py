@@ -9,9 +9,10 @@ recomputed in place (`StoredRows`).
 
 An entry is one tensor, ``kv``: every layer's un-rotated keys and values of the document,
 ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values), laid out as the prompt buffer
-of the blend loop (`kvblend.engine.blend.PromptKV`) holds them, so a document's rows of a layer
-are placed with one copy. What a store hands out is read in place: `StoredRows` gives views
-into it, and the blend loop only ever copies out of them, never writes into them.
+of the blend loop (`kvblend.engine.prompt_kv.PromptKV`) holds them, so a document's rows of a
+group of layers are placed with one copy. What a store hands out is read in place:
+`StoredRows` gives views into it, and the blend loop only ever copies out of them, never writes
+into them.
 
 Nothing read is trusted: every entry is opened with the tensor the model needs (``kv``,
 ``kv_dtype``, the shape above with the document's token count) and finite values, which the

@@ -1,0 +1,98 @@
+"""Decode speed from the static cache vs the dynamic one, after the same prefill.
+
+For each prompt length, one full prefill of synthetic prose; then `engine.generate` from that
+prefill with ``KVBLEND_DECODE_CACHE=static`` and ``=dynamic``, alternated in every repeat.
+Decode tokens/s is the tokens after the first over the time after the first (the cache's
+construction included); greedy outputs are checked equal. Writes
+``benchmarks/results/decode.json`` and ``decode.md``.
+
+    python benchmarks/decode.py [--lengths 512,2048,4096] [--tokens 32] [--repeats 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvblend import BlendConfig, BlendEngine
+from kvblend.bench.synthetic import synthetic_text
+from kvblend.engine.decode_cache import CACHE_ENV, KINDS
+from kvblend.store import MemoryKVStore
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def decode_rate(engine: BlendEngine, pre: Any, kind: str, tokens: int) -> tuple[float, list[int]]:
+    """Tokens/s after the first token, decoding ``pre`` from a ``kind`` cache."""
+    os.environ[CACHE_ENV] = kind
+    out = engine.generate(pre, max_new_tokens=tokens)
+    if out.output_tokens < 2:
+        raise SystemExit(f"the answer ended at its first token after {len(pre.token_ids)} tokens")
+    return (out.output_tokens - 1) / (out.total_s - out.ttft_s), out.token_ids
+
+
+def run(engine: BlendEngine, lengths: list[int], tokens: int, repeats: int) -> list[dict]:
+    rows = []
+    for length in lengths:
+        prose = synthetic_text(engine.tokenizer, length, seed=length)
+        pre = engine.prefill([prose, "\nContinue the story:"], BlendConfig("full"))
+        rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        outputs: dict[str, list[int]] = {}
+        for _ in range(repeats):
+            for kind in KINDS:
+                rate, outputs[kind] = decode_rate(engine, pre, kind, tokens)
+                rates[kind].append(rate)
+        if outputs["static"] != outputs["dynamic"]:
+            raise SystemExit(f"the caches decoded different tokens at {length} tokens")
+        row = {"prompt_tokens": len(pre.token_ids), "decoded": len(outputs["static"])}
+        row |= {f"{kind}_tok_s": statistics.median(rates[kind]) for kind in KINDS}
+        row["static_over_dynamic"] = row["static_tok_s"] / row["dynamic_tok_s"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| prompt | tokens decoded | dynamic tok/s | static tok/s | static / dynamic |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['prompt_tokens']} | {row['decoded']} | {row['dynamic_tok_s']:.2f} | "
+            f"{row['static_tok_s']:.2f} | {row['static_over_dynamic']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="512,2048,4096")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per answer")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", default=None, help="default: KVBLEND_MODEL or the bundled one")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--name", default="decode", help="results file name (without suffix)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = BlendEngine.from_pretrained(args.model, MemoryKVStore(), device=args.device)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    rows = run(engine, lengths, args.tokens, args.repeats)
+    meta = {"model": engine.name, "device": str(engine.decoder.device), "threads": args.threads,
+            "repeats": args.repeats, "tokens": args.tokens}  # fmt: skip
+    RESULTS.mkdir(exist_ok=True)
+    result = {"meta": meta, "rows": rows}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.name}.md").write_text(table(rows))
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

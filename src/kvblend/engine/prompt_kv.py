@@ -1,0 +1,150 @@
+"""The blend loop's K/V buffer of a prompt, and cached K/V placed in it a group of layers a copy.
+
+`PromptKV` holds the un-rotated K/V of every layer of the prompt in one preallocated tensor.
+`LayerLoads` places the cached spans' K/V in it a group of layers at a time: one multi-tensor
+copy per group (every span's rows of those layers, straight from the stored tensors) and one
+event per group; a layer waits on its own group's event before it reads the buffer. On CUDA the
+copies run on a side stream (`CopyStream`), so the copy of later groups overlaps the compute of
+earlier layers, and waiting is a stream wait, never a host sync. `CopyStream` is the only
+CUDA-specific piece: off CUDA it is a null stream whose copies run at once and whose events are
+None, so the same grouping runs (and is tested) on the CPU, where copies are synchronous anyway
+and one group holds every layer (`GROUP_LAYERS`): more groups would only add ops there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .blend_io import CachedSpan
+from .decoder import Decoder
+
+#: Layers per copy group, by device type; a device type not listed copies every layer at once.
+GROUP_LAYERS: dict[str, int] = {"cuda": 4}
+
+
+def group_layers(device: torch.device, num_layers: int) -> int:
+    """Return how many layers one copy of cached K/V places on ``device``."""
+    return max(1, min(GROUP_LAYERS.get(device.type, num_layers), num_layers))
+
+
+class PromptKV:
+    """The un-rotated K/V of every layer of one prompt, in one preallocated buffer.
+
+    ``data`` is ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values). Cached rows are
+    placed with one op per group of layers (every span at once), the computed rows' fresh K/V
+    written with one more per layer; the rotated keys are made from it once per layer.
+    """
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+
+    @classmethod
+    def empty(cls, decoder: Decoder, total: int) -> PromptKV:
+        """Return an unset buffer for ``total`` tokens (every row is written before it is read)."""
+        shape = decoder.shape
+        return cls(torch.empty(
+            shape.num_layers, 2, shape.num_kv_heads, total, shape.head_dim,
+            device=decoder.device, dtype=decoder.dtype,
+        ))  # fmt: skip
+
+    def load(self, layers: range, spans: list[CachedSpan], non_blocking: bool = False) -> None:
+        """Place every span's cached K/V of ``layers`` (one multi-tensor copy, one per span).
+
+        A span's source is read, never written: it may be the store's own tensor.
+        """
+        first, stop = layers.start, layers.stop
+        targets = [self.data[first:stop, :, :, span.start : span.end] for span in spans]
+        sources = [span.source.layers()[first:stop] for span in spans]
+        if targets:
+            torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+class CopyStream:
+    """Where cached K/V is copied: a side CUDA stream with events, or inline (the null stream).
+
+    ``copy`` runs a placement and returns the event that marks its end (None inline); ``wait``
+    orders the compute stream after such an event. Off CUDA both are plain calls.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = _side_stream(device) if device.type == "cuda" else None
+
+    def copy(self, place: Callable[..., None], *args: Any) -> Any:
+        """Run ``place(*args, non_blocking=...)`` on the copy stream; return its end event.
+
+        The copy stream first waits for the compute stream's work queued so far (the buffer's
+        allocation and earlier writes). A lazy store entry opened by ``place`` orders the copy
+        stream, its current stream, after the entry's own transfer.
+        """
+        if self.stream is None:
+            place(*args, non_blocking=False)
+            return None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            place(*args, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return event
+
+    def guard(self, kv: PromptKV, spans: list[CachedSpan]) -> None:
+        """Mark the buffer and the spans' stored tensors on the device as used by the copies.
+
+        Their memory is then not handed out again before the copies end, even if the pass stops
+        midway (a cancelled prefill) and drops them while copies are still queued.
+        """
+        if self.stream is None:
+            return
+        for tensor in [kv.data, *(span.source.layers() for span in spans)]:
+            if tensor.device.type == "cuda":
+                tensor.record_stream(self.stream)
+
+    def wait(self, event: Any) -> None:
+        """Order the compute stream after ``event`` (a no-op for the null stream's None)."""
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+
+class LayerLoads:
+    """The cached K/V of one pass, placed a group of layers at a time, one event per group."""
+
+    def __init__(self, kv: PromptKV, spans: list[CachedSpan], group: int, stream: CopyStream):
+        self.kv = kv
+        self.spans = spans
+        self.group = group
+        self.stream = stream
+        self.events: dict[int, Any] = {}  # layer -> the event of the copy that placed it
+
+    @classmethod
+    def for_pass(cls, decoder: Decoder, kv: PromptKV, spans: list[CachedSpan]) -> LayerLoads:
+        """Return the loads of a pass over ``decoder``'s layers (none issued yet)."""
+        group = group_layers(decoder.device, decoder.shape.num_layers)
+        return cls(kv, spans, group, CopyStream(decoder.device))
+
+    def issued(self, layer: int) -> bool:
+        """Whether the copy of ``layer``'s cached K/V was issued."""
+        return layer in self.events
+
+    def issue(self, layers: range) -> None:
+        """Queue the copies of ``layers``' cached K/V, ``group`` layers per copy."""
+        if not self.spans:
+            return
+        for first in range(layers.start, layers.stop, self.group):
+            group = range(first, min(first + self.group, layers.stop))
+            event = self.stream.copy(self.kv.load, group, self.spans)
+            self.events.update(dict.fromkeys(group, event))
+        self.stream.guard(self.kv, self.spans)
+
+    def wait(self, layer: int) -> None:
+        """Order the compute stream after the copy of ``layer``'s group (when one was issued)."""
+        if layer in self.events:
+            self.stream.wait(self.events[layer])
