@@ -188,8 +188,10 @@ def test_attention_ratio_one_equals_full_and_zero_equals_reuse(tiny_engine: Blen
     assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
     reuse = tiny_engine.prefill(prompt, BlendConfig("reuse"))
     nothing = tiny_engine.prefill(
-        prompt, BlendConfig("attention", recompute_ratio=0.0, lead_tokens=0, min_recompute=0)
-    )
+        prompt,
+        BlendConfig("attention", recompute_ratio=0.0, early_ratio=0.0, lead_tokens=0,
+                    min_recompute=0),
+    )  # fmt: skip
     assert nothing.stats.recomputed_tokens == 0 and "probe_s" in nothing.stats.timings
     assert torch.equal(nothing.logits, reuse.logits)
 
@@ -407,7 +409,9 @@ def test_attention_probe_equals_transformers_attention_weights(
         return run_blend(decoder, blend_input, config, **kwargs)
 
     monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
-    config = BlendConfig("attention", recompute_ratio=0.25, lead_tokens=0, min_recompute=0)
+    config = BlendConfig(
+        "attention", recompute_ratio=0.25, early_layers=0, lead_tokens=0, min_recompute=0
+    )
     pre = tiny_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids
     model = tiny_engine.model
@@ -474,8 +478,9 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
 
     monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
     config = BlendConfig(
-        "attention", recompute_ratio=0.3, min_recompute=0, full_above=1.0, correction=share
-    )
+        "attention", recompute_ratio=0.3, early_layers=0, min_recompute=0, full_above=1.0,
+        correction=share,
+    )  # fmt: skip
     pre = tiny_engine.prefill(segments(order), config)
     inputs = seen[-1]
     selected, _ = attention_selection(tiny_engine, inputs, config)

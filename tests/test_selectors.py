@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,8 +22,8 @@ from kvblend.store import MemoryKVStore
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
     assert BlendConfig().settings == {
-        "recompute_ratio": 0.2, "min_recompute": 256, "lead_tokens": 8, "short_document": 32,
-        "full_above": 0.8, "correction": 0.5,
+        "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "min_recompute": 256,
+        "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
@@ -215,7 +216,7 @@ def test_the_layer_loop_does_not_sync_with_the_host(monkeypatch: pytest.MonkeyPa
     real = blend.run_layers
 
     def checked(state, start, selector, *args):
-        refines = selector is not None and selector.refine_layers
+        refines = selector is not None and selector.refine_layers and selector.refine_reads_cache
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode(0 if refines else "error")
         try:
@@ -303,6 +304,97 @@ def test_min_recompute_floors_the_budget_leading_tokens_included() -> None:
     everything = engine.prefill(prompt, config.replace(min_recompute=moved))
     full = engine.prefill(prompt, BlendConfig("full"))
     assert torch.allclose(everything.logits, full.logits, atol=1e-4, rtol=0)
+
+
+def _rows_per_layer(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Record each pass's computed rows per layer (one list per pass)."""
+    from kvblend.engine import blend
+
+    passes: list[list[int]] = []
+    real = blend.write_fresh
+
+    def recording(state, layer):
+        if layer == 0:
+            passes.append([])
+        passes[-1].append(state.computed.size)
+        return real(state, layer)
+
+    monkeypatch.setattr(blend, "write_fresh", recording)
+    return passes
+
+
+def test_the_funnel_recomputes_more_rows_in_the_early_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    engine, prompt, lengths = _records_engine()
+    moved, leads = sum(lengths), 3 * 2
+    config = BlendConfig(recompute_ratio=0.1, early_ratio=0.5, early_layers=0.34, lead_tokens=2,
+                         short_document=0, min_recompute=0, full_above=1.0)  # fmt: skip
+    passes = _rows_per_layer(monkeypatch)
+    pre = engine.prefill(prompt, config)
+    probe, main = passes[-2:]  # after the head's own KV, computed and stored once
+    uncached = probe[0]
+    assert probe == [uncached] * 3  # the probe computes the uncached rows only
+    early, later = uncached + leads + round(0.5 * moved), uncached + leads + round(0.1 * moved)
+    assert main == [early, later, later]  # 0.34 of 3 layers: the first one
+    assert pre.stats.recomputed_tokens == leads + round(0.1 * moved)
+    total = pre.stats.prompt_tokens
+    assert pre.stats.compute_fraction == pytest.approx((3 * uncached + sum(main)) / (3 * total))
+    assert engine.explain(prompt, config).forecast.estimated_cost == pytest.approx(
+        pre.stats.estimated_cost
+    )
+    passes.clear()
+    flat = engine.prefill(prompt, config.replace(early_layers=0))  # no funnel
+    assert passes == [probe, [later] * 3]
+    assert flat.stats.recomputed_tokens == pre.stats.recomputed_tokens
+    assert flat.stats.estimated_cost < pre.stats.estimated_cost
+    passes.clear()
+    engine.prefill(prompt, config.replace(early_ratio=0.05))  # below the ratio: no funnel
+    assert passes == [probe, [later] * 3]
+
+
+def test_the_funnel_keeps_the_best_scoring_rows_after_the_early_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvblend.engine.selectors import attention
+
+    chosen: list[tuple] = []
+    real = attention.AttentionSelector.select
+
+    def keeping(self, context):
+        selection = real(self, context)
+        chosen.append((self, selection, context.kinds.numpy()))
+        return selection
+
+    monkeypatch.setattr(attention.AttentionSelector, "select", keeping)
+    engine, prompt, _ = _records_engine()
+    config = BlendConfig(recompute_ratio=0.1, early_ratio=0.6, early_layers=0.5, lead_tokens=0,
+                         short_document=0, min_recompute=0, full_above=1.0)  # fmt: skip
+    engine.prefill(prompt, config)
+    selector, selection, kinds = chosen[-1]
+    assert selector.refine_layers == frozenset([2])  # round(0.5 * 3 layers)
+    budget = selector.budget
+    assert 0 < budget.keep < budget.early
+    scores = selector.scores.numpy()
+    candidates = np.flatnonzero(kinds == MOVED)
+    ranked = candidates[np.argsort(-scores[candidates], kind="stable")]
+    rows = np.asarray(selection.computed)
+    later = rows[selector.later]
+    assert set(rows[kinds[rows] == MOVED]) == set(ranked[: budget.early])
+    assert set(later[kinds[later] == MOVED]) == set(ranked[: budget.keep])
+    assert set(later[kinds[later] != MOVED]) == set(rows[kinds[rows] != MOVED])
+
+
+def test_early_layers_is_a_share_of_the_model_s_layers() -> None:
+    from kvblend.engine.selectors.attention import early_layer_count
+
+    assert [early_layer_count(share, 30) for share in (0, 0.01, 0.25, 0.5, 0.99)] == [
+        0, 1, 8, 15, 29
+    ]  # fmt: skip
+    assert early_layer_count(0.9, 2) == 1  # never every layer
+    for bad in (1, 1.0, -0.1, "0.2", True):
+        with pytest.raises(ValueError, match="early_layers must be a share"):
+            BlendConfig(early_layers=bad)
 
 
 def test_full_prefill_reports_documents_found_and_none_reused() -> None:

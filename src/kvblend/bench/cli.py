@@ -86,10 +86,12 @@ def cmd_ttft(args: argparse.Namespace) -> None:
 
 
 def default_name() -> str:
-    """Return the default config in words, e.g. ``attention 0.2``."""
+    """Return the default config in words, e.g. ``attention 0.4/0.15`` (early / later ratio)."""
     from ..engine import BlendConfig
 
     config = BlendConfig()
+    if config.strategy == "attention" and config.early_layers > 0:
+        return f"attention {config.early_ratio:g}/{config.recompute_ratio:g}"
     if config.strategy in ("attention", "cacheblend"):
         return f"{config.strategy} {config.recompute_ratio:g}"
     return config.strategy

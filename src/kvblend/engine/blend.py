@@ -113,10 +113,17 @@ class PassState:
                 self.host_kinds, spans, computed, self.share, self.decoder.device
             )
 
-    def narrow(self, keep: torch.Tensor) -> None:
-        """Keep only the computed rows ``keep`` (indices into ``computed``, on the device)."""
+    def narrow(self, keep: torch.Tensor | np.ndarray) -> None:
+        """Keep only the computed rows ``keep`` (indices into ``computed``).
+
+        ``keep`` on the device is read back (a host sync); on the host (an array) it is not.
+        """
+        if isinstance(keep, np.ndarray):
+            host, keep = keep, to_device(keep, self.decoder.device)
+        else:
+            host = read_back(keep)
         self.hidden = self.hidden.index_select(0, keep)
-        self.set_rows(self.computed[read_back(keep)], self.rows.index_select(0, keep))
+        self.set_rows(self.computed[host], self.rows.index_select(0, keep))
 
 
 def begin_pass(
@@ -246,8 +253,11 @@ def run_pass(
     share = selector.correction if selector is not None else 0.0
     refine_layers = selector.refine_layers if selector is not None else frozenset()
     start = selection.start
-    if start is not None and (refine_layers or keep_raw_keys):
-        raise ValueError("a start pass cannot be combined with refine layers or raw keys")
+    reads_cache = selector is not None and selector.refine_reads_cache
+    if start is not None and (keep_raw_keys or (refine_layers and reads_cache)):
+        raise ValueError(
+            "a start pass cannot be combined with raw keys or refine layers that read the cache"
+        )
     blend_input = on_host(blend_input)
     total = blend_input.token_ids.numel()
     computed = host_rows(selection.computed)

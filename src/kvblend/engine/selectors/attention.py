@@ -1,16 +1,18 @@
 """``attention``: recompute the reused tokens the question draws most from.
 
 A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and
-sums, over every layer, head and query of the prompt's uncached tail (the question and the
-template text after it), how much each token contributes to the attention output
-(`tail_attention`). The top ``recompute_ratio`` of the moved tokens by that score are recomputed
-at every layer. The probe's KV (reused rows in place, already rotated) is the prefill's
-starting point, so the cached KV is loaded and rotated once.
+measures, at every layer, how much each token contributes to the attention output of the
+prompt's uncached tail (the question and the template text after it: `tail_attention`),
+summed over heads, queries and layers. The top ``recompute_ratio`` of the moved tokens by that
+score are recomputed at every layer; with ``early_layers``, a funnel recomputes the top
+``early_ratio`` in the first layers and narrows to ``recompute_ratio`` after them (the rows
+that leave are read from the cache again). The probe's KV (reused rows in place, already
+rotated) is the prefill's starting point, so the cached KV is loaded and rotated once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,14 +24,12 @@ from ..decoder import Decoder
 from ..row_attention import attention_mask
 from .base import (
     CORRECTION,
-    RECOMPUTE_RATIO,
     Selection,
     SelectionContext,
     Selector,
     Setting,
     non_negative_int,
     ratio,
-    top_scoring,
 )
 
 
@@ -144,14 +144,17 @@ class AttentionBudget:
     """The attention strategy's decision for one prompt, from its token kinds alone.
 
     ``lead``: moved rows recomputed as leading rows (whole short documents included);
-    ``keep``: moved rows the probe picks on top; ``probe``: rows the probe pass computes (0:
-    none); ``recompute_all``: every moved row is recomputed (the blend reads no moved row);
-    ``cost``: the blend's estimated cost as a share of a full prefill's; ``fallback``: why
-    every moved row is recomputed, None when the blend runs as asked.
+    ``keep``: moved rows the probe picks on top, recomputed at every layer; ``early``: moved
+    rows the probe picks for the early layers (``keep`` and more: the funnel's top);
+    ``probe``: rows the probe pass computes (0: none); ``recompute_all``: every moved row is
+    recomputed (the blend reads no moved row); ``cost``: the blend's estimated cost as a share
+    of a full prefill's; ``fallback``: why every moved row is recomputed, None when the blend
+    runs as asked.
     """
 
     lead: int
     keep: int
+    early: int
     probe: int
     recompute_all: bool
     cost: float
@@ -170,10 +173,11 @@ def attention_budget(
 
     A pure function of the prompt's token kinds and cached spans: `AttentionSelector.select`
     and `kvblend.engine.explain` both call it, so what ``explain`` reports is what runs. The
-    blend's cost is its computed rows (uncached, leading, chosen, and the probe's) plus
-    `REUSED_ROW_COST` per row read from a cache and `BLEND_OVERHEAD_ROWS`, over a full
-    prefill's rows (a prediction of the blend's TTFT as a share of full prefill's); above
-    ``full_above`` every moved row is recomputed (the prompt head stays reused in place).
+    blend's cost is its computed rows (uncached, leading, chosen, the funnel's extra rows for
+    its share of the layers, and the probe's) plus `REUSED_ROW_COST` per row read from a cache
+    and `BLEND_OVERHEAD_ROWS`, over a full prefill's rows (a prediction of the blend's TTFT as a
+    share of full prefill's); above ``full_above`` every moved row is recomputed (the prompt
+    head stays reused in place).
     """
     moved = sum(1 for kind in kinds if kind == MOVED)
     uncached = sum(1 for kind in kinds if kind == COMPUTE)
@@ -186,9 +190,13 @@ def attention_budget(
     candidates = moved - lead
     share = round(options["recompute_ratio"] * moved)
     keep = min(max(share, options["min_recompute"] - lead), candidates)
-    probe = uncached if 0 < keep < candidates else 0
+    early = keep
+    if options["early_layers"] > 0:
+        early = min(max(round(options["early_ratio"] * moved), keep), candidates)
+    probe = uncached if 0 < keep < candidates or 0 < early < candidates else 0
     cached = len(kinds) - uncached - lead - keep
-    rows = uncached + lead + keep + probe + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
+    funnel = (early - keep) * options["early_layers"]
+    rows = uncached + lead + keep + funnel + probe + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
     cost = rows / max(len(kinds), 1)
     reason = None
     if moved and keep == candidates and options["recompute_ratio"] < 1:
@@ -205,16 +213,46 @@ def attention_budget(
         )
     recompute_all = keep == candidates or reason is not None
     if recompute_all:
-        keep, probe = candidates, 0
-    return AttentionBudget(lead, keep, probe, recompute_all, cost, reason)
+        keep, early, probe = candidates, candidates, 0
+    return AttentionBudget(lead, keep, early, probe, recompute_all, cost, reason)
+
+
+def early_layer_count(share: float, num_layers: int) -> int:
+    """How many first layers compute the funnel's top (``early_layers`` of ``num_layers``).
+
+    At least one when ``share`` > 0, and never every layer.
+    """
+    if share <= 0:
+        return 0
+    return min(max(1, round(share * num_layers)), num_layers - 1)
+
+
+def _layer_share(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a share of the model's layers in [0, 1), got {value!r}")
+    return float(value)
+
+
+def ranked_candidates(score: torch.Tensor, candidates: np.ndarray, count: int) -> torch.Tensor:
+    """Return the ``count`` entries of ``candidates`` scoring most, best first (on device)."""
+    rows = to_device(candidates, score.device)
+    if count <= 0:
+        return rows[:0]
+    return rows[torch.topk(score[rows], min(count, rows.numel()), sorted=True).indices]
 
 
 class AttentionSelector(Selector):
-    """Recompute the top ``recompute_ratio`` of moved tokens by the probe's tail attention.
+    """Recompute the moved tokens the probe's tail attention ranks first.
 
-    ``min_recompute`` sets a floor under that budget, the leading rows below included: a prompt
-    of few moved tokens (five retrieved passages) gets a larger share of them recomputed, while
-    a long prompt, whose share is larger than the floor, keeps ``recompute_ratio``.
+    The top ``recompute_ratio`` of moved tokens are recomputed at every layer. With
+    ``early_layers`` (a share of the model's layers, 0 by default), the first layers recompute
+    the top ``early_ratio`` instead, a funnel narrowing to ``recompute_ratio`` after them: the
+    early layers are where a document's tokens most need the text they were cached without,
+    and rows leaving the funnel keep what those layers gave the rows that stay.
+
+    ``min_recompute`` sets a floor under ``recompute_ratio``'s budget, the leading rows below
+    included: a prompt of few moved tokens (five retrieved passages) gets a larger share of them
+    recomputed, while a long prompt, whose share is larger than the floor, keeps the ratio.
 
     With ``lead_tokens``, the first tokens of every moved document are recomputed too (they
     saw only the document head when cached and act as the document's attention sink; a short
@@ -228,7 +266,15 @@ class AttentionSelector(Selector):
 
     name = "attention"
     settings = {
-        "recompute_ratio": RECOMPUTE_RATIO,
+        "recompute_ratio": Setting(
+            0.2, ratio, "share of the moved tokens recomputed at every layer, in [0, 1]"
+        ),
+        "early_ratio": Setting(
+            0.4, ratio, "share of the moved tokens recomputed in the early layers, in [0, 1]"
+        ),
+        "early_layers": Setting(
+            0.0, _layer_share, "share of the model's layers that recompute early_ratio (0: none)"
+        ),
         "min_recompute": Setting(
             256, non_negative_int, "moved tokens recomputed at least, leading ones included"
         ),
@@ -244,6 +290,11 @@ class AttentionSelector(Selector):
         ),
         "correction": CORRECTION,
     }
+    refine_reads_cache = False  # the funnel narrows to rows chosen before the loop
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        super().__init__(settings)
+        self.later: np.ndarray | None = None  # the rows kept after the early layers
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most (`attention_budget` says how many)."""
@@ -251,6 +302,7 @@ class AttentionSelector(Selector):
         kinds = context.kinds.numpy()
         budget = attention_budget(kinds.tolist(), context.spans, self.options)
         self.budget = budget
+        self.refine_layers = frozenset()
         uncached = context.uncached.numpy()
         lead = leading_rows(context, self.options["lead_tokens"], self.options["short_document"])
         computed = uncached | lead
@@ -258,13 +310,35 @@ class AttentionSelector(Selector):
         if budget.recompute_all:  # every moved row: no probe
             computed[moved] = True
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
-        if not budget.probe:  # nothing to choose (ratio 0): no probe
-            return Selection(torch.from_numpy(np.flatnonzero(computed)))
         candidates = moved[~lead[moved]]  # moved rows not recomputed already
-        probe_rows = np.flatnonzero(uncached)
-        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
-        start = context.run_pass(torch.from_numpy(probe_rows), observer)
-        # the one host sync of the prefill: the rows chosen on the device
-        computed[read_back(top_scoring(observer.scores, candidates, budget.keep))] = True
-        self.scores = observer.scores
-        return Selection(torch.from_numpy(np.flatnonzero(computed)), start=start)
+        if budget.probe:
+            probe_rows = np.flatnonzero(uncached)
+            observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
+            start = context.run_pass(torch.from_numpy(probe_rows), observer)
+            self.scores = observer.scores
+            # the one host sync of the prefill: the chosen rows, best first
+            ranked = read_back(ranked_candidates(observer.scores, candidates, budget.early))
+        else:  # nothing to rank (no row, or every row, early; none later): no probe
+            start, ranked = None, candidates[: budget.early]
+        computed[ranked] = True
+        rows = np.flatnonzero(computed)
+        layers = early_layer_count(self.options["early_layers"], context.decoder.shape.num_layers)
+        if budget.early > budget.keep and layers:  # the funnel narrows after the early layers
+            later = computed.copy()
+            later[ranked[budget.keep :]] = False
+            self.later = np.flatnonzero(later[rows])
+            self.refine_layers = frozenset([layers])
+        return Selection(torch.from_numpy(rows), start=start)
+
+    def refine(
+        self,
+        decoder: Decoder,
+        layer: int,
+        hidden: torch.Tensor,
+        computed: torch.Tensor,
+        kinds: torch.Tensor,
+        cached: tuple[torch.Tensor, torch.Tensor],
+    ) -> np.ndarray:
+        """After the early layers, keep the rows of ``recompute_ratio`` (chosen in `select`)."""
+        assert self.later is not None
+        return self.later

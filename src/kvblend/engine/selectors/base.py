@@ -130,6 +130,7 @@ class Selector:
     settings: ClassVar[Mapping[str, Setting]] = {}
     reads_cache: ClassVar[bool] = True  # False: the prefill needs no cached KV at all
     refine_layers: frozenset[int] = frozenset()
+    refine_reads_cache: ClassVar[bool] = True  # False: `refine` ignores ``cached``
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         self.options = dict(settings)
@@ -175,8 +176,11 @@ class Selector:
         computed: torch.Tensor,
         kinds: torch.Tensor,
         cached: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | np.ndarray:
         """Return the indices into ``computed`` still computed from a refine layer on.
+
+        On the device (read back once: a host sync) or, when known before the loop, on the
+        host (no sync).
 
         ``hidden`` are the computed rows' hidden states entering ``layer``; ``cached`` the
         layer's un-rotated cached keys and values ``[kv_heads, total, head_dim]``.
