@@ -44,10 +44,11 @@ def counts(layers: int, config: BlendConfig) -> tuple[int, int]:
     [
         (BlendConfig("reuse"), 30, 0),
         (BlendConfig(), 40, 1),  # the default: one read of the chosen rows after the probe
+        (BlendConfig(early_layers=0.5, min_recompute=0), 40, 1),  # the funnel narrows, no sync
         (BlendConfig("epic"), 40, 0),
         (BlendConfig("full"), 30, 0),
     ],
-    ids=["reuse", "default", "epic", "full"],
+    ids=["reuse", "default", "funnel", "epic", "full"],
 )
 def test_ops_per_layer_and_syncs_per_prefill(
     config: BlendConfig, per_layer: int, syncs: int
@@ -68,11 +69,11 @@ def test_the_counter_sees_syncs() -> None:
 def test_bench_ops_command(capsys: pytest.CaptureFixture[str]) -> None:
     args = build_parser().parse_args(
         ["ops", "--layers", "2", "--hidden", "32", "--documents", "3", "--doc-tokens", "40",
-         "--strategies", "reuse,default"]
+         "--strategies", "reuse,default,default+early_layers=0.5"]
     )  # fmt: skip
     args.func(args)
     out = capsys.readouterr().out
-    assert "| reuse |" in out and "| default |" in out
+    assert "| reuse |" in out and "| default |" in out and "| default+early_layers=0.5 |" in out
     rows = run_ops(byte_engine(2, hidden=32), 3, 40, ["reuse"])
     assert rows[0]["syncs"] == 0 and "| reuse |" in ops_table(rows)
 

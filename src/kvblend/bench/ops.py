@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..engine import BlendConfig, BlendEngine, Segment
 from ..engine import engine as engine_module
+from ..engine.config import parse_setting
 
 #: Ops whose result (or output size) is read on the host: each one is a sync on CUDA.
 SYNC_OPS = frozenset(
@@ -178,6 +179,16 @@ def rag_prompt(documents: list[str]) -> list[Segment]:
     ]
 
 
+def ops_config(name: str) -> BlendConfig:
+    """Return the config a strategy name stands for.
+
+    ``default`` or a strategy, then ``+NAME=VALUE`` settings (``default+early_layers=0.25``).
+    """
+    base, *overrides = name.split("+")
+    config = BlendConfig() if base == "default" else BlendConfig(base)
+    return config.replace(**dict(parse_setting(text) for text in overrides))
+
+
 def run_ops(
     engine: BlendEngine, documents: int, doc_tokens: int, strategies: list[str]
 ) -> list[dict[str, Any]]:
@@ -188,7 +199,7 @@ def run_ops(
     layers = engine.decoder.shape.num_layers
     rows = []
     for strategy in strategies:
-        config = BlendConfig() if strategy == "default" else BlendConfig(strategy)
+        config = ops_config(strategy)
         engine.prefill(prompt, config)  # warm: lazy imports, first-call caches
         count, result = count_prefill(engine, prompt, config)
         rows.append(
