@@ -45,10 +45,11 @@ def counts(layers: int, config: BlendConfig) -> tuple[int, int]:
         (BlendConfig("reuse"), 30, 0),
         (BlendConfig(), 40, 1),  # the default: one read of the chosen rows after the probe
         (BlendConfig(early_layers=0.5, min_recompute=0), 40, 1),  # the funnel narrows, no sync
+        (BlendConfig(probe_layers=0.5), 40, 1),  # a probe over the first half of the layers
         (BlendConfig("epic"), 40, 0),
         (BlendConfig("full"), 30, 0),
     ],
-    ids=["reuse", "default", "funnel", "epic", "full"],
+    ids=["reuse", "default", "funnel", "short-probe", "epic", "full"],
 )
 def test_ops_per_layer_and_syncs_per_prefill(
     config: BlendConfig, per_layer: int, syncs: int

@@ -22,7 +22,8 @@ from kvblend.store import MemoryKVStore
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
     assert BlendConfig().settings == {
-        "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "min_recompute": 256,
+        "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
+        "min_recompute": 256,
         "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
@@ -397,6 +398,46 @@ def test_early_layers_is_a_share_of_the_model_s_layers() -> None:
             BlendConfig(early_layers=bad)
 
 
+def test_the_probe_runs_its_share_of_the_first_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvblend.engine.selectors import Selection, attention
+
+    engine, prompt, lengths = _records_engine()
+    config = BlendConfig(recompute_ratio=0.1, lead_tokens=2, short_document=0, min_recompute=0,
+                         full_above=1.0, probe_layers=0.34)  # fmt: skip
+    passes = _rows_per_layer(monkeypatch)
+    pre = engine.prefill(prompt, config)
+    probe, main = passes[-2:]
+    uncached, later = probe[0], 3 * 2 + round(0.1 * sum(lengths)) + probe[0]
+    assert (probe, main) == ([uncached], [later] * 3)  # 0.34 of 3 layers: the first one
+    total = pre.stats.prompt_tokens
+    assert pre.stats.compute_fraction == pytest.approx((uncached + 3 * later) / (3 * total))
+    assert engine.explain(prompt, config).forecast.estimated_cost == pytest.approx(
+        pre.stats.estimated_cost
+    )
+    every = engine.prefill(prompt, config.replace(probe_layers=1.0))
+    assert passes[-2] == [uncached] * 3
+    assert pre.stats.estimated_cost < every.stats.estimated_cost
+
+    # the prefill continues from the short probe's buffer: the same as loading it anew
+    real = attention.AttentionSelector.select
+
+    def without_start(self, context):
+        return Selection(real(self, context).computed)
+
+    monkeypatch.setattr(attention.AttentionSelector, "select", without_start)
+    anew = engine.prefill(prompt, config)
+    assert torch.equal(anew.logits, pre.logits)
+
+
+def test_probe_layers_is_a_share_of_the_model_s_layers() -> None:
+    from kvblend.engine.selectors.attention import probe_layer_count
+
+    assert [probe_layer_count(share, 30) for share in (0.01, 0.25, 0.5, 1.0)] == [1, 8, 15, 30]
+    for bad in (0, 1.5, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match="probe_layers must be a share"):
+            BlendConfig(probe_layers=bad)
+
+
 def test_full_prefill_reports_documents_found_and_none_reused() -> None:
     engine, prompt, lengths = _records_engine()
     stats = engine.prefill(prompt, BlendConfig("full")).stats
@@ -436,9 +477,12 @@ def test_flex_attention_rows_equal_the_chunked_ones(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("strategy", "most"), [("reuse", 0), ("attention", 1), ("epic", 0)])
+@pytest.mark.parametrize(
+    ("strategy", "most", "probe_layers"),
+    [("reuse", 0, None), ("attention", 1, 1.0), ("attention", 1, 0.5), ("epic", 0, None)],
+)
 def test_a_whole_blend_syncs_at_most_once_on_cuda(
-    strategy: str, most: int, monkeypatch: pytest.MonkeyPatch
+    strategy: str, most: int, probe_layers: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """From the first pass to the logits, the host waits for the GPU at most once (the rows the
     default's probe chose): torch warns at every sync in ``set_sync_debug_mode("warn")``."""
@@ -467,6 +511,8 @@ def test_a_whole_blend_syncs_at_most_once_on_cuda(
     documents = ["Doc one: Marta Quill lives in Lisbon. " * 3, "Doc two: a meeting at 9:30. " * 4]
     prompt = [Segment("System:\n", role="prefix"), *map(Segment, reversed(documents)),
               Segment("\nQuestion: where?\nAnswer:", cache=False)]  # fmt: skip
-    settings = {"min_recompute": 0, "full_above": 1.0} if strategy == "attention" else {}
+    settings: dict = {}
+    if strategy == "attention":
+        settings = {"min_recompute": 0, "full_above": 1.0, "probe_layers": probe_layers}
     engine.prefill(prompt, BlendConfig(strategy, **settings))
     assert counted and counted[-1] <= most

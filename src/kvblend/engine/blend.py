@@ -11,8 +11,8 @@ The prompt's un-rotated KV of every layer lives in one preallocated buffer (`Pro
    group of layers per copy (every document's keys and values at once, straight from the
    stored tensors) with one event per group, for every layer from it on when the pass computes
    only some rows; on CUDA they run on a side stream, so later groups load while earlier
-   layers compute (one group of every layer on the CPU; a second pass keeps the first pass's
-   buffer),
+   layers compute (one group of every layer on the CPU; a second pass takes over the first
+   pass's buffer and waits on its copies),
 2. lets the selector narrow the computed rows, at its refine layers,
 3. projects the computed rows (keys and values in one product), moves the stale cached rows by
    the correction (`correction.py`) and writes the fresh K/V over their cached rows (one op),
@@ -128,15 +128,24 @@ class PassState:
 
 def begin_pass(
     decoder: Decoder, prompt: BlendInput, table: torch.Tensor, computed: np.ndarray, share: float,
-    kv: PromptKV | None,
+    start: BlendOutput | None,
 ) -> PassState:  # fmt: skip
-    """Embed the computed rows and prepare their attention and correction."""
+    """Embed the computed rows and prepare their attention and correction.
+
+    From ``start`` (a first pass), the pass takes over its K/V buffer and its copies, some of
+    which may still be under way.
+    """
     rows = to_device(computed, decoder.device)
     hidden = decoder.embed(prompt.token_ids.index_select(0, rows))
     assert prompt.host_kinds is not None
-    kv = kv if kv is not None else PromptKV.empty(decoder, prompt.token_ids.numel())
+    if start is not None and start.raw_kv is not None:
+        kv = PromptKV(start.raw_kv)
+    else:
+        kv = PromptKV.empty(decoder, prompt.token_ids.numel())
     state = PassState(decoder, prompt, prompt.host_kinds, table, kv, computed, hidden, share)
-    state.loads = LayerLoads.for_pass(decoder, kv, prompt.spans)
+    state.loads = start.loads if start is not None and start.loads is not None else (
+        LayerLoads.for_pass(decoder, kv, prompt.spans)
+    )  # fmt: skip
     state.set_rows(computed, rows)
     return state
 
@@ -192,26 +201,25 @@ def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> 
 
 def run_layers(
     state: PassState,
-    loads: bool,
     selector: Selector | None,
     observer: PassObserver | None,
     need_logits: bool,
     cancel: threading.Event | None = None,
+    stop: int | None = None,
 ) -> BlendOutput:
     """Run the layer loop of a pass and return its KV (and logits).
 
     Nothing in it reads a value back from the device (no host sync on CUDA), except a
-    selector's refine step, which chooses rows by their values. ``loads``: place the cached
-    KV of each layer (False: the buffer holds it already, from a first pass).
+    selector's refine step, which chooses rows by their values. ``stop``: run the first
+    ``stop`` layers only (a probe; the copies of every layer are issued all the same).
     """
     decoder, prompt = state.decoder, state.prompt
     refine_layers = selector.refine_layers if selector is not None else frozenset()
-    out = BlendOutput(None, [], [], [], raw_kv=state.kv.data)
-    last = decoder.shape.num_layers - 1
+    out = BlendOutput(None, [], [], [], raw_kv=state.kv.data, loads=state.loads)
+    last = (decoder.shape.num_layers if stop is None else stop) - 1
     for layer in range(last + 1):
         check_cancel(cancel)
-        if loads:  # step 1
-            load_cached(state, layer, refine_layers)
+        load_cached(state, layer, refine_layers)  # step 1
         if layer in refine_layers:  # step 2: the selector narrows the computed rows
             assert selector is not None
             cached = (state.kv.data[layer, 0], state.kv.data[layer, 1])
@@ -248,8 +256,12 @@ def run_pass(
     keep_raw_keys: bool = False,
     cancel: threading.Event | None = None,
     table: torch.Tensor | None = None,
+    layers: int | None = None,
 ) -> BlendOutput:
-    """One pass over the layers: compute ``selection.computed``, read the other rows' KV."""
+    """One pass over the layers: compute ``selection.computed``, read the other rows' KV.
+
+    ``layers``: run the first ``layers`` layers only (a probe: no logits).
+    """
     share = selector.correction if selector is not None else 0.0
     refine_layers = selector.refine_layers if selector is not None else frozenset()
     start = selection.start
@@ -261,13 +273,12 @@ def run_pass(
     blend_input = on_host(blend_input)
     total = blend_input.token_ids.numel()
     computed = host_rows(selection.computed)
-    if need_logits and computed[-1] != total - 1:
-        raise RuntimeError("the last prompt token must be computed to produce logits")
+    if need_logits and (computed[-1] != total - 1 or layers is not None):
+        raise RuntimeError("logits need the last prompt token computed through every layer")
     if table is None:
         table = prompt_rope(decoder, total)
-    kv = None if start is None or start.raw_kv is None else PromptKV(start.raw_kv)
-    state = begin_pass(decoder, blend_input, table, computed, share, kv)
-    out = run_layers(state, kv is None, selector, observer, need_logits, cancel)
+    state = begin_pass(decoder, blend_input, table, computed, share, start)
+    out = run_layers(state, selector, observer, need_logits, cancel, layers)
     if not keep_raw_keys:
         out.raw_keys = None
     else:  # KV to be stored: tensors of their own, not views of one buffer
@@ -349,11 +360,13 @@ def selection_context(
     blend_input = on_host(blend_input)
     assert blend_input.host_kinds is not None
 
-    def first_pass(computed: torch.Tensor, observer: PassObserver) -> BlendOutput:
+    def first_pass(
+        computed: torch.Tensor, observer: PassObserver, layers: int | None = None
+    ) -> BlendOutput:
         selection = Selection(computed)
         return run_pass(
             decoder, blend_input, selection, observer=observer, need_logits=False,
-            cancel=cancel, table=table,
+            cancel=cancel, table=table, layers=layers,
         )  # fmt: skip
 
     kinds = torch.from_numpy(blend_input.host_kinds)

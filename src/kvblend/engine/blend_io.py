@@ -13,7 +13,7 @@ Every prompt token is one of three kinds (`TokenKind`):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -67,6 +67,9 @@ class BlendOutput:
     stats: dict[str, float] = field(default_factory=dict)
     #: the pass's un-rotated KV of every layer ``[layers, 2, kv_heads, tokens, head_dim]``
     raw_kv: torch.Tensor | None = field(default=None, repr=False)
+    #: the pass's copies of cached K/V into ``raw_kv`` (`LayerLoads`), some maybe under way
+    #: on a side stream: a pass that starts from this one waits on them, layer by layer
+    loads: Any = field(default=None, repr=False)
 
 
 def read_back(tensor: torch.Tensor) -> np.ndarray:

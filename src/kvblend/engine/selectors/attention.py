@@ -1,13 +1,14 @@
 """``attention``: recompute the reused tokens the question draws most from.
 
-A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and
-measures, at every layer, how much each token contributes to the attention output of the
-prompt's uncached tail (the question and the template text after it: `tail_attention`),
-summed over heads, queries and layers. The top ``recompute_ratio`` of the moved tokens by that
-score are recomputed at every layer; with ``early_layers``, a funnel recomputes the top
-``early_ratio`` in the first layers and narrows to ``recompute_ratio`` after them (the rows
-that leave are read from the cache again). The probe's KV (reused rows in place, already
-rotated) is the prefill's starting point, so the cached KV is loaded and rotated once.
+A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and measures,
+at every layer, how much each token contributes to the attention output of the prompt's uncached
+tail (the question and the template text after it: `tail_attention`), summed over heads and queries,
+over the first ``probe_layers`` of the layers (all by default; fewer let the prefill start before
+every layer's cached KV has arrived). The top ``recompute_ratio`` of the moved tokens by that score
+are recomputed at every layer; with ``early_layers``, a funnel recomputes the top ``early_ratio`` in
+the first layers and narrows to ``recompute_ratio`` after them (the rows that leave are read from
+the cache again). The probe's KV (reused rows in place, already rotated) is the prefill's starting
+point, so the cached KV is loaded and rotated once.
 """
 
 from __future__ import annotations
@@ -171,13 +172,13 @@ def attention_budget(
 ) -> AttentionBudget:
     """Decide how many moved rows the attention strategy recomputes, and whether to blend.
 
-    A pure function of the prompt's token kinds and cached spans: `AttentionSelector.select`
-    and `kvblend.engine.explain` both call it, so what ``explain`` reports is what runs. The
-    blend's cost is its computed rows (uncached, leading, chosen, the funnel's extra rows for
-    its share of the layers, and the probe's) plus `REUSED_ROW_COST` per row read from a cache
-    and `BLEND_OVERHEAD_ROWS`, over a full prefill's rows (a prediction of the blend's TTFT as a
-    share of full prefill's); above ``full_above`` every moved row is recomputed (the prompt
-    head stays reused in place).
+    A pure function of the prompt's token kinds and cached spans: `AttentionSelector.select` and
+    `kvblend.engine.explain` both call it, so what ``explain`` reports is what runs. The blend's
+    cost is its computed rows (uncached, leading, chosen, the funnel's extra rows for its share of
+    the layers, and the probe's for its share of them) plus `REUSED_ROW_COST` per row read from a
+    cache and `BLEND_OVERHEAD_ROWS`, over a full prefill's rows (a prediction of the blend's TTFT as
+    a share of full prefill's); above ``full_above`` every moved row is recomputed (the prompt head
+    stays reused in place).
     """
     moved = sum(1 for kind in kinds if kind == MOVED)
     uncached = sum(1 for kind in kinds if kind == COMPUTE)
@@ -196,7 +197,8 @@ def attention_budget(
     probe = uncached if 0 < keep < candidates or 0 < early < candidates else 0
     cached = len(kinds) - uncached - lead - keep
     funnel = (early - keep) * options["early_layers"]
-    rows = uncached + lead + keep + funnel + probe + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
+    probed = probe * options["probe_layers"]
+    rows = uncached + lead + keep + funnel + probed + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
     cost = rows / max(len(kinds), 1)
     reason = None
     if moved and keep == candidates and options["recompute_ratio"] < 1:
@@ -227,9 +229,20 @@ def early_layer_count(share: float, num_layers: int) -> int:
     return min(max(1, round(share * num_layers)), num_layers - 1)
 
 
+def probe_layer_count(share: float, num_layers: int) -> int:
+    """How many first layers the probe runs (``probe_layers`` of ``num_layers``, at least one)."""
+    return min(max(1, round(share * num_layers)), num_layers)
+
+
 def _layer_share(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a share of the model's layers in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _probe_share(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a share of the model's layers in (0, 1], got {value!r}")
     return float(value)
 
 
@@ -258,6 +271,10 @@ class AttentionSelector(Selector):
     saw only the document head when cached and act as the document's attention sink; a short
     document's answer depends on them most), on top of the ratio's budget.
 
+    ``probe_layers`` (a share of the model's layers, all by default) runs the probe over the
+    first layers only: it costs less, and on a GPU the prefill starts while the later layers'
+    cached KV is still being copied (the copies of every layer are issued as the probe starts).
+
     When the blend's estimated cost (`attention_budget`: its computed rows, probe included,
     plus the rows it reads from caches at `REUSED_ROW_COST` each) is above ``full_above`` of a
     full prefill's, every moved token is recomputed instead: such a blend is barely faster
@@ -274,6 +291,9 @@ class AttentionSelector(Selector):
         ),
         "early_layers": Setting(
             0.0, _layer_share, "share of the model's layers that recompute early_ratio (0: none)"
+        ),
+        "probe_layers": Setting(
+            1.0, _probe_share, "share of the model's layers (the first ones) the probe runs"
         ),
         "min_recompute": Setting(
             256, non_negative_int, "moved tokens recomputed at least, leading ones included"
@@ -314,7 +334,11 @@ class AttentionSelector(Selector):
         if budget.probe:
             probe_rows = np.flatnonzero(uncached)
             observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
-            start = context.run_pass(torch.from_numpy(probe_rows), observer)
+            num_layers = context.decoder.shape.num_layers
+            layers = probe_layer_count(self.options["probe_layers"], num_layers)
+            start = context.run_pass(
+                torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None
+            )
             self.scores = observer.scores
             # the one host sync of the prefill: the chosen rows, best first
             ranked = read_back(ranked_candidates(observer.scores, candidates, budget.early))

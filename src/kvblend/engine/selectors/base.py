@@ -79,7 +79,9 @@ class SelectionContext(NamedTuple):
     decoder: Decoder
     kinds: torch.Tensor  # [tokens] on the host
     spans: list[CachedSpan]
-    run_pass: Callable[[torch.Tensor, PassObserver], BlendOutput]  # (computed rows, observer)
+    #: ``run_pass(computed rows, observer, layers=None)``: a pass over the first ``layers``
+    #: layers (every layer when None)
+    run_pass: Callable[..., BlendOutput]
 
     @property
     def moved(self) -> torch.Tensor:
