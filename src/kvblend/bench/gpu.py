@@ -104,8 +104,9 @@ def run_gpu(engine: BlendEngine, args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
         )  # fmt: skip
     baseline = run_transformers(
-        engine, parse_lengths(args.lengths), args.repeats, args.doc_tokens, args.seed
-    )
+        engine, parse_lengths(args.lengths), args.repeats, args.doc_tokens, args.seed,
+        decode_tokens=args.decode_tokens,
+    )  # fmt: skip
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {
         "benchmark": "gpu",
@@ -129,12 +130,19 @@ def _timed(device: torch.device, run: Any) -> float:
 
 
 def run_transformers(
-    engine: BlendEngine, lengths: list[int], repeats: int, doc_tokens: int, seed: int
+    engine: BlendEngine,
+    lengths: list[int],
+    repeats: int,
+    doc_tokens: int,
+    seed: int,
+    decode_tokens: int = 0,
 ) -> list[dict[str, Any]]:
     """Time transformers' forward and ``generate`` to the first token on the TTFT prompts.
 
     The same prompts as `run_ttft` (same documents and template), as token ids; the forward
     keeps only the last position's logits and reads the first token, as ``generate`` does.
+    With ``decode_tokens`` > 1, ``generate`` also runs to exactly that many tokens: its decode
+    speed is the tokens after the first over the time beyond the same repeat's first-token run.
     """
     model: Any = engine.model
     device = engine.decoder.device
@@ -148,13 +156,15 @@ def run_transformers(
         logits = model(ids, logits_to_keep=1).logits
         int(logits[0, -1].argmax())
 
-    def generate(ids: torch.Tensor) -> None:
+    def generate(ids: torch.Tensor, tokens: int = 1) -> None:
         model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False,
-            pad_token_id=engine.tokenizer.eos_token_id,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+            min_new_tokens=tokens, do_sample=False, pad_token_id=engine.tokenizer.eos_token_id,
         )  # fmt: skip
 
     runs = {"transformers-forward": forward, "transformers-generate": generate}
+    if decode_tokens > 1:
+        runs["transformers-decode"] = lambda ids: generate(ids, decode_tokens)
     times: dict[tuple[int, str], list[float]] = {}
     with torch.inference_mode():
         for ids in list(prompts.values())[:1]:  # warm-up
@@ -165,7 +175,7 @@ def run_transformers(
                 for name, run in runs.items():
                     elapsed = _timed(device, lambda run=run, ids=ids: run(ids))
                     times.setdefault((length, name), []).append(elapsed)
-    return [
+    rows = [
         {
             "target_tokens": length,
             "prompt_tokens": prompts[length].shape[1],
@@ -174,7 +184,28 @@ def run_transformers(
             "ttft_min_s": min(values),
         }  # fmt: skip
         for (length, name), values in times.items()
+        if name != "transformers-decode"
     ]
+    return rows + _decode_rows(times, prompts, decode_tokens)
+
+
+def _decode_rows(
+    times: dict[tuple[int, str], list[float]], prompts: dict[int, torch.Tensor], tokens: int
+) -> list[dict[str, Any]]:
+    """Return ``generate``'s decode tokens/s per length, each repeat's first-token run taken off."""
+    rows = []
+    for length, ids in prompts.items():
+        whole = times.get((length, "transformers-decode"))
+        if not whole:
+            continue
+        first = times[(length, "transformers-generate")]
+        rates = [(tokens - 1) / (w - f) for w, f in zip(whole, first, strict=True) if w > f]
+        rows.append({
+            "target_tokens": length, "prompt_tokens": ids.shape[1], "run": "transformers-decode",
+            "decode_tokens": tokens, "total_median_s": statistics.median(whole),
+            "decode_tok_s_median": statistics.median(rates) if rates else None,
+        })  # fmt: skip
+    return rows
 
 
 def baseline_table(result: dict[str, Any]) -> str:
@@ -182,25 +213,28 @@ def baseline_table(result: dict[str, Any]) -> str:
     summary = result["ttft"]["summary"]
     lines = [
         "| prompt | transformers forward | transformers generate | kvblend full / forward "
-        "| default / forward | reuse / forward |",
-        "|---|---|---|---|---|---|",
+        "| default / forward | reuse / forward | decode tok/s: generate, after default |",
+        "|---|---|---|---|---|---|---|",
     ]
     baseline = {(row["target_tokens"], row["run"]): row for row in result["transformers"]}
     for length in sorted({row["target_tokens"] for row in result["transformers"]}):
         forward = baseline[(length, "transformers-forward")]["ttft_median_s"]
         generate = baseline[(length, "transformers-generate")]["ttft_median_s"]
-        ours = {
-            s["strategy"]: s["ttft_median_s"]
-            for s in summary
-            if s["store"] == "memory" and s.get("target_tokens") == length
-        }
+        memory = [s for s in summary if s["store"] == "memory" and s["target_tokens"] == length]
+        ours = {s["strategy"]: s["ttft_median_s"] for s in memory}
         ratios = [
             f"{ours[name] / forward:.2f}" if name in ours else "n/a"
             for name in ("full", "default", "reuse")
         ]
+        after = [s.get("decode_tok_s_median") for s in memory if s["strategy"] == "default"]
+        rates = [
+            baseline.get((length, "transformers-decode"), {}).get("decode_tok_s_median"),
+            after[0] if after else None,
+        ]
+        decode = ", ".join(f"{rate:.1f}" if rate else "n/a" for rate in rates)
         lines.append(
             f"| {baseline[(length, 'transformers-forward')]['prompt_tokens']} | "
-            f"{forward:.3f} s | {generate:.3f} s | {' | '.join(ratios)} |"
+            f"{forward:.3f} s | {generate:.3f} s | {' | '.join(ratios)} | {decode} |"
         )
     return "\n".join(lines)
 
