@@ -7,6 +7,10 @@ construction included); greedy outputs are checked equal. Writes
 ``benchmarks/results/decode.json`` and ``decode.md``.
 
     python benchmarks/decode.py [--lengths 512,2048,4096] [--tokens 32] [--repeats 5] [--threads 1]
+        [--device cuda] [--output-dir DIR]
+
+With ``KVBLEND_DECODE_COMPILE=1`` on CUDA the static cache's decode step is compiled (the
+results' ``meta.compiled``); the dynamic cache never is.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from kvblend import BlendConfig, BlendEngine
 from kvblend.bench.synthetic import synthetic_text
-from kvblend.engine.decode_cache import CACHE_ENV, KINDS
+from kvblend.engine.decode_cache import CACHE_ENV, COMPILE_ENV, KINDS
 from kvblend.store import MemoryKVStore
 
 RESULTS = Path(__file__).parent / "results"
@@ -50,7 +54,10 @@ def run(engine: BlendEngine, lengths: list[int], tokens: int, repeats: int) -> l
                 rates[kind].append(rate)
         if outputs["static"] != outputs["dynamic"]:
             raise SystemExit(f"the caches decoded different tokens at {length} tokens")
-        row = {"prompt_tokens": len(pre.token_ids), "decoded": len(outputs["static"])}
+        row: dict[str, Any] = {
+            "prompt_tokens": len(pre.token_ids),
+            "decoded": len(outputs["static"]),
+        }
         row |= {f"{kind}_tok_s": statistics.median(rates[kind]) for kind in KINDS}
         row["static_over_dynamic"] = row["static_tok_s"] / row["dynamic_tok_s"]
         print(json.dumps(row), flush=True)
@@ -71,6 +78,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results(engine: BlendEngine, args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
+    """The JSON written: the run's settings (``meta``; ``compiled`` as decoding ran) and rows."""
+    compiled = os.environ.get(COMPILE_ENV, "0").strip() == "1"
+    meta = {"model": engine.name, "device": str(engine.decoder.device), "threads": args.threads,
+            "repeats": args.repeats, "tokens": args.tokens,
+            "compiled": compiled and engine.decoder.device.type == "cuda"}  # fmt: skip
+    return {"meta": meta, "rows": rows}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="512,2048,4096")
@@ -80,17 +96,16 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="default: KVBLEND_MODEL or the bundled one")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--name", default="decode", help="results file name (without suffix)")
+    parser.add_argument("--output-dir", type=Path, default=RESULTS, help="folder of the results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = BlendEngine.from_pretrained(args.model, MemoryKVStore(), device=args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
-    rows = run(engine, lengths, args.tokens, args.repeats)
-    meta = {"model": engine.name, "device": str(engine.decoder.device), "threads": args.threads,
-            "repeats": args.repeats, "tokens": args.tokens}  # fmt: skip
-    RESULTS.mkdir(exist_ok=True)
-    result = {"meta": meta, "rows": rows}
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
-    (RESULTS / f"{args.name}.md").write_text(table(rows))
+    result = results(engine, args, run(engine, lengths, args.tokens, args.repeats))
+    rows = result["rows"]
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (args.output_dir / f"{args.name}.md").write_text(table(rows))
     print(table(rows))
 
 

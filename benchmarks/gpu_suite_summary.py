@@ -1,0 +1,289 @@
+"""The GPU suite's summary: issue 27's GPU targets checked against the suite's result files.
+
+`summarize(folders, lengths)` reads what `gpu_suite.py` wrote into one or more folders (a later
+folder's file replaces an earlier one's of the same name, so the results of two commands can be
+summarized together) and returns the summary: one line per target, "target, measured, met / not
+met / missing", then figures without a target (load time, the probe over a quarter of the
+layers, decode from the static cache and compiled, FlexAttention vs query chunks, the tests).
+
+The field names are those of their writers: ``kvblend bench gpu`` (`kvblend.bench.gpu.run_gpu`,
+its ``ttft.summary`` from `kvblend.bench.ttft.summarize_ttft` and its ``transformers`` rows) and
+``benchmarks/decode.py`` (``meta``, ``rows``). Usage, without running anything::
+
+    python benchmarks/gpu_suite.py --summarize DIR [DIR ...] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+#: Result files of the bench runs, by the name the summary calls them.
+RUNS = {"llama-8b": "gpu_llama8b.json", "qwen": "gpu_qwen.json"}
+#: Prompt lengths each run's targets are checked at.
+TARGET_LENGTHS = {"llama-8b": (8192, 16384), "qwen": (8192,)}
+#: (run, strategy, most TTFT / transformers' forward) of issue 27.
+RATIO_TARGETS = (
+    ("llama-8b", "default", 0.33),
+    ("llama-8b", "reuse", 0.15),
+    ("qwen", "default", 0.6),
+    ("qwen", "reuse", 0.4),
+)
+FULL_WITHIN = 1.1  # kvblend's full prefill / transformers' forward
+PROBE = "default+probe_layers=0.25"
+
+
+@dataclass
+class Check:
+    """One target: what it asks, what was measured, and whether it is met."""
+
+    target: str
+    measured: float | None
+    status: str  # "met", "not met" or "missing"
+    detail: str = ""
+
+    def line(self) -> str:
+        value = "-" if self.measured is None else f"{self.measured:.3f}"
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{self.target}, measured {value}, {self.status}{extra}"
+
+
+def check(
+    target: str, measured: float | None, limit: float, at_most: bool, why: str, label: str = ""
+) -> Check:
+    """A `Check` of ``measured`` against ``limit`` (``why``: what is missing when it is None)."""
+    if measured is None:
+        return Check(target, None, "missing", why)
+    met = measured <= limit if at_most else measured >= limit
+    return Check(target, measured, "met" if met else "not met", label)
+
+
+def load_folders(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """Every JSON result and the steps' records of ``folders``, a later folder's winning.
+
+    ``results["target_lengths"]`` is the lengths a smoke run checks the targets at, if any.
+    """
+    results: dict[str, Any] = {}
+    steps: dict[str, dict[str, Any]] = {}
+    for folder in folders:
+        for path in sorted(folder.glob("*.json")):
+            if path.name == "summary.json":
+                continue
+            data = json.loads(path.read_text())
+            if path.name == "steps.json":
+                steps |= {step["name"]: step for step in data["steps"]}
+                if data.get("target_lengths"):
+                    results["target_lengths"] = data["target_lengths"]
+            else:
+                results[path.name] = data
+        if (folder / "tests.xml").exists():
+            results["tests.xml"] = folder / "tests.xml"
+    return results, steps
+
+
+def _why_missing(steps: dict[str, dict[str, Any]], step: str, file: str) -> str:
+    record = steps.get(step)
+    if record is None:
+        return f"step {step} not run: no {file}"
+    return f"step {step}: {record['status']}"
+
+
+class Run:
+    """One ``kvblend bench gpu`` result: memory-tier summary rows and transformers' rows."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self.rows = {
+            (s["target_tokens"], s["strategy"]): s
+            for s in data["ttft"]["summary"]
+            if s["store"] == "memory"
+        }
+        self.baseline = {(r["target_tokens"], r["run"]): r for r in data["transformers"]}
+
+    def label(self) -> str:
+        machine = self.data.get("machine", {})
+        model = self.data.get("model_shape")
+        model = f"{model} random weights" if model else machine.get("model", "?")
+        return f"{model}, {machine.get('device', '?')}, {machine.get('dtype', '?')}"
+
+    def forward(self, length: int) -> float | None:
+        row = self.baseline.get((length, "transformers-forward"))
+        return row["ttft_median_s"] if row else None
+
+    def over_forward(self, length: int, strategy: str) -> float | None:
+        """Median TTFT of ``strategy`` (memory tier) over transformers' forward, or None."""
+        row, forward = self.rows.get((length, strategy)), self.forward(length)
+        return row["ttft_median_s"] / forward if row and forward else None
+
+    def decode_over_generate(self, length: int) -> float | None:
+        """Decode tokens/s after the default's prefill over ``generate``'s, or None."""
+        ours = self.rows.get((length, "default"), {}).get("decode_tok_s_median")
+        theirs = self.baseline.get((length, "transformers-decode"), {}).get("decode_tok_s_median")
+        return ours / theirs if ours and theirs else None
+
+
+def run_checks(
+    runs: dict[str, Run | None], why: dict[str, str], lengths: dict[str, Sequence[int]]
+) -> list[Check]:
+    """Every target of issue 27 that a bench run answers."""
+    checks = []
+    for name, strategy, limit in RATIO_TARGETS:
+        for length in lengths[name]:
+            run = runs[name]
+            target = f"{name} {_k(length)}: {strategy} <= {limit} x transformers' forward"
+            value = run.over_forward(length, strategy) if run else None
+            missing = why[name] if run is None else f"no {strategy} or forward row at {length}"
+            label = run.label() if run else ""
+            checks.append(check(target, value, limit, True, missing, label))
+    for name in RUNS:
+        for length in lengths[name]:
+            run = runs[name]
+            missing = why[name] if run is None else f"no row at {length} tokens"
+            label = run.label() if run else ""
+            target = f"{name} {_k(length)}: kvblend full <= {FULL_WITHIN} x transformers' forward"
+            value = run.over_forward(length, "full") if run else None
+            checks.append(check(target, value, FULL_WITHIN, True, missing, label))
+            target = f"{name} {_k(length)}: decode after the default >= 1.0 x generate's tok/s"
+            value = run.decode_over_generate(length) if run else None
+            checks.append(check(target, value, 1.0, False, missing + " (decode tok/s)", label))
+    return checks
+
+
+def _k(length: int) -> str:
+    return f"{length / 1024:g}K"
+
+
+def run_figures(runs: dict[str, Run | None], lengths: dict[str, Sequence[int]]) -> list[str]:
+    """Figures without a target: load time, the probe variant, the disk tier, peak memory."""
+    lines = []
+    for name, run in runs.items():
+        if run is None:
+            continue
+        peak = run.data.get("peak_gpu_mib")
+        lines.append(f"{name} ({run.label()}): peak GPU memory of the run "
+                     + (f"{peak:.0f} MiB" if peak is not None else "n/a"))  # fmt: skip
+        for length in lengths[name]:
+            for strategy in ("default", PROBE, "reuse", "cacheblend-value-0.15"):
+                row = run.rows.get((length, strategy))
+                if row is None:
+                    continue
+                ratio = run.over_forward(length, strategy)
+                share = row["load_s_median"] / row["ttft_median_s"]
+                lines.append(
+                    f"{name} {_k(length)} {strategy}: TTFT {row['ttft_median_s']:.4f} s"
+                    + (f" = {ratio:.3f} x forward" if ratio else "")
+                    + f", load_s {row['load_s_median']:.4f} s ({share:.0%} of TTFT)"
+                )
+    return lines
+
+
+def decode_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
+    """``benchmarks/decode.py``: static vs dynamic cache, and the compiled step vs not."""
+    plain, compiled = results.get("decode.json"), results.get("decode_compiled.json")
+    lines = []
+    kinds = (("eager", plain, "decode"), ("compiled", compiled, "decode-compiled"))
+    for label, data, step in kinds:
+        if data is None:
+            lines.append(f"decode ({label}): {_why_missing(steps, step, step + ' results')}")
+            continue
+        for row in data["rows"]:
+            lines.append(
+                f"decode ({label}, {data['meta']['model']}, compiled={data['meta']['compiled']}) "
+                f"{row['prompt_tokens']} tokens: static {row['static_tok_s']:.1f} tok/s, dynamic "
+                f"{row['dynamic_tok_s']:.1f} tok/s ({row['static_over_dynamic']:.2f}x)"
+            )
+    if plain and compiled:
+        eager = {row["prompt_tokens"]: row["static_tok_s"] for row in plain["rows"]}
+        for row in compiled["rows"]:
+            if row["prompt_tokens"] in eager:
+                gain = row["static_tok_s"] / eager[row["prompt_tokens"]]
+                lines.append(f"decode {row['prompt_tokens']} tokens: compiled / eager {gain:.2f}x")
+    return lines
+
+
+def attention_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
+    """The default's TTFT with ``KVBLEND_ATTENTION=flex`` vs the query chunks."""
+    found = {}
+    for kind in ("chunks", "flex"):
+        data = results.get(f"gpu_attention_{kind}.json")
+        if data is None:
+            return [f"attention ({kind}): {_why_missing(steps, 'attention-' + kind, 'results')}"]
+        found[kind] = Run(data)
+    lines = []
+    for length, strategy in sorted(found["chunks"].rows):
+        flex = found["flex"].rows.get((length, strategy))
+        if strategy == "full" or flex is None:
+            continue
+        chunks = found["chunks"].rows[(length, strategy)]
+        lines.append(
+            f"attention {_k(length)} {strategy}: flex {flex['ttft_median_s']:.4f} s "
+            f"({flex['ttft_vs_full']:.3f} x full) vs chunks {chunks['ttft_median_s']:.4f} s "
+            f"({chunks['ttft_vs_full']:.3f} x full): flex / chunks "
+            f"{flex['ttft_median_s'] / chunks['ttft_median_s']:.2f}"
+        )
+    return lines
+
+
+def junit_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
+    """Counts of the junit report of the tests step, and its failures' names."""
+    path = results.get("tests.xml")
+    if path is None:
+        return [f"tests: {_why_missing(steps, 'tests', 'tests.xml')}"]
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in
+              ("tests", "failures", "errors", "skipped")}  # fmt: skip
+    passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    lines = [
+        f"tests ({steps.get('tests', {}).get('note', 'pytest')}): {passed} passed, "
+        f"{counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
+    ]
+    for case in root.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            lines.append(f"  failed: {case.get('classname')}::{case.get('name')}")
+    return lines
+
+
+def summarize(
+    folders: Sequence[Path], lengths: dict[str, Sequence[int]] | None = None
+) -> dict[str, Any]:
+    """The summary of the suite's results in ``folders`` (see the module's docstring)."""
+    results, steps = load_folders(folders)
+    lengths = dict(lengths or results.get("target_lengths") or TARGET_LENGTHS)
+    runs = {name: Run(results[file]) if file in results else None for name, file in RUNS.items()}
+    why = {name: _why_missing(steps, name, file) for name, file in RUNS.items()}
+    checks = run_checks(runs, why, lengths)
+    figures = run_figures(runs, lengths) + decode_figures(results, steps)
+    figures += attention_figures(results, steps) + junit_figures(results, steps)
+    return {
+        "folders": [str(folder) for folder in folders],
+        "target_lengths": lengths,
+        "steps": list(steps.values()),
+        "targets": [asdict(c) for c in checks],
+        "figures": figures,
+    }
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """``summary.md``: the steps, the targets (one line each), the other figures."""
+    lines = ["# GPU suite summary", "", "| step | status | seconds | output |", "|---|---|---|---|"]
+    for step in summary["steps"]:
+        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
+                     f"{step.get('log', '')} |")  # fmt: skip
+    lines += ["", "## Issue 27's GPU targets", ""]
+    lines += [f"- {Check(**c).line()}" for c in summary["targets"]]
+    lines += ["", "## Other figures", ""] + [f"- {line}" for line in summary["figures"]]
+    return "\n".join(lines) + "\n"
+
+
+def write(summary: dict[str, Any], out: Path) -> str:
+    """Write ``summary.json`` and ``summary.md`` into ``out``; return the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    text = markdown(summary)
+    (out / "summary.md").write_text(text)
+    return text
