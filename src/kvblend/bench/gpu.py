@@ -47,28 +47,53 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
                              "the CPU; 0 to skip it)")  # fmt: skip
     parser.add_argument("--batch-tokens", default="4096,16384",
                         help="token budgets of the batched precompute runs")  # fmt: skip
-    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
-                        help="time a model of this shape with random weights instead of --model "
-                             "(whose tokenizer is still used)")  # fmt: skip
+    parser.add_argument(
+        "--model-shape",
+        choices=sorted(MODEL_SHAPES),
+        default=None,
+        help="time a model of this shape with random weights instead of --model "
+        "(whose tokenizer is still used)",
+    )
+    parser.add_argument("--tokenizer", default=None,
+                        help="with --model-shape: a folder of tokenizer files to use instead of "
+                             "loading --model (no weights needed)")  # fmt: skip
     parser.add_argument("--output", default="benchmarks/results/gpu.json")
 
 
 def shaped_engine(args: argparse.Namespace) -> BlendEngine:
-    """Build an engine over a random-weight ``--model-shape`` model and ``--model``'s tokenizer."""
+    """Build an engine over a random-weight ``--model-shape`` model and ``--model``'s tokenizer.
+
+    With ``--tokenizer FOLDER`` the tokenizer is read from that folder alone (no model loaded).
+    """
     from ..cli_args import check_device
-    from ..engine.loading import load_model, resolve_device, resolve_dtype, resolve_model
+    from ..engine.loading import resolve_device, resolve_dtype
     from ..store import MemoryKVStore
     from .random_models import random_model
 
     check_device(args.device)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    _, tokenizer = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32)
+    tokenizer = shape_tokenizer(args.model, args.tokenizer)
     model = random_model(args.model_shape, tokenizer, device, dtype)
     return BlendEngine(
         model, tokenizer, store=MemoryKVStore(8 << 30), system_prompt=SYSTEM,
         name=f"{args.model_shape} (random weights)",
     )  # fmt: skip
+
+
+def shape_tokenizer(model: str | None, folder: str | None) -> Any:
+    """Return the tokenizer of a random-weight run: ``folder``'s files, else ``model``'s."""
+    from ..engine.loading import load_model, resolve_model
+
+    if folder is None:
+        return load_model(resolve_model(model), torch.device("cpu"), torch.float32)[1]
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        reason = " ".join(str(error).split())
+        raise ValueError(f"--tokenizer {folder}: not a tokenizer folder ({reason})") from None
 
 
 def parse_lengths(text: str) -> list[int]:
