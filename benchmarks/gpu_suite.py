@@ -55,6 +55,8 @@ CUDA_TESTS = (
 )  # fmt: skip
 #: The CPU smoke run's test files: quick, their CUDA tests skip.
 SMOKE_TESTS = ("tests/test_store_transfer.py", "tests/test_store_views.py")
+#: How the status of a step that ran begins.
+RAN = ("ok", "failed", "timed out")
 #: Environment variables a step sets itself, never inherited.
 STEP_ENV = ("KVBLEND_DECODE_COMPILE", "KVBLEND_ATTENTION", "KVBLEND_DECODE_CACHE")
 
@@ -69,12 +71,21 @@ class Step:
     env: dict[str, str] = field(default_factory=dict)
     cuda_only: bool = False
     note: str = ""
+    outputs: list[str] = field(default_factory=list)  # file names in the folder
     status: str = "not run"
     seconds: float = 0.0
 
-    def record(self, out: Path) -> dict[str, Any]:
+    def __post_init__(self) -> None:
+        for option in ("--output", "--name"):  # bench gpu's, decode.py's
+            if option in self.argv:
+                path = Path(self.argv[self.argv.index(option) + 1])
+                self.outputs += [path.with_suffix(".json").name, path.with_suffix(".md").name]
+        self.outputs.append(f"{self.name}.log")
+
+    def record(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "seconds": self.seconds,
-                "limit_s": self.limit, "note": self.note, "log": f"{self.name}.log",
+                "limit_s": self.limit, "note": self.note,
+                "log": f"{self.name}.log" if self.status.startswith(RAN) else "",
                 "command": " ".join(self.argv[1:]), "env": self.env}  # fmt: skip
 
 
@@ -149,31 +160,20 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
         tests = [py, "-m", "pytest", "--device", "cuda", *CUDA_TESTS]
     tests += ["-q", "-p", "no:cacheprovider", f"--junitxml={out / 'tests.xml'}"]
     decode += ["--output-dir", str(out)]
+    compiled = {"KVBLEND_DECODE_COMPILE": "1"}
     return [
-        Step("tests", tests, 300, note="CPU smoke: CUDA tests skip" if cpu else "--device cuda"),
+        Step("tests", tests, 300, note="CPU smoke: CUDA tests skip" if cpu else "--device cuda",
+             outputs=["tests.xml"]),
         Step("qwen", bench(out / "gpu_qwen.json", *qwen_run), 300),
         Step("llama-8b", bench(out / "gpu_llama8b.json", *eight_run), 360),
         Step("decode", [*decode, "--name", "decode"], 180, {"KVBLEND_DECODE_COMPILE": "0"}),
-        Step(
-            "decode-compiled",
-            [*decode, "--name", "decode_compiled"],
-            300,
-            {"KVBLEND_DECODE_COMPILE": "1"},
-            cuda_only=True,
-        ),
-        Step(
-            "attention-chunks",
-            bench(out / "gpu_attention_chunks.json", *attention),
-            180,
-            {"KVBLEND_ATTENTION": "chunks"},
-        ),
-        Step(
-            "attention-flex",
-            bench(out / "gpu_attention_flex.json", *attention),
-            240,
-            {"KVBLEND_ATTENTION": "flex"},
-        ),
-    ]
+        Step("decode-compiled", [*decode, "--name", "decode_compiled"], 300, compiled,
+             cuda_only=True),
+        Step("attention-chunks", bench(out / "gpu_attention_chunks.json", *attention), 180,
+             {"KVBLEND_ATTENTION": "chunks"}),
+        Step("attention-flex", bench(out / "gpu_attention_flex.json", *attention), 240,
+             {"KVBLEND_ATTENTION": "flex"}),
+    ]  # fmt: skip
 
 
 def run_step(step: Step, out: Path, limit: float) -> None:
@@ -208,11 +208,16 @@ def run_all(
     """Run the selected steps in order within ``--budget``; record each in ``steps.json``."""
     chosen = set(args.steps.split(",")) if args.steps else {s.name for s in steps}
     deadline = time.monotonic() + args.budget
+    earlier = out / "steps.json"
+    records = json.loads(earlier.read_text())["steps"] if earlier.exists() else []
+    kept = {r["name"]: r for r in records if r["name"] not in chosen}  # an earlier run's
     for step in steps:
         left = deadline - time.monotonic()
         if step.name not in chosen:
-            step.status = "skipped: not in --steps"
-        elif step.cuda_only and not cuda:
+            continue
+        for name in step.outputs:  # nothing of an earlier run passes for this one's
+            (out / name).unlink(missing_ok=True)
+        if step.cuda_only and not cuda:
             step.status = "skipped: no CUDA"
         elif left < 60:
             step.status = f"not run: {left:.0f} s of the {args.budget} s budget left"
@@ -221,7 +226,8 @@ def run_all(
             print(f"[{clock}] {step.name} (limit {min(step.limit, left):.0f} s)", flush=True)
             run_step(step, out, min(step.limit, left))
         print(f"  {step.name}: {step.status} ({step.seconds:.0f} s)", flush=True)
-        records = [s.record(out) for s in steps if s.status != "skipped: not in --steps"]
+        records = [kept.get(s.name) or s.record() for s in steps if s.name in chosen | set(kept)]
+        records += [r for name, r in kept.items() if name not in {s.name for s in steps}]
         data = {"steps": records, "target_lengths": lengths}
         (out / "steps.json").write_text(json.dumps(data, indent=1) + "\n")
 

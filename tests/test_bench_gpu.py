@@ -290,3 +290,35 @@ def test_a_shape_run_reads_a_tokenizer_folder_alone(tmp_path: Path) -> None:
     assert engine.model.config.num_hidden_layers == 2
     with pytest.raises(ValueError, match="--tokenizer .*: not a tokenizer folder"):
         shape_tokenizer(None, str(tmp_path / "nothing"))
+
+
+def test_each_step_runs_alone_within_its_limit_and_no_stale_result_survives(
+    tmp_path: Path,
+) -> None:
+    suite = load_benchmark("gpu_suite")
+    earlier = [{"name": "tests", "status": "ok", "seconds": 5.0}]
+    (tmp_path / "steps.json").write_text(json.dumps({"steps": earlier}))
+    (tmp_path / "decode.json").write_text("{}")  # an earlier run's result of a step run now
+    steps = [
+        suite.Step("tests", [sys.executable, "-c", "raise SystemExit(1)"], 60),  # not chosen
+        suite.Step("decode", [sys.executable, "-c", "raise SystemExit(3)", "--name", "decode"], 60),
+        suite.Step("qwen", [sys.executable, "-c", "import time; time.sleep(60)"], 1),
+        suite.Step("llama-8b", [sys.executable, "-c", "print('ran')"], 60),
+        suite.Step("decode-compiled", [sys.executable, "-c", "pass"], 60, cuda_only=True),
+    ]
+    args = argparse.Namespace(steps="decode,qwen,llama-8b,decode-compiled", budget=100)
+    suite.run_all(steps, args, tmp_path, cuda=False, lengths=None)
+    assert [s.status for s in steps[1:]] == [
+        "failed (exit 3, see decode.log)", "timed out after 1 s", "ok", "skipped: no CUDA",
+    ]  # fmt: skip
+    assert not (tmp_path / "decode.json").exists()
+    assert "ran" in (tmp_path / "llama-8b.log").read_text()
+    records = json.loads((tmp_path / "steps.json").read_text())["steps"]
+    assert [r["name"] for r in records] == [
+        "tests",
+        "decode",
+        "qwen",
+        "llama-8b",
+        "decode-compiled",
+    ]
+    assert records[0] == earlier[0] and records[-1]["log"] == ""  # kept; never ran
