@@ -190,7 +190,8 @@ def test_the_summary_reports_met_not_met_and_missing(suite_results: dict, tmp_pa
     _scaled(eight, "full", 1.05)  # met: within 1.1x
     generate = next(r for r in eight["transformers"] if r["run"] == "transformers-decode")
     default = next(r for r in eight["ttft"]["summary"] if r["strategy"] == "default")
-    default["decode_tok_s_median"] = 0.5 * generate["decode_tok_s_median"]  # not met
+    generate["decode_tok_s_median"] = 40.0  # a few tokens' timing on a busy CPU can be None
+    default["decode_tok_s_median"] = 20.0  # not met: half of generate's
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
