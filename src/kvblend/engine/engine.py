@@ -7,7 +7,6 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -18,11 +17,12 @@ import torch
 
 from . import templates
 from .batch_decode import decode_batch
-from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
+from .blend import COMPUTE, BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
-from .explain import Explanation, FallbackLog, forecast_blend, near_miss
+from .explain import Explanation, FallbackLog, forecast_blend
 from .generation import DecodeOptions, GenerationResult, decode, decode_stream
+from .library import DocumentLibrary
 from .loading import (
     display_name,
     load_model,
@@ -39,11 +39,16 @@ from .prompt import (
     encode_prompt,
     plan_prefill,
 )
-from .registry import DEFAULT_CAPACITY, DocumentRegistry
-from .results import BlendCancelledError, BlendStats, BlendUnavailableError, PrefillResult
-from .segment_kv import SegmentKV
-from .segments import KV_LAYOUT, Segment, check_segments, segment_key
-from .validation import check_text, short
+from .registry import DEFAULT_CAPACITY
+from .results import (
+    BlendCancelledError,
+    BlendStats,
+    BlendUnavailableError,
+    PrefillResult,
+    count_tokens,
+)
+from .segments import Segment, check_segments, segment_key
+from .validation import ContextWindow, check_text, longest_token_chars
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -68,12 +73,6 @@ def _default_store() -> KVStore:
     from ..store import default_store
 
     return default_store()
-
-
-def _longest_token_chars(tokenizer: Any) -> int:
-    """Characters of the tokenizer's longest vocabulary entry (64 when it has no vocabulary)."""
-    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return max((len(token) for token in vocabulary), default=64) or 64
 
 
 class BlendEngine:
@@ -124,8 +123,10 @@ class BlendEngine:
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
-        #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
-        self._max_token_chars = _longest_token_chars(tokenizer)
+        #: The window every prompt and document must fit.
+        self._window = ContextWindow(
+            self.decoder.shape.max_positions, longest_token_chars(tokenizer), self.name
+        )
         self._fallback_log = FallbackLog(logger)  # each cause once a minute
         self._connect_store(max_documents)
         if check_parity:
@@ -133,17 +134,17 @@ class BlendEngine:
 
     def _connect_store(self, max_documents: int) -> None:
         """Build what reads and writes this engine's entries and finds its documents."""
-        #: Computes, checks and opens the store entries of segment KV.
-        self.segment_kv = SegmentKV(
+        #: This engine's documents: their KV in the store and the registry finding them.
+        self.library = DocumentLibrary(
             self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            check_length=self._check_length, context_of=self._context_for, known=self.is_known,
+            window=self._window, capacity=max_documents,
         )  # fmt: skip
+        #: Computes, checks and opens the store entries of segment KV.
+        self.segment_kv = self.library.segment_kv
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store and model, whatever their document context (see `kvblend.engine.registry`).
-        self.documents = DocumentRegistry(
-            self.store, self._registry_log(), capacity=max_documents, stored=self._stored_documents
-        )
+        self.documents = self.library.registry
 
     @classmethod
     def from_pretrained(
@@ -261,44 +262,9 @@ class BlendEngine:
             )
 
     # ------------------------------------------------------------------ documents
-    def _registry_log(self) -> str:
-        """One log per model and KV layout: documents behind every context are found."""
-        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|registry/2".encode()).hexdigest()
-        return f"documents-{digest[:32]}"
-
-    def _stored_documents(self) -> Iterator[Mapping[str, str]]:
-        """Yield the metadata of this model's entries in the store (to rebuild the registry)."""
-        keys = getattr(self.store, "keys", None)
-        try:
-            listed = keys() if callable(keys) else []
-        except NotImplementedError:
-            listed = []  # a store that cannot list its entries: nothing to rebuild from
-        for key in listed:
-            try:
-                metadata = self.store.metadata(key)
-            except Exception as error:  # noqa: BLE001 - an unreadable entry names nothing
-                logger.debug("skipping entry %s while rebuilding the registry: %s", key, error)
-                continue
-            if (
-                metadata
-                and metadata.get("fingerprint") == self.fingerprint
-                and metadata.get("format") == KV_LAYOUT
-            ):
-                yield metadata
-
-    def _context_for(self, text: str) -> str:
-        """Return the document context to read ``text``'s KV from.
-
-        This engine's own when the store holds the document behind it (or nowhere yet), else
-        the context most recently recorded for it.
-        """
-        own = self.doc_prefix or ""
-        stored = self.documents.contexts(text)
-        return own if not stored or own in stored else stored[-1]
-
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
-        return self.segment_kv.key(text)
+        return self.library.segment_kv.key(text)
 
     def precompute(
         self,
@@ -318,83 +284,20 @@ class BlendEngine:
         finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
         more texts.
         """
-        from tqdm.auto import tqdm
-
-        items = [texts] if isinstance(texts, str) else list(texts)
-        self._check_documents(items)  # every one fits, before anything is computed
-        bar = tqdm(
-            total=len(items),
-            desc="precomputing KV",
-            unit="doc",
-            disable=(len(items) < 4 if progress is None else not progress) or None,
+        return self.library.precompute(
+            texts, progress=progress, force=force, batch_tokens=batch_tokens
         )
-
-        def done(stored: list[str]) -> None:
-            self.documents.add(stored, self.doc_prefix or "")
-            bar.update(len(stored))
-
-        with bar:
-            return self.segment_kv.ensure_many(
-                items, force=force, batch_tokens=batch_tokens, done=done
-            )
-
-    def _check_documents(self, texts: Sequence[str]) -> None:
-        """Refuse the first text that is not a valid document or cannot fit the window.
-
-        The character count is checked first (no tokenizing); only a text whose UTF-8 bytes
-        (each token holds at least one) could overflow the window is tokenized to be sure. The
-        error names the document: its index and the start of its text.
-        """
-        context = self.doc_prefix or ""
-        room = self.context_window - len(context.encode("utf-8")) - 16  # special tokens
-        for index, text in enumerate(texts):
-            what = f"document {index} ({short(text)})" if isinstance(text, str) else None
-            if what is not None:
-                self._check_chars(len(text), what)  # first: cheaper than reading the text
-            try:
-                Segment(text)  # validates
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"document {index}: {error}") from None
-            if self.context_window and len(text.encode("utf-8", "surrogatepass")) > room:
-                layout = self.segment_kv.layout(text, context)
-                self._check_length(len(layout.context_ids) + len(layout.ids), what)
 
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything (their KV is computed on use).
 
         Rarely needed: documents precomputed by any process sharing the store are known.
         """
-        items = [texts] if isinstance(texts, str) else list(texts)
-        self.documents.add(items, self.doc_prefix or "")
+        self.library.register(texts)
 
     def is_known(self, text: str) -> bool:
         """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
-        return text in self.documents
-
-    def _check_chars(self, chars: int, what: str | None = None) -> None:
-        """Refuse, before tokenizing it, a text too long to fit the context window in any case.
-
-        No token covers more characters than the vocabulary's longest token, so a text longer
-        than that many characters per position of the window cannot fit: tokenizing megabytes
-        only to reject them would cost seconds and gigabytes.
-        """
-        limit = self.context_window
-        if not limit:
-            return
-        if chars > limit * self._max_token_chars:
-            raise ValueError(
-                f"{what or 'prompt'} of {chars:,} characters is longer than {self.name}'s context "
-                f"window of {limit} tokens can hold (at most {self._max_token_chars} characters "
-                "a token)"
-            )
-
-    def _check_length(self, tokens: int, what: str | None = None) -> None:
-        limit = self.context_window
-        if limit and tokens > limit:
-            raise ValueError(
-                f"{what or 'prompt'} of {tokens:,} tokens is longer than {self.name}'s context "
-                f"window of {limit} tokens"
-            )
+        return self.library.is_known(text)
 
     # ------------------------------------------------------------------ planning
     def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
@@ -402,24 +305,7 @@ class BlendEngine:
 
         ``cache_prefix``: the text before the first document is cached as a prefix.
         """
-        if isinstance(prompt, str):
-            self._check_chars(len(prompt))  # before reading, searching or tokenizing megabytes
-        check_text(prompt, "the prompt")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        matches = self.documents.find(prompt)
-        pieces: list[Segment] = []
-        cursor = 0
-        for match in matches:
-            if match.start > cursor:
-                pieces.append(Segment(prompt[cursor : match.start], cache=False))
-            pieces.append(Segment(prompt[match.start : match.end]))
-            cursor = match.end
-        if cursor < len(prompt):
-            pieces.append(Segment(prompt[cursor:], cache=False))
-        if cache_prefix and matches and not pieces[0].cache:
-            pieces[0] = Segment(pieces[0].text, role="prefix")
-        return pieces
+        return self.library.segments_for(prompt, cache_prefix=cache_prefix)
 
     def _segments(self, prompt: PromptLike) -> list[Segment]:
         if isinstance(prompt, str):
@@ -431,13 +317,13 @@ class BlendEngine:
         early = None
         if isinstance(prompt, str) and prompt:  # tokenized while its documents are found
             check_text(prompt, "the prompt")
-            self._check_chars(len(prompt))
+            self._window.check_chars(len(prompt))
             early = encode_in_background(self.tokenizer, prompt)
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
-        self._check_chars(len(text))
+        self._window.check_chars(len(text))
         tokens = early.result() if early is not None else encode_prompt(self.tokenizer, text)
-        self._check_length(len(tokens.ids))
+        self._window.check_length(len(tokens.ids))
         if not tokens.ids:
             raise ValueError("the prompt has no tokens")
         pieces, cursor = [], 0
@@ -469,38 +355,8 @@ class BlendEngine:
         }
         return Explanation(
             text, plan, stored, len(self.documents), forecast_blend(plan, config),
-            config.strategy, self._near_miss(prompt, items),
+            config.strategy, self.library.near_miss(prompt, items),
         )  # fmt: skip
-
-    def _near_miss(self, prompt: PromptLike, items: list[Segment]) -> str | None:
-        """Describe a known document whose start, not whole text, is in a prompt string."""
-        if not isinstance(prompt, str):
-            return None
-        matched, cursor = [], 0
-        for segment in items:
-            if segment.cache:
-                matched.append((cursor, cursor + len(segment.text)))
-            cursor += len(segment.text)
-        return near_miss(self.documents, prompt, matched)
-
-    def _report_fallbacks(self, stats: BlendStats) -> None:
-        """Log each reason a prompt's documents were not reused, once per cause a minute."""
-        if stats.fallback is not None:
-            cause = stats.fallback.split(":")[0]
-            self._fallback_log.warn(
-                cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
-                "docs/configuration.md says when and how to change it)",
-            )  # fmt: skip
-        for line in stats.documents_lost:
-            reason = line.split(": ", 1)[1]
-            if "recomputed whole" not in reason:  # the fallback's line says it already
-                self._fallback_log.warn(f"lost: {reason}", f"found document not reused: {line}")
-        if stats.near_miss is not None:
-            self._fallback_log.warn(
-                "near_miss", f"no precomputed document reused there: {stats.near_miss}; a "
-                "document is found only when its exact text occurs in the prompt; "
-                "engine.explain(prompt) or `kvblend explain` shows what is reused",
-            )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill
     def prefill(
@@ -537,7 +393,7 @@ class BlendEngine:
         stats.strategy_run, stats.fallback = forecast.strategy_run, forecast.fallback
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
-        stats.near_miss = self._near_miss(prompt, items)
+        stats.near_miss = self.library.near_miss(prompt, items)
         kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
         lookup_started = time.perf_counter()
@@ -558,8 +414,8 @@ class BlendEngine:
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
-        _count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
-        self._report_fallbacks(stats)
+        count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
+        self._fallback_log.report(stats)
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
 
     # ------------------------------------------------------------------ generation
@@ -683,29 +539,3 @@ class BlendEngine:
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")
             yield piece
-
-
-def _count_tokens(
-    stats: BlendStats,
-    plan: PrefillPlan,
-    kinds: torch.Tensor,
-    blend: dict[str, Any],
-    reads_cache: bool,
-) -> None:
-    """Fill the token and document counts of ``stats`` from the plan and the blend's stats."""
-    documents = [row for row in plan.report if row.role == "document"]
-    stats.documents_found = len(documents)
-    stats.prompt_tokens = len(plan.token_ids)
-    if not reads_cache:  # found, but nothing is read from the store
-        stats.computed_tokens = len(plan.token_ids)
-    else:
-        stats.prefix_tokens = int((kinds == PREFIX).sum())
-        stats.moved_tokens = int((kinds == MOVED).sum())
-        stats.recomputed_tokens = int(blend["recomputed_tokens"])
-        stats.computed_tokens = int((kinds == COMPUTE).sum())
-        stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
-        # documents read in place, and moved ones the blend did not recompute whole
-        in_place = sum(1 for row in documents if row.reused and row.exact)
-        reused = sum(1 for row in documents if row.reused)
-        stats.documents_reused = min(reused, in_place + int(blend["moved_spans_read"]))
-    stats.compute_fraction = blend["token_layers"] / blend["token_layers_full"]
