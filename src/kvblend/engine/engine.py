@@ -3,6 +3,11 @@
 The engine is pure torch + transformers. It reads and writes segment KV through a store object
 (anything with ``get(key, device=None)`` returning a mapping of tensors or None,
 ``put(key, tensors, metadata)`` and ``contains(key)``); it never touches disk itself.
+
+This module builds the engine and runs its prompts: `plan`, `explain` and `prefill` (where the
+blend loop, `run_blend`, runs) and the parity self-check. The documents are a `DocumentLibrary`
+(`kvblend.engine.library`); ``generate``, ``generate_batch`` and ``stream`` are
+`GenerationMixin`'s (`kvblend.engine.generation_mixin`).
 """
 
 from __future__ import annotations
@@ -10,18 +15,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import templates
-from .batch_decode import decode_batch
-from .blend import COMPUTE, BlendInput, CachedSpan, run_blend
+from .blend import BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
 from .explain import Explanation, FallbackLog, forecast_blend
-from .generation import DecodeOptions, GenerationResult, decode, decode_stream
+from .generation import GenerationResult
+from .generation_mixin import GenerationMixin
 from .library import DocumentLibrary
 from .loading import (
     display_name,
@@ -31,10 +36,11 @@ from .loading import (
     resolve_dtype,
     resolve_model,
 )
+from .parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
 from .precompute import DEFAULT_BATCH_TOKENS
 from .prompt import (
-    CachedPiece,
     PrefillPlan,
+    cached_pieces,
     encode_in_background,
     encode_prompt,
     plan_prefill,
@@ -47,21 +53,24 @@ from .results import (
     PrefillResult,
     count_tokens,
 )
-from .segments import Segment, check_segments, segment_key
+from .segments import PromptLike, Segment, check_segments
 from .validation import ContextWindow, check_text, longest_token_chars
 
 if TYPE_CHECKING:
     from ..store import KVStore
 
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "BlendCancelledError",
+    "BlendEngine",
+    "BlendStats",
+    "BlendUnavailableError",
+    "GenerationResult",
+    "PrefillResult",
+    "PromptLike",
+]
+
 logger = logging.getLogger(__name__)
-
-_PARITY_TEXT = (
-    "Blended prefill must match the model's own forward pass: the quick brown fox jumps over "
-    "the lazy dog, 0123456789."
-)
-
-#: A prompt: a string (known documents are found in it) or a list of segments.
-PromptLike = str | Sequence[Segment | str]
 
 #: System prompt of the RAG prompts `BlendEngine.rag_segments` builds when none is given, and so
 #: part of the default document context (see `BlendEngine.rag_prefix`).
@@ -75,7 +84,7 @@ def _default_store() -> KVStore:
     return default_store()
 
 
-class BlendEngine:
+class BlendEngine(GenerationMixin):
     """Blended prefill and generation over one Hugging Face decoder model."""
 
     def __init__(
@@ -236,30 +245,12 @@ class BlendEngine:
     # ------------------------------------------------------------------ parity
     def check_parity(self) -> float:
         """Compare the blend loop (strategy ``full``) with the model's forward; store the error."""
-        ids = self.encode(_PARITY_TEXT)
-        token_ids = torch.tensor(ids, dtype=torch.long)
-        with torch.inference_mode():
-            expected = self.model(token_ids[None].to(self.decoder.device)).logits[0, -1].float()
-        kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-        got = run_blend(self.decoder, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
-        assert got is not None
-        error = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+        error = parity_error(self.model, self.decoder, self.encode(PARITY_TEXT))
         self.parity_error = error
-        tolerance = 1e-4 if self.decoder.dtype == torch.float32 else 3e-2
+        tolerance = parity_tolerance(self.decoder.dtype)
         if not error <= tolerance:
             logger.error("parity self-check failed: relative error %.3g > %.3g", error, tolerance)
         return error
-
-    def _require_parity(self) -> None:
-        if self.parity_error is None:
-            return
-        tolerance = 1e-4 if self.decoder.dtype == torch.float32 else 3e-2
-        if not self.parity_error <= tolerance:
-            raise BlendUnavailableError(
-                f"kvblend's layer loop does not reproduce {self.name}'s forward pass (relative "
-                f"logit error {self.parity_error:.3g} > {tolerance:g}); refusing to blend rather "
-                "than produce wrong text. Please report the model and transformers version."
-            )
 
     # ------------------------------------------------------------------ documents
     def segment_id(self, text: str) -> str:
@@ -326,13 +317,8 @@ class BlendEngine:
         self._window.check_length(len(tokens.ids))
         if not tokens.ids:
             raise ValueError("the prompt has no tokens")
-        pieces, cursor = [], 0
-        for segment in items:
-            if segment.cache:
-                pieces.append(CachedPiece(cursor, cursor + len(segment.text), segment.role))
-            cursor += len(segment.text)
         return plan_prefill(
-            tokens, pieces, lambda start, end: self.segment_kv.layout(text[start:end])
+            tokens, cached_pieces(items), lambda start, end: self.segment_kv.layout(text[start:end])
         )
 
     def explain(self, prompt: PromptLike, config: BlendConfig | None = None) -> Explanation:
@@ -347,15 +333,9 @@ class BlendEngine:
         items = self._segments(prompt)
         plan = self.plan(items)
         text = "".join(segment.text for segment in items)
-        stored = {
-            index: self.store.contains(
-                segment_key(self.fingerprint, span.context_ids, span.cached_ids)
-            )
-            for index, span in enumerate(plan.spans)
-        }
         return Explanation(
-            text, plan, stored, len(self.documents), forecast_blend(plan, config),
-            config.strategy, self.library.near_miss(prompt, items),
+            text, plan, self.library.stored_spans(plan), len(self.documents),
+            forecast_blend(plan, config), config.strategy, self.library.near_miss(prompt, items),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill
@@ -383,7 +363,7 @@ class BlendEngine:
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         if config.reads_cache:
-            self._require_parity()
+            require_parity(self.parity_error, self.decoder.dtype, str(self.name))
         started = time.perf_counter()
         items = self._segments(prompt)
         plan = self.plan(items)
@@ -417,125 +397,3 @@ class BlendEngine:
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
         self._fallback_log.report(stats)
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
-
-    # ------------------------------------------------------------------ generation
-    def _prefilled(
-        self,
-        prompt: PromptLike | PrefillResult,
-        config: BlendConfig | None,
-        cancel: threading.Event | None = None,
-    ) -> PrefillResult:
-        """``prompt`` itself when it is a prefill result already, else its prefill."""
-        if isinstance(prompt, PrefillResult):
-            return prompt
-        return self.prefill(prompt, config, cancel=cancel)
-
-    def generate(
-        self,
-        segments: Sequence[Segment | str] | PrefillResult,
-        config: BlendConfig | None = None,
-        *,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        cancel: threading.Event | None = None,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        do_sample: bool | None = None,
-    ) -> GenerationResult:
-        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
-
-        The decoding options are transformers' (see `kvblend.engine.generation.DecodeOptions`):
-        ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
-        ``repetition_penalty`` go through transformers' own logits processors, for the first
-        token (drawn from the blended logits) as for every later one. ``cancel``: once set,
-        prefill stops before its next layer and decoding after its next token; either raises
-        `BlendCancelledError`.
-        """
-        started = time.perf_counter()
-        DecodeOptions(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-            stop=stop,
-            seed=seed,
-        ).check()  # before any model work
-        pre = self._prefilled(segments, config, cancel)
-        return decode(
-            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
-            started=started, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop=stop, seed=seed, cancel=cancel, top_k=top_k,
-            repetition_penalty=repetition_penalty, do_sample=do_sample,
-        )  # fmt: skip
-
-    def generate_batch(
-        self,
-        prompts: Sequence[PromptLike | PrefillResult],
-        config: BlendConfig | None = None,
-        **options: Any,
-    ) -> list[GenerationResult]:
-        """`generate` for several prompts: each prefilled on its own, then decoded together.
-
-        ``options`` are `generate`'s decoding keywords, common to every prompt. One batched
-        decode reads the weights once per step for every prompt; each result equals that
-        prompt's own `generate` (positions stay exact under the padding), up to floating-point
-        rounding of the batched kernels. A prompt whose output budget the context window clips
-        is decoded alone. TTFT is the time to the first tokens of the whole batch.
-        """
-        started = time.perf_counter()
-        DecodeOptions(**options).check()  # an unknown keyword is a TypeError here
-        pres = [self._prefilled(prompt, config) for prompt in prompts]
-        budget = int(options.get("max_new_tokens", 64))
-        limit = self.context_window
-        fits = [i for i, p in enumerate(pres) if not limit or len(p.token_ids) + budget <= limit]
-        results: dict[int, GenerationResult] = {}
-        if len(fits) > 1:
-            batch = [pres[i] for i in fits]
-            decoded = decode_batch(self.model, self.tokenizer, batch, started=started, **options)
-            results.update(zip(fits, decoded, strict=True))
-        for index, pre in enumerate(pres):
-            if index not in results:
-                results[index] = self.generate(pre, **options)
-        return [results[index] for index in range(len(pres))]
-
-    def stream(
-        self,
-        segments: Sequence[Segment | str] | PrefillResult,
-        config: BlendConfig | None = None,
-        *,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        cancel: threading.Event | None = None,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        do_sample: bool | None = None,
-    ) -> Iterator[str]:
-        """Like `generate`, yielding text pieces as they are decoded."""
-        DecodeOptions(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-            stop=stop,
-            seed=seed,
-        ).check()  # before any model work
-        pre = self._prefilled(segments, config, cancel)
-        for piece in decode_stream(
-            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed, top_k=top_k, repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-        ):  # fmt: skip
-            if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
-                raise BlendCancelledError("the generation was cancelled")
-            yield piece

@@ -21,9 +21,10 @@ import torch
 from .decoder import Decoder
 from .explain import near_miss
 from .precompute import DEFAULT_BATCH_TOKENS
+from .prompt import PrefillPlan, cached_pieces
 from .registry import DocumentRegistry
 from .segment_kv import SegmentKV
-from .segments import KV_LAYOUT, Segment
+from .segments import KV_LAYOUT, Segment, segment_key
 from .validation import ContextWindow, check_text, short
 
 logger = logging.getLogger(__name__)
@@ -187,9 +188,14 @@ class DocumentLibrary:
         """Describe a known document whose start, not whole text, is in a prompt string."""
         if not isinstance(prompt, str):
             return None
-        matched, cursor = [], 0
-        for segment in items:
-            if segment.cache:
-                matched.append((cursor, cursor + len(segment.text)))
-            cursor += len(segment.text)
+        matched = [(piece.start, piece.end) for piece in cached_pieces(items)]
         return near_miss(self.registry, prompt, matched)
+
+    def stored_spans(self, plan: PrefillPlan) -> dict[int, bool]:
+        """Whether the store holds the KV of each cached span of ``plan`` (by its index)."""
+        return {
+            index: self.store.contains(
+                segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+            )
+            for index, span in enumerate(plan.spans)
+        }
