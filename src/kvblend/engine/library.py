@@ -4,9 +4,10 @@
 document KV) to a `DocumentRegistry` (the documents found in prompt strings, shared by every
 engine over the same store and model) for one model and document context. It checks documents
 before anything is computed, precomputes and registers them, chooses the stored context a
-document's KV is read from, and cuts a prompt string into the known documents in it and the text
-between. `BlendEngine`'s ``precompute``, ``register``, ``is_known``, ``segment_id`` and
-``segments_for`` are its methods.
+document's KV is read from, cuts a prompt string into the known documents in it and the text
+between, and tells which of a plan's documents the store holds. `BlendEngine`'s document
+methods (``precompute``, ``register``, ``is_known``, ``segment_id``, ``segments_for``) are
+answered here.
 """
 
 from __future__ import annotations
