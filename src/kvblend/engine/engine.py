@@ -3,26 +3,31 @@
 The engine is pure torch + transformers. It reads and writes segment KV through a store object
 (anything with ``get(key, device=None)`` returning a mapping of tensors or None,
 ``put(key, tensors, metadata)`` and ``contains(key)``); it never touches disk itself.
+
+This module builds the engine and runs its prompts: `plan`, `explain` and `prefill` (where the
+blend loop, `run_blend`, runs) and the parity self-check. The documents are a `DocumentLibrary`
+(`kvblend.engine.library`); ``generate``, ``generate_batch`` and ``stream`` are
+`GenerationMixin`'s (`kvblend.engine.generation_mixin`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import templates
-from .batch_decode import decode_batch
-from .blend import COMPUTE, MOVED, PREFIX, BlendInput, CachedSpan, run_blend
+from .blend import BlendInput, CachedSpan, run_blend
 from .config import BlendConfig
 from .decoder import Decoder
-from .explain import Explanation, FallbackLog, forecast_blend, near_miss
-from .generation import DecodeOptions, GenerationResult, decode, decode_stream
+from .explain import Explanation, FallbackLog, forecast_blend
+from .generation import GenerationResult
+from .generation_mixin import GenerationMixin
+from .library import DocumentLibrary
 from .loading import (
     display_name,
     load_model,
@@ -31,32 +36,41 @@ from .loading import (
     resolve_dtype,
     resolve_model,
 )
+from .parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
 from .precompute import DEFAULT_BATCH_TOKENS
 from .prompt import (
-    CachedPiece,
     PrefillPlan,
+    cached_pieces,
     encode_in_background,
     encode_prompt,
     plan_prefill,
 )
-from .registry import DEFAULT_CAPACITY, DocumentRegistry
-from .results import BlendCancelledError, BlendStats, BlendUnavailableError, PrefillResult
-from .segment_kv import SegmentKV
-from .segments import KV_LAYOUT, Segment, check_segments, segment_key
-from .validation import check_text, short
+from .registry import DEFAULT_CAPACITY
+from .results import (
+    BlendCancelledError,
+    BlendStats,
+    BlendUnavailableError,
+    PrefillResult,
+    count_tokens,
+)
+from .segments import PromptLike, Segment, check_segments
+from .validation import ContextWindow, check_text, longest_token_chars
 
 if TYPE_CHECKING:
     from ..store import KVStore
 
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "BlendCancelledError",
+    "BlendEngine",
+    "BlendStats",
+    "BlendUnavailableError",
+    "GenerationResult",
+    "PrefillResult",
+    "PromptLike",
+]
+
 logger = logging.getLogger(__name__)
-
-_PARITY_TEXT = (
-    "Blended prefill must match the model's own forward pass: the quick brown fox jumps over "
-    "the lazy dog, 0123456789."
-)
-
-#: A prompt: a string (known documents are found in it) or a list of segments.
-PromptLike = str | Sequence[Segment | str]
 
 #: System prompt of the RAG prompts `BlendEngine.rag_segments` builds when none is given, and so
 #: part of the default document context (see `BlendEngine.rag_prefix`).
@@ -70,13 +84,7 @@ def _default_store() -> KVStore:
     return default_store()
 
 
-def _longest_token_chars(tokenizer: Any) -> int:
-    """Characters of the tokenizer's longest vocabulary entry (64 when it has no vocabulary)."""
-    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-    return max((len(token) for token in vocabulary), default=64) or 64
-
-
-class BlendEngine:
+class BlendEngine(GenerationMixin):
     """Blended prefill and generation over one Hugging Face decoder model."""
 
     def __init__(
@@ -124,8 +132,10 @@ class BlendEngine:
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
-        #: Characters of the vocabulary's longest token: no token covers more (`_check_chars`).
-        self._max_token_chars = _longest_token_chars(tokenizer)
+        #: The window every prompt and document must fit.
+        self._window = ContextWindow(
+            self.decoder.shape.max_positions, longest_token_chars(tokenizer), self.name
+        )
         self._fallback_log = FallbackLog(logger)  # each cause once a minute
         self._connect_store(max_documents)
         if check_parity:
@@ -133,17 +143,17 @@ class BlendEngine:
 
     def _connect_store(self, max_documents: int) -> None:
         """Build what reads and writes this engine's entries and finds its documents."""
-        #: Computes, checks and opens the store entries of segment KV.
-        self.segment_kv = SegmentKV(
+        #: This engine's documents: their KV in the store and the registry finding them.
+        self.library = DocumentLibrary(
             self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            check_length=self._check_length, context_of=self._context_for, known=self.is_known,
+            window=self._window, capacity=max_documents,
         )  # fmt: skip
+        #: Computes, checks and opens the store entries of segment KV.
+        self.segment_kv = self.library.segment_kv
         #: The documents this engine finds in prompt strings, shared with every engine over the
         #: same store and model, whatever their document context (see `kvblend.engine.registry`).
-        self.documents = DocumentRegistry(
-            self.store, self._registry_log(), capacity=max_documents, stored=self._stored_documents
-        )
+        self.documents = self.library.registry
 
     @classmethod
     def from_pretrained(
@@ -235,70 +245,17 @@ class BlendEngine:
     # ------------------------------------------------------------------ parity
     def check_parity(self) -> float:
         """Compare the blend loop (strategy ``full``) with the model's forward; store the error."""
-        ids = self.encode(_PARITY_TEXT)
-        token_ids = torch.tensor(ids, dtype=torch.long)
-        with torch.inference_mode():
-            expected = self.model(token_ids[None].to(self.decoder.device)).logits[0, -1].float()
-        kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-        got = run_blend(self.decoder, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
-        assert got is not None
-        error = float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
+        error = parity_error(self.model, self.decoder, self.encode(PARITY_TEXT))
         self.parity_error = error
-        tolerance = 1e-4 if self.decoder.dtype == torch.float32 else 3e-2
+        tolerance = parity_tolerance(self.decoder.dtype)
         if not error <= tolerance:
             logger.error("parity self-check failed: relative error %.3g > %.3g", error, tolerance)
         return error
 
-    def _require_parity(self) -> None:
-        if self.parity_error is None:
-            return
-        tolerance = 1e-4 if self.decoder.dtype == torch.float32 else 3e-2
-        if not self.parity_error <= tolerance:
-            raise BlendUnavailableError(
-                f"kvblend's layer loop does not reproduce {self.name}'s forward pass (relative "
-                f"logit error {self.parity_error:.3g} > {tolerance:g}); refusing to blend rather "
-                "than produce wrong text. Please report the model and transformers version."
-            )
-
     # ------------------------------------------------------------------ documents
-    def _registry_log(self) -> str:
-        """One log per model and KV layout: documents behind every context are found."""
-        digest = hashlib.sha256(f"{self.fingerprint}|{KV_LAYOUT}|registry/2".encode()).hexdigest()
-        return f"documents-{digest[:32]}"
-
-    def _stored_documents(self) -> Iterator[Mapping[str, str]]:
-        """Yield the metadata of this model's entries in the store (to rebuild the registry)."""
-        keys = getattr(self.store, "keys", None)
-        try:
-            listed = keys() if callable(keys) else []
-        except NotImplementedError:
-            listed = []  # a store that cannot list its entries: nothing to rebuild from
-        for key in listed:
-            try:
-                metadata = self.store.metadata(key)
-            except Exception as error:  # noqa: BLE001 - an unreadable entry names nothing
-                logger.debug("skipping entry %s while rebuilding the registry: %s", key, error)
-                continue
-            if (
-                metadata
-                and metadata.get("fingerprint") == self.fingerprint
-                and metadata.get("format") == KV_LAYOUT
-            ):
-                yield metadata
-
-    def _context_for(self, text: str) -> str:
-        """Return the document context to read ``text``'s KV from.
-
-        This engine's own when the store holds the document behind it (or nowhere yet), else
-        the context most recently recorded for it.
-        """
-        own = self.doc_prefix or ""
-        stored = self.documents.contexts(text)
-        return own if not stored or own in stored else stored[-1]
-
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
-        return self.segment_kv.key(text)
+        return self.library.segment_kv.key(text)
 
     def precompute(
         self,
@@ -318,83 +275,20 @@ class BlendEngine:
         finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
         more texts.
         """
-        from tqdm.auto import tqdm
-
-        items = [texts] if isinstance(texts, str) else list(texts)
-        self._check_documents(items)  # every one fits, before anything is computed
-        bar = tqdm(
-            total=len(items),
-            desc="precomputing KV",
-            unit="doc",
-            disable=(len(items) < 4 if progress is None else not progress) or None,
+        return self.library.precompute(
+            texts, progress=progress, force=force, batch_tokens=batch_tokens
         )
-
-        def done(stored: list[str]) -> None:
-            self.documents.add(stored, self.doc_prefix or "")
-            bar.update(len(stored))
-
-        with bar:
-            return self.segment_kv.ensure_many(
-                items, force=force, batch_tokens=batch_tokens, done=done
-            )
-
-    def _check_documents(self, texts: Sequence[str]) -> None:
-        """Refuse the first text that is not a valid document or cannot fit the window.
-
-        The character count is checked first (no tokenizing); only a text whose UTF-8 bytes
-        (each token holds at least one) could overflow the window is tokenized to be sure. The
-        error names the document: its index and the start of its text.
-        """
-        context = self.doc_prefix or ""
-        room = self.context_window - len(context.encode("utf-8")) - 16  # special tokens
-        for index, text in enumerate(texts):
-            what = f"document {index} ({short(text)})" if isinstance(text, str) else None
-            if what is not None:
-                self._check_chars(len(text), what)  # first: cheaper than reading the text
-            try:
-                Segment(text)  # validates
-            except (TypeError, ValueError) as error:
-                raise type(error)(f"document {index}: {error}") from None
-            if self.context_window and len(text.encode("utf-8", "surrogatepass")) > room:
-                layout = self.segment_kv.layout(text, context)
-                self._check_length(len(layout.context_ids) + len(layout.ids), what)
 
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything (their KV is computed on use).
 
         Rarely needed: documents precomputed by any process sharing the store are known.
         """
-        items = [texts] if isinstance(texts, str) else list(texts)
-        self.documents.add(items, self.doc_prefix or "")
+        self.library.register(texts)
 
     def is_known(self, text: str) -> bool:
         """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
-        return text in self.documents
-
-    def _check_chars(self, chars: int, what: str | None = None) -> None:
-        """Refuse, before tokenizing it, a text too long to fit the context window in any case.
-
-        No token covers more characters than the vocabulary's longest token, so a text longer
-        than that many characters per position of the window cannot fit: tokenizing megabytes
-        only to reject them would cost seconds and gigabytes.
-        """
-        limit = self.context_window
-        if not limit:
-            return
-        if chars > limit * self._max_token_chars:
-            raise ValueError(
-                f"{what or 'prompt'} of {chars:,} characters is longer than {self.name}'s context "
-                f"window of {limit} tokens can hold (at most {self._max_token_chars} characters "
-                "a token)"
-            )
-
-    def _check_length(self, tokens: int, what: str | None = None) -> None:
-        limit = self.context_window
-        if limit and tokens > limit:
-            raise ValueError(
-                f"{what or 'prompt'} of {tokens:,} tokens is longer than {self.name}'s context "
-                f"window of {limit} tokens"
-            )
+        return self.library.is_known(text)
 
     # ------------------------------------------------------------------ planning
     def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
@@ -402,24 +296,7 @@ class BlendEngine:
 
         ``cache_prefix``: the text before the first document is cached as a prefix.
         """
-        if isinstance(prompt, str):
-            self._check_chars(len(prompt))  # before reading, searching or tokenizing megabytes
-        check_text(prompt, "the prompt")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        matches = self.documents.find(prompt)
-        pieces: list[Segment] = []
-        cursor = 0
-        for match in matches:
-            if match.start > cursor:
-                pieces.append(Segment(prompt[cursor : match.start], cache=False))
-            pieces.append(Segment(prompt[match.start : match.end]))
-            cursor = match.end
-        if cursor < len(prompt):
-            pieces.append(Segment(prompt[cursor:], cache=False))
-        if cache_prefix and matches and not pieces[0].cache:
-            pieces[0] = Segment(pieces[0].text, role="prefix")
-        return pieces
+        return self.library.segments_for(prompt, cache_prefix=cache_prefix)
 
     def _segments(self, prompt: PromptLike) -> list[Segment]:
         if isinstance(prompt, str):
@@ -431,22 +308,17 @@ class BlendEngine:
         early = None
         if isinstance(prompt, str) and prompt:  # tokenized while its documents are found
             check_text(prompt, "the prompt")
-            self._check_chars(len(prompt))
+            self._window.check_chars(len(prompt))
             early = encode_in_background(self.tokenizer, prompt)
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
-        self._check_chars(len(text))
+        self._window.check_chars(len(text))
         tokens = early.result() if early is not None else encode_prompt(self.tokenizer, text)
-        self._check_length(len(tokens.ids))
+        self._window.check_length(len(tokens.ids))
         if not tokens.ids:
             raise ValueError("the prompt has no tokens")
-        pieces, cursor = [], 0
-        for segment in items:
-            if segment.cache:
-                pieces.append(CachedPiece(cursor, cursor + len(segment.text), segment.role))
-            cursor += len(segment.text)
         return plan_prefill(
-            tokens, pieces, lambda start, end: self.segment_kv.layout(text[start:end])
+            tokens, cached_pieces(items), lambda start, end: self.segment_kv.layout(text[start:end])
         )
 
     def explain(self, prompt: PromptLike, config: BlendConfig | None = None) -> Explanation:
@@ -461,46 +333,10 @@ class BlendEngine:
         items = self._segments(prompt)
         plan = self.plan(items)
         text = "".join(segment.text for segment in items)
-        stored = {
-            index: self.store.contains(
-                segment_key(self.fingerprint, span.context_ids, span.cached_ids)
-            )
-            for index, span in enumerate(plan.spans)
-        }
         return Explanation(
-            text, plan, stored, len(self.documents), forecast_blend(plan, config),
-            config.strategy, self._near_miss(prompt, items),
+            text, plan, self.library.stored_spans(plan), len(self.documents),
+            forecast_blend(plan, config), config.strategy, self.library.near_miss(prompt, items),
         )  # fmt: skip
-
-    def _near_miss(self, prompt: PromptLike, items: list[Segment]) -> str | None:
-        """Describe a known document whose start, not whole text, is in a prompt string."""
-        if not isinstance(prompt, str):
-            return None
-        matched, cursor = [], 0
-        for segment in items:
-            if segment.cache:
-                matched.append((cursor, cursor + len(segment.text)))
-            cursor += len(segment.text)
-        return near_miss(self.documents, prompt, matched)
-
-    def _report_fallbacks(self, stats: BlendStats) -> None:
-        """Log each reason a prompt's documents were not reused, once per cause a minute."""
-        if stats.fallback is not None:
-            cause = stats.fallback.split(":")[0]
-            self._fallback_log.warn(
-                cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
-                "docs/configuration.md says when and how to change it)",
-            )  # fmt: skip
-        for line in stats.documents_lost:
-            reason = line.split(": ", 1)[1]
-            if "recomputed whole" not in reason:  # the fallback's line says it already
-                self._fallback_log.warn(f"lost: {reason}", f"found document not reused: {line}")
-        if stats.near_miss is not None:
-            self._fallback_log.warn(
-                "near_miss", f"no precomputed document reused there: {stats.near_miss}; a "
-                "document is found only when its exact text occurs in the prompt; "
-                "engine.explain(prompt) or `kvblend explain` shows what is reused",
-            )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill
     def prefill(
@@ -527,7 +363,7 @@ class BlendEngine:
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         if config.reads_cache:
-            self._require_parity()
+            require_parity(self.parity_error, self.decoder.dtype, str(self.name))
         started = time.perf_counter()
         items = self._segments(prompt)
         plan = self.plan(items)
@@ -537,7 +373,7 @@ class BlendEngine:
         stats.strategy_run, stats.fallback = forecast.strategy_run, forecast.fallback
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
-        stats.near_miss = self._near_miss(prompt, items)
+        stats.near_miss = self.library.near_miss(prompt, items)
         kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
         lookup_started = time.perf_counter()
@@ -558,154 +394,6 @@ class BlendEngine:
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
-        _count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
-        self._report_fallbacks(stats)
+        count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
+        self._fallback_log.report(stats)
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
-
-    # ------------------------------------------------------------------ generation
-    def _prefilled(
-        self,
-        prompt: PromptLike | PrefillResult,
-        config: BlendConfig | None,
-        cancel: threading.Event | None = None,
-    ) -> PrefillResult:
-        """``prompt`` itself when it is a prefill result already, else its prefill."""
-        if isinstance(prompt, PrefillResult):
-            return prompt
-        return self.prefill(prompt, config, cancel=cancel)
-
-    def generate(
-        self,
-        segments: Sequence[Segment | str] | PrefillResult,
-        config: BlendConfig | None = None,
-        *,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        cancel: threading.Event | None = None,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        do_sample: bool | None = None,
-    ) -> GenerationResult:
-        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
-
-        The decoding options are transformers' (see `kvblend.engine.generation.DecodeOptions`):
-        ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
-        ``repetition_penalty`` go through transformers' own logits processors, for the first
-        token (drawn from the blended logits) as for every later one. ``cancel``: once set,
-        prefill stops before its next layer and decoding after its next token; either raises
-        `BlendCancelledError`.
-        """
-        started = time.perf_counter()
-        DecodeOptions(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-            stop=stop,
-            seed=seed,
-        ).check()  # before any model work
-        pre = self._prefilled(segments, config, cancel)
-        return decode(
-            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
-            started=started, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop=stop, seed=seed, cancel=cancel, top_k=top_k,
-            repetition_penalty=repetition_penalty, do_sample=do_sample,
-        )  # fmt: skip
-
-    def generate_batch(
-        self,
-        prompts: Sequence[PromptLike | PrefillResult],
-        config: BlendConfig | None = None,
-        **options: Any,
-    ) -> list[GenerationResult]:
-        """`generate` for several prompts: each prefilled on its own, then decoded together.
-
-        ``options`` are `generate`'s decoding keywords, common to every prompt. One batched
-        decode reads the weights once per step for every prompt; each result equals that
-        prompt's own `generate` (positions stay exact under the padding), up to floating-point
-        rounding of the batched kernels. A prompt whose output budget the context window clips
-        is decoded alone. TTFT is the time to the first tokens of the whole batch.
-        """
-        started = time.perf_counter()
-        DecodeOptions(**options).check()  # an unknown keyword is a TypeError here
-        pres = [self._prefilled(prompt, config) for prompt in prompts]
-        budget = int(options.get("max_new_tokens", 64))
-        limit = self.context_window
-        fits = [i for i, p in enumerate(pres) if not limit or len(p.token_ids) + budget <= limit]
-        results: dict[int, GenerationResult] = {}
-        if len(fits) > 1:
-            batch = [pres[i] for i in fits]
-            decoded = decode_batch(self.model, self.tokenizer, batch, started=started, **options)
-            results.update(zip(fits, decoded, strict=True))
-        for index, pre in enumerate(pres):
-            if index not in results:
-                results[index] = self.generate(pre, **options)
-        return [results[index] for index in range(len(pres))]
-
-    def stream(
-        self,
-        segments: Sequence[Segment | str] | PrefillResult,
-        config: BlendConfig | None = None,
-        *,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        stop: Sequence[str] | None = None,
-        seed: int | None = None,
-        cancel: threading.Event | None = None,
-        top_k: int = 0,
-        repetition_penalty: float = 1.0,
-        do_sample: bool | None = None,
-    ) -> Iterator[str]:
-        """Like `generate`, yielding text pieces as they are decoded."""
-        DecodeOptions(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-            stop=stop,
-            seed=seed,
-        ).check()  # before any model work
-        pre = self._prefilled(segments, config, cancel)
-        for piece in decode_stream(
-            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed, top_k=top_k, repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-        ):  # fmt: skip
-            if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
-                raise BlendCancelledError("the generation was cancelled")
-            yield piece
-
-
-def _count_tokens(
-    stats: BlendStats,
-    plan: PrefillPlan,
-    kinds: torch.Tensor,
-    blend: dict[str, Any],
-    reads_cache: bool,
-) -> None:
-    """Fill the token and document counts of ``stats`` from the plan and the blend's stats."""
-    documents = [row for row in plan.report if row.role == "document"]
-    stats.documents_found = len(documents)
-    stats.prompt_tokens = len(plan.token_ids)
-    if not reads_cache:  # found, but nothing is read from the store
-        stats.computed_tokens = len(plan.token_ids)
-    else:
-        stats.prefix_tokens = int((kinds == PREFIX).sum())
-        stats.moved_tokens = int((kinds == MOVED).sum())
-        stats.recomputed_tokens = int(blend["recomputed_tokens"])
-        stats.computed_tokens = int((kinds == COMPUTE).sum())
-        stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
-        # documents read in place, and moved ones the blend did not recompute whole
-        in_place = sum(1 for row in documents if row.reused and row.exact)
-        reused = sum(1 for row in documents if row.reused)
-        stats.documents_reused = min(reused, in_place + int(blend["moved_spans_read"]))
-    stats.compute_fraction = blend["token_layers"] / blend["token_layers_full"]

@@ -4,7 +4,8 @@
 the strategy recomputes, whether it computes every one of them instead of blending (and why),
 and which found documents end up not reused. `BlendEngine.prefill` reports it in its stats and
 `BlendEngine.explain` prints it, so the two agree by construction; the attention strategy's
-budget rule is `attention_budget`, which its selector runs too.
+budget rule is `attention_budget`, which its selector runs too. `FallbackLog` warns of the
+reasons a prefill gives for not reusing documents, each cause once a minute.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from .config import BlendConfig
 from .prompt import PrefillPlan, SpanReport, TokenKind
 from .registry import DocumentRegistry
+from .results import BlendStats
 from .selectors.attention import attention_budget
 
 __all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend", "near_miss"]
@@ -92,7 +94,10 @@ def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
 
 
 class FallbackLog:
-    """Warn once per cause and ``interval`` seconds (a busy server logs each cause once)."""
+    """Warn once per cause and ``interval`` seconds (a busy server logs each cause once).
+
+    `report` logs the reasons a prefill's stats give for not reusing the prompt's documents.
+    """
 
     def __init__(self, logger: logging.Logger, interval: float = 60.0) -> None:
         self.logger = logger
@@ -106,6 +111,25 @@ class FallbackLog:
             return
         self._last[cause] = now
         self.logger.warning("%s", message)
+
+    def report(self, stats: BlendStats) -> None:
+        """Log each reason a prompt's documents were not reused, once per cause a minute."""
+        if stats.fallback is not None:
+            cause = stats.fallback.split(":")[0]
+            self.warn(
+                cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
+                "docs/configuration.md says when and how to change it)",
+            )  # fmt: skip
+        for line in stats.documents_lost:
+            reason = line.split(": ", 1)[1]
+            if "recomputed whole" not in reason:  # the fallback's line says it already
+                self.warn(f"lost: {reason}", f"found document not reused: {line}")
+        if stats.near_miss is not None:
+            self.warn(
+                "near_miss", f"no precomputed document reused there: {stats.near_miss}; a "
+                "document is found only when its exact text occurs in the prompt; "
+                "engine.explain(prompt) or `kvblend explain` shows what is reused",
+            )  # fmt: skip
 
 
 def _snippet(text: str, width: int = 48) -> str:

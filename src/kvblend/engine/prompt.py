@@ -25,9 +25,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .segments import Segment
 
 __all__ = [
     "DocumentLayout",
@@ -41,6 +44,7 @@ __all__ = [
     "encode_prompt",
     "plan_prefill",
     "CachedPiece",
+    "cached_pieces",
 ]
 
 
@@ -192,6 +196,16 @@ class CachedPiece:
     start: int
     end: int
     role: str
+
+
+def cached_pieces(segments: Sequence[Segment]) -> list[CachedPiece]:
+    """Return the cached ones of a prompt's segments, by their characters in the whole text."""
+    pieces, cursor = [], 0
+    for segment in segments:
+        if segment.cache:
+            pieces.append(CachedPiece(cursor, cursor + len(segment.text), segment.role))
+        cursor += len(segment.text)
+    return pieces
 
 
 def _token_keys(starts: np.ndarray, ids: np.ndarray) -> np.ndarray:

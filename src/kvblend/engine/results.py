@@ -1,11 +1,19 @@
-"""What a prefill returns: the logits, the fused KV cache and the statistics of what it did."""
+"""What a prefill returns: the logits, the fused KV cache and the statistics of what it did.
+
+`count_tokens` fills a prefill's token and document counts from its plan and its blend.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .blend_io import COMPUTE, MOVED, PREFIX
+
+if TYPE_CHECKING:
+    from .prompt import PrefillPlan
 
 __all__ = ["BlendCancelledError", "BlendStats", "BlendUnavailableError", "PrefillResult"]
 
@@ -70,3 +78,29 @@ class PrefillResult:
     stats: BlendStats
     keys: list[torch.Tensor] = field(repr=False)  # per layer [kv_heads, tokens, head_dim], rotated
     values: list[torch.Tensor] = field(repr=False)
+
+
+def count_tokens(
+    stats: BlendStats,
+    plan: PrefillPlan,
+    kinds: torch.Tensor,
+    blend: dict[str, Any],
+    reads_cache: bool,
+) -> None:
+    """Fill the token and document counts of ``stats`` from the plan and the blend's stats."""
+    documents = [row for row in plan.report if row.role == "document"]
+    stats.documents_found = len(documents)
+    stats.prompt_tokens = len(plan.token_ids)
+    if not reads_cache:  # found, but nothing is read from the store
+        stats.computed_tokens = len(plan.token_ids)
+    else:
+        stats.prefix_tokens = int((kinds == PREFIX).sum())
+        stats.moved_tokens = int((kinds == MOVED).sum())
+        stats.recomputed_tokens = int(blend["recomputed_tokens"])
+        stats.computed_tokens = int((kinds == COMPUTE).sum())
+        stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
+        # documents read in place, and moved ones the blend did not recompute whole
+        in_place = sum(1 for row in documents if row.reused and row.exact)
+        reused = sum(1 for row in documents if row.reused)
+        stats.documents_reused = min(reused, in_place + int(blend["moved_spans_read"]))
+    stats.compute_fraction = blend["token_layers"] / blend["token_layers_full"]

@@ -52,6 +52,10 @@ class Segment:
             raise ValueError("a prefix segment is cached by definition; use cache=True")
 
 
+#: A prompt: a string (known documents are found in it) or a list of segments.
+PromptLike = str | Sequence[Segment | str]
+
+
 def check_segments(segments: Sequence[Segment | str]) -> list[Segment]:
     """Validate a segment list: non-empty, Segments (strings become uncached), prefixes first."""
     if isinstance(segments, (str, Segment)):

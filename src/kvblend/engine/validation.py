@@ -1,4 +1,4 @@
-"""Checks of what callers pass in: prompt text, stop sequences and sampling settings.
+"""Checks of what callers pass in: prompt text, its size, stop sequences and sampling settings.
 
 Every check raises one `ValueError` (or `TypeError` for a wrong type) that names the argument
 and what is wrong with it, before any tokenizing or decoding starts, so a mistake never surfaces
@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 #: Most stop sequences one call may pass.
 MAX_STOP_SEQUENCES = 32
@@ -37,6 +39,49 @@ def check_text(text: str, what: str = "text") -> str:
             f"{error.start} (undecodable bytes? decode the input as UTF-8 first)"
         ) from None
     return text
+
+
+@dataclass(frozen=True)
+class ContextWindow:
+    """A model's context window, which every prompt and document must fit (0: no limit)."""
+
+    tokens: int
+    #: Characters of the vocabulary's longest token: no token covers more.
+    max_token_chars: int
+    #: The model's name, to say whose window a text does not fit.
+    model: str
+
+    def check_chars(self, chars: int, what: str | None = None) -> None:
+        """Refuse, before tokenizing it, a text too long to fit the context window in any case.
+
+        No token covers more characters than the vocabulary's longest token, so a text longer
+        than that many characters per position of the window cannot fit: tokenizing megabytes
+        only to reject them would cost seconds and gigabytes.
+        """
+        limit = self.tokens
+        if not limit:
+            return
+        if chars > limit * self.max_token_chars:
+            raise ValueError(
+                f"{what or 'prompt'} of {chars:,} characters is longer than {self.model}'s "
+                f"context window of {limit} tokens can hold (at most {self.max_token_chars} "
+                "characters a token)"
+            )
+
+    def check_length(self, tokens: int, what: str | None = None) -> None:
+        """Refuse a text of ``tokens`` tokens that does not fit the context window."""
+        limit = self.tokens
+        if limit and tokens > limit:
+            raise ValueError(
+                f"{what or 'prompt'} of {tokens:,} tokens is longer than {self.model}'s context "
+                f"window of {limit} tokens"
+            )
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the tokenizer's longest vocabulary entry (64 when it has no vocabulary)."""
+    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(token) for token in vocabulary), default=64) or 64
 
 
 def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
