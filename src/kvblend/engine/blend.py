@@ -43,6 +43,8 @@ from .blend_io import (
     LayerKV,
     host_rows,
     moved_span_index,
+    moved_spans_read,
+    on_host,
     read_back,
     to_device,
 )
@@ -303,13 +305,6 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
     }
 
 
-def moved_spans_read(spans: list[CachedSpan], computed: np.ndarray, total: int) -> int:
-    """How many moved spans kept some cached rows (were not recomputed whole)."""
-    done = np.zeros(total, dtype=bool)
-    done[computed] = True
-    return sum(1 for s in spans if s.kind == MOVED and not done[s.start : s.end].all())
-
-
 def last_row(
     decoder: Decoder,
     layer: int,
@@ -335,15 +330,6 @@ def prompt_rope(decoder: Decoder, total: int) -> torch.Tensor:
     """Return the `rope_table` of positions ``0..total-1`` (made once per prefill)."""
     cos, sin = decoder.rotary(torch.arange(total, device=decoder.device))
     return rope_table(cos, sin)
-
-
-def on_host(blend_input: BlendInput) -> BlendInput:
-    """``blend_input`` with its kinds on the host too (read back once if only on a device)."""
-    if blend_input.host_kinds is not None:
-        return blend_input
-    kinds = blend_input.kinds
-    host = kinds.numpy() if kinds.device.type == "cpu" else read_back(kinds).astype(np.int8)
-    return BlendInput(blend_input.token_ids, kinds, blend_input.spans, host)
 
 
 def selection_context(

@@ -111,3 +111,19 @@ def moved_span_index(kinds: np.ndarray, spans: list[CachedSpan]) -> np.ndarray:
         index[span.start : span.end] = number
     index[kinds != MOVED] = -1
     return index
+
+
+def moved_spans_read(spans: list[CachedSpan], computed: np.ndarray, total: int) -> int:
+    """How many moved spans kept some cached rows (were not recomputed whole)."""
+    done = np.zeros(total, dtype=bool)
+    done[computed] = True
+    return sum(1 for s in spans if s.kind == MOVED and not done[s.start : s.end].all())
+
+
+def on_host(blend_input: BlendInput) -> BlendInput:
+    """``blend_input`` with its kinds on the host too (read back once if only on a device)."""
+    if blend_input.host_kinds is not None:
+        return blend_input
+    kinds = blend_input.kinds
+    host = kinds.numpy() if kinds.device.type == "cpu" else read_back(kinds).astype(np.int8)
+    return BlendInput(blend_input.token_ids, kinds, blend_input.spans, host)
