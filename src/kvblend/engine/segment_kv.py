@@ -40,7 +40,7 @@ from .config import BlendConfig
 from .decoder import Decoder
 from .precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
 from .prompt import DocumentLayout, PrefillPlan, document_layout
-from .registry import document_metadata
+from .registry_records import document_metadata
 from .segments import KV_LAYOUT, KV_NAME, segment_key
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class SegmentKV:
         ``done(texts)`` is called with the texts already stored, then after each batch.
         Returns the segment ids, in the order of ``texts``. Entries are computed behind this
         engine's own `doc_prefix` and carry what the registry needs to find them again
-        (`kvblend.engine.registry.document_metadata`).
+        (`kvblend.engine.registry_records.document_metadata`).
         """
         context = self.doc_prefix or ""
         layouts = [self.layout(text, context) for text in texts]
