@@ -65,7 +65,7 @@ class DecodeOptions:
 
 @dataclass
 class _Plan:
-    """The decoding settings shared by `decode` and `decode_stream`."""
+    """The decoding settings shared by `decode`, `decode_stream` and `decode_batch`."""
 
     config: GenerationConfig  # greedy over the processed scores (see `_SeededSampler`)
     eos_ids: frozenset[int]
