@@ -22,16 +22,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import Cache
 
-from .generation import (
-    DecodeOptions,
-    GenerationResult,
-    _cut_at_stop,
-    _generate,
-    _Plan,
-    _plan,
-    _SeededSampler,
-    _stop_criteria,
-)
+from .decode_plan import DecodeOptions, _Plan, _plan, _SeededSampler
+from .generation import GenerationResult, _cut_at_stop, _generate, _stop_criteria
 
 
 class _RowEnds(StoppingCriteria):

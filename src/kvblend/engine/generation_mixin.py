@@ -19,7 +19,8 @@ import torch
 
 from .batch_decode import decode_batch
 from .config import BlendConfig
-from .generation import DecodeOptions, GenerationResult, decode, decode_stream
+from .decode_plan import DecodeOptions
+from .generation import GenerationResult, decode, decode_stream
 from .results import BlendCancelledError, PrefillResult
 from .segments import PromptLike, Segment
 
@@ -73,7 +74,7 @@ class GenerationMixin:
     ) -> GenerationResult:
         """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
 
-        The decoding options are transformers' (see `kvblend.engine.generation.DecodeOptions`):
+        The decoding options are transformers' (see `kvblend.engine.decode_plan.DecodeOptions`):
         ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
         ``repetition_penalty`` go through transformers' own logits processors, for the first
         token (drawn from the blended logits) as for every later one. ``cancel``: once set,

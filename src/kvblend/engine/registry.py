@@ -10,23 +10,19 @@ call to `BlendEngine.register`.
 A document is known whatever prompt head (document context) its KV was computed behind: its
 record names the context, and the registry answers `contexts(text)` with every context an entry
 was stored behind, so an engine with another system prompt reuses that KV as a moved document.
-A document record holds hashes, not text: a 32-bit hash of the document's first characters (its
-anchor), its length, a 128-bit hash of the whole text and one of its context. A context's text
-is recorded once, in context records (split in parts when long). A search hashes the prompt's
-substring of anchor length at every position, looks the anchor up, and confirms a candidate by
-hashing the prompt's substring of the candidate's length; so its cost grows with the prompt's
-length, not with the number of known documents. The registry keeps at most ``capacity``
-documents, dropping the least recently matched.
+A record holds hashes, never a document's text: a hash of its first characters (its anchor), its
+length, a hash of the whole text and one of its context (`kvblend.engine.registry_records`). A
+search hashes the prompt's substring of anchor length at every position, looks the anchor up,
+and confirms a candidate by hashing the prompt's substring of the candidate's length; so its
+cost grows with the prompt's length, not with the number of known documents. The registry keeps
+at most ``capacity`` documents, dropping the least recently matched.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +31,18 @@ from typing import Any
 import numpy as np
 
 from .anchors import window_crc32
+from .registry_records import (
+    ANCHOR_CHARS,
+    CONTEXT,
+    DOCUMENT,
+    MIN_CHARS,
+    REBUILT,
+    anchor_hash,
+    context_records,
+    document_metadata,
+    parse_document_metadata,
+    text_digest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +50,7 @@ __all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "document_metadata",
 
 #: Documents a registry keeps before dropping the least recently matched.
 DEFAULT_CAPACITY = 200_000
-#: Characters hashed as a document's anchor (shorter documents use their whole text).
-ANCHOR_CHARS = 16
-#: Documents shorter than this are not registered: too short to be worth a cache entry.
-MIN_CHARS = 8
-
-_DOCUMENT = struct.Struct("<cIQ16s16s")  # b"D", anchor hash, length, text digest, context digest
-_CONTEXT = struct.Struct("<c16sHH")  # b"C", context digest, part, parts; then the part's bytes
-_CONTEXT_PART_BYTES = 4000  # a record log takes records of at most 4096 bytes
-_REBUILT = struct.Struct("<cQ")  # b"R", documents found: the log was rebuilt from the store
 _REBUILD_EVERY_S = 60.0  # while the log is unreadable, the store's entries are read this often
-
-
-def text_digest(text: str) -> bytes:
-    """128-bit content hash of ``text`` (UTF-8, surrogates escaped)."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-
-
-def _anchor(text: str) -> int:
-    return zlib.crc32(text[:ANCHOR_CHARS].encode("utf-8", "surrogatepass"))
 
 
 @dataclass(frozen=True)
@@ -143,7 +133,7 @@ class DocumentRegistry:
         with self._lock:
             if where not in self._contexts:
                 self._contexts[where] = context
-                records.extend(_context_records(where, context))
+                records.extend(context_records(where, context))
             for text in texts:
                 if len(text) < MIN_CHARS:
                     continue
@@ -151,9 +141,9 @@ class DocumentRegistry:
                 if where in self._stored_behind.get(digest, ()):
                     self._documents.move_to_end(digest)
                     continue
-                anchor = _anchor(text)
+                anchor = anchor_hash(text)
                 self._insert(digest, anchor, len(text), where)
-                records.append(_DOCUMENT.pack(b"D", anchor, len(text), digest, where))
+                records.append(DOCUMENT.pack(b"D", anchor, len(text), digest, where))
         if records and self._shared:
             self._share(records)
 
@@ -218,7 +208,7 @@ class DocumentRegistry:
             return 0
         self._rebuilt_at = time.monotonic()
         try:
-            described = [_described(item) for item in self._stored()]
+            described = [parse_document_metadata(item) for item in self._stored()]
         except Exception as error:  # noqa: BLE001 - the registry keeps what it knows
             logger.warning("could not rebuild the document registry from the store: %s", error)
             return 0
@@ -227,14 +217,14 @@ class DocumentRegistry:
         with self._lock:
             for where, context in {where: context for _, _, _, where, context in found}.items():
                 self._contexts.setdefault(where, context)
-                records.extend(_context_records(where, context))
+                records.extend(context_records(where, context))
             for digest, anchor, length, where, _ in found:
                 self._insert(digest, anchor, length, where)
-                records.append(_DOCUMENT.pack(b"D", anchor, length, digest, where))
+                records.append(DOCUMENT.pack(b"D", anchor, length, digest, where))
             self.rebuilds += 1
         logger.info("document registry rebuilt from the store: %d document(s)", len(found))
         if share and self._shared:
-            self._share([_REBUILT.pack(b"R", len(found)), *records])
+            self._share([REBUILT.pack(b"R", len(found)), *records])
         return len(found)
 
     def _apply(self, record: bytes) -> bool:
@@ -242,18 +232,18 @@ class DocumentRegistry:
 
         Anything malformed is ignored, not trusted.
         """
-        if record[:1] == b"R" and len(record) == _REBUILT.size:
+        if record[:1] == b"R" and len(record) == REBUILT.size:
             return True
-        if record[:1] == b"D" and len(record) == _DOCUMENT.size:
-            _, anchor, length, digest, where = _DOCUMENT.unpack(record)
+        if record[:1] == b"D" and len(record) == DOCUMENT.size:
+            _, anchor, length, digest, where = DOCUMENT.unpack(record)
             if MIN_CHARS <= length < 1 << 31 and where not in self._stored_behind.get(digest, ()):
                 self._insert(digest, anchor, length, where)
-        elif record[:1] == b"C" and len(record) >= _CONTEXT.size:
-            _, where, part, parts = _CONTEXT.unpack_from(record)
+        elif record[:1] == b"C" and len(record) >= CONTEXT.size:
+            _, where, part, parts = CONTEXT.unpack_from(record)
             if where in self._contexts or not part < parts:
                 return False
             pieces = self._context_parts.setdefault(where, {})
-            pieces[part] = record[_CONTEXT.size :]
+            pieces[part] = record[CONTEXT.size :]
             if len(pieces) == parts:
                 del self._context_parts[where]
                 whole = b"".join(pieces[index] for index in range(parts))
@@ -375,49 +365,6 @@ class DocumentRegistry:
         self._anchor_lengths[anchor_length] -= 1
         if not self._anchor_lengths[anchor_length]:
             del self._anchor_lengths[anchor_length]
-
-
-def _described(metadata: Mapping[str, str]) -> tuple[bytes, int, int, bytes, str] | None:
-    """Parse what `document_metadata` stored: (digest, anchor, length, context digest, context).
-
-    None for an entry that names no document (a prompt head, a segment passed in a list and
-    never registered) or names one in a way `document_metadata` never writes.
-    """
-    try:
-        digest = bytes.fromhex(metadata["document.digest"])
-        anchor, length = int(metadata["document.anchor"]), int(metadata["document.chars"])
-        context = metadata["document.context"]
-    except (KeyError, ValueError, TypeError):
-        return None
-    if len(digest) != 16 or not 0 <= anchor < 1 << 32 or not MIN_CHARS <= length < 1 << 31:
-        return None
-    return digest, anchor, length, text_digest(context), context
-
-
-def document_metadata(text: str, context: str) -> dict[str, str]:
-    """Entry metadata naming the document an entry holds (hashes, not text) and its context.
-
-    Stored with every entry of a known document (precomputed, computed during a prefill or
-    recomputed after a damaged read), so the registry can be rebuilt from the store's own
-    entries (`DocumentRegistry.rebuild`) when its log is lost.
-    """
-    return {
-        "document.digest": text_digest(text).hex(),
-        "document.anchor": str(_anchor(text)),
-        "document.chars": str(len(text)),
-        "document.context": context,
-    }
-
-
-def _context_records(where: bytes, context: str) -> list[bytes]:
-    """Return records carrying a context's text, in parts small enough for a record log."""
-    data = context.encode("utf-8", "surrogatepass")
-    parts = max(1, -(-len(data) // _CONTEXT_PART_BYTES))
-    return [
-        _CONTEXT.pack(b"C", where, index, parts)
-        + data[index * _CONTEXT_PART_BYTES : (index + 1) * _CONTEXT_PART_BYTES]
-        for index in range(parts)
-    ]
 
 
 def _non_overlapping(found: list[tuple[int, int, bytes]]) -> list[Match]:

@@ -40,69 +40,15 @@ from .config import BlendConfig
 from .decoder import Decoder
 from .precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
 from .prompt import DocumentLayout, PrefillPlan, document_layout
-from .registry import document_metadata
+from .registry_records import document_metadata
 from .segments import KV_LAYOUT, KV_NAME, segment_key
+from .stored_rows import StoredRows
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["SegmentKV", "StoredRows"]
 
 _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
-
-
-class StoredRows:
-    """Rows of a store entry (one tensor ``kv``, `SegmentKV.entry_shape`), read a layer at a time.
-
-    ``layer(i)`` is a view into the stored tensor, never a copy: the caller only reads it. A
-    lazy entry reads its tensor when the blend loop first asks for a layer (on CUDA, the tensor
-    is handed out once the current stream is ordered after its copy: `kvblend.store.transfer`);
-    if that read fails, whatever the store raised, ``recompute`` produces the segment's KV
-    instead (and stores it again).
-    """
-
-    def __init__(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        rows: slice,
-        recompute: Callable[[], Mapping[str, torch.Tensor]],
-        expected: tuple[torch.dtype, tuple[int, ...]] | None = None,
-    ) -> None:
-        self.tensors = tensors
-        self.rows = rows
-        self.expected = expected  # dtype and shape of the stored ``kv``, when known
-        self.recomputed = False  # True once a failed read made this segment be computed anew
-        self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
-        self._kv: torch.Tensor | None = None
-
-    def layer(self, index: int) -> torch.Tensor:
-        """Return a view of layer ``index``'s un-rotated K/V ``[2, kv_heads, rows, head_dim]``."""
-        return self.layers()[index]
-
-    def layers(self) -> torch.Tensor:
-        """Return a view of every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``."""
-        if self._kv is None:
-            self._kv = self._open()
-        return self._kv[:, :, :, self.rows]
-
-    def _open(self) -> torch.Tensor:
-        try:
-            return self._read()
-        except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
-            if self._recompute is None:
-                raise
-            logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
-            self.tensors, self._recompute = self._recompute(), None
-            self.recomputed = True
-            return self._read()
-
-    def _read(self) -> torch.Tensor:
-        kv = self.tensors[KV_NAME]
-        if self.expected is not None and (kv.dtype, tuple(kv.shape)) != self.expected:
-            raise ValueError(
-                f"stored tensor {KV_NAME!r} is {kv.dtype} {list(kv.shape)}, the model needs "
-                f"{self.expected[0]} {list(self.expected[1])}"
-            )
-        return kv
 
 
 class SegmentKV:
@@ -221,7 +167,7 @@ class SegmentKV:
         ``done(texts)`` is called with the texts already stored, then after each batch.
         Returns the segment ids, in the order of ``texts``. Entries are computed behind this
         engine's own `doc_prefix` and carry what the registry needs to find them again
-        (`kvblend.engine.registry.document_metadata`).
+        (`kvblend.engine.registry_records.document_metadata`).
         """
         context = self.doc_prefix or ""
         layouts = [self.layout(text, context) for text in texts]
