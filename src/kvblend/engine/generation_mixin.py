@@ -82,22 +82,15 @@ class GenerationMixin:
         `BlendCancelledError`.
         """
         started = time.perf_counter()
-        DecodeOptions(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-            stop=stop,
-            seed=seed,
-        ).check()  # before any model work
+        options: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
+        )  # fmt: skip
+        DecodeOptions(**options).check()  # before any model work
         pre = self._prefilled(segments, config, cancel)
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
-            started=started, max_new_tokens=max_new_tokens, temperature=temperature,
-            top_p=top_p, stop=stop, seed=seed, cancel=cancel, top_k=top_k,
-            repetition_penalty=repetition_penalty, do_sample=do_sample,
+            started=started, cancel=cancel, **options,
         )  # fmt: skip
 
     def generate_batch(
@@ -146,23 +139,15 @@ class GenerationMixin:
         do_sample: bool | None = None,
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
-        DecodeOptions(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-            stop=stop,
-            seed=seed,
-        ).check()  # before any model work
+        options: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
+        )  # fmt: skip
+        DecodeOptions(**options).check()  # before any model work
         pre = self._prefilled(segments, config, cancel)
         for piece in decode_stream(
-            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values,
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-            stop=stop, seed=seed, top_k=top_k, repetition_penalty=repetition_penalty,
-            do_sample=do_sample,
-        ):  # fmt: skip
+            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, **options
+        ):
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")
             yield piece
