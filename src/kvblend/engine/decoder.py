@@ -1,10 +1,14 @@
-"""The per-layer arithmetic of a Hugging Face RoPE decoder, exposed as small pure-torch steps.
+"""The model adapter protocol of the blend loop, and `Decoder`, its transformers implementation.
+
+The blend loop (`blend.py` and the modules it uses) drives a *model adapter*: the members of
+`ModelAdapter` and nothing else (no model module is reached directly), so the same loop runs over
+a transformers model (`Decoder`) and over other back-ends' loaded modules. Attention itself
+(the rows' mask, the kernel) is the loop's job (`row_attention.py`), not the adapter's.
 
 `Decoder` wraps a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3) and
 calls the model's own modules (norms, projections, rotary embedding, MLP, head) so that weights,
-biases, q/k norms and every RoPE scaling variant are the model's, not a re-implementation. The
-blend loop in `blend.py` drives these steps with explicit positions; nothing here keeps
-per-request state.
+biases, q/k norms and every RoPE scaling variant are the model's, not a re-implementation.
+Nothing here keeps per-request state.
 
 Tensor layout, batch of one, as in transformers' caches: queries ``[heads, tokens, head_dim]``,
 keys and values ``[kv_heads, tokens, head_dim]`` (only the KV heads are kept: GQA).
@@ -76,63 +80,59 @@ class DecoderShape:
     max_positions: int
 
 
-def sdpa_takes_gqa(masked: bool, device: torch.device) -> bool:
-    """Whether SDPA should get grouped KV heads (``enable_gqa``) rather than expanded ones.
+class ModelAdapter(Protocol):
+    """What the blend loop calls of a model: sizes, and per-layer steps over explicit rows.
 
-    Unmasked: always. With a mask, only on the CPU: on CUDA that combination falls back to the
-    math kernel, so the KV heads are expanded instead, as transformers' sdpa_attention does;
-    the CPU's flash kernel takes both at once, and expanding there only adds copies (about 6%
-    of a default blend at 4K tokens).
+    Under tensor parallelism the sizes are the heads of this rank, and `attention_output`
+    includes the all-reduce. Every step is pure (no state per request), so the loop may run it
+    compiled (``torch.compile``) or captured in a CUDA graph.
     """
-    return not masked or device.type == "cpu"
 
+    shape: DecoderShape
+    windows: list[int | None]  # sliding window per layer (None: full attention)
+    scaling: float
+    has_qk_norm: bool
 
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Repeat each KV head ``groups`` times: ``[kv_heads, tokens, d] -> [heads, tokens, d]``.
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's weights."""
+        ...
 
-    Query head ``h`` reads KV head ``h // groups``, as transformers' ``repeat_kv``.
-    """
-    kv_heads, tokens, head_dim = x.shape
-    return x[:, None].expand(kv_heads, groups, tokens, head_dim).reshape(-1, tokens, head_dim)
+    @property
+    def dtype(self) -> torch.dtype:
+        """Compute dtype of the model's weights."""
+        ...
 
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Return the embeddings ``[tokens, hidden]`` of ``token_ids`` ``[tokens]``."""
+        ...
 
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated: the table `apply_rope` multiplies swapped halves by."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``cos``, ``sin`` ``[tokens, head_dim]`` (``x * cos + rotate_half(x) * sin``)."""
+        ...
 
+    def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return queries ``[heads, rows, head_dim]``, K/V ``[rows, 2, kv_heads, head_dim]``.
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos`` and ``signed_sin(sin)``.
+        Both un-rotated, q/k norms applied.
+        """
+        ...
 
-    Computes transformers' ``x * cos + rotate_half(x) * sin`` with one product and two in-place
-    multiply-adds over the halves instead of four temporaries: the blend rotates every key of
-    the prompt at every layer, so this is on the hot path.
-    """
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin_signed[..., :half])
-    out[..., half:].addcmul_(x[..., :half], sin_signed[..., half:])
-    return out
+    def project_kv(self, layer: int, hidden: torch.Tensor, *, keys: bool) -> torch.Tensor:
+        """Return un-rotated keys (``keys=True``) or values ``[kv_heads, rows, head_dim]``."""
+        ...
 
+    def attention_output(self, layer: int, attended: torch.Tensor) -> torch.Tensor:
+        """Return ``[rows, hidden]`` of attention outputs ``[rows, heads * head_dim]`` (o_proj)."""
+        ...
 
-def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Return the rotation of every position as one table ``[tokens, 2, 2, head_dim // 2]``.
+    def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Return ``hidden + mlp(post_attention_norm(hidden))``."""
+        ...
 
-    Entry ``[t, i, m]`` multiplies input half ``m`` into output half ``i``, so `rotate` is one
-    product and one sum: the same products and sums as transformers' ``apply_rotary_pos_emb``
-    (``x * cos + rotate_half(x) * sin``), so the result is bit for bit the same.
-    """
-    half = cos.shape[-1] // 2
-    first = torch.stack((cos[..., :half], -sin[..., :half]), dim=-2)
-    second = torch.stack((sin[..., half:], cos[..., half:]), dim=-2)
-    return torch.stack((first, second), dim=-3)
-
-
-def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by a `rope_table` of its tokens (two ops)."""
-    halves = x.unflatten(-1, (2, -1)).unsqueeze(-3)  # [heads, tokens, 1, 2, half]
-    return (halves * table).sum(dim=-2).flatten(-2)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Return float32 next-token logits ``[vocab]`` of the last row of ``hidden``."""
+        ...
 
 
 #: RMSNorm classes whose forward is exactly ``weight * rms_norm(x.float()).to(x.dtype)``.
@@ -155,7 +155,7 @@ def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder:
-    """Pure-torch steps over one transformers decoder model (no state per request)."""
+    """The `ModelAdapter` of a transformers decoder model (pure torch, no state per request)."""
 
     def __init__(self, model: nn.Module) -> None:
         config: Any = getattr(model, "config", None)
@@ -276,40 +276,9 @@ class Decoder:
             return k.transpose(0, 1)
         return attention.v_proj(x).view(tokens, -1, self.shape.head_dim).transpose(0, 1)
 
-    def attend(
-        self,
-        layer: int,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
-        causal: bool = True,
-    ) -> torch.Tensor:
-        """Attention output ``[tokens, hidden]`` (after ``o_proj``) of rotated inputs.
-
-        ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf = may not) or a
-        boolean one (True = may attend), or None for plain causal
-        attention over aligned queries and keys (``causal=False``: every key). ``rows`` keeps
-        only those query rows (before ``o_proj``).
-        """
-        groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
-        if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
-            keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-        out = F.scaled_dot_product_attention(
-            queries.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
-            is_causal=mask is None and causal,
-            scale=self.scaling,
-            enable_gqa=queries.shape[0] != keys.shape[0],
-        )
-        # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
-        out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)
-        if rows is not None:
-            out = out.index_select(0, rows)
-        return self.layers[layer].self_attn.o_proj(out)
+    def attention_output(self, layer: int, attended: torch.Tensor) -> torch.Tensor:
+        """Return ``o_proj`` of ``layer`` over attention outputs ``[rows, heads * head_dim]``."""
+        return self.layers[layer].self_attn.o_proj(attended)
 
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""

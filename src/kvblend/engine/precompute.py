@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .decoder import Decoder, apply_rope, signed_sin
+from .decoder import Decoder
+from .rope import apply_rope, signed_sin
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "forward_batch", "length_batches"]
 
@@ -92,7 +93,7 @@ def _batch_attention(
         )
     # [batch, heads, tokens, head_dim] -> [batch * tokens, heads * head_dim]
     out = out.transpose(1, 2).reshape(batch * tokens, heads * head_dim)
-    return decoder.layers[layer].self_attn.o_proj(out)
+    return decoder.attention_output(layer, out)
 
 
 @torch.inference_mode()
