@@ -45,10 +45,10 @@ from .blend_io import (
     CachedSpan,
     LayerKV,
     RowSet,
+    as_rows,
     moved_span_index,
     moved_spans_read,
     on_host,
-    read_back,
     to_device,
 )
 from .compiled_loop import StepRunner, step_runner
@@ -58,7 +58,7 @@ from .decoder import ModelAdapter
 from .layer_step import FULL, LAST, WRITE
 from .prompt_kv import LayerLoads, PromptKV
 from .results import BlendCancelledError
-from .rope import inverse_table, rope_table, rotate
+from .rope import RopeTables, inverse_table, rope_table, rotate
 from .row_attention import RowAttention
 from .selectors import Selection, SelectionContext, Selector, selector_class
 from .selectors.base import Narrowing, PassObserver
@@ -77,36 +77,28 @@ __all__ = [
 ]
 
 
-class RopeTables:
-    """The `rope_table` of every row of a prompt's buffer, and its `inverse_table` (on use)."""
-
-    def __init__(self, table: torch.Tensor) -> None:
-        self.table = table
-        self._inverse: torch.Tensor | None = None
-
-    @property
-    def inverse(self) -> torch.Tensor:
-        """The inverse rotations (made on first use: `BlendOutput.raw_kv`)."""
-        if self._inverse is None:
-            self._inverse = inverse_table(self.table)
-        return self._inverse
-
-
 @dataclass
 class PassState:
-    """One pass over one prompt: the rows it computes and their hidden states, as layers go."""
+    """One pass over one prompt: the rows it computes and their hidden states, as layers go.
+
+    ``rows`` are the computed rows; the layer step gets ``padded``, the same positions
+    followed by the padding rows of a compiled loop's row bucket (none in the eager loop),
+    and ``hidden`` holds a row for each.
+    """
 
     adapter: ModelAdapter
     prompt: BlendInput
     host_kinds: np.ndarray
     tables: RopeTables
     kv: PromptKV
-    hidden: torch.Tensor  # [computed rows, hidden]
     share: float  # the stale-KV correction's share (0: off)
     runner: StepRunner
     loads: LayerLoads = field(init=False)  # the cached K/V's copies, a group of layers each
     rows: RowSet = field(init=False)
-    row_table: torch.Tensor = field(init=False)
+    padded: torch.Tensor = field(init=False)  # the positions the step computes
+    hidden: torch.Tensor = field(init=False)  # [padded rows, hidden]
+    last: torch.Tensor = field(init=False)  # [1]: the index of the last row
+    row_table: torch.Tensor = field(init=False)  # the RoPE table of ``padded``
     attention: RowAttention = field(init=False)
     correction: CorrectionTensors | None = field(init=False)
     load_s: float = 0.0
@@ -120,39 +112,34 @@ class PassState:
     def every_row(self) -> bool:
         return self.rows.count == self.total
 
-    def set_rows(self, rows: RowSet) -> None:
-        """Make ``rows`` the computed rows: their RoPE table, attention and correction."""
-        adapter = self.adapter
+    def set_rows(self, rows: RowSet, hidden: torch.Tensor) -> None:
+        """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
+        adapter, total = self.adapter, self.total
+        self.padded, self.hidden = self.runner.pad(rows.positions, hidden, total)
         self.attention = RowAttention(
-            rows, self.total, adapter.windows, adapter.scaling, adapter.dtype,
-            flex=self.runner.flex, length=self.kv.data.shape[3],
+            rows, total, adapter.windows, adapter.scaling, adapter.dtype,
+            flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
         )  # fmt: skip
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
-        self.row_table = self.tables.table.index_select(0, rows.positions)
+        self.last = to_device(np.array([rows.count - 1]), adapter.device)
+        self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
         if self.share > 0 and not self.every_row:
+            host = rows.host
+            if host is not None and self.padded.numel() > rows.count:  # padding: the scratch row
+                host = np.pad(host, (0, self.padded.numel() - rows.count), constant_values=total)
             spans = moved_span_index(self.host_kinds, self.prompt.spans)
             self.correction = stale_correction(
-                self.host_kinds, spans, rows, self.share, self.tables.table, self.row_table
-            )
+                self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
+                self.row_table,
+            )  # fmt: skip
 
     def narrow(self, narrowing: Narrowing) -> None:
         """Keep only the computed rows ``narrowing.keep`` (indices into the computed rows)."""
         keep = narrowing.keep
         if isinstance(keep, np.ndarray):
             keep = to_device(keep, self.adapter.device)
-        self.hidden = self.hidden.index_select(0, keep)
-        self.set_rows(narrowing.rows)
-
-
-def as_rows(computed: torch.Tensor | np.ndarray | RowSet, device: torch.device) -> RowSet:
-    """Return a selection's computed rows as a `RowSet` (a device tensor is read back)."""
-    if isinstance(computed, RowSet):
-        return computed
-    if isinstance(computed, torch.Tensor):
-        host = computed.numpy() if computed.device.type == "cpu" else read_back(computed)
-        return RowSet.from_host(host, device)
-    return RowSet.from_host(computed, device)
+        self.set_rows(narrowing.rows, self.hidden[: self.rows.count].index_select(0, keep))
 
 
 def begin_pass(
@@ -165,7 +152,6 @@ def begin_pass(
     which may still be under way. ``corrected``: a correction will read this buffer (this
     pass's or a later one's), so its uncached rows start as zeros.
     """
-    hidden = adapter.embed(prompt.token_ids.index_select(0, rows.positions))
     assert prompt.host_kinds is not None
     total = prompt.token_ids.numel()
     if start is not None and start.kv is not None:
@@ -175,11 +161,11 @@ def begin_pass(
         if corrected and (prompt.host_kinds == MOVED).any():
             zeroed = to_device(np.flatnonzero(prompt.host_kinds == COMPUTE), adapter.device)
         kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed)
-    state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, hidden, share, runner)
+    state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
     state.loads = start.loads if start is not None and start.loads is not None else (
         LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
     )  # fmt: skip
-    state.set_rows(rows)
+    state.set_rows(rows, adapter.embed(prompt.token_ids.index_select(0, rows.positions)))
     return state
 
 
@@ -209,30 +195,24 @@ def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> 
 
 def refine(state: PassState, selector: Selector, layer: int) -> None:
     """Step 2: the selector narrows the computed rows (from the cached K/V it may compare)."""
-    positions = state.rows.positions
+    count = state.rows.count  # the computed rows, padding left out
     cached: tuple[torch.Tensor, ...] = ()
     if selector.refine_reads_cache:  # the computed rows' cached K/V, keys before RoPE
-        layer_kv = state.kv.data[layer].index_select(2, positions)
-        keys = rotate(layer_kv[0], inverse_table(state.row_table))
+        layer_kv = state.kv.data[layer].index_select(2, state.rows.positions)
+        keys = rotate(layer_kv[0], inverse_table(state.row_table[:count]))
         cached = (keys, layer_kv[1])
-    narrowing = selector.refine(
-        state.adapter,
-        layer,
-        state.hidden,
-        state.rows,
-        state.prompt.kinds,
-        cached,  # type: ignore[arg-type]
-    )
+    hidden = state.hidden[:count]
+    kinds = state.prompt.kinds
+    narrowing = selector.refine(state.adapter, layer, hidden, state.rows, kinds, cached)  # type: ignore[arg-type]
     state.narrow(narrowing)
 
 
 def compute_layer(state: PassState, layer: int, mode: str, observer: PassObserver | None) -> None:
     """Step 3: run the layer over the computed rows (`layer_step`), then show it to ``observer``."""
     layer_kv = state.kv.data[layer]
-    last = (state.rows.count - 1, state.total)
     state.hidden, queries = state.runner.step(
-        state.adapter, layer, mode, state.hidden, layer_kv, state.rows.positions,
-        state.row_table, state.correction, state.attention, last,
+        state.adapter, layer, mode, state.hidden, layer_kv, state.padded, state.row_table,
+        state.correction, state.attention, state.last,
     )  # fmt: skip
     state.token_layers += state.rows.count
     if observer is not None:

@@ -183,3 +183,13 @@ def on_host(blend_input: BlendInput) -> BlendInput:
     kinds = blend_input.kinds
     host = kinds.numpy() if kinds.device.type == "cpu" else read_back(kinds).astype(np.int8)
     return BlendInput(blend_input.token_ids, kinds, blend_input.spans, host)
+
+
+def as_rows(computed: torch.Tensor | np.ndarray | RowSet, device: torch.device) -> RowSet:
+    """Return a selection's computed rows as a `RowSet` (a device tensor is read back)."""
+    if isinstance(computed, RowSet):
+        return computed
+    if isinstance(computed, torch.Tensor):
+        host = computed.numpy() if computed.device.type == "cpu" else read_back(computed)
+        return RowSet.from_host(host, device)
+    return RowSet.from_host(computed, device)

@@ -1,20 +1,32 @@
-"""How a blend pass runs its layer step: eagerly, or compiled once per shape bucket.
+"""How a blend pass runs its layer step: eagerly, or compiled once per layer and shape bucket.
 
-The step (`layer_step.layer_step`) is one pure function; the eager loop calls it as is. The
-compiled loop is the same function under ``torch.compile(fullgraph=True)``: on CUDA with
-``mode="reduce-overhead"`` (CUDA graphs). Compiling pays once per layer and shape, so shapes
-are made few: the prompt's buffer is rounded up to a size bucket (`size_bucket`), and so are
-the computed rows (padding rows read and write a scratch row past the prompt).
+The step (`layer_step.layer_step`) is one pure function; the eager loop calls it as it is. The
+compiled loop is the same function under ``torch.compile(fullgraph=True, dynamic=False)``, on
+CUDA with ``mode="reduce-overhead"`` (CUDA graphs): one graph per layer (the model's weights of
+each layer are its own inputs) and per shape, so shapes are made few. The prompt's K/V buffer
+is a size bucket long (`size_bucket` of the prompt plus a scratch row), and the computed rows
+are padded to a size bucket with rows at the scratch row: they are computed like any row,
+write their K/V there and attend only up to it, and nothing real reads them. Every size inside
+the step is then a bucket's, never the prompt's, and a new prompt of the same buckets runs
+the graphs already made (`tests/test_compiled_loop.py` counts dynamo's compilations).
 
-``KVBLEND_COMPILE=1`` forces the compiled loop, ``0`` the eager one; unset, the loop is eager
-(compilation costs seconds per layer and bucket, more than it saves on a prefill).
+``KVBLEND_COMPILE=1`` forces the compiled loop, ``0`` the eager one; unset, the loop is eager:
+compiling costs seconds per layer and bucket, far more than the step's launches cost on one
+prefill, and on the CPU the compiled step was not faster (docs/benchmarks.md). On CUDA, sparse
+rows attend with FlexAttention in both loops; the eager loop compiles that kernel alone (per
+bucket), so its buffer is a bucket long too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from .decoder import ModelAdapter
 from .flex_rows import size_bucket
@@ -23,6 +35,35 @@ from .row_attention import use_flex
 
 #: Environment variable forcing the compiled (``1``) or the eager (``0``) layer loop.
 COMPILE_ENV = "KVBLEND_COMPILE"
+
+#: Graphs dynamo may keep of the step: one per layer, mode and shape bucket in use.
+RECOMPILE_LIMIT = 4096
+
+
+def compile_loop() -> bool:
+    """Whether the layer loop runs compiled (``KVBLEND_COMPILE``; eager when unset)."""
+    value = os.environ.get(COMPILE_ENV, "").strip().lower()
+    return value in ("1", "true", "yes", "on")
+
+
+@functools.cache
+def _compiled_step(device_type: str) -> Callable[..., Any]:
+    mode = "reduce-overhead" if device_type == "cuda" else None
+    return torch.compile(layer_step, fullgraph=True, dynamic=False, mode=mode)
+
+
+@contextlib.contextmanager
+def _graphs_kept() -> Iterator[None]:
+    """Let dynamo keep a graph per layer (its default limit is 8 per function)."""
+    config: Any = torch._dynamo.config
+    with config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
+        yield
+
+
+def compiled_step(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """`layer_step` compiled for the device of its hidden states (``args`` as `layer_step`'s)."""
+    with _graphs_kept():
+        return _compiled_step(args[3].device.type)(*args)
 
 
 @dataclass(frozen=True)
@@ -34,11 +75,27 @@ class StepRunner:
     length: int  # rows of the prompt's K/V buffer (the prompt's, or its bucket)
     compiled: bool = False
 
+    def pad(
+        self, positions: torch.Tensor, hidden: torch.Tensor, total: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad computed rows to their size bucket when compiled: rows at the scratch row ``total``.
+
+        Padding rows' hidden states are zeros (finite through every layer).
+        """
+        count = positions.numel()
+        extra = size_bucket(count) - count if self.compiled else 0
+        if extra == 0:
+            return positions, hidden
+        positions = torch.cat((positions, positions.new_full((extra,), total)))
+        return positions, torch.cat((hidden, hidden.new_zeros(extra, hidden.shape[1])))
+
 
 def step_runner(adapter: ModelAdapter, total: int) -> StepRunner:
     """Return the runner of a ``total``-token prompt on ``adapter``'s device."""
     device = adapter.device
+    if compile_loop():
+        return StepRunner(compiled_step, True, size_bucket(total + 1), compiled=True)
     flex = use_flex(device, compiled=False)
-    # FlexAttention is compiled per shape: on CUDA the buffer is a bucket's size
+    # FlexAttention's kernel is compiled per shape: on CUDA the buffer is a bucket long
     length = size_bucket(total + 1) if flex and device.type == "cuda" else total
     return StepRunner(layer_step, flex, length)

@@ -60,7 +60,8 @@ def stale_correction(
         return None
     device = rows.positions.device
     spans = int(span_index.max()) + 1
-    span_of_all = np.where(span_index >= 0, span_index, spans)  # ``spans``: not moved
+    # ``spans``: not moved (the last entry: the scratch row padding rows stand at)
+    span_of_all = np.append(np.where(span_index >= 0, span_index, spans), spans)
     weights: torch.Tensor
     column: torch.Tensor
     if rows.host is not None:

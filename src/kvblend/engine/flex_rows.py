@@ -83,10 +83,14 @@ def block_mask_data(
     )
     full_indices = full_low.unsqueeze(1) + step
 
-    def shaped(x: torch.Tensor) -> torch.Tensor:
-        return x.clamp(0, key_blocks - 1).to(torch.int32)[None, None]
+    def shaped(x: torch.Tensor, most: int) -> torch.Tensor:
+        return x.clamp(0, most).to(torch.int32)[None, None]
 
-    return shaped(partial), shaped(indices), shaped(full), shaped(full_indices)
+    last = key_blocks - 1  # indices past a query block's count are never read: any block
+    return (
+        shaped(partial, key_blocks), shaped(indices, last), shaped(full, key_blocks),
+        shaped(full_indices, last),
+    )  # fmt: skip
 
 
 def row_mask_mod(rows: torch.Tensor, window: int | None) -> Any:

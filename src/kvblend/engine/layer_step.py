@@ -72,18 +72,19 @@ def last_row(
     hidden: torch.Tensor,
     queries: torch.Tensor,
     layer_kv: torch.Tensor,
-    index: int,
-    total: int,
+    rows: torch.Tensor,
+    index: torch.Tensor,
 ) -> torch.Tensor:
-    """Step 2 of the last layer for the logits: row ``index`` (the last prompt token) only.
+    """Step 2 of the last layer for the logits: computed row ``index`` (the last token) only.
 
     The other rows' K/V are written already and only this row's output feeds the logits.
+    ``index`` is a one-element tensor, so the step has no size of the prompt's own.
     """
     attended = last_row_attention(
-        queries[:, index : index + 1], layer_kv[0, :, :total], layer_kv[1, :, :total],
+        queries.index_select(1, index), layer_kv[0], layer_kv[1], rows.index_select(0, index),
         adapter.windows[layer], adapter.scaling,
     )  # fmt: skip
-    row = hidden[index : index + 1]
+    row = hidden.index_select(0, index)
     return adapter.feed_forward(layer, row + adapter.attention_output(layer, attended))
 
 
@@ -97,16 +98,16 @@ def layer_step(
     row_table: torch.Tensor,
     correction: CorrectionTensors | None,
     attention: Any,
-    last: tuple[int, int],
+    last: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one layer over the computed ``rows``; return the new hidden states and the queries.
 
-    ``mode``: `FULL`, `LAST` or `WRITE`; ``last``: the last prompt row's index among the
-    computed rows and the prompt's length (for `LAST`).
+    ``mode``: `FULL`, `LAST` or `WRITE`; ``last``: the index of the last prompt row among
+    the computed rows (a one-element tensor, for `LAST`).
     """
     queries = write_fresh(adapter, layer, hidden, layer_kv, rows, row_table, correction)
     if mode == FULL:
         hidden = attend_and_mlp(adapter, layer, hidden, queries, layer_kv, attention)
     elif mode == LAST:
-        hidden = last_row(adapter, layer, hidden, queries, layer_kv, *last)
+        hidden = last_row(adapter, layer, hidden, queries, layer_kv, rows, last)
     return hidden, queries

@@ -79,5 +79,24 @@ def rotate_(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     for begin in range(0, first, step):
         part = x[begin : begin + step]
         halves = part.unflatten(-1, (2, -1))
-        torch.sum(halves.unsqueeze(-3) * table, dim=-2, out=halves)
+        products = halves.unsqueeze(-3) * table
+        if torch.compiler.is_compiling():  # dynamo takes no strided ``out=`` (and fuses these)
+            halves.copy_(products.sum(dim=-2))
+        else:
+            torch.sum(products, dim=-2, out=halves)
     return x
+
+
+class RopeTables:
+    """The `rope_table` of every row of a prompt's buffer, and its `inverse_table` (on use)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self._inverse: torch.Tensor | None = None
+
+    @property
+    def inverse(self) -> torch.Tensor:
+        """The inverse rotations (made on first use: `BlendOutput.raw_kv`)."""
+        if self._inverse is None:
+            self._inverse = inverse_table(self.table)
+        return self._inverse

@@ -132,16 +132,30 @@ def attention_mask(
 
 
 def last_row_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, window: int | None, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor,
+    window: int | None,
+    scale: float,
 ) -> torch.Tensor:
-    """Attention ``[1, heads * head_dim]`` of the prompt's last row (``query`` ``[heads, 1, d]``).
+    """Attention ``[1, heads * head_dim]`` of one row (``query`` ``[heads, 1, d]``) at ``position``.
 
-    It attends to every key (from the window's start on a sliding-window layer).
+    ``position`` (a one-element tensor: no host value needed) masks the keys after it, and
+    before its window on a sliding-window layer; KV heads stay grouped (no copies): one
+    product of the grouped queries with the keys, a softmax in float32, one with the values.
     """
-    total = keys.shape[1]
-    if window is not None and window < total:
-        keys, values = keys[:, total - window :], values[:, total - window :]
-    return sdpa(query, keys, values, scale, causal=False)
+    kv_heads, length, head_dim = keys.shape
+    indices = torch.arange(length, device=keys.device)
+    blocked = indices > position
+    if window is not None:
+        blocked |= indices <= position - window
+    mask = torch.where(blocked, float("-inf"), 0.0).to(keys.dtype)
+    grouped = query.reshape(kv_heads, -1, head_dim)  # query head h reads KV head h // groups
+    scores = torch.baddbmm(mask.expand(kv_heads, grouped.shape[1], length), grouped,
+                           keys.transpose(1, 2), alpha=scale)  # fmt: skip
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(weights, values).reshape(1, -1)
 
 
 class QueryChunk(NamedTuple):
@@ -206,15 +220,18 @@ class RowAttention:
         *,
         flex: bool = False,
         length: int | None = None,
+        padded: torch.Tensor | None = None,
         mask_budget: int = MASK_BUDGET,
     ) -> None:
         """Attention of the computed ``rows`` over ``total`` keys; ``windows``: per layer.
 
         ``dtype``: the queries' (the chunks' masks are made in it). ``flex``: sparse rows in
         one FlexAttention call (else query chunks); ``length``: the rows of the K/V it is
-        given (``total`` and more: a buffer of a size bucket).
+        given (``total`` and more: a buffer of a size bucket); ``padded``: the rows' positions
+        followed by padding rows' (a compiled loop's row bucket), the queries it is given.
         """
         self.rows = rows
+        self.positions = rows.positions if padded is None else padded
         self.total = total
         self.windows = windows
         self.scaling = scaling
@@ -229,7 +246,7 @@ class RowAttention:
         if not masked:
             return  # no masks: plain causal attention at every layer
         if flex:
-            self.flex = FlexRows(rows.positions, length or total, masked, scaling)
+            self.flex = FlexRows(self.positions, length or total, masked, scaling)
             return
         bounds = rows.bounds()
         if bounds is None:  # chosen on the device with nothing known on the host: read back
@@ -257,18 +274,19 @@ class RowAttention:
         """Return the attention output of the computed rows at ``layer``.
 
         ``queries`` are rotated ``[heads, rows, head_dim]``; ``keys``/``values`` the layer's
-        whole K/V ``[kv_heads, keys, head_dim]`` (keys rotated; rows past ``total`` unread).
+        whole K/V ``[kv_heads, keys, head_dim]`` (keys rotated; a row past the prompt is only
+        read by padding rows). Every size used here is a tensor's, none the prompt's length,
+        so a compiled loop serves every prompt of its size bucket.
         """
         window = self.windows[layer]
         if window is None and (self.dense or self.scatter):
-            keys, values = keys[:, : self.total], values[:, : self.total]
-            if self.dense:
+            if self.dense:  # rows 0, 1, ...: causal attention aligned at the first key
                 return sdpa(queries, keys, values, self.scaling)
             heads, _, head_dim = queries.shape
-            padded = queries.new_zeros(heads, self.total, head_dim)
-            padded.index_copy_(1, self.rows.positions, queries)
-            out = sdpa(padded, keys, values, self.scaling)
-            return out.index_select(0, self.rows.positions)
+            scattered = queries.new_zeros(heads, keys.shape[1], head_dim)
+            scattered.index_copy_(1, self.positions, queries)
+            out = sdpa(scattered, keys, values, self.scaling)
+            return out.index_select(0, self.positions)
         if self.flex is not None:
             return self.flex(window, queries, keys, values)
         return self._chunked(window, queries, keys, values)
