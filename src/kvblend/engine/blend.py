@@ -131,7 +131,7 @@ class PassState:
             spans = moved_span_index(self.host_kinds, self.prompt.spans)
             self.correction = stale_correction(
                 self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
-                self.row_table,
+                self.row_table, self.runner.bucket,
             )  # fmt: skip
 
     def narrow(self, narrowing: Narrowing) -> None:

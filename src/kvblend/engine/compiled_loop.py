@@ -75,6 +75,11 @@ class StepRunner:
     length: int  # rows of the prompt's K/V buffer (the prompt's, or its bucket)
     compiled: bool = False
 
+    @property
+    def bucket(self) -> Callable[[int], int] | None:
+        """The size bucket of the step's row counts (None: the eager loop's exact sizes)."""
+        return size_bucket if self.compiled else None
+
     def pad(
         self, positions: torch.Tensor, hidden: torch.Tensor, total: int
     ) -> tuple[torch.Tensor, torch.Tensor]:

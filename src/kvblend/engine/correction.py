@@ -21,6 +21,7 @@ right after overwrite them, so which rows were recomputed never has to be known 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -48,32 +49,45 @@ def stale_correction(
     share: float,
     table: torch.Tensor,
     row_table: torch.Tensor,
+    bucket: Callable[[int], int] | None = None,
 ) -> CorrectionTensors | None:
     """Build the correction of the computed ``rows`` (None when it would change nothing).
 
     ``kinds`` and ``span_index`` (`moved_span_index`) are ``[tokens]`` host arrays; ``table``
     the `rope_table` of every position, ``row_table`` that of the computed rows. Rows known on
     the host get their means table made there; rows chosen on the device, on the device.
+    ``bucket`` (a compiled loop's): the moved rows and the table's documents are padded to
+    sizes it gives, padding moved rows at the scratch row past the prompt (which only padding
+    rows read), so the tensors' sizes are a bucket's.
     """
     moved = np.flatnonzero(kinds == MOVED)
     if share <= 0 or moved.size == 0:
         return None
-    device = rows.positions.device
+    device, total = rows.positions.device, kinds.size
     spans = int(span_index.max()) + 1
+    moved_span, moved_count = span_index[moved], moved.size
+    documents = spans + 1  # the means table: a row per document, then the overall mean
+    if bucket is not None:
+        documents = max(8, 1 << spans.bit_length())
+        padding = bucket(moved.size) - moved.size
+        moved = np.pad(moved, (0, padding), constant_values=total)
+        moved_span = np.pad(moved_span, (0, padding))
     # ``spans``: not moved (the last entry: the scratch row padding rows stand at)
     span_of_all = np.append(np.where(span_index >= 0, span_index, spans), spans)
     weights: torch.Tensor
     column: torch.Tensor
     if rows.host is not None:
         host_weights, host_column = _host_means(
-            span_of_all[rows.host], span_index[moved], spans, share
+            span_of_all[rows.host], moved_span, spans, share, documents, int(moved_count)
         )
         if host_weights is None:
             return None
         weights, column = to_device(host_weights, device), to_device(host_column, device)
     else:
         span_of = to_device(span_of_all, device).index_select(0, rows.positions)
-        weights, column = _device_means(span_of, to_device(span_index[moved], device), spans, share)
+        weights, column = _device_means(
+            span_of, to_device(moved_span, device), spans, share, documents
+        )
     positions, moved_rows = rows.positions, to_device(moved, device)
     return CorrectionTensors(
         positions, inverse_table(row_table).unsqueeze(1), weights, moved_rows, column,
@@ -82,19 +96,25 @@ def stale_correction(
 
 
 def _host_means(
-    span_of: np.ndarray, moved_span: np.ndarray, spans: int, share: float
+    span_of: np.ndarray,
+    moved_span: np.ndarray,
+    spans: int,
+    share: float,
+    documents: int,
+    moved: int,
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """Return the means table and each moved row's column, from rows known on the host.
 
     ``span_of``: each computed row's moved span (``spans`` if it is not moved). None when no
-    moved row is recomputed, or every one is (nothing stale).
+    moved row is recomputed, or every one of the ``moved`` is (nothing stale). The table has
+    ``documents`` rows: one per span, then the overall mean, then zeros.
     """
     recomputed = span_of < spans
     count = int(recomputed.sum())
-    if count == 0 or count == moved_span.size:
+    if count == 0 or count == moved:
         return None, moved_span
     counts = np.bincount(span_of[recomputed], minlength=spans + 1)
-    weights = np.zeros((spans + 1, span_of.size), dtype=np.float32)
+    weights = np.zeros((documents, span_of.size), dtype=np.float32)
     columns = np.flatnonzero(recomputed)
     weights[span_of[columns], columns] = share / counts[span_of[columns]]
     weights[spans] = share * recomputed / count
@@ -102,13 +122,13 @@ def _host_means(
 
 
 def _device_means(
-    span_of: torch.Tensor, moved_span: torch.Tensor, spans: int, share: float
+    span_of: torch.Tensor, moved_span: torch.Tensor, spans: int, share: float, documents: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_host_means` on the device, with sizes the host knows (a scatter-add, no bincount)."""
     device, count = span_of.device, span_of.numel()
     recomputed = (span_of < spans).float()  # 1 for a recomputed moved row
     counts = torch.zeros(spans + 1, device=device).index_add_(0, span_of, recomputed)
-    weights = torch.zeros(spans + 1, count, device=device)
+    weights = torch.zeros(documents, count, device=device)
     columns = torch.arange(count, device=device)
     weights.index_put_((span_of, columns), share * recomputed / counts[span_of].clamp(min=1))
     weights[spans] = share * recomputed / recomputed.sum().clamp(min=1)
