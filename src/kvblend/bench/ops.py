@@ -9,8 +9,12 @@ ops that would synchronise on CUDA are named in `SYNC_OPS`.
 
 Counting covers the device work of a prefill, `kvblend.engine.blend.run_blend` (every pass of
 the strategy, stats included); the host-side planning before it builds its tensors from Python
-lists. Ops per layer per pass are the count divided by layers x passes: they do not depend on
-the model's width or the prompt's length, so a test can assert them on a tiny model.
+lists. Syncs are counted before the logits (the host waiting for the prefill's own work) and
+after them (the rows chosen on the device, read for the statistics once the work is queued).
+Ops per layer per pass are the count divided by layers x passes: they do not depend on the
+model's width or the prompt's length, so a test can assert them on a tiny model. They are the
+eager loop's on the CPU: there sparse rows attend in query chunks (one SDPA call each), where
+CUDA makes one FlexAttention call per layer.
 
 ``kvblend bench ops`` runs it on a 24-layer GQA model with random weights (16 documents x 512
 tokens by default) and prints ops per layer per pass and syncs per prefill for each strategy.

@@ -82,8 +82,8 @@ class PassState:
     """One pass over one prompt: the rows it computes and their hidden states, as layers go.
 
     ``rows`` are the computed rows; the layer step gets ``padded``, the same positions
-    followed by the padding rows of a compiled loop's row bucket (none in the eager loop),
-    and ``hidden`` holds a row for each.
+    followed by the padding rows of a compiled loop's row bucket (copies of the last row; none
+    in the eager loop), and ``hidden`` holds a row for each.
     """
 
     adapter: ModelAdapter
@@ -97,7 +97,6 @@ class PassState:
     rows: RowSet = field(init=False)
     padded: torch.Tensor = field(init=False)  # the positions the step computes
     hidden: torch.Tensor = field(init=False)  # [padded rows, hidden]
-    last: torch.Tensor = field(init=False)  # [1]: the index of the last row
     row_table: torch.Tensor = field(init=False)  # the RoPE table of ``padded``
     attention: RowAttention = field(init=False)
     correction: CorrectionTensors | None = field(init=False)
@@ -115,19 +114,18 @@ class PassState:
     def set_rows(self, rows: RowSet, hidden: torch.Tensor) -> None:
         """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
         adapter, total = self.adapter, self.total
-        self.padded, self.hidden = self.runner.pad(rows.positions, hidden, total)
+        self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
         self.attention = RowAttention(
             rows, total, adapter.windows, adapter.scaling, adapter.dtype,
             flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
         )  # fmt: skip
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
-        self.last = to_device(np.array([rows.count - 1]), adapter.device)
         self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
         if self.share > 0 and not self.every_row:
             host = rows.host
-            if host is not None and self.padded.numel() > rows.count:  # padding: the scratch row
-                host = np.pad(host, (0, self.padded.numel() - rows.count), constant_values=total)
+            if host is not None and self.padded.numel() > rows.count:  # padding: the last row
+                host = np.pad(host, (0, self.padded.numel() - rows.count), mode="edge")
             spans = moved_span_index(self.host_kinds, self.prompt.spans)
             self.correction = stale_correction(
                 self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
@@ -160,7 +158,7 @@ def begin_pass(
         zeroed = None
         if corrected and (prompt.host_kinds == MOVED).any():
             zeroed = to_device(np.flatnonzero(prompt.host_kinds == COMPUTE), adapter.device)
-        kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed)
+        kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed, runner.compiled)
     state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
     state.loads = start.loads if start is not None and start.loads is not None else (
         LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
@@ -209,10 +207,10 @@ def refine(state: PassState, selector: Selector, layer: int) -> None:
 
 def compute_layer(state: PassState, layer: int, mode: str, observer: PassObserver | None) -> None:
     """Step 3: run the layer over the computed rows (`layer_step`), then show it to ``observer``."""
-    layer_kv = state.kv.data[layer]
+    layer_kv = state.kv.layers[layer]
     state.hidden, queries = state.runner.step(
         state.adapter, layer, mode, state.hidden, layer_kv, state.padded, state.row_table,
-        state.correction, state.attention, state.last,
+        state.correction, state.attention,
     )  # fmt: skip
     state.token_layers += state.rows.count
     if observer is not None:
@@ -280,15 +278,26 @@ def run_pass(
     tables = tables if tables is not None else prompt_tables(adapter, total)
     runner = step_runner(adapter, total)
     corrected = share > 0 if corrected is None else corrected
+    runner.begin(adapter.device)
     state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
-    logits = run_layers(state, selector, observer, need_logits, cancel, layers)
-    kv = state.kv.data
-    out = BlendOutput(
-        logits, [kv[layer, 0, :, :total] for layer in range(kv.shape[0])],
-        [kv[layer, 1, :, :total] for layer in range(kv.shape[0])],
-        kv=state.kv, loads=state.loads, tables=tables,
-    )  # fmt: skip
+    try:
+        logits = run_layers(state, selector, observer, need_logits, cancel, layers)
+    except BaseException:
+        state.kv.copied()  # a static buffer is handed back
+        raise
+    out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
     out.stats = pass_stats(state, blend_input)
+    return with_kv(out, state.kv)
+
+
+def with_kv(out: BlendOutput, kv: PromptKV) -> BlendOutput:
+    """``out`` over ``kv``: its per-layer keys and values (views of the prompt's rows)."""
+    rows = kv.prompt_rows()
+    out.kv = kv
+    out.keys, out.values = (
+        [rows[i, 0] for i in range(len(rows))],
+        [rows[i, 1] for i in range(len(rows))],
+    )
     return out
 
 
@@ -377,6 +386,7 @@ def run_blend(
         adapter, blend_input, selection, selector=selector, need_logits=need_logits,
         cancel=cancel, tables=tables,
     )  # fmt: skip
+    out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
     out.stats["probe_s"] = 0.0
     if selection.start is not None:  # the first pass's work and reads count too
         out.stats["probe_s"] = select_s

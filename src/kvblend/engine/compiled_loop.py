@@ -4,11 +4,12 @@ The step (`layer_step.layer_step`) is one pure function; the eager loop calls it
 compiled loop is the same function under ``torch.compile(fullgraph=True, dynamic=False)``, on
 CUDA with ``mode="reduce-overhead"`` (CUDA graphs): one graph per layer (the model's weights of
 each layer are its own inputs) and per shape, so shapes are made few. The prompt's K/V buffer
-is a size bucket long (`size_bucket` of the prompt plus a scratch row), and the computed rows
-are padded to a size bucket with rows at the scratch row: they are computed like any row,
-write their K/V there and attend only up to it, and nothing real reads them. Every size inside
-the step is then a bucket's, never the prompt's, and a new prompt of the same buckets runs
-the graphs already made (`tests/test_compiled_loop.py` counts dynamo's compilations).
+is a size bucket long (`size_bucket` of the prompt plus one row, where the correction's padding
+rows add nothing that is read), and the computed rows are padded to a size bucket with copies
+of the last row (the prompt's last token): computed like it, they write the same K/V at its
+position and attend like it, and the last row keeps a fixed index. Every size inside the step
+is then a bucket's, never the prompt's, and a new prompt of the same buckets runs the graphs
+already made (`tests/test_compiled_loop.py` counts dynamo's compilations).
 
 ``KVBLEND_COMPILE=1`` forces the compiled loop, ``0`` the eager one; unset, the loop is eager:
 compiling costs seconds per layer and bucket, far more than the step's launches cost on one
@@ -80,19 +81,25 @@ class StepRunner:
         """The size bucket of the step's row counts (None: the eager loop's exact sizes)."""
         return size_bucket if self.compiled else None
 
-    def pad(
-        self, positions: torch.Tensor, hidden: torch.Tensor, total: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pad computed rows to their size bucket when compiled: rows at the scratch row ``total``.
+    def begin(self, device: torch.device) -> None:
+        """Start a pass: CUDA graphs may reuse the memory of the last pass's outputs."""
+        if self.compiled and device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()
 
-        Padding rows' hidden states are zeros (finite through every layer).
+    def pad(
+        self, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pad computed rows to their size bucket when compiled: copies of the last row.
+
+        A copy is computed exactly like the last row (the prompt's last token) and writes the
+        same K/V there; the last row of the padded set stays the last token's, at a fixed index.
         """
         count = positions.numel()
         extra = size_bucket(count) - count if self.compiled else 0
         if extra == 0:
             return positions, hidden
-        positions = torch.cat((positions, positions.new_full((extra,), total)))
-        return positions, torch.cat((hidden, hidden.new_zeros(extra, hidden.shape[1])))
+        positions = torch.cat((positions, positions[-1:].expand(extra)))
+        return positions, torch.cat((hidden, hidden[-1:].expand(extra, -1)))
 
 
 def step_runner(adapter: ModelAdapter, total: int) -> StepRunner:

@@ -57,8 +57,8 @@ def stale_correction(
     the `rope_table` of every position, ``row_table`` that of the computed rows. Rows known on
     the host get their means table made there; rows chosen on the device, on the device.
     ``bucket`` (a compiled loop's): the moved rows and the table's documents are padded to
-    sizes it gives, padding moved rows at the scratch row past the prompt (which only padding
-    rows read), so the tensors' sizes are a bucket's.
+    sizes it gives, padding moved rows at the buffer's row past the prompt (never read), so
+    the tensors' sizes are a bucket's.
     """
     moved = np.flatnonzero(kinds == MOVED)
     if share <= 0 or moved.size == 0:
@@ -72,8 +72,7 @@ def stale_correction(
         padding = bucket(moved.size) - moved.size
         moved = np.pad(moved, (0, padding), constant_values=total)
         moved_span = np.pad(moved_span, (0, padding))
-    # ``spans``: not moved (the last entry: the scratch row padding rows stand at)
-    span_of_all = np.append(np.where(span_index >= 0, span_index, spans), spans)
+    span_of_all = np.where(span_index >= 0, span_index, spans)  # ``spans``: not moved
     weights: torch.Tensor
     column: torch.Tensor
     if rows.host is not None:

@@ -23,7 +23,6 @@ import torch
 from .correction import CorrectionTensors, apply_correction
 from .decoder import ModelAdapter
 from .rope import rotate, rotate_
-from .row_attention import last_row_attention
 
 #: What a step does after writing the layer's K/V: attention and MLP of every computed row
 #: (``FULL``), of the last row only (``LAST``, for the logits), or nothing (``WRITE``).
@@ -72,20 +71,14 @@ def last_row(
     hidden: torch.Tensor,
     queries: torch.Tensor,
     layer_kv: torch.Tensor,
-    rows: torch.Tensor,
-    index: torch.Tensor,
+    attention: Any,
 ) -> torch.Tensor:
-    """Step 2 of the last layer for the logits: computed row ``index`` (the last token) only.
+    """Step 2 of the last layer for the logits: the last computed row (the last token) only.
 
     The other rows' K/V are written already and only this row's output feeds the logits.
-    ``index`` is a one-element tensor, so the step has no size of the prompt's own.
     """
-    attended = last_row_attention(
-        queries.index_select(1, index), layer_kv[0], layer_kv[1], rows.index_select(0, index),
-        adapter.windows[layer], adapter.scaling,
-    )  # fmt: skip
-    row = hidden.index_select(0, index)
-    return adapter.feed_forward(layer, row + adapter.attention_output(layer, attended))
+    attended = attention.last_row(layer, queries[:, -1:], layer_kv[0], layer_kv[1])
+    return adapter.feed_forward(layer, hidden[-1:] + adapter.attention_output(layer, attended))
 
 
 def layer_step(
@@ -98,16 +91,14 @@ def layer_step(
     row_table: torch.Tensor,
     correction: CorrectionTensors | None,
     attention: Any,
-    last: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run one layer over the computed ``rows``; return the new hidden states and the queries.
 
-    ``mode``: `FULL`, `LAST` or `WRITE`; ``last``: the index of the last prompt row among
-    the computed rows (a one-element tensor, for `LAST`).
+    ``mode``: `FULL`, `LAST` or `WRITE`. The last of ``rows`` is the prompt's last token.
     """
     queries = write_fresh(adapter, layer, hidden, layer_kv, rows, row_table, correction)
     if mode == FULL:
         hidden = attend_and_mlp(adapter, layer, hidden, queries, layer_kv, attention)
     elif mode == LAST:
-        hidden = last_row(adapter, layer, hidden, queries, layer_kv, rows, last)
+        hidden = last_row(adapter, layer, hidden, queries, layer_kv, attention)
     return hidden, queries

@@ -17,6 +17,8 @@ and one group holds every layer (`GROUP_LAYERS`): more groups would only add ops
 from __future__ import annotations
 
 import functools
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -39,35 +41,52 @@ class PromptKV:
     """The K/V of every layer of one prompt, in one preallocated buffer (keys rotated).
 
     ``data`` is ``[layers, 2, kv_heads, length, head_dim]`` (keys, then values) for a prompt of
-    ``total`` tokens; rows from ``total`` on (a compiled loop's size bucket: a scratch row for
-    padding, then rows never read) are zeros. Cached rows are placed and rotated once per
+    ``total`` tokens; rows from ``total`` on (a compiled loop's size bucket) are zeros, and no
+    query reads them. Cached rows are placed and rotated once per
     group of layers (every span at once), the computed rows' fresh K/V written with one more
-    op per layer.
+    op per layer. ``layers``: each layer's view, made once (a compiled step's inputs).
     """
 
-    def __init__(self, data: torch.Tensor, total: int) -> None:
+    def __init__(self, data: torch.Tensor, total: int, static: bool = False) -> None:
         self.data = data
         self.total = total
+        self.static = static  # from `STATIC_BUFFERS`: handed back once copied out
+        self.layers = [data[layer] for layer in range(data.shape[0])]
 
     @classmethod
     def empty(
-        cls, adapter: ModelAdapter, total: int, length: int, zeroed: torch.Tensor | None = None
+        cls,
+        adapter: ModelAdapter,
+        total: int,
+        length: int,
+        zeroed: torch.Tensor | None = None,
+        static: bool = False,
     ) -> PromptKV:
         """Return a buffer of ``length`` rows for ``total`` tokens, its rows from ``total`` zero.
 
         ``zeroed``: rows (on the device) that are read before they are written (the
-        correction gathers every computed row's K/V), set to zero too.
+        correction gathers every computed row's K/V), set to zero too. ``static``: a buffer at
+        a fixed address (`StaticBuffers`), for a compiled loop's CUDA graphs.
         """
         shape = adapter.shape
-        data = torch.empty(
-            shape.num_layers, 2, shape.num_kv_heads, length, shape.head_dim,
-            device=adapter.device, dtype=adapter.dtype,
-        )  # fmt: skip
+        size = (shape.num_layers, 2, shape.num_kv_heads, length, shape.head_dim)
+        if static:
+            kv = STATIC_BUFFERS.take(size, adapter.dtype, adapter.device, total)
+        else:
+            kv = cls(torch.empty(size, device=adapter.device, dtype=adapter.dtype), total)
         if length > total:
-            data[:, :, :, total:].zero_()
+            kv.data[:, :, :, total:].zero_()
         if zeroed is not None and zeroed.numel():
-            data.index_fill_(3, zeroed, 0)
-        return cls(data, total)
+            kv.data.index_fill_(3, zeroed, 0)
+        return kv
+
+    def copied(self) -> PromptKV:
+        """Return a buffer of its own with this one's K/V, handing a static one back."""
+        if not self.static:
+            return self
+        copy = PromptKV(self.data.clone(), self.total)
+        STATIC_BUFFERS.give(self)
+        return copy
 
     def load(
         self,
@@ -92,6 +111,48 @@ class PromptKV:
     def prompt_rows(self) -> torch.Tensor:
         """Return the prompt's rows ``[layers, 2, kv_heads, total, head_dim]`` (a view)."""
         return self.data[:, :, :, : self.total]
+
+
+class StaticBuffers:
+    """K/V buffers at fixed addresses for the compiled loop: one per size bucket in use.
+
+    CUDA graphs replay on the addresses they were recorded with, so the compiled loop writes
+    every prompt of a bucket into the same buffer (its layers' views made once and marked
+    static for dynamo); a prefill's K/V is copied out (`PromptKV.copied`) before the buffer is
+    handed back. At most `kept` shapes are kept, the least recently used dropped first.
+    """
+
+    def __init__(self, kept: int = 2) -> None:
+        self.kept = kept
+        self._free: OrderedDict[tuple[Any, ...], PromptKV] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def take(
+        self, size: tuple[int, ...], dtype: torch.dtype, device: torch.device, total: int
+    ) -> PromptKV:
+        """Return a static buffer of ``size`` (a kept one when free, else a new one)."""
+        key = (size, dtype, device)
+        with self._lock:
+            kv = self._free.pop(key, None)
+        if kv is None:
+            kv = PromptKV(torch.empty(size, dtype=dtype, device=device), total, static=True)
+            for view in kv.layers:
+                torch._dynamo.mark_static_address(view, guard=False)
+        kv.total = total
+        return kv
+
+    def give(self, kv: PromptKV) -> None:
+        """Keep ``kv`` for the next prompt of its size."""
+        key = (tuple(kv.data.shape), kv.data.dtype, kv.data.device)
+        with self._lock:
+            self._free[key] = kv
+            self._free.move_to_end(key)
+            while len(self._free) > self.kept:
+                self._free.popitem(last=False)
+
+
+#: The process's static buffers (the compiled loop's).
+STATIC_BUFFERS = StaticBuffers()
 
 
 @functools.cache

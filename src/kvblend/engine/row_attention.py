@@ -135,17 +135,22 @@ def last_row_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    position: torch.Tensor,
+    position: torch.Tensor | None,
     window: int | None,
     scale: float,
 ) -> torch.Tensor:
-    """Attention ``[1, heads * head_dim]`` of one row (``query`` ``[heads, 1, d]``) at ``position``.
+    """Attention ``[1, heads * head_dim]`` of one row (``query`` ``[heads, 1, d]``).
 
-    ``position`` (a one-element tensor: no host value needed) masks the keys after it, and
-    before its window on a sliding-window layer; KV heads stay grouped (no copies): one
-    product of the grouped queries with the keys, a softmax in float32, one with the values.
+    ``position`` None: the row is the last of the keys, and attends to them all (from its
+    window's start). Otherwise ``position`` (a one-element tensor: no host value needed) masks
+    the keys after it and before its window; KV heads stay grouped (no copies): one product
+    of the grouped queries with the keys, a softmax in float32, one with the values.
     """
     kv_heads, length, head_dim = keys.shape
+    if position is None:
+        if window is not None and window < length:
+            keys, values = keys[:, length - window :], values[:, length - window :]
+        return sdpa(query, keys, values, scale, causal=False)
     indices = torch.arange(length, device=keys.device)
     blocked = indices > position
     if window is not None:
@@ -232,6 +237,9 @@ class RowAttention:
         """
         self.rows = rows
         self.positions = rows.positions if padded is None else padded
+        # decided here, not in a call: a compiled step sees booleans, never the prompt's length
+        self.exact = (length or total) == total  # the keys end with the prompt
+        self.aligned = rows.count == total and self.positions.numel() == total  # rows 0, 1, ...
         self.total = total
         self.windows = windows
         self.scaling = scaling
@@ -280,7 +288,7 @@ class RowAttention:
         """
         window = self.windows[layer]
         if window is None and (self.dense or self.scatter):
-            if self.dense:  # rows 0, 1, ...: causal attention aligned at the first key
+            if self.aligned:  # rows 0, 1, ...: causal attention aligned at the first key
                 return sdpa(queries, keys, values, self.scaling)
             heads, _, head_dim = queries.shape
             scattered = queries.new_zeros(heads, keys.shape[1], head_dim)
@@ -290,6 +298,20 @@ class RowAttention:
         if self.flex is not None:
             return self.flex(window, queries, keys, values)
         return self._chunked(window, queries, keys, values)
+
+    def last_row(
+        self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention ``[1, heads * head_dim]`` of the last computed row (the prompt's last token).
+
+        Over the prompt's keys as they are (from the window's start on a sliding-window
+        layer); over a longer buffer (a size bucket) with a mask made from the row's position.
+        """
+        window = self.windows[layer]
+        if self.exact:
+            return last_row_attention(query, keys, values, None, window, self.scaling)
+        position = self.positions[-1:]
+        return last_row_attention(query, keys, values, position, window, self.scaling)
 
     def _chunked(
         self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
