@@ -166,15 +166,39 @@ def test_row_attention_masks_stay_within_their_budget() -> None:
     assert torch.allclose(kept(0, q, k, v), expected, atol=1e-5, rtol=0)
 
 
-def test_rows_bunched_at_the_end_attend_in_fewer_calls() -> None:
-    """Neighbouring query chunks that read about the same keys are one call."""
-    from kvblend.engine.row_attention import query_chunks
+@pytest.mark.parametrize("window", [None, 300])
+def test_query_chunks_read_fewest_keys_in_no_more_calls(window: int | None) -> None:
+    """Chunk boundaries minimise the pairs read (and calls), never more calls than chunks of
+    `QUERY_CHUNK` rows, and every row reads every key it may attend to."""
+    from kvblend.engine.row_attention import CALL_PAIRS, QueryChunk, query_chunks
 
-    bunched = np.concatenate([np.arange(0, 64), np.arange(3000, 3600)])  # 664 rows
-    chunks = query_chunks(bunched, bunched, None)
-    assert [(c.begin, c.end) for c in chunks] == [(0, 512), (512, 664)]  # at most 2 x 256
-    spread = np.arange(0, 664 * 6, 6)  # the second chunk reads twice the first's keys
-    assert len(query_chunks(spread, spread, None)) == 3
+    generator = np.random.default_rng(0)
+    early = np.sort(generator.choice(2000, 100, replace=False))
+    late = np.sort(generator.choice(np.arange(2000, 4000), 800, replace=False))
+    exact = np.concatenate([early, late])
+    loose = np.sort(np.concatenate([early, np.arange(3200, 4000)]))  # upper bounds of a probe
+    for lower, upper in ((exact, exact), (exact, loose)):
+        chunks = query_chunks(lower, upper, window)
+        fixed = [
+            QueryChunk(b, min(b + QUERY_CHUNK, upper.size),
+                       0 if window is None else max(0, int(lower[b]) - window + 1),
+                       int(upper[min(b + QUERY_CHUNK, upper.size) - 1]) + 1)
+            for b in range(0, upper.size, QUERY_CHUNK)
+        ]  # fmt: skip
+
+        def cost(chunks: list[QueryChunk]) -> int:
+            return sum((c.end - c.begin) * (c.key_end - c.key_begin) + CALL_PAIRS for c in chunks)
+
+        assert len(chunks) <= len(fixed) and cost(chunks) <= cost(fixed)
+        assert [c.begin for c in chunks[1:]] == [c.end for c in chunks[:-1]]
+        assert chunks[0].begin == 0 and chunks[-1].end == upper.size
+        for c in chunks:
+            assert c.end - c.begin <= 2 * QUERY_CHUNK
+            assert c.key_end > upper[c.end - 1]
+            if window is not None:
+                assert c.key_begin <= max(0, lower[c.begin] - window + 1)
+    rows = np.arange(3000, 3000 + QUERY_CHUNK + 44)  # bounded only by the prompt's end:
+    assert len(query_chunks(rows, np.full(rows.size, 3999), None)) == 1  # a split saves nothing
 
 
 def _blend_every_strategy(engine: BlendEngine) -> None:

@@ -112,15 +112,6 @@ def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Te
     return tensor.to(device, non_blocking=True)
 
 
-def host_rows(rows: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Sorted positions on the host: a host (CPU) tensor or array as is, a device one read back."""
-    if isinstance(rows, np.ndarray):
-        return rows.astype(np.int64, copy=False)
-    if rows.device.type == "cpu":
-        return rows.numpy().astype(np.int64, copy=False)
-    return read_back(rows)
-
-
 @dataclass(frozen=True)
 class RowSet:
     """A pass's computed rows: sorted prompt positions on the device, and what the host knows.

@@ -202,7 +202,7 @@ class Decoder:
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the model's own RoPE ``cos``/``sin`` ``[tokens, head_dim]`` at ``positions``."""
-        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        probe = self.inner.embed_tokens.weight[:0]  # its device and dtype are all it reads
         cos, sin = self.inner.rotary_emb(probe, positions.unsqueeze(0))
         return cos[0], sin[0]
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 #: Rotations done at once, in elements of the rotated tensor: `rotate_` works on slices of at
-#: most this size (its temporary holds twice as many), so rotating every layer of a long
-#: prompt at once never needs gigabytes of scratch memory.
-ROTATE_SLICE = 1 << 24
+#: most this size (its temporary holds twice as many: 32 MiB in float32), so rotating every
+#: layer of a long prompt at once never needs much scratch memory.
+ROTATE_SLICE = 1 << 22
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -48,9 +48,8 @@ def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     (``x * cos + rotate_half(x) * sin``), so the result is bit for bit the same.
     """
     half = cos.shape[-1] // 2
-    first = torch.stack((cos[..., :half], -sin[..., :half]), dim=-2)
-    second = torch.stack((sin[..., half:], cos[..., half:]), dim=-2)
-    return torch.stack((first, second), dim=-3)
+    blocks = (cos[..., :half], -sin[..., :half], sin[..., half:], cos[..., half:])
+    return torch.stack(blocks, dim=-2).unflatten(-2, (2, 2))
 
 
 def inverse_table(table: torch.Tensor) -> torch.Tensor:

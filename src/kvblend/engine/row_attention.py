@@ -175,33 +175,53 @@ class QueryChunk(NamedTuple):
     key_end: int
 
 
-#: Two neighbouring query chunks become one call when that reads at most this much more.
-MERGE_SLACK = 1.1
+#: Chunk boundaries fall on multiples of this many rows.
+CHUNK_STEP = 32
+
+#: What one SDPA call costs on the CPU beside its query-key pairs, in pairs: per pair about 26
+#: ns from 32 to 512 rows a call, and about 80 us more per call (SmolLM2's shape, one thread).
+CALL_PAIRS = 4096
 
 
 def query_chunks(lower: np.ndarray, upper: np.ndarray, window: int | None) -> list[QueryChunk]:
-    """Chunks of `QUERY_CHUNK` rows and the keys each reads, from host bounds of the rows.
+    """Query chunks and the keys each reads, from host bounds of the rows' positions.
 
-    A chunk is merged into the one before it when one call over both reads at most
-    `MERGE_SLACK` times the keys of two (rows bunched at the end of the prompt), up to twice
-    `QUERY_CHUNK` rows.
+    The boundaries are chosen to read the fewest query-key pairs (plus `CALL_PAIRS` a call)
+    with at most as many calls as chunks of `QUERY_CHUNK` rows would make, none over twice
+    that: where bounds are loose (rows a probe chose, early in the prompt) a short chunk ends
+    before them, and rows bunched at the end share one call.
     """
-    chunks: list[QueryChunk] = []
-    for begin in range(0, lower.size, QUERY_CHUNK):
-        end = min(begin + QUERY_CHUNK, lower.size)
-        key_begin = 0 if window is None else max(0, int(lower[begin]) - window + 1)
-        chunk = QueryChunk(begin, end, key_begin, int(upper[end - 1]) + 1)
-        if chunks and chunk.end - chunks[-1].begin <= 2 * QUERY_CHUNK:
-            merged = QueryChunk(chunks[-1].begin, end, chunks[-1].key_begin, chunk.key_end)
-            if _reads(merged) <= MERGE_SLACK * (_reads(chunks[-1]) + _reads(chunk)):
-                chunks[-1] = merged
-                continue
-        chunks.append(chunk)
-    return chunks
-
-
-def _reads(chunk: QueryChunk) -> int:
-    return (chunk.end - chunk.begin) * (chunk.key_end - chunk.key_begin)
+    count = lower.size
+    points = np.unique(np.concatenate(([0], np.arange(CHUNK_STEP, count, CHUNK_STEP), [count])))
+    key_end = upper[points[1:] - 1].astype(np.int64) + 1  # per chunk ending at points[e]
+    key_begin = np.zeros(points.size - 1, dtype=np.int64)  # per chunk starting at points[s]
+    if window is not None:
+        key_begin = np.maximum(0, lower[points[:-1]].astype(np.int64) - window + 1)
+    reach = 2 * QUERY_CHUNK // CHUNK_STEP
+    best = np.full(points.size, np.inf)
+    best[0] = 0.0
+    starts = []  # per number of calls: the best start of a chunk ending at each point
+    totals = []
+    for _ in range(-(-count // QUERY_CHUNK)):
+        cost, start = np.full(points.size, np.inf), np.zeros(points.size, dtype=np.int64)
+        for back in range(1, min(reach, points.size - 1) + 1):
+            ends = np.arange(back, points.size)
+            rows = points[ends] - points[ends - back]
+            keys = key_end[ends - 1] - key_begin[ends - back]
+            candidate = best[ends - back] + rows * keys + CALL_PAIRS
+            better = candidate < cost[ends]
+            cost[ends[better]], start[ends[better]] = candidate[better], ends[better] - back
+        best = cost
+        starts.append(start)
+        totals.append(cost[-1])
+    calls = int(np.argmin(totals))
+    chunks, end = [], points.size - 1
+    for call in range(calls, -1, -1):
+        begin = int(starts[call][end])
+        chunks.append(QueryChunk(int(points[begin]), int(points[end]), int(key_begin[begin]),
+                                 int(key_end[end - 1])))  # fmt: skip
+        end = begin
+    return chunks[::-1]
 
 
 def use_flex(device: torch.device, compiled: bool) -> bool:
