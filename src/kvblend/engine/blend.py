@@ -321,10 +321,18 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
 
 
 def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
-    """Return the RoPE tables of a prompt's buffer rows (made once per prefill)."""
+    """Return the RoPE tables of a prompt's buffer rows (made once per prefill).
+
+    The model's rotary embedding is asked for the prompt's positions only (a dynamic RoPE
+    scales by the longest one, and a model may have no table past its context); rows of a
+    longer buffer (a size bucket) get zeros: no query reads them.
+    """
     length = step_runner(adapter, total).length
-    cos, sin = adapter.rotary(torch.arange(length, device=adapter.device))
-    return RopeTables(rope_table(cos, sin))
+    cos, sin = adapter.rotary(torch.arange(total, device=adapter.device))
+    table = rope_table(cos, sin)
+    if length > total:
+        table = torch.cat((table, table.new_zeros(length - total, *table.shape[1:])))
+    return RopeTables(table)
 
 
 def selection_context(
