@@ -333,3 +333,21 @@ def test_help_imports_no_torch_and_states_the_real_defaults() -> None:
     assert (DEFAULT_RATIO, DEFAULT_CORRECTION) == (
         BlendConfig().recompute_ratio, BlendConfig().correction
     )  # fmt: skip
+
+
+def test_explain_does_not_warn_of_a_question_quoting_a_reused_document(
+    loaded: list[dict],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    document = "Marta Quill is a beekeeper who lives in Lisbon with her three dogs."
+    doc = tmp_path / "marta.txt"
+    doc.write_text(document)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(f"Context: {document}\n\nQuestion: what does '{document[:20]}' mean?")
+    with caplog.at_level(logging.WARNING, logger="kvblend"):
+        code = main(["explain", "--file", str(prompt), "--docs", str(doc), "--memory-only"])
+    out = capsys.readouterr().out
+    assert code == 0 and "1 document(s) found" in out
+    assert "near miss" not in out and "near" not in caplog.text

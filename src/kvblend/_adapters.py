@@ -160,20 +160,29 @@ class BlendRun:
     stats: BlendStats
     ttft_s: float
     finish_reason: str
+    batch_size: int = 1
 
     def kvblend_metadata(self) -> dict[str, Any]:
         """Describe what the prefill did (reported as ``kvblend`` metadata by the adapters).
 
         Every field of the prefill's `BlendStats` but its timings (so a field the engine adds,
-        such as why a prompt fell back to a full prefill, reaches the metadata as is), and the
-        time to the first token.
+        such as why a prompt fell back to a full prefill, reaches the metadata as is); the time
+        to the first token ``ttft_s`` (in a batch, the batch's: its first tokens come once every
+        prompt is prefilled); ``prefill_s``, this prompt's own prefill; and ``batch_size``, the
+        prompts decoded together (1: alone).
         """
         stats = self.stats
         if dataclasses.is_dataclass(stats):
             names = [f.name for f in dataclasses.fields(stats) if f.name != "timings"]
         else:  # a stats object of another kind: the fields every version has
             names = [*_STATS_FIELDS]
-        return {**{name: getattr(stats, name, None) for name in names}, "ttft_s": self.ttft_s}
+        timings = getattr(stats, "timings", None) or {}
+        return {
+            **{name: getattr(stats, name, None) for name in names},
+            "ttft_s": self.ttft_s,
+            "prefill_s": timings.get("prefill_s"),
+            "batch_size": self.batch_size,
+        }
 
 
 #: The `BlendStats` fields the metadata always holds.
@@ -223,7 +232,17 @@ def run_prompts(
         return [run_prompt(engine, segments, config, options) for segments in prompts]
     results = generate_batch(prompts, config, **options)
     _note_run_time(engine, max(r.total_s for r in results) / len(results))
-    return [BlendRun(r.text, len(r.token_ids), r.stats, r.ttft_s, r.finish_reason) for r in results]
+    return [
+        BlendRun(
+            r.text,
+            len(r.token_ids),
+            r.stats,
+            r.ttft_s,
+            r.finish_reason,
+            getattr(r, "batch_size", 1),
+        )  # fmt: skip
+        for r in results
+    ]
 
 
 @dataclass

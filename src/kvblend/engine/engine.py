@@ -410,5 +410,5 @@ class BlendEngine(GenerationMixin):
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
-        self._fallback_log.report(stats)
+        self._fallback_log.report(stats, len(self.documents))
         return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)

@@ -203,11 +203,14 @@ class DocumentLibrary:
         return pieces
 
     def near_miss(self, prompt: object, items: Sequence[Segment]) -> str | None:
-        """Describe a known document whose start, not whole text, is in a prompt string."""
-        if not isinstance(prompt, str):
-            return None
+        """Describe a known document whose start, not whole text, is in a prompt.
+
+        A prompt string, or the text of a segment list outside its cached segments (the
+        adapters cut the prompt strings they get into segments, `segments_for`).
+        """
+        text = prompt if isinstance(prompt, str) else "".join(item.text for item in items)
         matched = [(piece.start, piece.end) for piece in cached_pieces(items)]
-        return near_miss(self.registry, prompt, matched)
+        return near_miss(self.registry, text, matched)
 
     def stored_spans(self, plan: PrefillPlan) -> dict[int, bool]:
         """Whether the store holds the KV of each cached span of ``plan`` (by its index)."""
