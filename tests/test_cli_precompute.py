@@ -168,7 +168,7 @@ def test_folders_skip_hidden_entries_and_name_every_skipped_file(
     files = DocumentFiles()
     with caplog.at_level(logging.WARNING, logger="kvblend"):
         paths = list_files([str(docs)], files)
-        named = read_files(engine, paths, files)
+        named = read_files(paths, files)
     assert [Path(name).name for name, _ in named] == ["marta.txt", "tomas.md"]
     assert sorted(Path(name).name for name in files.skipped) == [
         ".env", ".git", "blank.md", "empty.txt", "latin1.txt", "photo.png",
@@ -181,11 +181,29 @@ def test_folders_skip_hidden_entries_and_name_every_skipped_file(
     assert list_files([str(docs / ".env")], DocumentFiles()) == [docs / ".env"]
 
 
-def test_a_file_no_window_can_hold_is_skipped_by_its_size_unread(
+def test_a_file_no_window_can_hold_is_skipped_by_its_characters_untokenized(
     engine: BlendEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     big = tmp_path / "big.txt"
     big.write_bytes(b"word " * (2 << 20))  # 10 MiB
+    small = tmp_path / "small.txt"
+    small.write_text("Marta lives in Lisbon.")
+    files = DocumentFiles()
+    named = read_files([big, small], files)
+    seen = _spy_tokenize(engine, monkeypatch)
+    fitting = fitting_documents(engine, named, chunk=False, files=files)
+    assert [name for name, _ in fitting] == [str(small)] and files.skipped == [str(big)]
+    assert seen == [len("Marta lives in Lisbon.")]  # the big one was never tokenized
+
+
+def test_a_file_over_the_read_limit_is_named_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import kvblend.cli_precompute as module
+
+    monkeypatch.setattr(module, "MAX_FILE_BYTES", 1 << 20)
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"x" * (3 << 20))
     small = tmp_path / "small.txt"
     small.write_text("Marta lives in Lisbon.")
     read: list[str] = []
@@ -197,9 +215,10 @@ def test_a_file_no_window_can_hold_is_skipped_by_its_size_unread(
 
     monkeypatch.setattr(Path, "read_text", spy)
     files = DocumentFiles()
-    named = read_files(engine, [big, small], files)
-    assert [name for name, _ in named] == [str(small)] and files.skipped == [str(big)]
-    assert read == ["small.txt"]
+    with caplog.at_level(logging.WARNING, logger="kvblend"):
+        named = read_files([big, small], files)
+    assert [name for name, _ in named] == [str(small)] and read == ["small.txt"]
+    assert f"skipping {big}: 3 MiB, larger than a document file may be (1 MiB)" in caplog.text
 
 
 def test_precompute_with_chunk_counts_the_skipped_files(

@@ -28,7 +28,7 @@ from .cli_args import (
     positive_int,
     printable,
 )
-from .cli_precompute import DocumentFiles, list_files
+from .cli_precompute import DocumentFiles, fitting_documents, list_files, precompute_each
 from .cli_store import add_store_parser
 
 if TYPE_CHECKING:
@@ -140,15 +140,11 @@ def _store(args: argparse.Namespace):  # noqa: ANN202
     return default_store(getattr(args, "store_dir", None))
 
 
-def _documents(
-    args: argparse.Namespace, engine: BlendEngine, paths: Sequence[Path], files: DocumentFiles
-) -> list[tuple[str, str]]:
-    """Return the ``(name, text)`` documents of ``paths`` that fit (chunked with --chunk)."""
-    from .cli_precompute import fitting_documents, read_files
+def _read(paths: Sequence[str], files: DocumentFiles) -> list[tuple[str, str]]:
+    """Return the ``(name, text)`` of every document file of ``paths`` (before the model loads)."""
+    from .cli_precompute import read_files
 
-    chunk = getattr(args, "chunk", False)
-    named = read_files(engine, paths, files, chunk=chunk)
-    return fitting_documents(engine, named, chunk=chunk, files=files)
+    return read_files(list_files(paths, files), files)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -196,13 +192,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
-    from .cli_precompute import precompute_each
-
     files = DocumentFiles()
-    paths = list_files(args.paths, files)  # before the model loads
+    named = _read(args.paths, files)  # before the model loads
     engine = _engine(args)
     started = time.perf_counter()
-    stored = precompute_each(engine, _documents(args, engine, paths, files), files)
+    documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
+    stored = precompute_each(engine, documents, files)
     skipped = len(files.skipped)
     print(
         f"precomputed {stored} documents in {time.perf_counter() - started:.1f} s"
@@ -213,12 +208,10 @@ def cmd_precompute(args: argparse.Namespace) -> None:
 
 def cmd_ask(args: argparse.Namespace) -> None:
     """Answer a question over documents with blended prefill."""
-    from .cli_precompute import precompute_each
-
     files = DocumentFiles()
-    paths = list_files(args.docs, files)  # before the model loads
+    read = _read(args.docs, files)  # before the model loads
     engine = _engine(args)
-    named = _documents(args, engine, paths, files)
+    named = fitting_documents(engine, read, chunk=args.chunk, files=files)
     precompute_each(engine, named, files)
     documents = [text for _, text in named]
     if not documents:
@@ -265,12 +258,11 @@ def cmd_explain(args: argparse.Namespace) -> None:
     if not prompt.strip():
         raise CLIError(f"the prompt{' file ' + args.file if args.file else ''} is empty")
     files = DocumentFiles()
-    paths = list_files(args.docs, files) if args.docs else []  # before the model loads
+    named = _read(args.docs, files) if args.docs else []  # before the model loads
     engine = _engine(args)
-    if paths:
-        from .cli_precompute import precompute_each
-
-        precompute_each(engine, _documents(args, engine, paths, files), files)
+    if named:
+        fitting = fitting_documents(engine, named, chunk=args.chunk, files=files)
+        precompute_each(engine, fitting, files)
     print(engine.explain(prompt, _config(args)))
 
 

@@ -1,13 +1,13 @@
 """Document files for ``kvblend precompute`` and ``ask``: which files, which fit, stored.
 
-`list_files` finds the files of the paths given, before the model loads: inside a folder,
-hidden files and dot-folders are skipped (named in one line) and so is every file that is not
-text (named), and an empty file is named. `read_files` reads the others once the model is
-loaded, refusing a file by its size before reading it and by its characters before tokenizing
-it: a file no context window can hold costs a ``stat``, not seconds of tokenizing.
-`fitting_documents` then skips a file longer than the model's context window (with the
-document context it is precomputed behind), found by tokenizing about a window of it, or with
-``--chunk`` splits it at token boundaries into documents that fit. `precompute_each` stores
+`list_files` finds the files of the paths given and `read_files` reads them, before the model
+loads: inside a folder, hidden files and dot-folders are skipped (named in one line) and so is
+every file that is not text; an empty, blank, undecodable or unreadable file is named, and a
+file over `MAX_FILE_BYTES` is named without being read. Once the model is loaded,
+`fitting_documents` skips a file longer than its context window (with the document context it
+is precomputed behind) without tokenizing it whole: by its characters when no window could hold
+them (a 10 MiB file costs nothing), else by tokenizing about a window of it; with ``--chunk``
+it splits such a file at token boundaries into documents that fit. `precompute_each` stores
 them; a file the engine refuses for another reason is named and skipped too: one bad file never
 costs the rest of the batch. Every skipped file is named on its own line and counted in
 `DocumentFiles.skipped`.
@@ -32,6 +32,8 @@ logger = logging.getLogger("kvblend")
 TEXT_SUFFIXES = (".md", ".rst", ".text", ".txt")
 #: Characters of the pieces a text is tokenized in when ``--chunk`` splits it.
 CHUNK_BLOCK_CHARS = 1 << 18
+#: Bytes of the largest file read as a document (a larger one is named and skipped unread).
+MAX_FILE_BYTES = 256 << 20
 
 
 class DocumentFiles:
@@ -96,23 +98,16 @@ def list_files(paths: Sequence[str], files: DocumentFiles) -> list[Path]:
     return listed
 
 
-def read_files(
-    engine: BlendEngine, paths: Sequence[Path], files: DocumentFiles, *, chunk: bool = False
-) -> list[tuple[str, str]]:
-    """Read each file as UTF-8 ``(name, text)``; name the unreadable, blank and too large.
-
-    Without ``chunk``, a file longer than the model's context window can hold in any case (its
-    characters, or its bytes, above the window times the longest token's characters) is
-    skipped before it is read or tokenized.
-    """
-    window = engine.library.window
-    most_chars = window.tokens * window.max_token_chars if window.tokens else 0
+def read_files(paths: Sequence[Path], files: DocumentFiles) -> list[tuple[str, str]]:
+    """Read each file as UTF-8 ``(name, text)``; name the unreadable, blank and too large."""
     named = []
     for path in paths:
         name = str(path)
         try:
-            if most_chars and not chunk and path.stat().st_size > 4 * most_chars:
-                files.skip(name, _too_long(engine, f"{path.stat().st_size:,} bytes"))
+            size = path.stat().st_size
+            if size > MAX_FILE_BYTES:
+                files.skip(name, f"{size / 2**20:,.0f} MiB, larger than a document file may be "
+                                 f"({MAX_FILE_BYTES >> 20} MiB)")  # fmt: skip
                 continue
             text = path.read_text("utf-8").strip()
         except UnicodeDecodeError as error:
@@ -121,20 +116,23 @@ def read_files(
         except OSError as error:
             files.skip(name, error.strerror or str(error))
             continue
-        if not text:
-            files.skip(name, "blank file (only whitespace)")
-        elif most_chars and not chunk and len(text) > most_chars:
-            files.skip(name, _too_long(engine, f"{len(text):,} characters"))
-        else:
+        if text:
             named.append((name, text))
+        else:
+            files.skip(name, "blank file (only whitespace)")
+    if not named:
+        raise CLIError("no documents found (named above)")
     return named
 
 
-def _too_long(engine: BlendEngine, size: str) -> str:
+def _too_long(engine: BlendEngine, chars: int) -> str | None:
+    """Why a text of ``chars`` characters cannot fit the window in any case (None: it may)."""
     window = engine.library.window
+    if not window.tokens or chars <= window.tokens * window.max_token_chars:
+        return None
     return (
-        f"{size}, longer than {engine.name}'s context window of {window.tokens} tokens can hold "
-        f"(at most {window.max_token_chars} characters a token); --chunk splits it"
+        f"{chars:,} characters, longer than {engine.name}'s context window of {window.tokens} "
+        f"tokens can hold (at most {window.max_token_chars} characters a token); --chunk splits it"
     )
 
 
@@ -184,8 +182,9 @@ def fitting_documents(
 ) -> list[tuple[str, str]]:
     """Return the ``(name, text)`` documents that fit; name each other file in one line.
 
-    A text is tokenized only as far as it takes to know it does not fit (about a context window
-    of it, `kvblend.engine.validation.tokens_beyond`), unless ``chunk`` splits it.
+    A text no context window could hold (by its characters) is skipped untokenized; another is
+    tokenized only as far as it takes to know it does not fit (about a context window of it,
+    `kvblend.engine.validation.tokens_beyond`), unless ``chunk`` splits it.
     """
     from .engine.validation import tokens_beyond
 
@@ -193,6 +192,10 @@ def fitting_documents(
     room = document_room(engine)
     fitting = []
     for name, text in named:
+        too_long = None if chunk else _too_long(engine, len(text))
+        if too_long is not None:
+            files.skip(name, too_long)
+            continue
         beyond = tokens_beyond(engine.tokenize, text, room)
         if beyond is None:
             fitting.append((name, text))
