@@ -23,6 +23,7 @@ import torch
 from . import templates
 from .blend import BlendInput, CachedSpan, run_blend
 from .config import BlendConfig, check_config
+from .decode_cache import check_environment
 from .decoder import Decoder
 from .explain import Explanation, FallbackLog, forecast_blend
 from .generation import GenerationResult
@@ -188,6 +189,7 @@ class BlendEngine(GenerationMixin):
         keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
         """
         kwargs["threads"] = use_threads(kwargs.get("threads"))
+        check_environment()  # KVBLEND_DECODE_CACHE / _COMPILE: refused before the model loads
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
