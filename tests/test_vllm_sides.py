@@ -255,6 +255,28 @@ def test_a_blend_that_reused_less_reports_its_true_count(
     assert params["kvblend"]["lost"] == lost.lost
 
 
+def test_a_request_finished_with_its_first_token_gets_its_blend_record(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """max_tokens=1: vLLM asks for the record before the worker's outcome has come back."""
+    from kvblend.vllm.worker import BlendOutcome
+
+    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    request = _request("r3", ids)
+    claimed, _ = side.matched(request, 0)
+    side.allocated(request, _Blocks(list(range(1, 9))), claimed)
+    side.metadata(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r3")]))
+    params = side.finished(request)  # the step's outputs are built before the outcome is read
+    assert params is not None and "blend_s" not in params["kvblend"]
+    assert side.take_counts()["requests"] == 0  # not final yet
+    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("r3", reused=5, blend_s=0.25)]))
+    assert params["kvblend"]["blend_s"] == 0.25  # the same record object, completed
+    counts = side.take_counts()
+    assert counts["requests"] == counts["blended"] == 1
+    assert counts["cached_tokens"] == params["kvblend"]["cached_tokens"]
+
+
 @pytest.mark.parametrize(
     "fields, reason",
     [
@@ -273,6 +295,17 @@ def test_requests_vllm_must_prefill_itself_are_not_claimed(
     side.allocated(request, _Blocks([1]), 0)
     params = side.finished(request)
     assert params is not None and reason in params["kvblend"]["fallback"]
+
+
+def test_a_request_resumed_after_preemption_is_not_claimed_again(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    request = _request("r4", engine.encode(_prompt(engine, documents[::-1])))
+    claimed, _ = side.matched(request, 0)
+    assert claimed > 0
+    request.num_preemptions = 1  # preempted: its blocks were freed, vLLM starts it over
+    assert side.matched(request, 0) == (0, False)
 
 
 def test_a_failed_gate_claims_nothing(engine: BlendEngine, documents: list[str]) -> None:

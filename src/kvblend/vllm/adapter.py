@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvblend.engine.decoder import SUPPORTED_FAMILIES, DecoderShape, UnsupportedModelError
@@ -45,6 +46,27 @@ def _checked_layers(model: nn.Module) -> tuple[Any, list[Any]]:
                 f"style; {type(model).__name__} has another"
             )
     return backbone, layers
+
+
+def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
+    """Apply one of the model's norms: vLLM's plain RMSNorm as torch's fused op, else as is.
+
+    vLLM's native RMSNorm computes in float32, ``x.to(weight.dtype) * weight``, in five ops
+    (``pow``, ``mean``, ``rsqrt``, two products); ``F.rms_norm`` with the same weight and epsilon
+    is one op and the same arithmetic (the parity gate checks it against vLLM's forward).
+    """
+    plain = (
+        type(module).__name__ == "RMSNorm"
+        and getattr(module, "has_weight", False)
+        and getattr(module, "variance_size_override", None) is None
+    )
+    if not plain:
+        return module(x)
+    weight, eps = module.weight, float(module.variance_epsilon)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    normed = F.rms_norm(x.float(), weight.shape, None, eps).to(weight.dtype) * weight
+    return normed.to(x.dtype)
 
 
 class VLLMAdapter:
@@ -97,13 +119,13 @@ class VLLMAdapter:
     def _qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Return queries, keys and values ``[rows, heads, head_dim]`` (q/k norms applied)."""
         attention = self._layers[layer].self_attn
-        x = self._layers[layer].input_layernorm(hidden)
+        x = _norm(self._layers[layer].input_layernorm, hidden)
         qkv, _ = attention.qkv_proj(x)
         q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
         rows, head_dim = hidden.shape[0], self.shape.head_dim
         q, k, v = (t.reshape(rows, -1, head_dim) for t in (q, k, v))
         if self.has_qk_norm:
-            q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = _norm(attention.q_norm, q), _norm(attention.k_norm, k)
         return q, k, v
 
     def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,11 +146,11 @@ class VLLMAdapter:
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Return ``hidden + mlp(post_attention_layernorm(hidden))`` with vLLM's modules."""
         block = self._layers[layer]
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        return hidden + block.mlp(_norm(block.post_attention_layernorm, hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Return float32 next-token logits ``[vocab]`` of the last row (vLLM's processor)."""
-        last = self.backbone.norm(hidden[-1:])
+        last = _norm(self.backbone.norm, hidden[-1:])
         logits = self.model.compute_logits(last)  # type: ignore[operator]
         if logits is None:  # a tensor-parallel rank that does not gather the logits
             raise RuntimeError("this tensor-parallel rank holds no logits")

@@ -109,6 +109,35 @@ class KVBlendConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         return False, self._scheduler.finished(request)
 
+    def get_kv_connector_stats(self) -> Any:
+        """Return the counts of the requests finished since the last call (vLLM's metrics)."""
+        if self._scheduler is None:
+            return None
+        from .metrics import KVBlendStats
+
+        counts = self._scheduler.take_counts()
+        return KVBlendStats(data=dict(counts)) if counts["requests"] else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        """Rebuild kvblend's counts from their dict (vLLM's stats loggers)."""
+        from .metrics import KVBlendStats
+
+        return KVBlendStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[Any, Any],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        """Register kvblend's Prometheus counters (``vllm:kvblend_*``)."""
+        from .metrics import KVBlendPromMetrics
+
+        return KVBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Build the worker side over the loaded model and run the parity gate."""

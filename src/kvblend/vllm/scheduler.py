@@ -34,7 +34,12 @@ from .worker import BlendJob, BlendOutcome
 
 logger = logging.getLogger("kvblend.vllm")
 
-__all__ = ["GATE_WAIT_S", "KVBlendMetadata", "KVBlendWorkerMeta", "SchedulerSide"]
+__all__ = ["COUNTS", "GATE_WAIT_S", "KVBlendMetadata", "KVBlendWorkerMeta", "SchedulerSide"]
+
+#: What the scheduler side counts over finished requests (vLLM's metrics: `metrics.py`):
+#: requests planned, blended, prefilled by vLLM itself, their prompt tokens, the tokens nobody
+#: computed (the usage's ``cached_tokens``) and the recomputed tokens.
+COUNTS = ("requests", "blended", "vllm", "prompt_tokens", "cached_tokens", "recomputed_tokens")
 
 #: How long requests wait for the workers' parity verdict before vLLM prefills them itself.
 GATE_WAIT_S = 120.0
@@ -94,7 +99,12 @@ class SchedulerSide:
         #: the prefill stats vLLM reports a claimed request's cached tokens from, kept until
         #: the worker's outcome sets them to what the blend really reused
         self._stats: dict[str, Any] = {}
+        self._pending: set[str] = set()  # jobs sent to the workers, outcome not back yet
+        #: records of requests that finished before their blend's outcome came back (a request
+        #: whose first token is its last): the outcome completes them, in the step's output
+        self._done: dict[str, dict[str, Any]] = {}
         self._fallbacks = FallbackLog(logger)
+        self._counts = dict.fromkeys(COUNTS, 0)
 
     def matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: tokens provided after vLLM's own ``num_computed``."""
@@ -102,17 +112,17 @@ class SchedulerSide:
             return None, False  # asked again next step, once the workers have reported
         if self.gate is None:
             self._set_gate((False, f"no parity verdict from the workers in {GATE_WAIT_S:g} s"))
-        plan = self._plan(request, num_computed)
-        return (plan.claimed if plan is not None else 0), False
+        return self._plan(request, num_computed).claimed, False
 
-    def _plan(self, request: Any, start: int) -> RequestPlan | None:
+    def _plan(self, request: Any, start: int) -> RequestPlan:
+        """Plan ``request`` from ``start`` on (memoized: vLLM may ask again before scheduling)."""
         request_id = request.request_id
-        known = self._plans.get(request_id)
-        if known is not None and known[0] == start:
-            return known[1]
         assert self.gate is not None
         reason = None if self.gate[0] else "the parity gate failed"
-        reason = reason or _excluded(request)
+        reason = reason or _excluded(request)  # first: a resumed request was planned before
+        known = self._plans.get(request_id)
+        if reason is None and known is not None and known[0] == start:
+            return known[1]
         plan = None
         try:
             config = request_config(
@@ -122,14 +132,13 @@ class SchedulerSide:
                 reason = reason or "kvblend off for this request"
             if reason is None and config is not None:
                 plan = plan_request(self.library, list(request.prompt_token_ids), start, config)
-                reason = plan.fallback
         except Exception as error:  # noqa: BLE001 - a failed plan is vLLM's own prefill
             reason = f"planning failed: {type(error).__name__}: {error}"
             plan = None
-        self._plans[request_id] = (
-            (start, plan) if plan is not None else (start, _no_plan(request, start, reason))
-        )
-        return self._plans[request_id][1]
+        if plan is None:
+            plan = _no_plan(request, start, reason)
+        self._plans[request_id] = (start, plan)
+        return plan
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
         """``update_state_after_alloc``: record the claimed request's blocks and its count."""
@@ -168,6 +177,7 @@ class SchedulerSide:
             job = self._jobs.pop(new.req_id, None)
             if job is not None:
                 meta.jobs.append(job)
+                self._pending.add(job.request_id)
         return meta
 
     def worker_output(self, meta: KVBlendWorkerMeta | None) -> None:
@@ -187,12 +197,25 @@ class SchedulerSide:
             logger.error("kvblend: %s; vLLM prefills every request itself", verdict[1])
 
     def _outcome(self, outcome: BlendOutcome) -> None:
-        """Take one blend's outcome: its true counts go into the record and vLLM's usage."""
-        record = self._records.get(outcome.request_id)
-        stats = self._stats.pop(outcome.request_id, None)
+        """Take one blend's outcome: its true counts go into the record and vLLM's usage.
+
+        The record and the stats are the objects the step's outputs hold (vLLM sends them
+        after this hook), so a request that finished in this very step reports them too.
+        """
+        request_id = outcome.request_id
+        self._pending.discard(request_id)
+        stats = self._stats.pop(request_id, None)
+        done = self._done.pop(request_id, None)
+        record = done if done is not None else self._records.get(request_id)
         if record is None:
             return
+        self._complete(record, outcome, stats)
+        if done is not None:
+            self._count(done)
+
+    def _complete(self, record: dict[str, Any], outcome: BlendOutcome, stats: Any) -> None:
         record["blend_s"] = round(outcome.blend_s, 4)
+        record.update({name: round(value, 4) for name, value in outcome.timings.items()})
         if outcome.lost or outcome.error is not None:
             # fewer rows reused than planned: the usage vLLM is about to send says so too (the
             # step's outputs are sent after this hook, holding the same stats object)
@@ -220,9 +243,27 @@ class SchedulerSide:
         """``request_finished``: forget the request; its record goes into its output."""
         self._plans.pop(request.request_id, None)
         self._jobs.pop(request.request_id, None)
-        self._stats.pop(request.request_id, None)
         record = self._records.pop(request.request_id, None)
-        return {"kvblend": record} if record is not None else None
+        if record is None:
+            return None
+        if request.request_id in self._pending:  # completed by its outcome, later this step
+            self._done[request.request_id] = record
+        else:
+            self._stats.pop(request.request_id, None)
+            self._count(record)
+        return {"kvblend": record}
+
+    def _count(self, record: dict[str, Any]) -> None:
+        counts = self._counts
+        counts["requests"] += 1
+        counts["vllm" if record.get("fallback") else "blended"] += 1
+        for name in ("prompt_tokens", "cached_tokens", "recomputed_tokens"):
+            counts[name] += int(record.get(name, 0))
+
+    def take_counts(self) -> dict[str, int]:
+        """Return the counts of the requests finished since the last call (`COUNTS`)."""
+        counts, self._counts = self._counts, dict.fromkeys(COUNTS, 0)
+        return counts
 
 
 def _set_cached(stats: Any, cached: int) -> None:

@@ -69,6 +69,8 @@ class BlendOutcome:
     error: str | None = None  # why the blend ran as ``full`` (or failed)
     failed: bool = False  # nothing written: the blocks were reported as failed loads
     blend_s: float = 0.0
+    #: where the time went: reading entries, the blend loop (its probe pass apart), writing KV
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def parity_verdict(adapter: VLLMAdapter, reference: torch.Tensor, ids: list[int]) -> float:
@@ -128,12 +130,18 @@ class WorkerSide:
 
     @torch.inference_mode()
     def _blend(self, job: BlendJob, config: BlendConfig, outcome: BlendOutcome) -> None:
-        plan = job.plan
+        plan, began = job.plan, time.perf_counter()
         kinds = np.asarray([int(kind) for kind in plan.kinds], dtype=np.int8)
         spans = self._open(plan, kinds, outcome) if config.reads_cache else []
         token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
         blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
+        opened = time.perf_counter()
         out = run_blend(self.adapter, blend_input, config, need_logits=False)  # type: ignore[arg-type]
+        blended = time.perf_counter()
+        outcome.timings = {
+            "open_s": opened - began, "loop_s": blended - opened,
+            "probe_s": float(out.stats.get("probe_s", 0.0)),
+        }  # fmt: skip
         if config.reads_cache:
             cached = int((kinds != int(TokenKind.COMPUTE)).sum())
             outcome.recomputed = int(out.stats.get("recomputed_tokens", 0))
@@ -142,6 +150,7 @@ class WorkerSide:
         slots = slot_mapping(job.block_ids, self.block_size, job.start, job.stop, device)
         for layer, attention in enumerate(self.adapter.attention_layers):
             write_rows(attention, out.keys[layer], out.values[layer], job.start, job.stop, slots)
+        outcome.timings["write_s"] = time.perf_counter() - blended
 
     def _open(
         self, plan: PrefillPlan, kinds: np.ndarray, outcome: BlendOutcome
