@@ -300,7 +300,7 @@ class BlendEngine(GenerationMixin):
         return check_segments(prompt)
 
     def plan(self, prompt: PromptLike) -> PrefillPlan:
-        """Tokenize the whole prompt (`prompt_tokens`); decide where each token's KV comes from."""
+        """Tokenize the whole prompt (documents' known tokens spliced in); plan each token's KV."""
         early = None  # a tokenizer that cannot splice tokenizes the string while matching
         if isinstance(prompt, str) and prompt and splice_rules(self.tokenizer) is None:
             check_text(prompt, "the prompt")
