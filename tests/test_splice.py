@@ -181,3 +181,29 @@ def test_a_cut_is_refused_where_the_layout_has_no_token_boundary() -> None:
     assert document_cut(rules, text, starts, ends) is None
     layout = DocumentLayout([], list(range(len(text))), np.stack([starts, ends], axis=1))
     assert layout.cut is None and layout.tokens.ids.size == len(text)
+
+
+def test_the_engine_splices_a_string_prompt_without_tokenizing_its_documents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`BlendEngine.plan` on a string: the documents are found, never tokenized again."""
+    import kvblend.engine.tokens as tokens_module
+    from conftest import tiny_model
+    from kvblend import BlendEngine
+    from kvblend.store import MemoryKVStore
+
+    tokenizer = byte_tokenizer()
+    engine = BlendEngine(tiny_model("llama"), tokenizer, store=MemoryKVStore(), name="tiny")
+    engine.register(DOCUMENTS[:3])
+    prompt = f"Docs:\n{DOCUMENTS[2]}\n\n{DOCUMENTS[0]}{DOCUMENTS[1]} Which is red?"
+    first = engine.plan(prompt)  # every document's layout made (and memoised) here
+    encoded: list[int] = []
+    whole = tokens_module.encode_prompt
+    monkeypatch.setattr(
+        tokens_module, "encode_prompt", lambda *args: encoded.append(1) or whole(*args)
+    )
+    plan = engine.plan(prompt)
+    assert not encoded  # no whole-text tokenization: spliced
+    assert plan.token_ids.tolist() == first.token_ids.tolist() == tokenizer(prompt)["input_ids"]
+    assert plan.kinds.dtype == np.int8 and plan.token_ids.dtype == np.int64
+    assert sum(row.reused > 0 for row in plan.report if row.role == "document") == 3

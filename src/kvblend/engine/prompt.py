@@ -126,8 +126,11 @@ def _tokens_within(prompt: PromptTokens, start: int, end: int) -> range:
     """
     _, starts, ends = prompt.arrays
     first = int(np.searchsorted(starts, start, side="left"))
-    while first < len(starts) and starts[first] == ends[first]:
-        first += 1  # zero-width (special) tokens belong to no document
+    for stop in (first + 64, starts.size):  # zero-width (special) tokens belong to no document
+        sized = np.flatnonzero(starts[first:stop] != ends[first:stop])
+        if sized.size or stop == starts.size:
+            first += int(sized[0]) if sized.size else stop - first
+            break
     # No more tokens than characters end inside [start, end), zero-width ones aside: look at
     # that many first, the rest of the prompt only if they all do.
     nearby = ends[first : first + (end - start) + 64] > end
