@@ -44,6 +44,10 @@ DOCUMENTS = [
     "and contractions don't won't it's we'll they're I'm you've she'd",
     "Numbers 12345 and 3.14159 and dates like 2024-05-06 appear between plain words here too, "
     "with code_like_names and CamelCaseWords mixed in.",
+    "  leading and trailing whitespace around a document whose words still leave room for "
+    "cuts in the middle of it   \n",
+    "Short one, no cuts.",
+    "ΑΥΤΟ ΕΙΝΑΙ ΕΛΛΗΝΙΚΑ και κυριλλица без латинских букв между словами, только пробелы",
 ]
 GAPS = ["", " ", "\n\n", "Docs:", "pre", "x", "  \n ", "é", "🙂", "\t", " and ", "\n- ", "."]
 
