@@ -373,8 +373,8 @@ class BlendEngine(GenerationMixin):
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
-        kinds = torch.from_numpy(plan.kinds)
-        token_ids = torch.from_numpy(plan.token_ids)
+        kinds = torch.from_numpy(plan.kinds.copy())  # the loop's own: the plan stays as planned
+        token_ids = torch.from_numpy(plan.token_ids.copy())
         lookup_started = time.perf_counter()
         spans: list[CachedSpan] = []
         if config.reads_cache:
