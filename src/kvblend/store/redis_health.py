@@ -41,8 +41,8 @@ class RedisHealth:
     ) -> None:
         if first_check_s <= 0 or max_check_s < first_check_s:
             raise ValueError(
-                f"health checks need 0 < first_check_s <= max_check_s, got {first_check_s} "
-                f"and {max_check_s}"
+                f"Redis health checks need 0 < retry_after_s <= max_retry_after_s, got "
+                f"{first_check_s} and {max_check_s}"
             )
         self.server = server
         self._ping = ping
