@@ -96,10 +96,13 @@ return 0
 class RedisKVStore(KVStore):
     """Store on a Redis server (``redis://`` or TLS ``rediss://`` URL, password in the URL).
 
-    `url` defaults to `$KVBLEND_REDIS_URL`; a server off this machine named without a password
-    is warned about once (`redis_access.warn_if_open`). Building the store does not connect: a
-    server that is down only makes operations raise `StoreError`. `prefix` namespaces every key,
-    so several stores (or other applications) can share one server. Thread safe; several
+    `url` defaults to `$KVBLEND_REDIS_URL`; only its redacted form is kept (`url`), and a
+    server off this machine named without a password is warned about once
+    (`redis_access.warn_if_open`). Building the store does not connect: a server that is down
+    only makes operations raise `StoreError`, and after the first timeout they fail at once
+    until `health` sees the server answer. `prefix` namespaces every key, so several stores (or
+    other applications) can share one server. `store_key` (default ``$KVBLEND_STORE_KEY``)
+    signs entries and refuses unsigned ones (`kvblend.store.entry_mac`). Thread safe; several
     processes and machines may use one server at once.
     """
 
