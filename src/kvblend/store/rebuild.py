@@ -108,22 +108,23 @@ def _row_holds_its_key(cache: diskcache.Cache, key: str) -> tuple[bool, object]:
     return holds, row[0]
 
 
-def _adopt(cache: diskcache.Cache, key: str, filename: str, info: os.stat_result) -> bool:
+def _adopt(cache: diskcache.Cache, key: str, filename: str, info: os.stat_result) -> str:
     """Give `key` a row naming `filename`, unless `key`'s row already holds an entry of `key`.
 
-    A row of `key` that names another key's file (or a missing or damaged one) is pointed at
-    `filename` instead: the file it named is not deleted (it may be another key's intact entry,
-    which a later sweep takes back under its own key).
+    Returns "inserted" (`key` had no row), "repointed" (its row named another key's file, or a
+    missing or damaged one: the row names `filename` now, and the file it named is left for its
+    own key), "duplicate" (its row holds a whole entry of `key`: `filename` is a second copy)
+    or "skipped" (the row changed while it was checked: left for a later sweep).
     """
     holds, row = _row_holds_its_key(cache, key)
     if holds:
-        return False
+        return "duplicate"
     with cache.transact(retry=True):
         sql = cache._sql  # noqa: SLF001 - no public API adopts an existing file
         now = sql("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1", (key,))
         current = now.fetchall()
-        if current and current[0] != row:
-            return False  # written meanwhile: left for a later sweep
+        if (current[0] if current else None) != row:
+            return "skipped"  # written meanwhile
         if current:
             sql(
                 "UPDATE Cache SET store_time = ?, access_time = ?, size = ?, mode = ?,"
@@ -131,13 +132,13 @@ def _adopt(cache: diskcache.Cache, key: str, filename: str, info: os.stat_result
                 (time.time(), info.st_mtime, info.st_size, MODE_BINARY, filename, key),
             )
             logger.warning("KV store index row %r named a wrong file; now %s", key, filename)
-            return True
+            return "repointed"
         sql(
             "INSERT INTO Cache(key, raw, store_time, expire_time, access_time, access_count,"
             " tag, size, mode, filename, value) VALUES (?, 1, ?, NULL, ?, 0, NULL, ?, ?, ?, NULL)",
             (key, time.time(), info.st_mtime, info.st_size, MODE_BINARY, filename),
         )
-    return True
+    return "inserted"
 
 
 def adopt_files(cache: diskcache.Cache, directory: Path, older_than: float) -> Adoption:
@@ -153,18 +154,19 @@ def adopt_files(cache: diskcache.Cache, directory: Path, older_than: float) -> A
     delete_before = min(older_than, time.time() - ORPHAN_GRACE_S)
     try:
         for _ in range(2):  # a row pointed at its own file leaves the file it named to adopt
-            named, again = _named(cache), 0
+            named, repointed = _named(cache), 0
             for filename, path in value_files(directory):
                 info = path.stat()
                 if filename in named or info.st_mtime >= older_than:
                     continue  # indexed, or may be an entry another process is writing
-                key = _key_of(path)
-                if key is not None and _adopt(cache, key, filename, info):
-                    adopted, again = adopted + 1, again + 1
-                elif info.st_mtime < delete_before:
+                key = _key_of(path)  # the file's own header, read before anything is decided
+                done = _adopt(cache, key, filename, info) if key is not None else "unusable"
+                adopted += done in ("inserted", "repointed")
+                repointed += done == "repointed"
+                if done in ("unusable", "duplicate") and info.st_mtime < delete_before:
                     cache.disk.remove(filename)  # and its emptied sub-folders
                     deleted, freed = deleted + 1, freed + info.st_size
-            if not again:
+            if not repointed:
                 break
         folders = _remove_empty_folders(directory, older_than)
     except (OSError, sqlite3.Error, diskcache.Timeout) as error:
