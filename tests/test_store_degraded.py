@@ -232,11 +232,11 @@ def test_a_stalled_redis_costs_one_timeout_then_is_skipped(stalled_redis) -> Non
 
 def test_a_stalled_redis_is_used_again_once_it_answers(redis_server, tmp_path: Path) -> None:
     remote = RedisKVStore(
-        redis_server.url, socket_timeout_s=0.3, retry_after_s=0.05, max_retry_after_s=0.1
+        redis_server.url, socket_timeout_s=1.0, retry_after_s=0.05, max_retry_after_s=0.1
     )
     store = RemoteTieredKVStore(MemoryKVStore(), None, remote=remote)
     kv = _entry(0, 16)
-    remote.put("doc", kv)
+    RedisKVStore(redis_server.url).put("doc", kv)
     redis_server.pause()  # SIGSTOP: connections are accepted, nothing is answered
     try:
         assert store.get("doc") is None  # one timeout: a miss, the tier is taken out

@@ -7,9 +7,11 @@ else, refuses to unpickle what another program may have left in the folder, and 
 deletes files inside the folder. Reads open the entry's file and parse only its header; tensors
 are read one at a time by the lazy mapping `get()` returns, each checked against its checksum.
 
-The folder is private to its owner unless opened as shared (`files`). An index found damaged,
-on open or later, is set aside and rebuilt (`index`), so the disk tier heals instead of failing
-for the life of the process.
+The folder is private to its owner unless opened as shared, and no file in it that is a link
+(symbolic or hard) is written (`files`). An index found damaged, deleted or empty, on open or
+later, is rebuilt from the entry files (`index`, `rebuild`), so the disk tier heals instead of
+failing or recomputing everything. A folder that cannot be written is served read-only
+(`readonly`); `repair()` then only reports.
 """
 
 from __future__ import annotations

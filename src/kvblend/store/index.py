@@ -5,6 +5,8 @@ overwritten by another program. A folder whose index cannot be read would otherw
 disk tier off for good, so opening one sets the damaged index aside as ``cache.db.damaged``
 (replacing an older one, kept for inspection) and starts a new index, which the store then
 rebuilds from the entry files' own headers (`kvblend.store.rebuild`): no intact entry is lost.
+An index deleted or emptied to 0 bytes (any index with no entry at all) is lost the same way and
+rebuilt when opened, whenever the last sweep was.
 
 `repair()` does the same on demand and more: it drops index rows whose file is missing or whose
 file name lies outside the folder, and adopts or deletes value files no row names. A value file
