@@ -24,7 +24,6 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import platformdirs
 import safetensors.torch
 import torch
 
@@ -73,7 +72,11 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Root of kvblend's cache folder (``KVBLEND_CACHE_DIR`` or the platform user cache dir)."""
-    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("kvblend"))
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    import platformdirs  # here, not at import: the engine imports without it
+
+    return Path(platformdirs.user_cache_dir("kvblend"))
 
 
 def bundled_model_path() -> Path | None:
