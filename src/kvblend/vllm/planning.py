@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvblend.engine.config import BlendConfig
 from kvblend.engine.explain import forecast_blend
 from kvblend.engine.prompt import (
@@ -93,7 +95,8 @@ def _decoded(tokenizer: Any, token_ids: Sequence[int]) -> tuple[str, Any] | None
         list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
     )
     tokens = encode_prompt(tokenizer, text)
-    return (text, tokens) if tokens.ids == list(token_ids) else None
+    same = np.array_equal(tokens.ids, np.asarray(token_ids, dtype=np.int64))
+    return (text, tokens) if same else None
 
 
 def restrict(plan: PrefillPlan, start: int, dropped: set[int], why: str) -> PrefillPlan:
@@ -102,13 +105,13 @@ def restrict(plan: PrefillPlan, start: int, dropped: set[int], why: str) -> Pref
     Spans that reach below ``start`` keep their rows from ``start`` on; the report names the
     dropped spans' documents with ``why`` and points the others at their new span indices.
     """
-    kinds = list(plan.kinds)
-    kinds[:start] = [TokenKind.COMPUTE] * min(start, len(kinds))
+    kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: the plan is left as it was
+    kinds[:start] = TokenKind.COMPUTE
     spans: list[PlannedSpan] = []
     moved: dict[int, int] = {}  # old span index -> new one
     for index, span in enumerate(plan.spans):
         if index in dropped or span.end <= start:
-            kinds[span.start : span.end] = [TokenKind.COMPUTE] * (span.end - span.start)
+            kinds[span.start : span.end] = TokenKind.COMPUTE
             continue
         first = max(span.start, start)
         moved[index] = len(spans)
@@ -122,7 +125,7 @@ def restrict(plan: PrefillPlan, start: int, dropped: set[int], why: str) -> Pref
             report.append(dataclasses.replace(row, span=new, reused=min(row.reused, reused)))
         else:
             report.append(dataclasses.replace(row, span=None, reused=0, reason=why))
-    if kinds:
+    if kinds.size:
         kinds[-1] = TokenKind.COMPUTE
     return PrefillPlan(plan.token_ids, kinds, spans, report)
 
@@ -139,7 +142,8 @@ def plan_request(
     `SegmentKV` tokenizes them as cached); only the store's ``contains`` is asked, nothing read.
     """
     total = len(token_ids)
-    empty = PrefillPlan(list(token_ids), [TokenKind.COMPUTE] * total)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    empty = PrefillPlan(ids, np.full(total, TokenKind.COMPUTE, dtype=np.int8))
     request = RequestPlan(empty, config, start, total - 1)
     if total - 1 <= start:
         request.fallback = "vLLM's prefix cache holds the whole prompt"
@@ -197,7 +201,7 @@ def _decide(request: RequestPlan) -> None:
     K/V and cannot read vLLM's cache), so a long hit leaves nothing to gain.
     """
     plan, config, start = request.plan, request.config, request.start
-    cached = sum(1 for kind in plan.kinds if kind != TokenKind.COMPUTE)
+    cached = int(np.count_nonzero(plan.kinds != TokenKind.COMPUTE))
     if config.reads_cache and not cached:
         request.fallback = "no stored document left to reuse"
         return

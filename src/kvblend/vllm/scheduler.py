@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvblend.engine.explain import FallbackLog
 from kvblend.engine.library import DocumentLibrary
 
@@ -278,8 +280,8 @@ def _no_plan(request: Any, start: int, reason: str | None) -> RequestPlan:
     from kvblend.engine.config import BlendConfig
     from kvblend.engine.prompt import PrefillPlan, TokenKind
 
-    ids = list(getattr(request, "prompt_token_ids", None) or [])
-    plan = PrefillPlan(ids, [TokenKind.COMPUTE] * len(ids))
+    ids = np.asarray(list(getattr(request, "prompt_token_ids", None) or []), dtype=np.int64)
+    plan = PrefillPlan(ids, np.full(ids.size, TokenKind.COMPUTE, dtype=np.int8))
     return RequestPlan(
         plan, BlendConfig("full"), start, max(start, len(ids) - 1), fallback=reason or ""
     )

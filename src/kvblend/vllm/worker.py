@@ -93,7 +93,7 @@ class WorkerSide:
 
     def gate(self, reference_logits: Any) -> tuple[bool, str]:
         """Run the parity gate; ``reference_logits(ids)`` is vLLM's own forward."""
-        ids = encode_prompt(self.library.segment_kv.tokenizer, PARITY_TEXT).ids
+        ids = encode_prompt(self.library.segment_kv.tokenizer, PARITY_TEXT).ids.tolist()
         try:
             error = parity_verdict(self.adapter, reference_logits(ids), ids)
         except Exception as failure:  # noqa: BLE001 - any failure closes the gate
@@ -131,9 +131,9 @@ class WorkerSide:
     @torch.inference_mode()
     def _blend(self, job: BlendJob, config: BlendConfig, outcome: BlendOutcome) -> None:
         plan, began = job.plan, time.perf_counter()
-        kinds = np.asarray([int(kind) for kind in plan.kinds], dtype=np.int8)
+        kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: lost entries change it
         spans = self._open(plan, kinds, outcome) if config.reads_cache else []
-        token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
+        token_ids = torch.as_tensor(np.asarray(plan.token_ids, dtype=np.int64))
         blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
         opened = time.perf_counter()
         out = run_blend(self.adapter, blend_input, config, need_logits=False)  # type: ignore[arg-type]
