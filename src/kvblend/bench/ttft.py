@@ -2,8 +2,12 @@
 
 A prompt of about N tokens is a chat-formatted RAG prompt (`BlendEngine.rag_segments`) over
 N // doc_tokens synthetic documents. Documents are precomputed before timing, into a memory store
-and into a tiered store whose memory tier is cleared (and whose files are dropped from the OS
-page cache where the OS allows) before every cold-disk run. Runs are interleaved: each repeat
+on the model's device (``memory``), optionally into one in host memory (``host``: pinned when
+CUDA is available), and into a tiered store whose memory tier is cleared (and whose files are
+dropped from the OS page cache where the OS allows) before every cold-disk run (``disk``). The
+prompt is given as its segments, or (``from_text``) as the prompt string, as users give it: the
+documents are then found in it and its tokens spliced (the prompt handling, ``prompt_s``, is
+timed in the TTFT, and ``ttft_from_ids`` is the TTFT without it). Runs are interleaved: each repeat
 times every (length, strategy, store) once, so a slower shared CPU slows all of them alike, and
 speedups are medians of per-repeat ratios to the full prefill of the same repeat.
 """
@@ -141,14 +145,22 @@ class ColdDisk:
 
 # ---------------------------------------------------------------------- timing
 def time_prefill(
-    engine: BlendEngine, segments: Sequence[Segment], strat: Strategy
+    engine: BlendEngine, segments: Sequence[Segment], strat: Strategy, from_text: bool = False
 ) -> dict[str, Any]:
-    """Time one prompt under one strategy: TTFT (prefill + first token), phases, peak memory."""
+    """Time one prompt under one strategy: TTFT (prefill + first token), phases, peak memory.
+
+    ``from_text``: the prompt is given as one string (a strategy that caches no document, such
+    as ``prefix``, still gets its segments).
+    """
+    prompt: Any = strat.segments(segments)
+    if from_text and strat.cache_documents:
+        prompt = "".join(segment.text for segment in segments)
     with PeakMemory(engine.decoder.device) as peak:
-        out = engine.generate(strat.segments(segments), strat.config, max_new_tokens=1)
+        out = engine.generate(prompt, strat.config, max_new_tokens=1)
     stats = out.stats
     return {
         "ttft_s": out.ttft_s,
+        "prompt_s": stats.timings.get("tokenize_s"),
         "prefill_s": stats.timings.get("prefill_s"),
         "lookup_s": stats.timings.get("lookup_s"),
         "load_s": stats.timings.get("load_s"),
@@ -189,15 +201,19 @@ def run_ttft(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     store_dir: Path | None = None,
+    host: bool = False,
+    from_text: bool = False,
 ) -> dict[str, Any]:
-    """Run the interleaved TTFT benchmark; return every measurement and a summary."""
+    """Run the interleaved TTFT benchmark; return every measurement and a summary.
+
+    ``host``: also time the documents read from host memory (``host`` rows); ``from_text``:
+    give every prompt as its string (see the module's docstring).
+    """
     log = log or (lambda message: print(message, file=sys.stderr))
     if not strategies or strategies[0].name != "full":
         raise ValueError("the first strategy must be 'full', the baseline")
-    memory_engine = BlendEngine(
-        engine.model, engine.tokenizer, store=MemoryKVStore(8 << 30), name=engine.name,
-        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
-    )  # fmt: skip
+    memory_engine = _engine_over(engine, MemoryKVStore(8 << 30, device=engine.decoder.device))
+    host_engine = _engine_over(engine, MemoryKVStore(8 << 30)) if host else None
     temp = None
     if disk and store_dir is None:
         temp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
@@ -216,17 +232,21 @@ def run_ttft(
         documents = build_documents(engine, length, doc_tokens, seed + length)
         prompts[length] = engine.rag_segments(QUESTION, documents, system=SYSTEM)
         doc_token_total[length] = sum(len(engine.tokenize(d)) for d in documents)
-        memory_engine.precompute(documents, progress=False)
+        for warm in (memory_engine, host_engine):
+            if warm is not None:
+                warm.precompute(documents, progress=False)
         if cold is not None:
             cold.engine.precompute(documents, progress=False)
     log(f"precomputed documents in {time.perf_counter() - started:.1f} s")
     # warm-up: store every prefix segment and touch every code path once
     for length in lengths[:1]:
         for strat in strategies:
-            time_prefill(memory_engine, prompts[length], strat)
+            time_prefill(memory_engine, prompts[length], strat, from_text)
     for length in lengths:
         for strat in cached:
             memory_engine.prefill(strat.segments(prompts[length]), strat.config)
+            if host_engine is not None:
+                host_engine.prefill(strat.segments(prompts[length]), strat.config)
             if cold is not None and strat in disk_list:
                 cold.engine.prefill(strat.segments(prompts[length]), strat.config)
     rows: list[dict[str, Any]] = []
@@ -235,11 +255,14 @@ def run_ttft(
         for length in lengths:
             segments = prompts[length]
             for strat in strategies:
-                row = time_prefill(memory_engine, segments, strat)
+                row = time_prefill(memory_engine, segments, strat, from_text)
                 rows.append(_row(repeat, length, strat, "memory", row))
+                if host_engine is not None and strat in cached:
+                    row = time_prefill(host_engine, segments, strat, from_text)
+                    rows.append(_row(repeat, length, strat, "host", row))
                 if cold is not None and strat in disk_list:
                     cold.make_cold()
-                    row = time_prefill(cold.engine, segments, strat)
+                    row = time_prefill(cold.engine, segments, strat, from_text)
                     rows.append(_row(repeat, length, strat, "disk", row))
             if decode_tokens > 1:
                 for strat in (strategies[0], decode_strategy):
@@ -248,7 +271,8 @@ def run_ttft(
             log(
                 f"repeat {repeat + 1}/{repeats}, {length_label(length)}: "
                 + ", ".join(
-                    f"{r['strategy']}{'(disk)' if r['store'] == 'disk' else ''} {r['ttft_s']:.2f}s"
+                    f"{r['strategy']}{'' if r['store'] == 'memory' else '(' + r['store'] + ')'} "
+                    f"{r['ttft_s']:.2f}s"
                     for r in rows
                     if r["repeat"] == repeat and r["target_tokens"] == length and "ttft_s" in r
                 )
@@ -266,6 +290,8 @@ def run_ttft(
         "repeats": repeats,
         "strategies": [s.name for s in strategies],
         "disk_strategies": [s.name for s in disk_list] if cold is not None else [],
+        "host": host_engine is not None,
+        "from_text": from_text,
         "elapsed_s": time.perf_counter() - started,
         "store": {
             "memory_bytes": memory_bytes,
@@ -286,6 +312,14 @@ def run_ttft(
     return result
 
 
+def _engine_over(engine: BlendEngine, store: MemoryKVStore) -> BlendEngine:
+    """Return an engine over ``engine``'s model and settings, reading ``store``."""
+    return BlendEngine(
+        engine.model, engine.tokenizer, store=store, name=engine.name,
+        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
+    )  # fmt: skip
+
+
 def _row(repeat: int, length: int, strat: Strategy, store: str, data: dict) -> dict[str, Any]:
     return {"repeat": repeat, "target_tokens": length, "strategy": strat.name,
             "ratio": strat.recompute_ratio, "store": store, **data}  # fmt: skip
@@ -295,9 +329,10 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Median, min and max TTFT per (length, strategy, store) and median speedup vs full.
 
     The speedup of a run is full's TTFT in the same repeat and length divided by the run's TTFT;
-    the disk/memory ratio pairs each cold-disk run with the same strategy's memory run.
+    the disk/memory (host/memory) ratio pairs each cold-disk (host) run with the same strategy's
+    memory run. ``ttft_from_ids_median_s``: the TTFT less its prompt handling (``prompt_s``).
     """
-    timed = [r for r in rows if r["store"] in ("memory", "disk")]
+    timed = [r for r in rows if r["store"] in ("memory", "host", "disk")]
     full = {
         (r["repeat"], r["target_tokens"]): r["ttft_s"] for r in timed if r["strategy"] == "full"
     }
@@ -333,9 +368,13 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "compute_fraction": group[0]["compute_fraction"],
             "peak_mib_median": statistics.median(r["peak_mib"] for r in group),
             "load_s_median": statistics.median(r["load_s"] or 0.0 for r in group),
+            "prompt_s_median": statistics.median(r.get("prompt_s") or 0.0 for r in group),
+            "ttft_from_ids_median_s": statistics.median(
+                r["ttft_s"] - (r.get("prompt_s") or 0.0) for r in group
+            ),
         }
-        if store == "disk":
-            entry["disk_vs_memory"] = statistics.median(
+        if store != "memory":
+            entry[f"{store}_vs_memory"] = statistics.median(
                 r["ttft_s"] / memory[(r["repeat"], length, name)] for r in group
             )
         if store == "memory" and (length, name) in decode:
@@ -352,7 +391,8 @@ def ttft_table(summary: Sequence[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        extra = f"{s['disk_vs_memory']:.2f}x memory" if "disk_vs_memory" in s else ""
+        versus = s.get(f"{s['store']}_vs_memory")
+        extra = f"{versus:.2f}x memory" if versus is not None else ""
         decode = s.get("decode_tok_s_median")
         lines.append(
             f"| {s['prompt_tokens']} | {s['strategy']} | {s['store']} | "

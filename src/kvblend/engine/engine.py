@@ -39,13 +39,7 @@ from .loading import (
 )
 from .parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
 from .precompute import DEFAULT_BATCH_TOKENS
-from .prompt import (
-    PrefillPlan,
-    cached_pieces,
-    encode_in_background,
-    encode_prompt,
-    plan_prefill,
-)
+from .prompt import PrefillPlan, cached_pieces, plan_prefill
 from .registry import DEFAULT_CAPACITY
 from .results import (
     BlendCancelledError,
@@ -55,7 +49,9 @@ from .results import (
     count_tokens,
 )
 from .segments import PromptLike, Segment, check_segments
+from .splice import splice_rules
 from .threads import use_threads
+from .tokens import encode_in_background, encode_prompt, prompt_tokens
 from .validation import (
     ContextWindow,
     check_cancel,
@@ -221,7 +217,7 @@ class BlendEngine(GenerationMixin):
         chat pipeline.
         """
         check_text(prompt, "prompt")
-        return encode_prompt(self.tokenizer, prompt).ids
+        return encode_prompt(self.tokenizer, prompt).ids.tolist()
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         """Render the model's chat template over ``messages``, ready for the assistant's turn."""
@@ -322,22 +318,25 @@ class BlendEngine(GenerationMixin):
         return check_segments(prompt)
 
     def plan(self, prompt: PromptLike) -> PrefillPlan:
-        """Tokenize the whole prompt once and decide where each token's KV comes from."""
-        early = None
-        if isinstance(prompt, str) and prompt:  # tokenized while its documents are found
+        """Tokenize the whole prompt (documents' known tokens spliced in); plan each token's KV."""
+        early = None  # a tokenizer that cannot splice tokenizes the string while matching
+        if isinstance(prompt, str) and prompt and splice_rules(self.tokenizer) is None:
             check_text(prompt, "the prompt")
             self._window.check_chars(len(prompt))
             early = encode_in_background(self.tokenizer, prompt)
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
         self._window.check_chars(len(text))
-        tokens = early.result() if early is not None else encode_prompt(self.tokenizer, text)
-        self._window.check_length(len(tokens.ids))
-        if not tokens.ids:
-            raise ValueError("the prompt has no tokens")
-        return plan_prefill(
-            tokens, cached_pieces(items), lambda start, end: self.segment_kv.layout(text[start:end])
+        pieces = cached_pieces(items)
+        layouts = {(p.start, p.end): self.segment_kv.layout(text[p.start : p.end])
+                   for p in pieces if p.role == "document"}  # fmt: skip
+        tokens = (
+            early.result() if early is not None else prompt_tokens(self.tokenizer, text, layouts)
         )
+        self._window.check_length(tokens.ids.size)
+        if not tokens.ids.size:
+            raise ValueError("the prompt has no tokens")
+        return plan_prefill(tokens, pieces, lambda start, end: layouts[start, end])
 
     def explain(self, prompt: PromptLike, config: BlendConfig | None = None) -> Explanation:
         """Show, without running the model, what `prefill` with ``config`` would do, and why.
@@ -391,8 +390,8 @@ class BlendEngine(GenerationMixin):
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
-        kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
-        token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
+        kinds = torch.from_numpy(plan.kinds.copy())  # the loop's own: the plan stays as planned
+        token_ids = torch.from_numpy(plan.token_ids.copy())
         lookup_started = time.perf_counter()
         spans: list[CachedSpan] = []
         if config.reads_cache:
@@ -413,4 +412,4 @@ class BlendEngine(GenerationMixin):
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))
-        return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
+        return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)

@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .config import BlendConfig
 from .prompt import PrefillPlan, SpanReport, TokenKind
 from .registry import DocumentRegistry
@@ -34,11 +36,16 @@ class BlendForecast:
     documents_lost: list[str] = field(default_factory=list)  # found, not reused: why
 
 
+def _count(kinds: np.ndarray, kind: TokenKind) -> int:
+    """How many of ``kinds`` are ``kind``."""
+    return int(np.count_nonzero(kinds == kind))
+
+
 def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
     if row.span is None:
         return 0
     span = plan.spans[row.span]
-    return sum(1 for kind in plan.kinds[span.start : span.end] if kind == TokenKind.MOVED)
+    return _count(plan.kinds[span.start : span.end], TokenKind.MOVED)
 
 
 def _lead_rows(config: BlendConfig) -> tuple[int, int]:
@@ -63,7 +70,7 @@ def _recomputed(
     if config.strategy == "epic":
         lead, _ = _lead_rows(config)
         rows = sum(
-            sum(1 for kind in plan.kinds[span.start : span.start + lead] if kind == TokenKind.MOVED)
+            _count(plan.kinds[span.start : span.start + lead], TokenKind.MOVED)
             for span in plan.spans
             if span.kind == TokenKind.MOVED
         )
@@ -81,7 +88,7 @@ def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
         return BlendForecast(config.strategy, 0)
     if not any(row.role == "document" for row in plan.report):  # a prompt head at most
         return BlendForecast("full", 0, NO_DOCUMENTS, 1.0)
-    moved = sum(1 for kind in plan.kinds if kind == TokenKind.MOVED)
+    moved = _count(plan.kinds, TokenKind.MOVED)
     recomputed, cost, fallback = _recomputed(plan, config, moved)
     lead, short = _lead_rows(config)
     lost = []
@@ -178,7 +185,7 @@ class Explanation:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens a cache holds (before any recompute)."""
-        return sum(1 for kind in self.plan.kinds if kind != TokenKind.COMPUTE)
+        return len(self.plan.kinds) - _count(self.plan.kinds, TokenKind.COMPUTE)
 
     @property
     def reused_tokens(self) -> int:
@@ -197,7 +204,7 @@ class Explanation:
         """Uncached prompt tokens, computed in full (every token for strategy ``full``)."""
         if self.strategy == "full":
             return len(self.plan.token_ids)
-        return sum(1 for kind in self.plan.kinds if kind == TokenKind.COMPUTE)
+        return _count(self.plan.kinds, TokenKind.COMPUTE)
 
     @property
     def fallback(self) -> str | None:

@@ -168,7 +168,7 @@ class AttentionBudget:
 
 
 def attention_budget(
-    kinds: Sequence[int], spans: Iterable[SpanRows], options: dict[str, Any]
+    kinds: Sequence[int] | np.ndarray, spans: Iterable[SpanRows], options: dict[str, Any]
 ) -> AttentionBudget:
     """Decide how many moved rows the attention strategy recomputes, and whether to blend.
 
@@ -180,14 +180,15 @@ def attention_budget(
     a share of full prefill's); above ``full_above`` every moved row is recomputed (the prompt head
     stays reused in place).
     """
-    moved = sum(1 for kind in kinds if kind == MOVED)
-    uncached = sum(1 for kind in kinds if kind == COMPUTE)
+    is_moved = np.asarray(kinds) == MOVED  # counted in numpy: no loop over tokens
+    moved = int(np.count_nonzero(is_moved))
+    uncached = int(np.count_nonzero(np.asarray(kinds) == COMPUTE))
     lead_count, short = options["lead_tokens"], options["short_document"]
     lead = 0
     for span in spans:
         if span.kind == MOVED:
             rows = span.end - span.start if span.end - span.start <= short else lead_count
-            lead += sum(1 for kind in kinds[span.start : span.start + rows] if kind == MOVED)
+            lead += int(np.count_nonzero(is_moved[span.start : span.start + rows]))
     candidates = moved - lead
     share = round(options["recompute_ratio"] * moved)
     keep = min(max(share, options["min_recompute"] - lead), candidates)
