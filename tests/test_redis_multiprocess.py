@@ -94,6 +94,7 @@ def _reader(url: str, folder: str, network_only: bool, started, go) -> list:
     return results
 
 
+@pytest.mark.slow
 def test_readers_reuse_what_the_writer_stored_and_survive_a_restart(redis_server, tmp_path):
     # A generous timeout (a redis-py URL option): on a loaded machine a slow reply must not
     # turn into a miss in the first run, where nothing may be computed.

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from .engine import BlendConfig, BlendEngine, BlendStats, Segment
 from .engine.loading import ModelNotFoundError, display_name, resolve_model
+from .engine.threads import use_threads
 from .matching import split_prompt
 
 __all__ = [
@@ -79,10 +80,12 @@ def adopt_engine(engine: BlendEngine | None) -> BlendEngine | None:
     return engine
 
 
-def shared_engine(model: str | None = None) -> BlendEngine:
+def shared_engine(model: str | None = None, threads: int | None = None) -> BlendEngine:
     """Return the engine for model spec ``model`` (None = default), loaded once per process.
 
-    An engine given to an adapter of the same (resolved) spec is reused. Loading a model while
+    ``threads``: torch CPU threads of the process when the engine is loaded (None: kvblend's
+    load-aware default, `kvblend.engine.threads`). An engine given to an adapter of the same
+    (resolved) spec is reused. Loading a model while
     adapters use engines of another one logs a warning: that is a second model in memory, and
     documents precomputed by one engine are only found by engines over the same store.
     """
@@ -99,18 +102,26 @@ def shared_engine(model: str | None = None) -> BlendEngine:
                     display_name(spec),
                     ", ".join(given),
                 )
-            engine = BlendEngine.from_pretrained(spec)
+            engine = BlendEngine.from_pretrained(spec, threads=threads)
             _ENGINES[spec] = engine
         return engine
 
 
 def lazy_engine(owner: Any) -> BlendEngine:
-    """Return an adapter's ``engine``, or the shared engine of its ``model`` kept in ``_engine``."""
+    """Return an adapter's ``engine``, or the shared engine of its ``model`` kept in ``_engine``.
+
+    An adapter's ``threads`` (when set) is torch's thread count from then on, for the process.
+    """
+    threads = getattr(owner, "threads", None)
     if owner.engine is not None:
-        return owner.engine
-    if owner._engine is None:
-        owner._engine = shared_engine(owner.model)
-    return owner._engine
+        engine = owner.engine
+    else:
+        if owner._engine is None:
+            owner._engine = shared_engine(owner.model, threads)
+        engine = owner._engine
+    if threads is not None:
+        use_threads(threads)  # an engine loaded before, or given: set for the process
+    return engine
 
 
 def model_name(engine: BlendEngine | None, model: str | None) -> str:
@@ -149,20 +160,29 @@ class BlendRun:
     stats: BlendStats
     ttft_s: float
     finish_reason: str
+    batch_size: int = 1
 
     def kvblend_metadata(self) -> dict[str, Any]:
         """Describe what the prefill did (reported as ``kvblend`` metadata by the adapters).
 
         Every field of the prefill's `BlendStats` but its timings (so a field the engine adds,
-        such as why a prompt fell back to a full prefill, reaches the metadata as is), and the
-        time to the first token.
+        such as why a prompt fell back to a full prefill, reaches the metadata as is); the time
+        to the first token ``ttft_s`` (in a batch, the batch's: its first tokens come once every
+        prompt is prefilled); ``prefill_s``, this prompt's own prefill; and ``batch_size``, the
+        prompts decoded together (1: alone).
         """
         stats = self.stats
         if dataclasses.is_dataclass(stats):
             names = [f.name for f in dataclasses.fields(stats) if f.name != "timings"]
         else:  # a stats object of another kind: the fields every version has
             names = [*_STATS_FIELDS]
-        return {**{name: getattr(stats, name, None) for name in names}, "ttft_s": self.ttft_s}
+        timings = getattr(stats, "timings", None) or {}
+        return {
+            **{name: getattr(stats, name, None) for name in names},
+            "ttft_s": self.ttft_s,
+            "prefill_s": timings.get("prefill_s"),
+            "batch_size": self.batch_size,
+        }
 
 
 #: The `BlendStats` fields the metadata always holds.
@@ -212,7 +232,17 @@ def run_prompts(
         return [run_prompt(engine, segments, config, options) for segments in prompts]
     results = generate_batch(prompts, config, **options)
     _note_run_time(engine, max(r.total_s for r in results) / len(results))
-    return [BlendRun(r.text, len(r.token_ids), r.stats, r.ttft_s, r.finish_reason) for r in results]
+    return [
+        BlendRun(
+            r.text,
+            len(r.token_ids),
+            r.stats,
+            r.ttft_s,
+            r.finish_reason,
+            getattr(r, "batch_size", 1),
+        )  # fmt: skip
+        for r in results
+    ]
 
 
 @dataclass

@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..engine import BlendEngine
 from .ingest import ingest_table, run_ingest
@@ -198,7 +199,9 @@ def run_transformers(
     timed) and from token ids already on the device; the forward keeps only the last position's
     logits and reads the first token, as ``generate`` does. With ``decode_tokens`` > 1,
     ``generate`` also runs to exactly that many tokens: its decode speed is the tokens after the
-    first over the time beyond the same repeat's first-token run.
+    first over the time from the first token to the last, both timed in that same run
+    (`_FirstTokenClock`), so it is positive whatever else the machine does (a difference of two
+    runs was not: on a busy CPU the 1-token run could take longer).
     """
     model: Any = engine.model
     device = engine.decoder.device
@@ -214,10 +217,13 @@ def run_transformers(
         logits = model(ids, logits_to_keep=1).logits
         int(logits[0, -1].argmax())
 
+    clock = _FirstTokenClock(device)
+
     def generate(ids: torch.Tensor, tokens: int = 1) -> None:
         model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
             min_new_tokens=tokens, do_sample=False, pad_token_id=engine.tokenizer.eos_token_id,
+            stopping_criteria=StoppingCriteriaList([clock.start()]) if tokens > 1 else None,
         )  # fmt: skip
 
     runs: dict[str, Any] = {
@@ -238,6 +244,10 @@ def run_transformers(
                 for name, run in runs.items():
                     elapsed = _timed(device, lambda run=run, length=length: run(length))
                     times.setdefault((length, name), []).append(elapsed)
+                    if name == "transformers-decode":  # the same run's time after its first token
+                        times.setdefault((length, "decode-after-first"), []).append(
+                            clock.after_first()
+                        )
     rows = [
         {
             "target_tokens": length,
@@ -247,22 +257,53 @@ def run_transformers(
             "ttft_min_s": min(values),
         }  # fmt: skip
         for (length, name), values in times.items()
-        if name != "transformers-decode"
+        if name in runs and name != "transformers-decode"
     ]
     return rows + _decode_rows(times, device_ids, decode_tokens)
+
+
+class _FirstTokenClock(StoppingCriteria):
+    """Times one ``generate`` call from its first new token to its end.
+
+    ``generate`` calls its stopping criteria once after each new token: the first call marks
+    the first token (after a device sync, so the prefill is done), `after_first` the end.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.first_at: float | None = None
+
+    def start(self) -> _FirstTokenClock:
+        self.first_at = None
+        return self
+
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        if self.first_at is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_at = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def after_first(self) -> float:
+        """Seconds from the first new token to now (the run's end, once it is synced)."""
+        assert self.first_at is not None, "generate made no token"
+        return time.perf_counter() - self.first_at
 
 
 def _decode_rows(
     times: dict[tuple[int, str], list[float]], prompts: dict[int, torch.Tensor], tokens: int
 ) -> list[dict[str, Any]]:
-    """Return ``generate``'s decode tokens/s per length, each repeat's first-token run taken off."""
+    """Return ``generate``'s decode tokens/s per length (after the first token, in one run)."""
     rows = []
     for length, ids in prompts.items():
         whole = times.get((length, "transformers-decode"))
         if not whole:
             continue
-        first = times[(length, "transformers-generate")]
-        rates = [(tokens - 1) / (w - f) for w, f in zip(whole, first, strict=True) if w > f]
+        after_first = times[(length, "decode-after-first")]
+        rates = [(tokens - 1) / seconds for seconds in after_first if seconds > 0]
         rows.append({
             "target_tokens": length, "prompt_tokens": ids.shape[1], "run": "transformers-decode",
             "decode_tokens": tokens, "total_median_s": statistics.median(whole),

@@ -22,7 +22,8 @@ import torch
 
 from . import templates
 from .blend import BlendInput, CachedSpan, run_blend
-from .config import BlendConfig
+from .config import BlendConfig, check_config
+from .decode_cache import check_environment
 from .decoder import Decoder
 from .explain import Explanation, FallbackLog, forecast_blend
 from .generation import GenerationResult
@@ -49,8 +50,15 @@ from .results import (
 )
 from .segments import PromptLike, Segment, check_segments
 from .splice import splice_rules
+from .threads import use_threads
 from .tokens import encode_in_background, encode_prompt, prompt_tokens
-from .validation import ContextWindow, check_text, longest_token_chars
+from .validation import (
+    ContextWindow,
+    check_cancel,
+    check_prompt,
+    check_text,
+    longest_token_chars,
+)
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -95,6 +103,7 @@ class BlendEngine(GenerationMixin):
         name: str | None = None,
         check_parity: bool = True,
         max_documents: int = DEFAULT_CAPACITY,
+        threads: int | None = None,
     ) -> None:
         """Wrap a loaded model; prefer `BlendEngine.from_pretrained`.
 
@@ -115,7 +124,11 @@ class BlendEngine(GenerationMixin):
             check_parity: run the parity self-check now (recommended).
             max_documents: documents the registry keeps for finding them in prompt strings
                 (least recently matched dropped first).
+            threads: torch CPU threads, for the whole process (`kvblend.engine.threads`);
+                None: the cores the last minute's load leaves idle, unless the process chose
+                a count already. ``engine.threads`` is the count in use.
         """
+        self.threads = use_threads(threads)
         self.decoder = Decoder(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -169,8 +182,10 @@ class BlendEngine(GenerationMixin):
         ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
         and fp32 on CPU. ``revision``, ``trust_remote_code`` and ``model_kwargs`` go to
         transformers' ``from_pretrained`` (see `kvblend.engine.loading.LOADING_OPTIONS`). Other
-        keyword arguments go to `BlendEngine`.
+        keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
         """
+        kwargs["threads"] = use_threads(kwargs.get("threads"))
+        check_environment()  # KVBLEND_DECODE_CACHE / _COMPILE: refused before the model loads
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
@@ -191,6 +206,7 @@ class BlendEngine(GenerationMixin):
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` alone, without special tokens."""
+        check_text(text, "text")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, prompt: str) -> list[int]:
@@ -200,6 +216,7 @@ class BlendEngine(GenerationMixin):
         the BOS token (written by a chat template) gets no second one, as in transformers'
         chat pipeline.
         """
+        check_text(prompt, "prompt")
         return encode_prompt(self.tokenizer, prompt).ids.tolist()
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
@@ -251,6 +268,7 @@ class BlendEngine(GenerationMixin):
     # ------------------------------------------------------------------ documents
     def segment_id(self, text: str) -> str:
         """Content id under which a document's KV is stored (no computation)."""
+        check_text(text, "text")
         return self.library.segment_kv.key(text)
 
     def precompute(
@@ -327,6 +345,8 @@ class BlendEngine(GenerationMixin):
         not reused are the ones `prefill` reports for the same prompt and config: both come
         from `forecast_blend` over the same plan.
         """
+        check_config(config)
+        check_prompt(prompt)
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         items = self._segments(prompt)
@@ -353,12 +373,9 @@ class BlendEngine(GenerationMixin):
         logged once a minute. ``cancel``: once set, the prefill stops before its next layer and
         raises `BlendCancelledError`.
         """
-        if config is not None and not isinstance(config, BlendConfig):
-            raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}")
-        if not isinstance(prompt, (str, Sequence)):
-            raise TypeError(
-                f"prompt must be a str or a list of segments, got {type(prompt).__name__}"
-            )
+        check_config(config)
+        check_prompt(prompt)
+        check_cancel(cancel)
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         if config.reads_cache:
@@ -394,5 +411,5 @@ class BlendEngine(GenerationMixin):
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
-        self._fallback_log.report(stats)
+        self._fallback_log.report(stats, len(self.documents))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)

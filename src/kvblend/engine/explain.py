@@ -78,10 +78,16 @@ def _recomputed(
     return 0, 0.0, None  # reuse, and strategies this module does not know
 
 
+#: `BlendStats.fallback` of a prompt without a cached document: nothing to blend.
+NO_DOCUMENTS = "no_documents: the prompt holds no known document, so it is computed in full"
+
+
 def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
     """Forecast the prefill of ``plan`` with ``config`` (a pure function: no model runs)."""
     if not config.reads_cache:
         return BlendForecast(config.strategy, 0)
+    if not any(row.role == "document" for row in plan.report):  # a prompt head at most
+        return BlendForecast("full", 0, NO_DOCUMENTS, 1.0)
     moved = _count(plan.kinds, TokenKind.MOVED)
     recomputed, cost, fallback = _recomputed(plan, config, moved)
     lead, short = _lead_rows(config)
@@ -111,17 +117,29 @@ class FallbackLog:
         self.interval = interval
         self._last: dict[str, float] = {}
 
-    def warn(self, cause: str, message: str) -> None:
+    def warn(self, cause: str, message: str, level: int = logging.WARNING) -> None:
         """Log ``message`` unless ``cause`` was logged less than ``interval`` seconds ago."""
         now = time.monotonic()
         if now - self._last.get(cause, -float("inf")) < self.interval:
             return
         self._last[cause] = now
-        self.logger.warning("%s", message)
+        self.logger.log(level, "%s", message)
 
-    def report(self, stats: BlendStats) -> None:
-        """Log each reason a prompt's documents were not reused, once per cause a minute."""
-        if stats.fallback is not None:
+    def report(self, stats: BlendStats, known: int | None = None) -> None:
+        """Log each reason a prompt's documents were not reused, once per cause a minute.
+
+        A prompt without a known document (a greeting, a rephrasing step) is logged at INFO
+        level, with the ``known`` documents that could have been found in it; one that holds
+        the start of a known document, not its whole text, is a near miss (a warning).
+        """
+        if stats.fallback == NO_DOCUMENTS:
+            self.warn(
+                "no_documents", f"no known document in the prompt ({known} known): computed in "
+                "full (stats.fallback); a document is found only when its exact text occurs in "
+                "the prompt; engine.explain(prompt) or `kvblend explain` shows what is reused",
+                level=logging.INFO,
+            )  # fmt: skip
+        elif stats.fallback is not None:
             cause = stats.fallback.split(":")[0]
             self.warn(
                 cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "

@@ -114,6 +114,12 @@ class BlendLLM(EngineHolder, CustomLLM):
         default=None,
         description="How the blended prefill recomputes reused tokens (None = BlendConfig()).",
     )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch CPU threads, for the whole process, from the first call on (None: "
+        "the engine's load-aware default, the cores the last minute's load leaves idle).",
+    )
     max_tokens: int = Field(default=256, ge=1, description="Largest number of tokens to generate.")
     max_new_tokens: int | None = Field(
         default=None,

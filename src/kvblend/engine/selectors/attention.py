@@ -210,14 +210,27 @@ def attention_budget(
             f"{moved} moved tokens"
         )
     elif moved and options["full_above"] < 1 and cost > options["full_above"]:
+        limit = options["full_above"]
         reason = (
-            f"full_above: blend would cost {cost:.2f} of full prefill "
-            f"(limit {options['full_above']:g})"
+            f"full_above: blend would cost {share_above(cost, limit)} of full prefill "
+            f"(limit {limit:g})"
         )
     recompute_all = keep == candidates or reason is not None
     if recompute_all:
         keep, early, probe = candidates, candidates, 0
     return AttentionBudget(lead, keep, early, probe, recompute_all, cost, reason)
+
+
+def share_above(cost: float, limit: float) -> str:
+    """Write ``cost`` (above ``limit``) with as many digits as it takes to read as above it.
+
+    Never ``0.80`` for a limit of 0.8: 2 to 6 decimals, else ``just above 0.8``.
+    """
+    for digits in range(2, 7):
+        text = f"{cost:.{digits}f}"
+        if float(text) > limit:
+            return text
+    return f"just above {limit:g}"
 
 
 def early_layer_count(share: float, num_layers: int) -> int:
