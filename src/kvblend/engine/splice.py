@@ -40,7 +40,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DocumentCut", "SpliceRules", "document_cut", "splice_rules", "spliced_tokens"]
+__all__ = [
+    "DocumentCut",
+    "SpliceRules",
+    "call_backend",
+    "document_cut",
+    "splice_rules",
+    "spliced_tokens",
+]
 
 #: Pre-tokenizer rules of Qwen2 and of Llama-3 (also OpenAI's cl100k), as their tokenizer.json
 #: ``Split`` patterns write them; GPT-2's is the ``ByteLevel`` pre-tokenizer's own.
@@ -194,15 +201,41 @@ _RULES: weakref.WeakKeyDictionary[Any, tuple[Any, SpliceRules | None]] = weakref
 _RULES_LOCK = threading.Lock()
 
 
+def call_backend(tokenizer: Any) -> Any:
+    """Return the Rust tokenizer of ``tokenizer``, set as ``tokenizer(text)`` sets it to encode.
+
+    transformers sets the backend's ``encode_special_tokens`` from each call's
+    ``split_special_tokens`` (default: the tokenizer's own) and leaves it so: after one
+    ``tokenizer(text, split_special_tokens=True)`` the backend reads special tokens' text as
+    plain text, where ``tokenizer(prompt)`` would not. None for a tokenizer without one.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend is not None and backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
+    return backend
+
+
 def splice_rules(tokenizer: Any) -> SpliceRules | None:
-    """`SpliceRules` of ``tokenizer`` (read once, again if its pipeline changes), or None."""
+    """`SpliceRules` of ``tokenizer`` (read once, again if its pipeline changes), or None.
+
+    A change is any to its normalizer, pre-tokenizer, post-processor, model type, vocabulary
+    size or added tokens (one added with the id of a token already in the vocabulary, or one
+    made ``normalized``, changes no size).
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not getattr(tokenizer, "is_fast", False):
         return None
+    added = backend.get_added_tokens_decoder()
     key = tuple(
         None if part is None else part.__getstate__()
         for part in (backend.normalizer, backend.pre_tokenizer, backend.post_processor)
-    ) + (backend.get_vocab_size(True), type(backend.model).__name__)
+    ) + (
+        backend.get_vocab_size(True),
+        type(backend.model).__name__,
+        tuple(added),
+        tuple(token.normalized for token in added.values()),
+    )
     with _RULES_LOCK:
         known = _RULES.get(backend)
     if known is not None and known[0] == key:
@@ -284,7 +317,7 @@ def spliced_tokens(
     rules = splice_rules(tokenizer)
     if rules is None:
         return None
-    backend = tokenizer.backend_tokenizer
+    backend = call_backend(tokenizer)
     ids_parts: list[Any] = [rules.prefix[0] if add_special else []]
     offset_parts: list[Any] = [_pairs(rules.prefix[1] if add_special else [])]
     cursor = 0

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .splice import DocumentCut, document_cut, splice_rules, spliced_tokens
+from .splice import DocumentCut, call_backend, document_cut, splice_rules, spliced_tokens
 
 __all__ = [
     "DocumentLayout",
@@ -84,11 +84,13 @@ def encode_prompt(tokenizer: Any, text: str) -> PromptTokens:
     Special tokens are added the way ``tokenizer(text)`` adds them, except when the text already
     starts with the tokenizer's BOS token (a chat template wrote it): then none are added, as
     transformers' ``apply_chat_template(..., tokenize=True)`` and text-generation pipeline do,
-    so the BOS is not doubled.
+    so the BOS is not doubled. Special tokens' text is read as ``tokenizer(text)`` reads it
+    (as plain text only under the tokenizer's ``split_special_tokens``), whatever an earlier
+    call left set in the Rust tokenizer (`kvblend.engine.splice.call_backend`).
     """
     _check_fast(tokenizer)
     add_special = _adds_specials(tokenizer, text)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = call_backend(tokenizer)
     if backend is not None:  # the Rust tokenizer ``tokenizer(text)`` calls, without its wrapping
         encoding = backend.encode(text, add_special_tokens=add_special)
         return PromptTokens(encoding.ids, encoding.offsets)
