@@ -11,10 +11,10 @@ edges than any added token is long. For the pipelines `splice_rules` accepts, th
 ends a token right before such a space, and the tokens on each side of it depend on that side's
 text alone:
 
-- byte-level BPE split by GPT-2's, Qwen2's or Llama-3's pre-tokenizer rule (optionally after a
-  Unicode normalization): the rule's match covering the letter before the space is a run of
-  letters, so it ends at the space; the next match starts there and reads nothing before it;
-  the BPE model works on each match alone;
+- byte-level BPE split by GPT-2's, Qwen2's, Llama-3's or Mistral tekken's pre-tokenizer rule
+  (optionally after a Unicode normalization): the rule's match covering the letter before the
+  space is a run of letters, so it ends at the space; the next match starts there and reads
+  nothing before it (no rule looks behind); the BPE model works on each match alone;
 - SentencePiece-style BPE (spaces replaced by ``▁``, split or not) whose vocabulary has no token
   with a ``▁`` after another character: no merge can ever join the letter before the ``▁`` to
   it, and BPE over a word no merge crosses is BPE over each side.
@@ -49,10 +49,14 @@ __all__ = [
     "spliced_tokens",
 ]
 
-#: Pre-tokenizer rules of Qwen2 and of Llama-3 (also OpenAI's cl100k), as their tokenizer.json
-#: ``Split`` patterns write them; GPT-2's is the ``ByteLevel`` pre-tokenizer's own.
+#: Pre-tokenizer rules of Qwen2, of Llama-3 (also OpenAI's cl100k) and of Mistral's tekken
+#: (Mistral NeMo and later: letter runs split by case), as their tokenizer.json ``Split``
+#: patterns write them; GPT-2's is the ``ByteLevel`` pre-tokenizer's own.
 KNOWN_SPLITS = frozenset(
     {
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
         r"|\s*[\r\n]+|\s+(?!\S)|\s+",
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
