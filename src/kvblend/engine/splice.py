@@ -311,14 +311,16 @@ def spliced_tokens(
     text: str,
     documents: Sequence[tuple[int, DocumentCut, np.ndarray, np.ndarray]],
     add_special: bool,
+    rules: SpliceRules | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Ids and ``[n, 2]`` character offsets of ``text``, its documents' tokens spliced in.
 
     ``documents`` are ``(character start, cut, ids, offsets)`` of each document in the text, in
     order, with its cut and its memoised ids and offsets (relative to its start). None when
     a window does not fall on token boundaries (the caller tokenizes the whole text).
+    ``rules``: the tokenizer's `splice_rules` as just read by the caller (None: read here).
     """
-    rules = splice_rules(tokenizer)
+    rules = rules or splice_rules(tokenizer)
     if rules is None:
         return None
     backend = call_backend(tokenizer)

@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from .splice import DocumentCut, call_backend, document_cut, splice_rules, spliced_tokens
+from .splice import (
+    DocumentCut,
+    SpliceRules,
+    call_backend,
+    document_cut,
+    splice_rules,
+    spliced_tokens,
+)
 
 __all__ = [
     "DocumentLayout",
@@ -172,14 +179,18 @@ def document_layout(tokenizer: Any, context_text: str, text: str) -> DocumentLay
 
 
 def prompt_tokens(
-    tokenizer: Any, text: str, layouts: Mapping[tuple[int, int], DocumentLayout]
+    tokenizer: Any,
+    text: str,
+    layouts: Mapping[tuple[int, int], DocumentLayout],
+    rules: SpliceRules | None = None,
 ) -> PromptTokens:
     """`encode_prompt`'s tokens of ``text``, its documents' memoised tokens spliced in.
 
     ``layouts`` maps the character span ``[start, end)`` of each cached document in the text,
     in order, to its layout. The text between the documents' cuts is tokenized (with a few
     characters past each); when the tokenizer's rules do not prove the splice exact, or no
-    document has cuts, the whole text is.
+    document has cuts, the whole text is. ``rules``: the tokenizer's `splice_rules` as just
+    read by the caller (None: read here; reading them checks the whole added vocabulary).
     """
     _check_fast(tokenizer)
     parts = [
@@ -188,8 +199,9 @@ def prompt_tokens(
         if layout.cut is not None
     ]
     spliced = None
-    if parts and splice_rules(tokenizer) is not None:
-        spliced = spliced_tokens(tokenizer, text, parts, _adds_specials(tokenizer, text))
+    if parts:
+        adds = _adds_specials(tokenizer, text)
+        spliced = spliced_tokens(tokenizer, text, parts, adds, rules)
     if spliced is None:
         return encode_prompt(tokenizer, text)
     return PromptTokens(*spliced)
