@@ -283,6 +283,13 @@ def _print_stats(stats: Any, indent: str = "") -> None:
         _print_stats(tier, indent + "  ")
 
 
+def cmd_model_folder(args: argparse.Namespace) -> None:
+    """Print the local folder of the model (a GGUF file is converted once), e.g. for vLLM."""
+    from .engine.loading import model_folder
+
+    print(model_folder(args.model))
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     """Run the TTFT benchmark script."""
     from .bench import main as bench_main
@@ -369,6 +376,13 @@ def build_parser() -> argparse.ArgumentParser:
     explain.set_defaults(func=cmd_explain)
 
     add_store_parser(sub)
+
+    folder = sub.add_parser(
+        "model-folder",
+        help="print the model's local folder, a GGUF file converted once (e.g. for vllm serve)",
+    )
+    folder.add_argument("--model", help="model folder or GGUF file (default: bundled)")
+    folder.set_defaults(func=cmd_model_folder)
 
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
     sub.add_parser(

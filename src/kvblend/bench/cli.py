@@ -326,6 +326,23 @@ def cmd_redis_ttft(args: argparse.Namespace) -> None:
     _write(result, Path(args.output), redis_table(result["summary"]))
 
 
+def cmd_vllm(args: argparse.Namespace) -> None:
+    """TTFT and requests/s of vLLM with kvblend's connector against vanilla vLLM."""
+    from .vllm import run_vllm_bench, vllm_table
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    result = run_vllm_bench(
+        args.model, lengths=lengths, repeats=args.repeats, doc_tokens=args.doc_tokens,
+        rate_length=args.rate_length, rate_tokens=args.rate_tokens,
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+    )  # fmt: skip
+    result["machine"] = {
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
+    _write(result, Path(args.output), vllm_table(result))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
     from ..cli_args import OneLineParser
@@ -484,6 +501,19 @@ def build_parser() -> argparse.ArgumentParser:
     redis.add_argument("--redis-url", help="a running server (default: start redis-server)")
     redis.add_argument("--output", default=str(RESULTS_DIR / "redis_ttft.json"))
     redis.set_defaults(func=cmd_redis_ttft)
+
+    vllm = sub.add_parser(
+        "vllm", help="vLLM + kvblend vs vanilla vLLM: TTFT and requests/s (run in vLLM's venv)"
+    )
+    vllm.add_argument("--model", help="model folder or GGUF file (default: the bundled model)")
+    vllm.add_argument("--lengths", default="2048,4096,7680", help="prompt tokens, comma list")
+    vllm.add_argument("--repeats", type=int, default=2)
+    vllm.add_argument("--doc-tokens", type=int, default=512)
+    vllm.add_argument("--rate-length", type=int, default=2048, help="prompt tokens of req/s runs")
+    vllm.add_argument("--rate-tokens", type=int, default=16, help="tokens each request generates")
+    vllm.add_argument("--work-dir", help="folder for the store, jobs and vLLM logs (default: tmp)")
+    vllm.add_argument("--output", default=str(RESULTS_DIR / "vllm.json"))
+    vllm.set_defaults(func=cmd_vllm)
     return parser
 
 

@@ -53,7 +53,7 @@ from .correction import StaleCorrection
 from .decoder import Decoder, rope_table, rotate
 from .prompt_kv import LayerLoads, PromptKV
 from .results import BlendCancelledError
-from .row_attention import RowAttention
+from .row_attention import RowAttention, attend
 from .selectors import Selection, SelectionContext, Selector, selector_class
 from .selectors.base import PassObserver
 
@@ -322,7 +322,7 @@ def last_row(
     window = decoder.windows[layer]
     if window is not None and window < total:
         keys, values = keys[:, total - window :], values[:, total - window :]
-    out = decoder.attend(layer, queries[:, -1:], keys, values, None, causal=False)
+    out = attend(decoder, layer, queries[:, -1:], keys, values, None, causal=False)
     return decoder.feed_forward(layer, hidden[-1:] + out)
 
 

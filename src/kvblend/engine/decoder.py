@@ -135,6 +135,37 @@ def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return (halves * table).sum(dim=-2).flatten(-2)
 
 
+def scaled_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    causal: bool = True,
+) -> torch.Tensor:
+    """SDPA of rotated ``[heads, tokens, head_dim]`` inputs: ``[tokens, heads * head_dim]``.
+
+    Before ``o_proj``. ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf =
+    may not) or a boolean one (True = may attend), or None for plain causal attention over
+    aligned queries and keys (``causal=False``: every key). Keys and values may hold fewer
+    (grouped) heads than the queries.
+    """
+    groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
+    if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
+        keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+    out = F.scaled_dot_product_attention(
+        queries.unsqueeze(0),
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
+        attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+        is_causal=mask is None and causal,
+        scale=scaling,
+        enable_gqa=queries.shape[0] != keys.shape[0],
+    )
+    # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
+    return out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+
+
 #: RMSNorm classes whose forward is exactly ``weight * rms_norm(x.float()).to(x.dtype)``.
 _PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
@@ -293,23 +324,14 @@ class Decoder:
         attention over aligned queries and keys (``causal=False``: every key). ``rows`` keeps
         only those query rows (before ``o_proj``).
         """
-        groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
-        if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
-            keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-        out = F.scaled_dot_product_attention(
-            queries.unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
-            is_causal=mask is None and causal,
-            scale=self.scaling,
-            enable_gqa=queries.shape[0] != keys.shape[0],
-        )
-        # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
-        out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+        out = scaled_attention(queries, keys, values, mask, self.scaling, causal)
         if rows is not None:
             out = out.index_select(0, rows)
-        return self.layers[layer].self_attn.o_proj(out)
+        return self.attention_output(layer, out)
+
+    def attention_output(self, layer: int, attended: torch.Tensor) -> torch.Tensor:
+        """Apply ``o_proj`` of ``layer`` to attended rows ``[rows, heads * head_dim]``."""
+        return self.layers[layer].self_attn.o_proj(attended)
 
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the residual MLP half of a block: ``hidden + mlp(norm(hidden))``."""

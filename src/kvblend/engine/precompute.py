@@ -92,7 +92,7 @@ def _batch_attention(
         )
     # [batch, heads, tokens, head_dim] -> [batch * tokens, heads * head_dim]
     out = out.transpose(1, 2).reshape(batch * tokens, heads * head_dim)
-    return decoder.layers[layer].self_attn.o_proj(out)
+    return decoder.attention_output(layer, out)
 
 
 @torch.inference_mode()

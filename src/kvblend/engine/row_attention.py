@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .decoder import Decoder, repeat_kv, sdpa_takes_gqa
+from .decoder import Decoder, repeat_kv, scaled_attention, sdpa_takes_gqa
 
 # Query rows per attention call when the computed rows are sparse: smaller chunks skip more of
 # the causal upper triangle but keep SDPA's kernels from running at full speed; on a CPU, 256
@@ -108,7 +108,29 @@ class FlexRows:
             enable_gqa=queries.shape[0] != keys.shape[0],
         )  # fmt: skip
         out = out[0].transpose(0, 1).reshape(queries.shape[1], -1)
-        return self.decoder.layers[layer].self_attn.o_proj(out)
+        return self.decoder.attention_output(layer, out)
+
+
+def attend(
+    decoder: Decoder,
+    layer: int,
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    rows: torch.Tensor | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention output ``[tokens, hidden]`` of rotated inputs, through the model's ``o_proj``.
+
+    SDPA here (`scaled_attention`: ``mask`` additive or boolean, None for plain causal, or
+    every key with ``causal=False``), then the adapter's ``attention_output``; ``rows`` keeps
+    only those query rows before it.
+    """
+    out = scaled_attention(queries, keys, values, mask, decoder.scaling, causal)
+    if rows is not None:
+        out = out.index_select(0, rows)
+    return decoder.attention_output(layer, out)
 
 
 class QueryChunk(NamedTuple):
@@ -195,12 +217,12 @@ class RowAttention:
         if self.flex is not None and not (window is None and self.dense):
             return self.flex(layer, queries, keys, values)
         if window is None and self.dense:
-            return self.decoder.attend(layer, queries, keys, values, None)
+            return attend(self.decoder, layer, queries, keys, values, None)
         if window is None and self.scatter:
             heads, _, head_dim = queries.shape
             padded = queries.new_zeros(heads, self.total, head_dim)
             padded.index_copy_(1, self.rows, queries)
-            return self.decoder.attend(layer, padded, keys, values, None, rows=self.rows)
+            return attend(self.decoder, layer, padded, keys, values, None, rows=self.rows)
         kept = self.masks.get(window)
         groups = queries.shape[0] // keys.shape[0]
         expand = groups > 1 and not sdpa_takes_gqa(True, keys.device)
@@ -213,7 +235,8 @@ class RowAttention:
                 repeat_kv(values[:, :key_end], groups),
             )
         outputs = [
-            self.decoder.attend(
+            attend(
+                self.decoder,
                 layer,
                 queries[:, chunk.begin : chunk.end],
                 keys[:, chunk.key_begin : chunk.key_end],
