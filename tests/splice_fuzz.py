@@ -241,9 +241,11 @@ def check_prompt(engine: BlendEngine, prompt: str, counts: Counter[str]) -> None
 
 
 #: Pieces of the dense fuzzer's text around and inside documents (with `FRAGMENTS`): literal
-#: ``▁`` and ``Ġ``, compatibility characters whose NFKC holds spaces or letters, brackets.
+#: ``▁`` and ``Ġ``, compatibility characters whose NFKC holds spaces or letters, brackets,
+#: control characters and spaces that Python and the tokenizers' regexes class differently.
 PIECES = [*FRAGMENTS, "▁", "Ġ", "\u0345", "\u0f73", "ﾞ", "ｶﾞ", "㏂", "\ufdfa", "´", "ǅ", "<", ">",
-          "|", "[", "]", "/", ",", "\r\n\r\n", " '", "' "]  # fmt: skip
+          "|", "[", "]", "/", ",", "\r\n\r\n", " '", "' ", "\x0b", "\x0c", "\x1c", "\x85",
+          "\u2029", "\u3000", "\u1680"]  # fmt: skip
 WORDS = ["the", "a", "word", "It", "s", "don", "t", "ab", "Xy", "ship", "lighthouse", "x", "I"]
 
 
