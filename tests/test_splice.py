@@ -211,3 +211,49 @@ def test_the_engine_splices_a_string_prompt_without_tokenizing_its_documents(
     assert plan.token_ids.tolist() == first.token_ids.tolist() == tokenizer(prompt)["input_ids"]
     assert plan.kinds.dtype == np.int8 and plan.token_ids.dtype == np.int64
     assert sum(row.reused > 0 for row in plan.report if row.role == "document") == 3
+
+
+def test_a_token_added_with_an_id_the_vocabulary_has_splices_no_cut_found_before() -> None:
+    """An added token already in the vocabulary changes no size, yet how documents tokenize."""
+    tokenizer = trained_bpe(QWEN2_SPLIT, bos=None)
+    layout = document_layout(tokenizer, "", DOCUMENTS[0])
+    assert layout.cut is not None
+    size = len(tokenizer)
+    tokenizer.add_tokens(["e"])  # a vocabulary token, from now on split out of every word
+    assert len(tokenizer) == size
+    text = f"Docs: {DOCUMENTS[0]} end"
+    stale = (6, layout.cut, layout.tokens.ids, layout.tokens.offsets)
+    assert spliced_tokens(tokenizer, text, [stale], True) is None
+    tokens = prompt_tokens(tokenizer, text, {(6, 6 + len(DOCUMENTS[0])): layout})
+    assert tokens.ids.tolist() == tokenizer(text)["input_ids"]
+
+
+def test_an_added_token_made_normalized_takes_the_rules_away(tmp_path: Path) -> None:
+    """Re-adding a special token as ``normalized`` keeps every size, but it matches normalized
+    text now, where the documents' text does not show it: no splicing under a normalizer."""
+    from tokenizers import AddedToken
+
+    tokenizer = mistral_tokenizer("tokenizer.model.v1", tmp_path / "tok")
+    assert splice_rules(tokenizer) is not None
+    size = len(tokenizer)
+    tokenizer.backend_tokenizer.add_special_tokens([AddedToken("</s>", normalized=True)])
+    assert len(tokenizer) == size
+    assert splice_rules(tokenizer) is None
+
+
+def test_special_tokens_are_read_as_the_tokenizer_reads_them_after_a_call_that_split_them() -> None:
+    """``tokenizer(text, split_special_tokens=True)`` leaves its Rust tokenizer reading special
+    tokens' text as plain text; the prompt's ids are still ``tokenizer(prompt)``'s."""
+    tokenizer = trained_bpe(QWEN2_SPLIT, bos=None)
+    text = f"Docs:</s> {DOCUMENTS[0]} </s>end"
+    layouts = {(9, 9 + len(DOCUMENTS[0])): document_layout(tokenizer, "", DOCUMENTS[0])}
+    expected_ids = tokenizer(text)["input_ids"]
+    assert tokenizer.eos_token_id in expected_ids
+    tokenizer("untrusted </s> text", split_special_tokens=True)
+    assert encode_prompt(tokenizer, text).ids.tolist() == expected_ids
+    tokenizer("untrusted </s> text", split_special_tokens=True)
+    assert prompt_tokens(tokenizer, text, layouts).ids.tolist() == expected_ids
+    tokenizer.split_special_tokens = True  # the tokenizer's own setting is followed
+    split_ids = encode_prompt(tokenizer, text).ids.tolist()
+    assert split_ids == tokenizer(text)["input_ids"] != expected_ids
+    assert prompt_tokens(tokenizer, text, layouts).ids.tolist() == split_ids

@@ -203,7 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     _, tokenizer = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32)
     engine = tokenizer_engine(tokenizer)
-    result = run_planning(engine, args.tokens, args.doc_tokens, args.repeats)
+    result = run_planning(engine, args.tokens, args.doc_tokens, args.repeats, args.nq)
     print(planning_line(result))
 
 

@@ -320,7 +320,8 @@ class BlendEngine(GenerationMixin):
     def plan(self, prompt: PromptLike) -> PrefillPlan:
         """Tokenize the whole prompt (documents' known tokens spliced in); plan each token's KV."""
         early = None  # a tokenizer that cannot splice tokenizes the string while matching
-        if isinstance(prompt, str) and prompt and splice_rules(self.tokenizer) is None:
+        rules = splice_rules(self.tokenizer)
+        if isinstance(prompt, str) and prompt and rules is None:
             check_text(prompt, "the prompt")
             self._window.check_chars(len(prompt))
             early = encode_in_background(self.tokenizer, prompt)
@@ -330,9 +331,7 @@ class BlendEngine(GenerationMixin):
         pieces = cached_pieces(items)
         layouts = {(p.start, p.end): self.segment_kv.layout(text[p.start : p.end])
                    for p in pieces if p.role == "document"}  # fmt: skip
-        tokens = (
-            early.result() if early is not None else prompt_tokens(self.tokenizer, text, layouts)
-        )
+        tokens = early.result() if early else prompt_tokens(self.tokenizer, text, layouts, rules)
         self._window.check_length(tokens.ids.size)
         if not tokens.ids.size:
             raise ValueError("the prompt has no tokens")

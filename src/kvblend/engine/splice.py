@@ -11,10 +11,10 @@ edges than any added token is long. For the pipelines `splice_rules` accepts, th
 ends a token right before such a space, and the tokens on each side of it depend on that side's
 text alone:
 
-- byte-level BPE split by GPT-2's, Qwen2's or Llama-3's pre-tokenizer rule (optionally after a
-  Unicode normalization): the rule's match covering the letter before the space is a run of
-  letters, so it ends at the space; the next match starts there and reads nothing before it;
-  the BPE model works on each match alone;
+- byte-level BPE split by GPT-2's, Qwen2's, Llama-3's or Mistral tekken's pre-tokenizer rule
+  (optionally after a Unicode normalization): the rule's match covering the letter before the
+  space is a run of letters, so it ends at the space; the next match starts there and reads
+  nothing before it (no rule looks behind); the BPE model works on each match alone;
 - SentencePiece-style BPE (spaces replaced by ``▁``, split or not) whose vocabulary has no token
   with a ``▁`` after another character: no merge can ever join the letter before the ``▁`` to
   it, and BPE over a word no merge crosses is BPE over each side.
@@ -40,12 +40,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DocumentCut", "SpliceRules", "document_cut", "splice_rules", "spliced_tokens"]
+__all__ = [
+    "DocumentCut",
+    "SpliceRules",
+    "call_backend",
+    "document_cut",
+    "splice_rules",
+    "spliced_tokens",
+]
 
-#: Pre-tokenizer rules of Qwen2 and of Llama-3 (also OpenAI's cl100k), as their tokenizer.json
-#: ``Split`` patterns write them; GPT-2's is the ``ByteLevel`` pre-tokenizer's own.
+#: Pre-tokenizer rules of Qwen2, of Llama-3 (also OpenAI's cl100k) and of Mistral's tekken
+#: (Mistral NeMo and later: letter runs split by case), as their tokenizer.json ``Split``
+#: patterns write them; GPT-2's is the ``ByteLevel`` pre-tokenizer's own.
 KNOWN_SPLITS = frozenset(
     {
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+",
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
         r"|\s*[\r\n]+|\s+(?!\S)|\s+",
         r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -194,15 +205,41 @@ _RULES: weakref.WeakKeyDictionary[Any, tuple[Any, SpliceRules | None]] = weakref
 _RULES_LOCK = threading.Lock()
 
 
+def call_backend(tokenizer: Any) -> Any:
+    """Return the Rust tokenizer of ``tokenizer``, set as ``tokenizer(text)`` sets it to encode.
+
+    transformers sets the backend's ``encode_special_tokens`` from each call's
+    ``split_special_tokens`` (default: the tokenizer's own) and leaves it so: after one
+    ``tokenizer(text, split_special_tokens=True)`` the backend reads special tokens' text as
+    plain text, where ``tokenizer(prompt)`` would not. None for a tokenizer without one.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    if backend is not None and backend.encode_special_tokens != split:
+        backend.encode_special_tokens = split
+    return backend
+
+
 def splice_rules(tokenizer: Any) -> SpliceRules | None:
-    """`SpliceRules` of ``tokenizer`` (read once, again if its pipeline changes), or None."""
+    """`SpliceRules` of ``tokenizer`` (read once, again if its pipeline changes), or None.
+
+    A change is any to its normalizer, pre-tokenizer, post-processor, model type, vocabulary
+    size or added tokens (one added with the id of a token already in the vocabulary, or one
+    made ``normalized``, changes no size).
+    """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not getattr(tokenizer, "is_fast", False):
         return None
+    added = backend.get_added_tokens_decoder()
     key = tuple(
         None if part is None else part.__getstate__()
         for part in (backend.normalizer, backend.pre_tokenizer, backend.post_processor)
-    ) + (backend.get_vocab_size(True), type(backend.model).__name__)
+    ) + (
+        backend.get_vocab_size(True),
+        type(backend.model).__name__,
+        tuple(added),
+        tuple(token.normalized for token in added.values()),
+    )
     with _RULES_LOCK:
         known = _RULES.get(backend)
     if known is not None and known[0] == key:
@@ -274,17 +311,19 @@ def spliced_tokens(
     text: str,
     documents: Sequence[tuple[int, DocumentCut, np.ndarray, np.ndarray]],
     add_special: bool,
+    rules: SpliceRules | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Ids and ``[n, 2]`` character offsets of ``text``, its documents' tokens spliced in.
 
     ``documents`` are ``(character start, cut, ids, offsets)`` of each document in the text, in
     order, with its cut and its memoised ids and offsets (relative to its start). None when
     a window does not fall on token boundaries (the caller tokenizes the whole text).
+    ``rules``: the tokenizer's `splice_rules` as just read by the caller (None: read here).
     """
-    rules = splice_rules(tokenizer)
+    rules = rules or splice_rules(tokenizer)
     if rules is None:
         return None
-    backend = tokenizer.backend_tokenizer
+    backend = call_backend(tokenizer)
     ids_parts: list[Any] = [rules.prefix[0] if add_special else []]
     offset_parts: list[Any] = [_pairs(rules.prefix[1] if add_special else [])]
     cursor = 0

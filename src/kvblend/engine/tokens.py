@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from .splice import DocumentCut, document_cut, splice_rules, spliced_tokens
+from .splice import (
+    DocumentCut,
+    SpliceRules,
+    call_backend,
+    document_cut,
+    splice_rules,
+    spliced_tokens,
+)
 
 __all__ = [
     "DocumentLayout",
@@ -84,11 +91,13 @@ def encode_prompt(tokenizer: Any, text: str) -> PromptTokens:
     Special tokens are added the way ``tokenizer(text)`` adds them, except when the text already
     starts with the tokenizer's BOS token (a chat template wrote it): then none are added, as
     transformers' ``apply_chat_template(..., tokenize=True)`` and text-generation pipeline do,
-    so the BOS is not doubled.
+    so the BOS is not doubled. Special tokens' text is read as ``tokenizer(text)`` reads it
+    (as plain text only under the tokenizer's ``split_special_tokens``), whatever an earlier
+    call left set in the Rust tokenizer (`kvblend.engine.splice.call_backend`).
     """
     _check_fast(tokenizer)
     add_special = _adds_specials(tokenizer, text)
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = call_backend(tokenizer)
     if backend is not None:  # the Rust tokenizer ``tokenizer(text)`` calls, without its wrapping
         encoding = backend.encode(text, add_special_tokens=add_special)
         return PromptTokens(encoding.ids, encoding.offsets)
@@ -170,14 +179,18 @@ def document_layout(tokenizer: Any, context_text: str, text: str) -> DocumentLay
 
 
 def prompt_tokens(
-    tokenizer: Any, text: str, layouts: Mapping[tuple[int, int], DocumentLayout]
+    tokenizer: Any,
+    text: str,
+    layouts: Mapping[tuple[int, int], DocumentLayout],
+    rules: SpliceRules | None = None,
 ) -> PromptTokens:
     """`encode_prompt`'s tokens of ``text``, its documents' memoised tokens spliced in.
 
     ``layouts`` maps the character span ``[start, end)`` of each cached document in the text,
     in order, to its layout. The text between the documents' cuts is tokenized (with a few
     characters past each); when the tokenizer's rules do not prove the splice exact, or no
-    document has cuts, the whole text is.
+    document has cuts, the whole text is. ``rules``: the tokenizer's `splice_rules` as just
+    read by the caller (None: read here; reading them checks the whole added vocabulary).
     """
     _check_fast(tokenizer)
     parts = [
@@ -186,8 +199,9 @@ def prompt_tokens(
         if layout.cut is not None
     ]
     spliced = None
-    if parts and splice_rules(tokenizer) is not None:
-        spliced = spliced_tokens(tokenizer, text, parts, _adds_specials(tokenizer, text))
+    if parts:
+        adds = _adds_specials(tokenizer, text)
+        spliced = spliced_tokens(tokenizer, text, parts, adds, rules)
     if spliced is None:
         return encode_prompt(tokenizer, text)
     return PromptTokens(*spliced)
