@@ -13,8 +13,8 @@ the documents in each tier `kvblend bench gpu` times: the GPU's memory, host mem
 and a cold disk.
 
 The field names are those of their writers: ``kvblend bench gpu`` (`kvblend.bench.gpu.run_gpu`,
-its ``ttft.summary`` from `kvblend.bench.ttft.summarize_ttft` and its ``transformers`` rows) and
-``benchmarks/decode.py`` (``meta``, ``rows``). Usage, without running anything::
+its ``ttft.summary`` from `kvblend.bench.ttft_summary.summarize_ttft` and its ``transformers``
+rows) and ``benchmarks/decode.py`` (``meta``, ``rows``). Usage, without running anything::
 
     python benchmarks/gpu_suite.py --summarize DIR [DIR ...] [--out DIR]
 """

@@ -171,7 +171,7 @@ def load_benchmark(name: str):
 @pytest.fixture(scope="module")
 def suite_results(engine: BlendEngine) -> dict:
     """A bench result and a decode result as their writers make them, on the tiny model."""
-    from kvblend.bench.cli import _machine
+    from kvblend.bench.commands import _machine
 
     suite = load_benchmark("gpu_suite")
     args = build_parser().parse_args(

@@ -32,7 +32,8 @@ from ..engine import BlendEngine
 from .ingest import ingest_table, run_ingest
 from .random_models import MODEL_SHAPES
 from .strategies import parse_strategies
-from .ttft import QUESTION, SYSTEM, build_documents, run_ttft, ttft_table
+from .ttft import QUESTION, SYSTEM, build_documents, run_ttft
+from .ttft_summary import ttft_table
 
 DEFAULT_LENGTHS = "4096,8192,16384,32000"
 DEFAULT_STRATEGIES = "full,default,cacheblend-value-0.15,reuse"

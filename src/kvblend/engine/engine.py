@@ -6,7 +6,9 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 This module builds the engine and runs its prompts: `plan`, `explain` and `prefill` (where the
 blend loop, `run_blend`, runs) and the parity self-check. The documents are a `DocumentLibrary`
-(`kvblend.engine.library`); ``generate``, ``generate_batch`` and ``stream`` are
+(`kvblend.engine.library`), and the engine's document methods (``precompute``, ``register``,
+``is_known``, ``segment_id``, ``segments_for``) are `DocumentsMixin`'s
+(`kvblend.engine.documents_mixin`); ``generate``, ``generate_batch`` and ``stream`` are
 `GenerationMixin`'s (`kvblend.engine.generation_mixin`).
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +27,7 @@ from .blend import BlendInput, CachedSpan, run_blend
 from .config import BlendConfig, check_config
 from .decode_cache import check_environment
 from .decoder import Decoder
+from .documents_mixin import DocumentsMixin
 from .explain import Explanation, FallbackLog, forecast_blend
 from .generation import GenerationResult
 from .generation_mixin import GenerationMixin
@@ -38,7 +41,6 @@ from .loading import (
     resolve_model,
 )
 from .parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
-from .precompute import DEFAULT_BATCH_TOKENS
 from .prompt import PrefillPlan, cached_pieces, plan_prefill
 from .registry import DEFAULT_CAPACITY
 from .results import (
@@ -48,7 +50,7 @@ from .results import (
     PrefillResult,
     count_tokens,
 )
-from .segments import PromptLike, Segment, check_segments
+from .segments import PromptLike, Segment
 from .splice import splice_rules
 from .threads import use_threads
 from .tokens import encode_in_background, encode_prompt, prompt_tokens
@@ -88,7 +90,7 @@ def _default_store() -> KVStore:
     return default_store()
 
 
-class BlendEngine(GenerationMixin):
+class BlendEngine(DocumentsMixin, GenerationMixin):
     """Blended prefill and generation over one Hugging Face decoder model."""
 
     def __init__(
@@ -265,58 +267,7 @@ class BlendEngine(GenerationMixin):
             logger.error("parity self-check failed: relative error %.3g > %.3g", error, tolerance)
         return error
 
-    # ------------------------------------------------------------------ documents
-    def segment_id(self, text: str) -> str:
-        """Content id under which a document's KV is stored (no computation)."""
-        check_text(text, "text")
-        return self.library.segment_kv.key(text)
-
-    def precompute(
-        self,
-        texts: Iterable[str],
-        *,
-        progress: bool | None = None,
-        force: bool = False,
-        batch_tokens: int = DEFAULT_BATCH_TOKENS,
-    ) -> list[str]:
-        """Compute and store the KV of each document text once; return their segment ids.
-
-        A text whose entry is in the store and reads back intact is skipped (``force``: always
-        recomputed); an entry that cannot be read is dropped and recomputed. The others are
-        computed in batches of documents of similar length, ``batch_tokens`` (documents x
-        longest document, in tokens) at most per forward pass (`kvblend.engine.precompute`).
-        Every text becomes known to the document registry, so any process sharing the store
-        finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
-        more texts.
-        """
-        return self.library.precompute(
-            texts, progress=progress, force=force, batch_tokens=batch_tokens
-        )
-
-    def register(self, texts: Iterable[str]) -> None:
-        """Make document texts known without computing anything (their KV is computed on use).
-
-        Rarely needed: documents precomputed by any process sharing the store are known.
-        """
-        self.library.register(texts)
-
-    def is_known(self, text: str) -> bool:
-        """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
-        return self.library.is_known(text)
-
     # ------------------------------------------------------------------ planning
-    def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
-        """Cut a prompt string into segments: the known documents in it and the text between.
-
-        ``cache_prefix``: the text before the first document is cached as a prefix.
-        """
-        return self.library.segments_for(prompt, cache_prefix=cache_prefix)
-
-    def _segments(self, prompt: PromptLike) -> list[Segment]:
-        if isinstance(prompt, str):
-            return self.segments_for(prompt)
-        return check_segments(prompt)
-
     def plan(self, prompt: PromptLike) -> PrefillPlan:
         """Tokenize the whole prompt (documents' known tokens spliced in); plan each token's KV."""
         early = None  # a tokenizer that cannot splice tokenizes the string while matching
