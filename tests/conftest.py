@@ -27,6 +27,7 @@ from transformers import (
 )
 
 from conftest_redis import make_redis_server, redis_server  # noqa: F401 - shared fixtures
+from kvblend.engine.threads import use_threads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -76,7 +77,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     return report
 
 
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# A fixed thread count for the whole run, whatever the machine's load (kvblend's default
+# follows the load: `kvblend.engine.threads`); engines built with threads=None keep it.
+use_threads(min(2, torch.get_num_threads()))
 
 # hidden_size=64, 3 layers, GQA 4/2 heads: small enough to be instant, big enough to be real.
 TINY = dict(

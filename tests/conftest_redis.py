@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,3 +133,78 @@ def make_redis_server(tmp_path: Path) -> Iterator:
     yield make
     for server in servers:
         server.stop()
+
+
+class StalledServer:
+    """A TCP server that accepts connections and never answers (a stalled Redis).
+
+    It keeps every connection open and records what clients send.
+    """
+
+    def __init__(self) -> None:
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.port = int(self._listener.getsockname()[1])
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.connections = 0
+        self.received: list[bytes] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def commands(self) -> list[str]:
+        """The names of the commands received so far (RESP arrays' first items), in order."""
+        with self._lock:
+            data = b"".join(self.received)
+        names = []
+        for chunk in data.split(b"*")[1:]:  # each command is an array: *N\r\n$len\r\nNAME...
+            lines = chunk.split(b"\r\n")
+            if len(lines) > 2:
+                names.append(lines[2].decode("ascii", "replace").upper())
+        return names
+
+    def _accept(self) -> None:
+        self._listener.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                connection, _ = self._listener.accept()
+            except OSError:
+                continue
+            with self._lock:
+                self.connections += 1
+            thread = threading.Thread(target=self._serve, args=(connection,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        connection.settimeout(0.1)
+        with connection:
+            while not self._stop.is_set():
+                try:
+                    data = connection.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                with self._lock:
+                    self.received.append(data)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+
+@pytest.fixture
+def stalled_redis() -> Iterator[StalledServer]:
+    """A server on a free loopback port that accepts connections and never answers."""
+    server = StalledServer()
+    try:
+        yield server
+    finally:
+        server.close()

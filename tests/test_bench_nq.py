@@ -239,3 +239,14 @@ def test_bench_nq_end_to_end_writes_json(nq_file: Path, tmp_path: Path):
     assert all(r["documents_reused"] == 3 for r in result["rows"] if r["strategy"] != "full")
     assert {s["strategy"] for s in result["summary"]} == {"full", "reuse"}
     assert "| 3 | untold | reuse | 2 |" in output.with_suffix(".md").read_text()
+
+
+def test_bench_plan_times_nq_passages_in_the_papers_prompt(nq_file: Path) -> None:
+    """``kvblend bench plan --nq``: the data file's passages are the documents, each found."""
+    from kvblend.bench.planning import planning_line, run_planning, tokenizer_engine
+
+    engine = tokenizer_engine(byte_tokenizer())
+    result = run_planning(engine, prompt_tokens=300, doc_tokens=0, repeats=2, nq=nq_file)
+    assert result["documents"] >= 2 and result["documents_found"] == result["documents"]
+    assert result["prompt_tokens"] >= 300 and result["spliced"]
+    assert "x the tokenizer" in planning_line(result)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
@@ -45,12 +47,14 @@ def _run(tmp_path: Path, ci: str | None) -> tuple[int, str]:
     return done.returncode, done.stdout.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_ci_fails_tests_that_would_skip_for_a_missing_dependency(tmp_path: Path) -> None:
     code, summary = _run(tmp_path, "true")
     # a skipif marker fails at setup (an error), pytest.skip() in the test body as a failure
     assert code == 1 and "1 failed, 1 passed, 1 skipped, 1 error" in summary, summary
 
 
+@pytest.mark.slow
 def test_without_ci_they_skip(tmp_path: Path) -> None:
     code, summary = _run(tmp_path, None)
     assert code == 0 and "1 passed, 3 skipped" in summary, summary
@@ -63,3 +67,29 @@ def test_ci_script_lints_type_checks_then_runs_the_readme_tests() -> None:
     assert ".venv/bin/ruff check src tests benchmarks scripts" in lines
     assert ".venv/bin/ruff format --check src tests benchmarks scripts" in lines
     assert ".venv/bin/mypy" in lines  # files and settings: [tool.mypy] in pyproject.toml
+
+
+def _readme_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    return [line.strip() for line in readme.splitlines() if ".venv/bin/python -m pytest" in line]
+
+
+def test_the_readme_states_the_test_run_and_a_quick_run_that_ci_does_not_use() -> None:
+    commands = _readme_commands()
+    full = "bash scripts/install.sh && .venv/bin/python -m pytest"
+    assert full in commands  # the README's test command, run as is by CI
+    assert any('-m "not slow"' in command for command in commands)
+    readme = (ROOT / "README.md").read_text()
+    assert "minutes on two" in readme  # how long the whole suite takes
+    script = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert full in script and not any("not slow" in line for line in script)
+    config = (ROOT / "pyproject.toml").read_text()
+    assert "not slow" not in config.split("addopts")[1].splitlines()[0]  # not the default
+
+
+def test_the_license_is_an_spdx_expression() -> None:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    requires = project["build-system"]["requires"]
+    assert "setuptools>=77" in requires  # the first setuptools that reads an SPDX license

@@ -161,6 +161,7 @@ def test_undecodable_question_is_one_line(capsys: pytest.CaptureFixture[str]) ->
     assert "the question argument is not valid Unicode" in err
 
 
+@pytest.mark.slow
 def test_non_utf8_arguments_from_the_shell_are_one_line(tmp_path: Path) -> None:
     env = os.environ | {"PYTHONPATH": os.pathsep.join(sys.path), "LC_ALL": "C.UTF-8"}
     bad = b"Wh\xffere?"

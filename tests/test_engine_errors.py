@@ -242,9 +242,41 @@ def test_good_generation_arguments_at_the_bounds_decode(engine: BlendEngine) -> 
         (lambda e: e.prefill("a prompt", "reuse"), TypeError, "config must be a BlendConfig"),
         (lambda e: e.prefill(42), TypeError, "prompt must be a str or a list of segments"),
         (lambda e: e.prefill(["ok", 3]), TypeError, "Segment text must be a str"),
-        (lambda e: e.precompute(["fine text", 7]), TypeError, "document 1: Segment text"),
+        (lambda e: e.precompute(["fine text", 7]), TypeError, r"texts\[1\] must be a str, got int"),
         (lambda e: e.precompute(["fine text", ""]), ValueError, "document 1: Segment text"),
-    ],
+        (lambda e: e.precompute(5), TypeError, "texts must be a list of str, got int"),
+        (lambda e: e.precompute(["a"], batch_tokens="8"), TypeError, "batch_tokens must be an int"),
+        (lambda e: e.precompute(["a"], force="yes"), TypeError, "force must be True or False"),
+        (lambda e: e.register(3), TypeError, "texts must be a list of str, got int"),
+        # a str as the document list would be one document per character
+        (
+            lambda e: e.rag_segments("q?", "one document"),
+            TypeError,
+            r"documents must be a list of str, got a single str \(pass \[text\] for one document\)",
+        ),
+        (lambda e: e.rag_segments("q?", ["a", 3]), TypeError, r"documents\[1\] must be a str"),
+        (lambda e: e.rag_segments("q?", ["a", ""]), ValueError, r"documents\[1\] is empty"),
+        (lambda e: e.rag_segments(3, ["a"]), TypeError, "the question must be a str, got int"),
+        (lambda e: e.rag_segments(" ", ["a"]), ValueError, "the question is empty"),
+        (lambda e: e.rag_segments("q?", ["a"], separator=""), ValueError, "separator is empty"),
+        # cancel is checked before the prefill starts, on every entry point that takes it
+        (
+            lambda e: e.generate(e.rag_segments("q?", ["a doc"]), cancel="yes"),
+            TypeError,
+            "cancel must be a threading.Event or None, got str",
+        ),
+        (lambda e: e.prefill("a prompt", cancel="yes"), TypeError, "cancel must be a threading"),
+        (lambda e: next(iter(e.stream("a prompt", cancel=1))), TypeError, "cancel must be a"),
+        (lambda e: e.generate("a prompt", "full"), TypeError, "config must be a BlendConfig"),
+        (lambda e: e.explain("a prompt", "reuse"), TypeError, "config must be a BlendConfig"),
+        (lambda e: e.explain(42), TypeError, "prompt must be a str or a list of segments"),
+        (lambda e: e.generate_batch("a prompt"), TypeError, "prompts must be a list of prompts"),
+        (lambda e: e.generate_batch(["ok", 3]), TypeError, "prompt must be a str or a list"),
+        (lambda e: e.tokenize(5), TypeError, "text must be a str, got int"),
+        (lambda e: e.encode(b"x"), TypeError, "prompt must be a str, got bytes"),
+        (lambda e: e.segment_id(None), TypeError, "text must be a str, got NoneType"),
+        (lambda e: e.apply_chat_template("hi"), TypeError, "messages must be a list of"),
+    ],  # fmt: skip
 )
 def test_bad_prompts_and_configs_are_refused_before_any_model_work(
     engine: BlendEngine, monkeypatch: pytest.MonkeyPatch, call, error, message

@@ -12,7 +12,9 @@ import random
 import pytest
 
 from conftest import byte_tokenizer, tiny_model
-from kvblend import BlendConfig, BlendEngine
+from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.engine.explain import NO_DOCUMENTS
+from kvblend.engine.selectors.attention import share_above
 from kvblend.store import MemoryKVStore
 
 WORDS = "alpha beta gamma delta river stone cloud maple copper violin lisbon harbor".split()
@@ -101,15 +103,71 @@ def test_a_fallback_is_reported_with_its_reason_and_logged_once(
     assert "runs as full prefill" in str(engine.explain(prompt))
 
 
-def test_a_prompt_without_documents_logs_nothing(
+def test_a_prompt_without_documents_says_so_and_warns_nothing(
     engine: BlendEngine, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine.precompute([_document(random.Random(5), 20)])
+    engine._fallback_log._last.clear()  # noqa: SLF001 - a fresh minute
     with caplog.at_level(logging.DEBUG, logger="kvblend"):
         stats = engine.prefill("Hi").stats
         engine.prefill("Given the conversation, rephrase the follow-up question: where?")
-    assert caplog.records == []
-    assert stats.documents_found == 0 and stats.fallback is None and stats.near_miss is None
+    assert [r.levelno for r in caplog.records] == [logging.INFO]  # once a minute, no warning
+    assert f"no known document in the prompt ({len(engine.documents)} known)" in caplog.text
+    assert stats.documents_found == 0 and stats.near_miss is None
+    assert stats.fallback == NO_DOCUMENTS and stats.fallback.startswith("no_documents: ")
+    assert stats.strategy == "attention" and stats.strategy_run == "full"
+    assert stats.estimated_cost == 1.0 and stats.reused_tokens == 0
+    explained = engine.explain("Hi")
+    assert explained.fallback == NO_DOCUMENTS and "no_documents" in str(explained)
+    assert engine.prefill("Hi", BlendConfig("full")).stats.fallback is None  # as asked
+
+
+def test_full_above_never_prints_a_cost_equal_to_its_limit(engine: BlendEngine) -> None:
+    assert share_above(0.8001, 0.8) == "0.8001" and share_above(0.8049, 0.8) == "0.805"
+    assert share_above(0.86, 0.8) == "0.86" and share_above(0.800000001, 0.8) == "just above 0.8"
+    seen = 0
+    for prompt in _prompts(engine):
+        for config in CONFIGS:
+            fallback = engine.explain(prompt, config).fallback or ""
+            if fallback.startswith("full_above"):
+                shown = fallback.split("cost ")[1].split(" of full")[0]
+                limit = float(fallback.split("(limit ")[1].rstrip(")"))
+                assert float(shown.removeprefix("just above ")) >= limit, fallback
+                assert shown != f"{limit:.2f}", fallback
+                seen += 1
+    assert seen  # the rule fired on some prompts
+
+
+def test_a_question_quoting_a_reused_document_is_no_near_miss(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    document = "Marta Quill is a beekeeper who lives in Lisbon with her three dogs."
+    other = "Tomas Elm makes violins in Cremona and plays them on Sundays."
+    engine.precompute([document, other])
+    quoting = f"What does '{document[:24]}' mean?"  # its first 16+ characters, reused too
+    prompt = f"Context: {document}\n\n{other}\nQuestion: {quoting}"
+    segments = engine.rag_segments(quoting, [other, document])
+    with caplog.at_level(logging.WARNING, logger="kvblend"):
+        for config in (BlendConfig(), BlendConfig("reuse")):
+            assert engine.prefill(prompt, config).stats.near_miss is None
+            assert engine.prefill(segments, config).stats.near_miss is None
+        explained = engine.explain(prompt)
+    assert explained.near_miss is None and "near miss" not in str(explained)
+    assert "near" not in caplog.text
+    # a whole known document passed as uncached text is no truncated copy either
+    uncached = [Segment("Context: ", cache=False), Segment(document, cache=False),
+                Segment("\nQuestion: where?", cache=False)]  # fmt: skip
+    assert engine.prefill(uncached, BlendConfig("reuse")).stats.near_miss is None
+
+
+def test_a_truncated_document_in_a_segment_list_is_a_near_miss() -> None:
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    document = "Marta Quill is a beekeeper who lives in Lisbon with her three dogs."
+    engine.precompute([document])
+    segments = engine.segments_for(f"Context: {document[:40]}\nQuestion: where?")
+    stats = engine.prefill(segments, BlendConfig("reuse")).stats
+    assert stats.near_miss is not None and "starts at character 9" in stats.near_miss
 
 
 def test_a_truncated_document_is_named_as_a_near_miss() -> None:

@@ -22,6 +22,7 @@ def test_sleeps():
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_the_run(tmp_path: Path, signum: int) -> None:
     marker = tmp_path / "started"
@@ -54,6 +55,7 @@ def test_a_signal_stops_the_run(tmp_path: Path, signum: int) -> None:
     assert "KeyboardInterrupt" in output and "1 passed" not in output
 
 
+@pytest.mark.slow
 def test_importing_the_fixtures_keeps_sigterm_default() -> None:
     """A spawned pool worker that imports conftest for its helpers still ends on SIGTERM."""
     code = "import signal, conftest; print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)"

@@ -83,6 +83,7 @@ def test_import_without_llama_index_names_the_extra(monkeypatch: pytest.MonkeyPa
         importlib.import_module("kvblend.llamaindex")
 
 
+@pytest.mark.slow
 def test_core_and_shared_glue_import_no_framework() -> None:
     code = (
         "import sys, kvblend, kvblend.matching, kvblend._adapters, kvblend.integrations; "

@@ -15,6 +15,8 @@ import multiprocessing
 import sys
 from pathlib import Path
 
+import pytest
+
 CORPUS = [
     "Lena Park plays the violin in the city orchestra.",
     "Marta Quill lives in Lisbon and paints harbours.",
@@ -92,6 +94,7 @@ def _reader(url: str, folder: str, network_only: bool, started, go) -> list:
     return results
 
 
+@pytest.mark.slow
 def test_readers_reuse_what_the_writer_stored_and_survive_a_restart(redis_server, tmp_path):
     # A generous timeout (a redis-py URL option): on a loaded machine a slow reply must not
     # turn into a miss in the first run, where nothing may be computed.
@@ -134,3 +137,93 @@ def test_readers_reuse_what_the_writer_stored_and_survive_a_restart(redis_server
             recomputed += sum(computed for _, computed, _ in results)
         assert recomputed > 0  # the restarted server was empty: segments were computed again
         manager.shutdown()
+
+
+# ------------------------------------------------------- 3 processes x 3 threads, one folder
+DOCUMENTS = [f"{text} It is note {n} of the town archive." for n, text in enumerate(CORPUS * 2)]
+THREADS = 3
+
+
+def _busy_process(url: str, folder: str, worker: int, store_key: str) -> dict:
+    """Three threads sharing one engine over one folder and one server: precompute and answer.
+
+    Returns every answer given and every document this process precomputed.
+    """
+    import os
+    import threading
+
+    if store_key:
+        os.environ["KVBLEND_STORE_KEY"] = store_key
+    from kvblend.store import default_store
+
+    engine = _engine(default_store(folder, redis_url=url))
+    answers: list[tuple[int, str]] = []
+    written: list[str] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def work(thread: int) -> None:
+        offset = 3 * worker + thread
+        mine = [DOCUMENTS[(offset + step) % len(DOCUMENTS)] for step in range(4)]
+        try:
+            engine.precompute(mine)
+            got = [(i, _answer(engine, i)[0]) for i in ((offset + s) % 6 for s in range(2))]
+        except Exception as error:  # noqa: BLE001 - reported to the test, which fails
+            with lock:
+                errors.append(f"{type(error).__name__}: {error}")
+            return
+        with lock:
+            written.extend(mine)
+            answers.extend(got)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    engine.store.wait_for_promotions()
+    stats = engine.store.stats()
+    return {
+        "answers": answers,
+        "written": written,
+        "errors": errors,
+        "corrupt": stats.corrupt_dropped,
+        "put_errors": stats.put_errors,
+    }
+
+
+def _intact(url: str, folder: str, store_key: str) -> dict[str, int]:
+    """How many precomputed documents are whole in the folder alone and on the server alone."""
+    import os
+
+    if store_key:
+        os.environ["KVBLEND_STORE_KEY"] = store_key
+    from kvblend.store import DiskKVStore, RedisKVStore
+
+    found = {}
+    for tier, store in (("disk", DiskKVStore(folder)), ("redis", RedisKVStore(url))):
+        engine = _engine(store)
+        found[tier] = sum(engine.segment_kv.intact(engine.segment_id(d)) for d in DOCUMENTS)
+        store.close()
+    return found
+
+
+@pytest.mark.parametrize("store_key", ["", "9" * 64], ids=["checksums", "macs"])
+def test_three_processes_of_three_threads_lose_nothing(redis_server, tmp_path, store_key):
+    url = redis_server.url + "?socket_timeout=30"
+    folder = str(tmp_path / "shared")
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(3) as pool:
+        reference = pool.apply_async(_reference)
+        runs = [pool.apply_async(_busy_process, (url, folder, n, store_key)) for n in range(3)]
+        expected = reference.get(900)
+        results = [run.get(900) for run in runs]
+        intact = pool.apply(_intact, (url, folder, store_key))
+    answers = [answer for result in results for answer in result["answers"]]
+    wrong = [(index, text) for index, text in answers if text != expected[index]]
+    assert [result["errors"] for result in results] == [[]] * 3
+    assert len(answers) == 3 * THREADS * 2 and wrong == []  # 0 wrong answers
+    written = {doc for result in results for doc in result["written"]}
+    assert written == set(DOCUMENTS)
+    assert intact == {"disk": len(DOCUMENTS), "redis": len(DOCUMENTS)}  # 0 lost writes
+    assert [(r["corrupt"], r["put_errors"]) for r in results] == [(0, 0)] * 3

@@ -177,6 +177,7 @@ WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_second_process_reuses_documents_it_never_precomputed(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(
@@ -230,6 +231,7 @@ def _run_worker(script: Path, cache_home: Path, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_same_model_from_two_folders_shares_one_store(tmp_path: Path) -> None:
     import json
 
@@ -277,6 +279,7 @@ REDIS_WORKER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_same_model_from_two_cache_homes_shares_one_redis(tmp_path: Path, redis_server) -> None:
     import json
 

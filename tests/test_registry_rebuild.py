@@ -102,7 +102,8 @@ def test_entries_computed_in_a_prefill_or_healed_name_their_documents(
     first.store.put(key, {"k.0": torch.zeros(2, 3)}, {"tokens": "6"})  # damaged, unnamed
     healer = engine_over(model, DiskKVStore(tmp_path))
     stats = healer.prefill(PROMPT, BlendConfig("reuse")).stats
-    assert stats.segments_precomputed == 1 and healer.segment_kv.dropped == 1
+    assert stats.segments_precomputed == 1  # a miss: the store dropped it and counted it
+    assert healer.store.stats().corrupt_dropped == 1 and healer.segment_kv.dropped == 0
     assert healer.store.metadata(key)["document.digest"] == text_digest(B).hex()
     shutil.rmtree(tmp_path / "records")  # the registry is lost: only the entries name them
     fresh = engine_over(model, DiskKVStore(tmp_path))

@@ -19,16 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .cli_args import (
-    DEFAULT_CORRECTION,
-    DEFAULT_RATIO,
-    STRATEGIES,
     CLIError,
     OneLineParser,
+    add_blend_options,
+    add_chunk_option,
+    add_model_options,
     check_device,
-    default_threads,
     positive_int,
     printable,
 )
+from .cli_precompute import DocumentFiles, fitting_documents, list_files, precompute_each
 from .cli_store import add_store_parser
 
 if TYPE_CHECKING:
@@ -36,24 +36,27 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("kvblend")
 
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
-
 
 def _check_arguments(args: argparse.Namespace) -> None:
-    """Refuse bad settings and text arguments before the model loads."""
+    """Refuse bad settings, text arguments and environment settings before the model loads."""
     if hasattr(args, "strategy"):
         _config(args)  # a bad setting fails before the model loads
     if hasattr(args, "device"):
         check_device(args.device)
+        from .engine.decode_cache import check_environment
+
+        check_environment()  # KVBLEND_DECODE_CACHE, KVBLEND_DECODE_COMPILE
     from .engine.validation import check_text
 
-    for name in ("question", "system"):
+    for name in ("question", "system", "prompt"):
         value = getattr(args, name, None)
         if value is not None:
             try:
                 check_text(value, f"the {name} argument")
             except ValueError as error:
                 raise CLIError(str(error)) from None
+            if name != "system" and not value.strip():
+                raise CLIError(f"the {name} is empty")
 
 
 def load_sample_corpus() -> dict[str, Any]:
@@ -105,8 +108,6 @@ def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
     from .engine.engine import DEFAULT_SYSTEM_PROMPT
 
     _quiet_transformers()
-    threads = args.threads or default_threads()
-    torch.set_num_threads(threads)
     store = _store(args)
     print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
     started = time.perf_counter()
@@ -114,13 +115,20 @@ def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
         system = args.system
     engine = BlendEngine.from_pretrained(
         args.model, store=store, device=args.device,
-        system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system,
+        system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system, threads=args.threads,
     )  # fmt: skip
     print(
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
-        f"(parity self-check error {engine.parity_error:.1e}; {threads} CPU thread(s))",
+        f"(parity self-check error {engine.parity_error:.1e}; {torch.get_num_threads()} CPU "
+        "thread(s))",
         file=sys.stderr,
     )
+    budget = getattr(args, "max_new_tokens", None)
+    if budget is not None and budget >= engine.context_window:
+        raise CLIError(
+            f"--max-new-tokens {budget} leaves no room for a prompt in {engine.name}'s context "
+            f"window of {engine.context_window} tokens"
+        )
     return engine
 
 
@@ -132,41 +140,11 @@ def _store(args: argparse.Namespace):  # noqa: ANN202
     return default_store(getattr(args, "store_dir", None))
 
 
-def _read_named(paths: Sequence[str]) -> list[tuple[str, str]]:
-    """Read every text file of ``paths`` (files or folders) as ``(file name, text)``.
+def _read(paths: Sequence[str], files: DocumentFiles) -> list[tuple[str, str]]:
+    """Return the ``(name, text)`` of every document file of ``paths`` (before the model loads)."""
+    from .cli_precompute import read_files
 
-    A file that cannot be read or is not UTF-8 is skipped with one warning line.
-    """
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw).expanduser()
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES)
-        elif path.is_file():
-            files.append(path)
-        else:
-            raise CLIError(f"no such file or folder: {raw}")
-    documents = []
-    for file in files:
-        try:
-            text = file.read_text("utf-8").strip()
-        except UnicodeDecodeError as error:
-            logger.warning(
-                printable(f"skipping {file}: not UTF-8 text ({error.reason} at byte {error.start})")
-            )
-            continue
-        except OSError as error:
-            logger.warning(printable(f"skipping {file}: {error.strerror or error}"))
-            continue
-        if text:
-            documents.append((str(file), text))
-    if not documents:
-        raise CLIError("no documents found (text files: " + ", ".join(sorted(TEXT_SUFFIXES)) + ")")
-    return documents
-
-
-def _read_documents(paths: Sequence[str]) -> list[str]:
-    return [text for _, text in _read_named(paths)]
+    return read_files(list_files(paths, files), files)
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -214,27 +192,38 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 def cmd_precompute(args: argparse.Namespace) -> None:
     """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
-    from .cli_precompute import fitting_documents, precompute_each
-
-    named = _read_named(args.paths)
+    files = DocumentFiles()
+    named = _read(args.paths, files)  # before the model loads
     engine = _engine(args)
     started = time.perf_counter()
-    documents = fitting_documents(engine, named, chunk=args.chunk)
-    stored = precompute_each(engine, documents)
-    skipped = len(named) - len({name for name, _ in documents})
+    documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
+    stored = precompute_each(engine, documents, files)
+    skipped = len(files.skipped)
     print(
         f"precomputed {stored} documents in {time.perf_counter() - started:.1f} s"
-        + (f"; {skipped} file(s) skipped (named above)" if skipped else "")
+        + (f"; {skipped} file(s) or folder(s) skipped (named above)" if skipped else "")
     )
     _print_stats(engine.store.stats())
 
 
 def cmd_ask(args: argparse.Namespace) -> None:
     """Answer a question over documents with blended prefill."""
-    documents = _read_documents(args.docs)
+    files = DocumentFiles()
+    read = _read(args.docs, files)  # before the model loads
     engine = _engine(args)
-    engine.precompute(documents)
+    named = fitting_documents(engine, read, chunk=args.chunk, files=files)
+    precompute_each(engine, named, files)
+    documents = [text for _, text in named]
+    if not documents:
+        raise CLIError("no document fits the model (named above)")
     segments = engine.rag_segments(args.question, documents)
+    try:
+        engine.plan(segments)  # one prompt holds every document: it must fit the window
+    except ValueError as error:
+        raise CLIError(
+            f"{error}: the question and {len(documents)} document(s) are one prompt; pass fewer "
+            "or shorter documents"
+        ) from None
     from .engine import BlendConfig
 
     if args.compare:
@@ -266,10 +255,14 @@ def cmd_explain(args: argparse.Namespace) -> None:
         prompt = args.prompt
     else:
         raise CLIError("give the prompt text, or --file PATH")
-    documents = _read_documents(args.docs) if args.docs else []
+    if not prompt.strip():
+        raise CLIError(f"the prompt{' file ' + args.file if args.file else ''} is empty")
+    files = DocumentFiles()
+    named = _read(args.docs, files) if args.docs else []  # before the model loads
     engine = _engine(args)
-    if documents:
-        engine.precompute(documents)
+    if named:
+        fitting = fitting_documents(engine, named, chunk=args.chunk, files=files)
+        precompute_each(engine, fitting, files)
     print(engine.explain(prompt, _config(args)))
 
 
@@ -281,6 +274,13 @@ def _print_stats(stats: Any, indent: str = "") -> None:
     for name, tier in stats.tiers.items():
         print(f"{indent}{name} tier:")
         _print_stats(tier, indent + "  ")
+
+
+def cmd_model_folder(args: argparse.Namespace) -> None:
+    """Print the local folder of the model (a GGUF file is converted once), e.g. for vLLM."""
+    from .engine.loading import model_folder
+
+    print(model_folder(args.model))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -300,44 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def model_options(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
-        p.add_argument(
-            "--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)"
-        )
-        p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
-        p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
-        p.add_argument(
-            "--strategy",
-            default=STRATEGIES[0],
-            help=f"how reused tokens are chosen for recompute: {', '.join(STRATEGIES)} "
-            "(default %(default)s)",
-        )
-        p.add_argument("--ratio", type=float, default=None,
-                       help="recompute ratio for attention and cacheblend "
-                            f"(default {DEFAULT_RATIO})")  # fmt: skip
-        p.add_argument("--deviation", default=None, choices=["value", "key"],
-                       help="cacheblend's deviation metric (default value)")  # fmt: skip
-        p.add_argument("--correction", type=float, default=None,
-                       help="share of the recomputed tokens' mean KV change added to the other "
-                            "tokens of their document, for attention, cacheblend and epic "
-                            f"(default {DEFAULT_CORRECTION}; 0: off)")  # fmt: skip
-        p.add_argument("--set", action="append", metavar="NAME=VALUE",
-                       help="any other setting of the strategy, such as lead_tokens=16 or "
-                            "short_document=0 (docs/configuration.md); repeatable")  # fmt: skip
-        p.add_argument("--max-new-tokens", type=positive_int, default=24)
-        p.add_argument("--system", default=None,
-                       help="system prompt of the RAG prompt; documents are precomputed behind "
-                            "it, so use the same one for precompute and ask (default: "
-                            "'Answer the question using only the documents.')")  # fmt: skip
-        p.add_argument("--threads", type=positive_int, default=None,
-                       help="torch CPU threads (default: the physical cores the last minute's "
-                            "load leaves idle, at least 1)")  # fmt: skip
-
     demo = sub.add_parser(
         "demo", help="answer the bundled sample corpus's questions, full vs blended"
     )
-    model_options(demo)
+    add_model_options(demo)
+    add_blend_options(demo)
     demo.add_argument(
         "--questions", type=positive_int, default=6, help="how many questions (default 6)"
     )
@@ -345,30 +312,41 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
-    model_options(pre)
-    pre.add_argument("paths", nargs="+", help="text files or folders (one document per file)")
-    pre.add_argument("--chunk", action="store_true",
-                     help="split a file longer than the model's context window into documents "
-                          "that fit (default: skip it, naming it)")  # fmt: skip
+    add_model_options(pre)
+    pre.add_argument("paths", nargs="+", help="text files or folders (one document per file; "
+                                              "hidden files and folders are skipped)")  # fmt: skip
+    add_chunk_option(pre)
     pre.set_defaults(func=cmd_precompute)
 
     ask = sub.add_parser("ask", help="answer a question over documents with blended prefill")
-    model_options(ask)
+    add_model_options(ask)
+    add_blend_options(ask)
     ask.add_argument("question")
-    ask.add_argument("--docs", nargs="+", required=True, help="text files or folders")
+    ask.add_argument("--docs", nargs="+", required=True,
+                     help="text files or folders, all put in one prompt")  # fmt: skip
+    add_chunk_option(ask)
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
 
     explain = sub.add_parser(
         "explain", help="show what a prompt would reuse from the store, and why (computes nothing)"
     )
-    model_options(explain)
+    add_model_options(explain)
+    add_blend_options(explain, decodes=False)
     explain.add_argument("prompt", nargs="?", help="the final prompt text")
     explain.add_argument("--file", help="read the prompt from this file instead")
     explain.add_argument("--docs", nargs="+", help="precompute these text files or folders first")
+    add_chunk_option(explain)
     explain.set_defaults(func=cmd_explain)
 
     add_store_parser(sub)
+
+    folder = sub.add_parser(
+        "model-folder",
+        help="print the model's local folder, a GGUF file converted once (e.g. for vllm serve)",
+    )
+    folder.add_argument("--model", help="model folder or GGUF file (default: bundled)")
+    folder.set_defaults(func=cmd_model_folder)
 
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
     sub.add_parser(

@@ -1,4 +1,8 @@
-"""Argument checks of the ``kvblend`` command line: one-line errors, devices, counts.
+"""Options and argument checks of the ``kvblend`` command line: one-line errors, devices, counts.
+
+Each command lists only the options it uses: `add_model_options` for every command that loads
+the model, `add_blend_options` for those that blend (``--max-new-tokens`` for those that also
+generate), `add_chunk_option` for those that read document files.
 
 A user mistake is one line on stderr and exit status 2. argparse's own errors print a usage
 block first; `OneLineParser` prints the error alone and says where the help is. `check_device`
@@ -9,8 +13,6 @@ and failing in ``model.to`` costs seconds and prints a long traceback).
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 from typing import NoReturn
 
 #: Strategies and defaults the help shows; importing the engine (torch) only to print help
@@ -89,38 +91,49 @@ def check_device(name: str) -> None:
         raise CLIError(f"unsupported device {name!r}; use auto, cpu, cuda, cuda:N or mps")
 
 
-def physical_cores() -> int:
-    """Physical CPU cores this process may use (hyper-threads counted once; Linux, else all)."""
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    usable = usable or os.cpu_count() or 1
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return usable
-    cores = {
-        (block.get("physical id"), block.get("core id"))
-        for block in (
-            dict(
-                (key.strip(), value.strip())
-                for key, _, value in (line.partition(":") for line in chunk.splitlines())
-            )
-            for chunk in cpuinfo.split("\n\n")
-        )
-        if "core id" in block
-    }
-    return max(1, min(usable, len(cores) or usable))
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """Options of every command that loads the model."""
+    p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
+    p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
+    p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
+    p.add_argument("--system", default=None,
+                   help="system prompt of the RAG prompt; documents are precomputed behind "
+                        "it, so use the same one for precompute and ask (default: "
+                        "'Answer the question using only the documents.')")  # fmt: skip
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: the physical cores the last minute's "
+                        "load leaves idle, at least 1)")  # fmt: skip
 
 
-def default_threads() -> int:
-    """Torch CPU threads for a command: the physical cores, fewer on a busy machine.
+def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> None:
+    """Options of the commands that blend (``decodes``: and generate text)."""
+    p.add_argument(
+        "--strategy",
+        default=STRATEGIES[0],
+        help=f"how reused tokens are chosen for recompute: {', '.join(STRATEGIES)} "
+        "(default %(default)s)",
+    )
+    p.add_argument("--ratio", type=float, default=None,
+                   help="recompute ratio for attention and cacheblend "
+                        f"(default {DEFAULT_RATIO})")  # fmt: skip
+    p.add_argument("--deviation", default=None, choices=["value", "key"],
+                   help="cacheblend's deviation metric (default value)")  # fmt: skip
+    p.add_argument("--correction", type=float, default=None,
+                   help="share of the recomputed tokens' mean KV change added to the other "
+                        "tokens of their document, for attention, cacheblend and epic "
+                        f"(default {DEFAULT_CORRECTION}; 0: off)")  # fmt: skip
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="any other setting of the strategy, such as lead_tokens=16 or "
+                        "short_document=0 (docs/configuration.md); repeatable")  # fmt: skip
+    if decodes:
+        p.add_argument("--max-new-tokens", type=positive_int, default=24,
+                       help="tokens to generate at most, fewer than the model's context "
+                            "window (default %(default)s)")  # fmt: skip
 
-    The cores the last minute's load average leaves idle, at least 1: threads beyond the idle
-    cores wait on each other and make every prefill slower, and a blend (many small steps)
-    more than a full prefill.
-    """
-    cores = physical_cores()
-    try:
-        busy = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        return cores
-    return max(1, min(cores, round((os.cpu_count() or cores) - busy)))
+
+def add_chunk_option(p: argparse.ArgumentParser) -> None:
+    """``--chunk``, for the commands that read document files."""
+    p.add_argument("--chunk", action="store_true",
+                   help="split a file longer than the model's context window into documents "
+                        "that fit (default: skip it, naming it)")  # fmt: skip

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .cli_args import CLIError
 
 if TYPE_CHECKING:  # the store (and torch) load only when a store command runs
-    from .store import DiskKVStore
+    from .store import DiskKVStore, RepairReport
 
 
 def add_store_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private subparsers action
@@ -78,7 +78,7 @@ def cmd_store(args: argparse.Namespace) -> None:
                 _print_stats(directory, store)
         finally:
             store.close()
-    except (StoreError, OSError) as error:
+    except (StoreError, OSError, ValueError) as error:  # ValueError: a bad setting
         raise _user_error(str(error)) from error
 
 
@@ -91,6 +91,8 @@ def _print_stats(directory: Path, store: DiskKVStore) -> None:
     print(f"entries: {stats.entries}")
     print(f"bytes: {stats.bytes:,} ({stats.bytes / 2**20:.1f} MiB)")
     print(f"access: {'shared with the group' if store.modes.shared else 'private to the owner'}")
+    if stats.read_only:
+        print("read-only: entries are read, nothing is written (the folder cannot be written)")
     if (directory / DAMAGED_NAME).exists():
         print(f"a damaged index was set aside as {directory / DAMAGED_NAME} (safe to delete)")
     redis_url = os.environ.get("KVBLEND_REDIS_URL")
@@ -113,8 +115,13 @@ def _print_repair(directory: Path, store: DiskKVStore) -> None:
 
     report = store.repair()
     print(f"store folder: {directory}")
-    set_aside = f"set aside as {DAMAGED_NAME} and rebuilt" if report.index_set_aside else "ok"
-    print(f"index: {set_aside}")
+    if report.read_only:
+        _print_survey(report)
+        return
+    if report.index_set_aside:
+        print(f"index: set aside as {DAMAGED_NAME} and rebuilt")
+    else:
+        print("index: missing or empty, rebuilt" if report.index_rebuilt else "index: ok")
     print(f"index rows without a valid file dropped: {report.rows_dropped}")
     print(f"entry files taken back into the index: {report.files_adopted}")
     print(
@@ -122,3 +129,14 @@ def _print_repair(directory: Path, store: DiskKVStore) -> None:
         f"({report.orphan_bytes:,} bytes)"
     )
     print(f"entries: {report.entries}, bytes: {report.bytes:,}")
+
+
+def _print_survey(report: RepairReport) -> None:
+    """Print what `repair` found in a folder it cannot change."""
+    print("read-only: nothing was changed (the folder cannot be written)")
+    print(f"index: {'damaged, left as it is' if report.index_damaged else 'ok'}")
+    print(f"index rows without a valid file: {report.rows_broken}")
+    print(f"value files no index row names: {report.files_unindexed}")
+    print(f"entries: {report.entries}, bytes: {report.bytes:,}")
+    healthy = not (report.index_damaged or report.rows_broken or report.files_unindexed)
+    print("healthy" if healthy else "run repair where the folder can be written to fix these")

@@ -1,15 +1,19 @@
 """The GPU benchmark: one run gives every figure the GPU path is judged by.
 
 TTFT of ``full``, the default, ``cacheblend-value-0.15`` and ``reuse`` at 4K, 8K, 16K and 32K
-prompt tokens, with the documents in memory and read from a cold disk tier (`run_ttft`, runs
-interleaved), decode tokens/s after a full prefill and after the default, peak GPU memory of
-every timed prefill (``torch.cuda.max_memory_allocated``, from `PeakMemory`) and of the whole
-run, and documents/s of precompute, one by one vs batched (`run_ingest`). Nothing here is
-specific to a GPU model: it runs unchanged on any CUDA machine, and on the CPU
-(``--device cpu --lengths 1024 --dtype float32``) as a smoke test of the same code path.
+prompt tokens, each prompt given as its string as users give it (finding its documents and its
+tokens timed), with the documents in the model device's memory, in host memory (pinned on CUDA)
+and read from a cold disk tier (`run_ttft`, runs interleaved; each row also gives the TTFT
+without the prompt handling: from ids), decode tokens/s after a full prefill and after the
+default, peak GPU memory of every timed prefill (``torch.cuda.max_memory_allocated``, from
+`PeakMemory`) and of the whole run, and documents/s of precompute, one by one vs batched
+(`run_ingest`). Nothing here is specific to a GPU model: it runs unchanged on any CUDA machine,
+and on the CPU (``--device cpu --lengths 1024 --dtype float32``) as a smoke test of the same
+code path.
 
-The baselines are transformers' own: its forward over the same prompt's token ids
-(``model(input_ids, logits_to_keep=1)``, SDPA attention) and ``generate`` up to the first token
+The baselines are transformers' own, as users call them: its forward over the same prompt
+(``model(input_ids, logits_to_keep=1)``, SDPA attention) and ``generate`` up to the first token,
+each from the prompt string (``tokenizer(prompt)`` timed) and from its token ids
 (`run_transformers`). ``--model-shape llama-1b`` / ``llama-8b`` replaces the model by one of
 that shape with random weights (`kvblend.bench.random_models`): timing needs no trained weights.
 """
@@ -22,12 +26,14 @@ import time
 from typing import Any
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from ..engine import BlendEngine
 from .ingest import ingest_table, run_ingest
 from .random_models import MODEL_SHAPES
 from .strategies import parse_strategies
-from .ttft import QUESTION, SYSTEM, build_documents, run_ttft, ttft_table
+from .ttft import QUESTION, SYSTEM, build_documents, run_ttft
+from .ttft_summary import ttft_table
 
 DEFAULT_LENGTHS = "4096,8192,16384,32000"
 DEFAULT_STRATEGIES = "full,default,cacheblend-value-0.15,reuse"
@@ -42,6 +48,8 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32, help="0 to skip decode speed")
     parser.add_argument("--no-disk", action="store_true", help="skip the cold-disk runs")
+    parser.add_argument("--no-host", action="store_true",
+                        help="skip the runs with the documents in host memory")  # fmt: skip
     parser.add_argument("--ingest-documents", type=int, default=None,
                         help="documents of the precompute timing (default 64 on a GPU, 4 on "
                              "the CPU; 0 to skip it)")  # fmt: skip
@@ -117,6 +125,7 @@ def run_gpu(engine: BlendEngine, args: argparse.Namespace) -> dict[str, Any]:
         engine, lengths=parse_lengths(args.lengths), strategies=parse_strategies(args.strategies),
         repeats=args.repeats, doc_tokens=args.doc_tokens, disk=not args.no_disk,
         disk_strategies=None, decode_tokens=args.decode_tokens, seed=args.seed,
+        host=not args.no_host, from_text=True,
     )  # fmt: skip
     documents = args.ingest_documents
     if documents is None:
@@ -154,6 +163,28 @@ def _timed(device: torch.device, run: Any) -> float:
     return time.perf_counter() - started
 
 
+def _prompts(
+    engine: BlendEngine, lengths: list[int], doc_tokens: int, seed: int
+) -> dict[int, tuple[str, bool, torch.Tensor]]:
+    """Return the TTFT prompts per length: the string, whether specials are added, the ids.
+
+    The ids are the engine's for the string (a chat template's BOS not doubled), which
+    ``tokenizer(prompt)`` gives too: checked here.
+    """
+    prompts = {}
+    for length in lengths:
+        documents = build_documents(engine, length, doc_tokens, seed + length)
+        segments = engine.rag_segments(QUESTION, documents, system=SYSTEM)
+        text = "".join(segment.text for segment in segments)
+        ids = torch.from_numpy(engine.plan(segments).token_ids)[None]
+        bos = engine.tokenizer.bos_token
+        specials = not (bos and text.startswith(bos))
+        if engine.tokenizer(text, add_special_tokens=specials)["input_ids"] != ids[0].tolist():
+            raise RuntimeError("the engine's prompt ids are not the tokenizer's: a bug")
+        prompts[length] = (text, specials, ids)
+    return prompts
+
+
 def run_transformers(
     engine: BlendEngine,
     lengths: list[int],
@@ -164,67 +195,116 @@ def run_transformers(
 ) -> list[dict[str, Any]]:
     """Time transformers' forward and ``generate`` to the first token on the TTFT prompts.
 
-    The same prompts as `run_ttft` (same documents and template), as token ids; the forward
-    keeps only the last position's logits and reads the first token, as ``generate`` does.
-    With ``decode_tokens`` > 1, ``generate`` also runs to exactly that many tokens: its decode
-    speed is the tokens after the first over the time beyond the same repeat's first-token run.
+    The same prompts as `run_ttft` (same documents and template), from the string
+    (``-text`` runs: ``tokenizer(prompt, return_tensors="pt")`` and the copy to the device are
+    timed) and from token ids already on the device; the forward keeps only the last position's
+    logits and reads the first token, as ``generate`` does. With ``decode_tokens`` > 1,
+    ``generate`` also runs to exactly that many tokens: its decode speed is the tokens after the
+    first over the time from the first token to the last, both timed in that same run
+    (`_FirstTokenClock`), so it is positive whatever else the machine does (a difference of two
+    runs was not: on a busy CPU the 1-token run could take longer).
     """
     model: Any = engine.model
     device = engine.decoder.device
-    prompts = {}
-    for length in lengths:
-        documents = build_documents(engine, length, doc_tokens, seed + length)
-        plan = engine.plan(engine.rag_segments(QUESTION, documents, system=SYSTEM))
-        prompts[length] = torch.tensor([plan.token_ids], device=device)
+    prompts = _prompts(engine, lengths, doc_tokens, seed)
+    device_ids = {length: ids.to(device) for length, (_, _, ids) in prompts.items()}
+
+    def encode(length: int) -> torch.Tensor:
+        text, specials, _ = prompts[length]
+        ids = engine.tokenizer(text, add_special_tokens=specials, return_tensors="pt")
+        return ids["input_ids"].to(device)
 
     def forward(ids: torch.Tensor) -> None:
         logits = model(ids, logits_to_keep=1).logits
         int(logits[0, -1].argmax())
 
+    clock = _FirstTokenClock(device)
+
     def generate(ids: torch.Tensor, tokens: int = 1) -> None:
         model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
             min_new_tokens=tokens, do_sample=False, pad_token_id=engine.tokenizer.eos_token_id,
+            stopping_criteria=StoppingCriteriaList([clock.start()]) if tokens > 1 else None,
         )  # fmt: skip
 
-    runs = {"transformers-forward": forward, "transformers-generate": generate}
+    runs: dict[str, Any] = {
+        "transformers-forward": lambda n: forward(device_ids[n]),
+        "transformers-forward-text": lambda n: forward(encode(n)),
+        "transformers-generate": lambda n: generate(device_ids[n]),
+        "transformers-generate-text": lambda n: generate(encode(n)),
+    }
     if decode_tokens > 1:
-        runs["transformers-decode"] = lambda ids: generate(ids, decode_tokens)
+        runs["transformers-decode"] = lambda n: generate(device_ids[n], decode_tokens)
     times: dict[tuple[int, str], list[float]] = {}
     with torch.inference_mode():
-        for ids in list(prompts.values())[:1]:  # warm-up
-            forward(ids)
-            generate(ids)
+        for length in lengths[:1]:  # warm-up
+            runs["transformers-forward-text"](length)
+            runs["transformers-generate-text"](length)
         for _ in range(repeats):
-            for length, ids in prompts.items():
+            for length in prompts:
                 for name, run in runs.items():
-                    elapsed = _timed(device, lambda run=run, ids=ids: run(ids))
+                    elapsed = _timed(device, lambda run=run, length=length: run(length))
                     times.setdefault((length, name), []).append(elapsed)
+                    if name == "transformers-decode":  # the same run's time after its first token
+                        times.setdefault((length, "decode-after-first"), []).append(
+                            clock.after_first()
+                        )
     rows = [
         {
             "target_tokens": length,
-            "prompt_tokens": prompts[length].shape[1],
+            "prompt_tokens": device_ids[length].shape[1],
             "run": name,
             "ttft_median_s": statistics.median(values),
             "ttft_min_s": min(values),
         }  # fmt: skip
         for (length, name), values in times.items()
-        if name != "transformers-decode"
+        if name in runs and name != "transformers-decode"
     ]
-    return rows + _decode_rows(times, prompts, decode_tokens)
+    return rows + _decode_rows(times, device_ids, decode_tokens)
+
+
+class _FirstTokenClock(StoppingCriteria):
+    """Times one ``generate`` call from its first new token to its end.
+
+    ``generate`` calls its stopping criteria once after each new token: the first call marks
+    the first token (after a device sync, so the prefill is done), `after_first` the end.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.first_at: float | None = None
+
+    def start(self) -> _FirstTokenClock:
+        self.first_at = None
+        return self
+
+    def __call__(
+        self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        if self.first_at is None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.first_at = time.perf_counter()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def after_first(self) -> float:
+        """Seconds from the first new token to now (the run's end, once it is synced)."""
+        assert self.first_at is not None, "generate made no token"
+        return time.perf_counter() - self.first_at
 
 
 def _decode_rows(
     times: dict[tuple[int, str], list[float]], prompts: dict[int, torch.Tensor], tokens: int
 ) -> list[dict[str, Any]]:
-    """Return ``generate``'s decode tokens/s per length, each repeat's first-token run taken off."""
+    """Return ``generate``'s decode tokens/s per length (after the first token, in one run)."""
     rows = []
     for length, ids in prompts.items():
         whole = times.get((length, "transformers-decode"))
         if not whole:
             continue
-        first = times[(length, "transformers-generate")]
-        rates = [(tokens - 1) / (w - f) for w, f in zip(whole, first, strict=True) if w > f]
+        after_first = times[(length, "decode-after-first")]
+        rates = [(tokens - 1) / seconds for seconds in after_first if seconds > 0]
         rows.append({
             "target_tokens": length, "prompt_tokens": ids.shape[1], "run": "transformers-decode",
             "decode_tokens": tokens, "total_median_s": statistics.median(whole),
@@ -234,34 +314,55 @@ def _decode_rows(
 
 
 def baseline_table(result: dict[str, Any]) -> str:
-    """Markdown: transformers' forward and generate vs kvblend's strategies, per length."""
+    """Markdown: transformers' forward and generate vs kvblend's strategies, per length.
+
+    Every ratio is over transformers' forward from the prompt string; "from ids" leaves the
+    prompt handling out of both sides.
+    """
     summary = result["ttft"]["summary"]
     lines = [
-        "| prompt | transformers forward | transformers generate | kvblend full / forward "
-        "| default / forward | reuse / forward | decode tok/s: generate, after default |",
-        "|---|---|---|---|---|---|---|",
+        "| prompt | transformers forward: text, ids | generate: text, ids | kvblend full / "
+        "forward | default / forward | reuse / forward | from ids: full, default, reuse | "
+        "decode tok/s: generate, after default |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     baseline = {(row["target_tokens"], row["run"]): row for row in result["transformers"]}
+
+    def median(length: int, run: str) -> float | None:
+        row = baseline.get((length, run))
+        return row["ttft_median_s"] if row else None
+
     for length in sorted({row["target_tokens"] for row in result["transformers"]}):
-        forward = baseline[(length, "transformers-forward")]["ttft_median_s"]
-        generate = baseline[(length, "transformers-generate")]["ttft_median_s"]
-        memory = [s for s in summary if s["store"] == "memory" and s["target_tokens"] == length]
-        ours = {s["strategy"]: s["ttft_median_s"] for s in memory}
-        ratios = [
-            f"{ours[name] / forward:.2f}" if name in ours else "n/a"
-            for name in ("full", "default", "reuse")
-        ]
-        after = [s.get("decode_tok_s_median") for s in memory if s["strategy"] == "default"]
+        forward, forward_ids = (median(length, "transformers-forward" + k) for k in ("-text", ""))
+        generate, generate_ids = (
+            median(length, "transformers-generate" + k) for k in ("-text", "")
+        )
+        memory = {s["strategy"]: s for s in summary
+                  if s["store"] == "memory" and s["target_tokens"] == length}  # fmt: skip
+        names = ("full", "default", "reuse")
+        ratios = [_ratio(memory.get(name, {}).get("ttft_median_s"), forward) for name in names]
+        from_ids = [_ratio(memory.get(n, {}).get("ttft_from_ids_median_s"), forward_ids)
+                    for n in names]  # fmt: skip
         rates = [
             baseline.get((length, "transformers-decode"), {}).get("decode_tok_s_median"),
-            after[0] if after else None,
+            memory.get("default", {}).get("decode_tok_s_median"),
         ]
         decode = ", ".join(f"{rate:.1f}" if rate else "n/a" for rate in rates)
         lines.append(
             f"| {baseline[(length, 'transformers-forward')]['prompt_tokens']} | "
-            f"{forward:.3f} s | {generate:.3f} s | {' | '.join(ratios)} | {decode} |"
+            f"{_seconds(forward)}, {_seconds(forward_ids)} | "
+            f"{_seconds(generate)}, {_seconds(generate_ids)} | {' | '.join(ratios)} | "
+            f"{', '.join(from_ids)} | {decode} |"
         )
     return "\n".join(lines)
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return f"{value / base:.2f}" if value is not None and base else "n/a"
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.3f} s" if value is not None else "n/a"
 
 
 def gpu_table(result: dict[str, Any]) -> str:

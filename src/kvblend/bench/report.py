@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .quality import quality_report, summarize
-from .ttft import ttft_table
+from .ttft_summary import ttft_table
 
 _CORRECTION_SUFFIX = re.compile(r"-c[0-9.]+$")
 

@@ -2,10 +2,15 @@
 
 A prompt of about N tokens is a chat-formatted RAG prompt (`BlendEngine.rag_segments`) over
 N // doc_tokens synthetic documents. Documents are precomputed before timing, into a memory store
-and into a tiered store whose memory tier is cleared (and whose files are dropped from the OS
-page cache where the OS allows) before every cold-disk run. Runs are interleaved: each repeat
+on the model's device (``memory``), optionally into one in host memory (``host``: pinned when
+CUDA is available), and into a tiered store whose memory tier is cleared (and whose files are
+dropped from the OS page cache where the OS allows) before every cold-disk run (``disk``). The
+prompt is given as its segments, or (``from_text``) as the prompt string, as users give it: the
+documents are then found in it and its tokens spliced (the prompt handling, ``prompt_s``, is
+timed in the TTFT, and ``ttft_from_ids`` is the TTFT without it). Runs are interleaved: each repeat
 times every (length, strategy, store) once, so a slower shared CPU slows all of them alike, and
-speedups are medians of per-repeat ratios to the full prefill of the same repeat.
+speedups are medians of per-repeat ratios to the full prefill of the same repeat
+(`kvblend.bench.ttft_summary` turns the runs into the summary and its table).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -27,6 +31,23 @@ from ..engine import BlendConfig, BlendEngine, Segment
 from ..store import DiskKVStore, MemoryKVStore, TieredKVStore
 from .strategies import Strategy, strategy
 from .synthetic import synthetic_text
+from .ttft_summary import summarize_ttft, ttft_table  # the summary: importable from here too
+
+__all__ = [
+    "DEFAULT_LENGTHS",
+    "QUESTION",
+    "SYSTEM",
+    "ColdDisk",
+    "PeakMemory",
+    "build_documents",
+    "drop_page_cache",
+    "length_label",
+    "run_ttft",
+    "summarize_ttft",
+    "time_decode",
+    "time_prefill",
+    "ttft_table",
+]
 
 QUESTION = "Summarize the documents above in a few sentences."
 SYSTEM = "You are a helpful assistant. Answer using the documents."
@@ -141,14 +162,22 @@ class ColdDisk:
 
 # ---------------------------------------------------------------------- timing
 def time_prefill(
-    engine: BlendEngine, segments: Sequence[Segment], strat: Strategy
+    engine: BlendEngine, segments: Sequence[Segment], strat: Strategy, from_text: bool = False
 ) -> dict[str, Any]:
-    """Time one prompt under one strategy: TTFT (prefill + first token), phases, peak memory."""
+    """Time one prompt under one strategy: TTFT (prefill + first token), phases, peak memory.
+
+    ``from_text``: the prompt is given as one string (a strategy that caches no document, such
+    as ``prefix``, still gets its segments).
+    """
+    prompt: Any = strat.segments(segments)
+    if from_text and strat.cache_documents:
+        prompt = "".join(segment.text for segment in segments)
     with PeakMemory(engine.decoder.device) as peak:
-        out = engine.generate(strat.segments(segments), strat.config, max_new_tokens=1)
+        out = engine.generate(prompt, strat.config, max_new_tokens=1)
     stats = out.stats
     return {
         "ttft_s": out.ttft_s,
+        "prompt_s": stats.timings.get("tokenize_s"),
         "prefill_s": stats.timings.get("prefill_s"),
         "lookup_s": stats.timings.get("lookup_s"),
         "load_s": stats.timings.get("load_s"),
@@ -189,15 +218,19 @@ def run_ttft(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
     store_dir: Path | None = None,
+    host: bool = False,
+    from_text: bool = False,
 ) -> dict[str, Any]:
-    """Run the interleaved TTFT benchmark; return every measurement and a summary."""
+    """Run the interleaved TTFT benchmark; return every measurement and a summary.
+
+    ``host``: also time the documents read from host memory (``host`` rows); ``from_text``:
+    give every prompt as its string (see the module's docstring).
+    """
     log = log or (lambda message: print(message, file=sys.stderr))
     if not strategies or strategies[0].name != "full":
         raise ValueError("the first strategy must be 'full', the baseline")
-    memory_engine = BlendEngine(
-        engine.model, engine.tokenizer, store=MemoryKVStore(8 << 30), name=engine.name,
-        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
-    )  # fmt: skip
+    memory_engine = _engine_over(engine, MemoryKVStore(8 << 30, device=engine.decoder.device))
+    host_engine = _engine_over(engine, MemoryKVStore(8 << 30)) if host else None
     temp = None
     if disk and store_dir is None:
         temp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
@@ -216,17 +249,21 @@ def run_ttft(
         documents = build_documents(engine, length, doc_tokens, seed + length)
         prompts[length] = engine.rag_segments(QUESTION, documents, system=SYSTEM)
         doc_token_total[length] = sum(len(engine.tokenize(d)) for d in documents)
-        memory_engine.precompute(documents, progress=False)
+        for warm in (memory_engine, host_engine):
+            if warm is not None:
+                warm.precompute(documents, progress=False)
         if cold is not None:
             cold.engine.precompute(documents, progress=False)
     log(f"precomputed documents in {time.perf_counter() - started:.1f} s")
     # warm-up: store every prefix segment and touch every code path once
     for length in lengths[:1]:
         for strat in strategies:
-            time_prefill(memory_engine, prompts[length], strat)
+            time_prefill(memory_engine, prompts[length], strat, from_text)
     for length in lengths:
         for strat in cached:
             memory_engine.prefill(strat.segments(prompts[length]), strat.config)
+            if host_engine is not None:
+                host_engine.prefill(strat.segments(prompts[length]), strat.config)
             if cold is not None and strat in disk_list:
                 cold.engine.prefill(strat.segments(prompts[length]), strat.config)
     rows: list[dict[str, Any]] = []
@@ -235,11 +272,14 @@ def run_ttft(
         for length in lengths:
             segments = prompts[length]
             for strat in strategies:
-                row = time_prefill(memory_engine, segments, strat)
+                row = time_prefill(memory_engine, segments, strat, from_text)
                 rows.append(_row(repeat, length, strat, "memory", row))
+                if host_engine is not None and strat in cached:
+                    row = time_prefill(host_engine, segments, strat, from_text)
+                    rows.append(_row(repeat, length, strat, "host", row))
                 if cold is not None and strat in disk_list:
                     cold.make_cold()
-                    row = time_prefill(cold.engine, segments, strat)
+                    row = time_prefill(cold.engine, segments, strat, from_text)
                     rows.append(_row(repeat, length, strat, "disk", row))
             if decode_tokens > 1:
                 for strat in (strategies[0], decode_strategy):
@@ -248,7 +288,8 @@ def run_ttft(
             log(
                 f"repeat {repeat + 1}/{repeats}, {length_label(length)}: "
                 + ", ".join(
-                    f"{r['strategy']}{'(disk)' if r['store'] == 'disk' else ''} {r['ttft_s']:.2f}s"
+                    f"{r['strategy']}{'' if r['store'] == 'memory' else '(' + r['store'] + ')'} "
+                    f"{r['ttft_s']:.2f}s"
                     for r in rows
                     if r["repeat"] == repeat and r["target_tokens"] == length and "ttft_s" in r
                 )
@@ -266,6 +307,8 @@ def run_ttft(
         "repeats": repeats,
         "strategies": [s.name for s in strategies],
         "disk_strategies": [s.name for s in disk_list] if cold is not None else [],
+        "host": host_engine is not None,
+        "from_text": from_text,
         "elapsed_s": time.perf_counter() - started,
         "store": {
             "memory_bytes": memory_bytes,
@@ -286,79 +329,14 @@ def run_ttft(
     return result
 
 
+def _engine_over(engine: BlendEngine, store: MemoryKVStore) -> BlendEngine:
+    """Return an engine over ``engine``'s model and settings, reading ``store``."""
+    return BlendEngine(
+        engine.model, engine.tokenizer, store=store, name=engine.name,
+        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
+    )  # fmt: skip
+
+
 def _row(repeat: int, length: int, strat: Strategy, store: str, data: dict) -> dict[str, Any]:
     return {"repeat": repeat, "target_tokens": length, "strategy": strat.name,
             "ratio": strat.recompute_ratio, "store": store, **data}  # fmt: skip
-
-
-def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median, min and max TTFT per (length, strategy, store) and median speedup vs full.
-
-    The speedup of a run is full's TTFT in the same repeat and length divided by the run's TTFT;
-    the disk/memory ratio pairs each cold-disk run with the same strategy's memory run.
-    """
-    timed = [r for r in rows if r["store"] in ("memory", "disk")]
-    full = {
-        (r["repeat"], r["target_tokens"]): r["ttft_s"] for r in timed if r["strategy"] == "full"
-    }
-    memory = {
-        (r["repeat"], r["target_tokens"], r["strategy"]): r["ttft_s"]
-        for r in timed
-        if r["store"] == "memory"
-    }
-    groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
-    for r in timed:
-        groups.setdefault((r["target_tokens"], r["strategy"], r["store"]), []).append(r)
-    decode: dict[tuple[int, str], list[float]] = {}
-    for r in rows:
-        if r["store"] == "decode" and r.get("decode_tok_s"):
-            decode.setdefault((r["target_tokens"], r["strategy"]), []).append(r["decode_tok_s"])
-    out = []
-    for (length, name, store), group in groups.items():
-        ttfts = [r["ttft_s"] for r in group]
-        speedups = [full[(r["repeat"], length)] / r["ttft_s"] for r in group]
-        entry = {
-            "target_tokens": length,
-            "prompt_tokens": group[0]["prompt_tokens"],
-            "strategy": name,
-            "store": store,
-            "ratio": group[0]["ratio"],
-            "runs": len(group),
-            "ttft_median_s": statistics.median(ttfts),
-            "ttft_min_s": min(ttfts),
-            "ttft_max_s": max(ttfts),
-            "speedup_vs_full": statistics.median(speedups),
-            "ttft_vs_full": statistics.median(1 / s for s in speedups),
-            "recompute_fraction": group[0]["recompute_fraction"],
-            "compute_fraction": group[0]["compute_fraction"],
-            "peak_mib_median": statistics.median(r["peak_mib"] for r in group),
-            "load_s_median": statistics.median(r["load_s"] or 0.0 for r in group),
-        }
-        if store == "disk":
-            entry["disk_vs_memory"] = statistics.median(
-                r["ttft_s"] / memory[(r["repeat"], length, name)] for r in group
-            )
-        if store == "memory" and (length, name) in decode:
-            entry["decode_tok_s_median"] = statistics.median(decode[(length, name)])
-        out.append(entry)
-    return out
-
-
-def ttft_table(summary: Sequence[dict[str, Any]]) -> str:
-    """Markdown table of a TTFT summary."""
-    lines = [
-        "| prompt | strategy | store | TTFT median (min-max) | TTFT / full | speedup | "
-        "recomputed (of moved) | peak mem | decode tok/s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in summary:
-        extra = f"{s['disk_vs_memory']:.2f}x memory" if "disk_vs_memory" in s else ""
-        decode = s.get("decode_tok_s_median")
-        lines.append(
-            f"| {s['prompt_tokens']} | {s['strategy']} | {s['store']} | "
-            f"{s['ttft_median_s']:.3f} s ({s['ttft_min_s']:.3f}-{s['ttft_max_s']:.3f}) | "
-            f"{s['ttft_vs_full']:.3f} | {s['speedup_vs_full']:.1f}x {extra} | "
-            f"{s['recompute_fraction']:.1%} | {s['peak_mib_median']:.0f} MiB | "
-            f"{f'{decode:.1f}' if decode else ''} |"
-        )
-    return "\n".join(lines)

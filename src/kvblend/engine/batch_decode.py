@@ -164,6 +164,7 @@ def decode_batch(
                 total_s=end - started,
                 stats=prefill.stats,
                 finish_reason="stop" if finished else "length",
+                batch_size=len(prefills),
             )
         )
     return results

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .adapter import ModelAdapter
 from .blend_io import (
     COMPUTE,
     MOVED,
@@ -47,18 +48,17 @@ from .blend_io import (
     RowSet,
     as_rows,
     moved_span_index,
-    moved_spans_read,
     on_host,
+    rows_read,
     to_device,
 )
 from .compiled_loop import StepRunner, step_runner
 from .config import BlendConfig
 from .correction import CorrectionTensors, stale_correction
-from .decoder import ModelAdapter
 from .layer_step import FULL, LAST, WRITE
 from .prompt_kv import LayerLoads, PromptKV
 from .results import BlendCancelledError
-from .rope import RopeTables, inverse_table, rope_table, rotate
+from .rope import RopeTables, inverse_table, rope_tables, rotate
 from .row_attention import RowAttention
 from .selectors import Selection, SelectionContext, Selector, selector_class
 from .selectors.base import Narrowing, PassObserver
@@ -307,32 +307,17 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
     Rows chosen on the device are read back here, after the logits: the host learns which
     rows were recomputed only once the prefill's work is queued.
     """
-    kinds = state.host_kinds
-    moved = kinds == MOVED
     computed = state.rows.host_positions()
-    return {
-        "load_s": state.load_s,
-        "recomputed_tokens": int(moved[computed].sum()),
-        "token_layers": state.token_layers,
-        "token_layers_full": state.total * state.adapter.shape.num_layers,
-        "moved_tokens": int(moved.sum()),
-        "moved_spans_read": moved_spans_read(blend_input.spans, computed, state.total),
-    }
+    layers = state.adapter.shape.num_layers
+    stats = rows_read(state.host_kinds, blend_input.spans, computed)
+    return {"load_s": state.load_s, "token_layers": state.token_layers,
+            "token_layers_full": state.total * layers, **stats}  # fmt: skip
 
 
 def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
-    """Return the RoPE tables of a prompt's buffer rows (made once per prefill).
-
-    The model's rotary embedding is asked for the prompt's positions only (a dynamic RoPE
-    scales by the longest one, and a model may have no table past its context); rows of a
-    longer buffer (a size bucket) get zeros: no query reads them.
-    """
+    """Return the RoPE tables of a prompt's buffer rows (made once per prefill)."""
     length = step_runner(adapter, total).length
-    cos, sin = adapter.rotary(torch.arange(total, device=adapter.device))
-    table = rope_table(cos, sin)
-    if length > total:
-        table = torch.cat((table, table.new_zeros(length - total, *table.shape[1:])))
-    return RopeTables(table)
+    return rope_tables(adapter.rotary, total, length, adapter.device)
 
 
 def selection_context(

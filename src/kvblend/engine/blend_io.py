@@ -167,6 +167,16 @@ def moved_spans_read(spans: list[CachedSpan], computed: np.ndarray, total: int) 
     return sum(1 for s in spans if s.kind == MOVED and not done[s.start : s.end].all())
 
 
+def rows_read(kinds: np.ndarray, spans: list[CachedSpan], computed: np.ndarray) -> dict[str, int]:
+    """Return what a pass computing ``computed`` (host positions) read of the moved rows."""
+    moved = kinds == MOVED
+    return {
+        "recomputed_tokens": int(moved[computed].sum()),
+        "moved_tokens": int(moved.sum()),
+        "moved_spans_read": moved_spans_read(spans, computed, kinds.size),
+    }
+
+
 def on_host(blend_input: BlendInput) -> BlendInput:
     """``blend_input`` with its kinds on the host too (read back once if only on a device)."""
     if blend_input.host_kinds is not None:

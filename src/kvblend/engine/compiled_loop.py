@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .decoder import ModelAdapter
+from .adapter import ModelAdapter
 from .flex_rows import size_bucket
 from .layer_step import layer_step
 from .row_attention import use_flex

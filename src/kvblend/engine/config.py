@@ -118,6 +118,13 @@ class BlendConfig:
         return (_rebuild, (self.strategy, self._given))
 
 
+def check_config(config: object) -> None:
+    """Refuse a ``config`` that is not a `BlendConfig` or None (before any model work)."""
+    if config is not None and not isinstance(config, BlendConfig):
+        hint = " (BlendConfig(strategy) takes a strategy name)" if isinstance(config, str) else ""
+        raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}{hint}")
+
+
 def parse_setting(text: str) -> tuple[str, Any]:
     """``"name=value"`` as a setting: the value an int, a float, or else the string.
 

@@ -1,9 +1,7 @@
-"""The model adapter protocol of the blend loop, and `Decoder`, its transformers implementation.
+"""`Decoder`: the model adapter (`kvblend.engine.adapter.ModelAdapter`) of a transformers model.
 
-The blend loop (`blend.py` and the modules it uses) drives a *model adapter*: the members of
-`ModelAdapter` and nothing else (no model module is reached directly), so the same loop runs over
-a transformers model (`Decoder`) and over other back-ends' loaded modules. Attention itself
-(the rows' mask, the kernel) is the loop's job (`row_attention.py`), not the adapter's.
+The blend loop (`blend.py` and the modules it uses) calls the adapter's members and nothing
+else; attention itself (the rows' mask, the kernel) is the loop's job (`row_attention.py`).
 
 `Decoder` wraps a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3) and
 calls the model's own modules (norms, projections, rotary embedding, MLP, head) so that weights,
@@ -78,61 +76,6 @@ class DecoderShape:
     num_kv_heads: int
     head_dim: int
     max_positions: int
-
-
-class ModelAdapter(Protocol):
-    """What the blend loop calls of a model: sizes, and per-layer steps over explicit rows.
-
-    Under tensor parallelism the sizes are the heads of this rank, and `attention_output`
-    includes the all-reduce. Every step is pure (no state per request), so the loop may run it
-    compiled (``torch.compile``) or captured in a CUDA graph.
-    """
-
-    shape: DecoderShape
-    windows: list[int | None]  # sliding window per layer (None: full attention)
-    scaling: float
-    has_qk_norm: bool
-
-    @property
-    def device(self) -> torch.device:
-        """Device of the model's weights."""
-        ...
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """Compute dtype of the model's weights."""
-        ...
-
-    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Return the embeddings ``[tokens, hidden]`` of ``token_ids`` ``[tokens]``."""
-        ...
-
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return ``cos``, ``sin`` ``[tokens, head_dim]`` (``x * cos + rotate_half(x) * sin``)."""
-        ...
-
-    def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return queries ``[heads, rows, head_dim]``, K/V ``[rows, 2, kv_heads, head_dim]``.
-
-        Both un-rotated, q/k norms applied.
-        """
-        ...
-
-    def project_kv(self, layer: int, hidden: torch.Tensor, *, keys: bool) -> torch.Tensor:
-        """Return un-rotated keys (``keys=True``) or values ``[kv_heads, rows, head_dim]``."""
-        ...
-
-    def attention_output(self, layer: int, attended: torch.Tensor) -> torch.Tensor:
-        """Return ``[rows, hidden]`` of attention outputs ``[rows, heads * head_dim]`` (o_proj)."""
-        ...
-
-    def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Return ``hidden + mlp(post_attention_norm(hidden))``."""
-        ...
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Return float32 next-token logits ``[vocab]`` of the last row of ``hidden``."""
-        ...
 
 
 #: RMSNorm classes whose forward is exactly ``weight * rms_norm(x.float()).to(x.dtype)``.

@@ -6,7 +6,9 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 This module builds the engine and runs its prompts: `plan`, `explain` and `prefill` (where the
 blend loop, `run_blend`, runs) and the parity self-check. The documents are a `DocumentLibrary`
-(`kvblend.engine.library`); ``generate``, ``generate_batch`` and ``stream`` are
+(`kvblend.engine.library`), and the engine's document methods (``precompute``, ``register``,
+``is_known``, ``segment_id``, ``segments_for``) are `DocumentsMixin`'s
+(`kvblend.engine.documents_mixin`); ``generate``, ``generate_batch`` and ``stream`` are
 `GenerationMixin`'s (`kvblend.engine.generation_mixin`).
 """
 
@@ -15,15 +17,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import templates
 from .blend import BlendInput, CachedSpan, run_blend
-from .config import BlendConfig
+from .config import BlendConfig, check_config
+from .decode_cache import check_environment
 from .decoder import Decoder
+from .documents_mixin import DocumentsMixin
 from .explain import Explanation, FallbackLog, forecast_blend
 from .generation import GenerationResult
 from .generation_mixin import GenerationMixin
@@ -37,14 +41,7 @@ from .loading import (
     resolve_model,
 )
 from .parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
-from .precompute import DEFAULT_BATCH_TOKENS
-from .prompt import (
-    PrefillPlan,
-    cached_pieces,
-    encode_in_background,
-    encode_prompt,
-    plan_prefill,
-)
+from .prompt import PrefillPlan, cached_pieces, plan_prefill
 from .registry import DEFAULT_CAPACITY
 from .results import (
     BlendCancelledError,
@@ -53,8 +50,17 @@ from .results import (
     PrefillResult,
     count_tokens,
 )
-from .segments import PromptLike, Segment, check_segments
-from .validation import ContextWindow, check_text, longest_token_chars
+from .segments import PromptLike, Segment
+from .splice import splice_rules
+from .threads import use_threads
+from .tokens import encode_in_background, encode_prompt, prompt_tokens
+from .validation import (
+    ContextWindow,
+    check_cancel,
+    check_prompt,
+    check_text,
+    longest_token_chars,
+)
 
 if TYPE_CHECKING:
     from ..store import KVStore
@@ -84,7 +90,7 @@ def _default_store() -> KVStore:
     return default_store()
 
 
-class BlendEngine(GenerationMixin):
+class BlendEngine(DocumentsMixin, GenerationMixin):
     """Blended prefill and generation over one Hugging Face decoder model."""
 
     def __init__(
@@ -99,6 +105,7 @@ class BlendEngine(GenerationMixin):
         name: str | None = None,
         check_parity: bool = True,
         max_documents: int = DEFAULT_CAPACITY,
+        threads: int | None = None,
     ) -> None:
         """Wrap a loaded model; prefer `BlendEngine.from_pretrained`.
 
@@ -119,7 +126,11 @@ class BlendEngine(GenerationMixin):
             check_parity: run the parity self-check now (recommended).
             max_documents: documents the registry keeps for finding them in prompt strings
                 (least recently matched dropped first).
+            threads: torch CPU threads, for the whole process (`kvblend.engine.threads`);
+                None: the cores the last minute's load leaves idle, unless the process chose
+                a count already. ``engine.threads`` is the count in use.
         """
+        self.threads = use_threads(threads)
         self.decoder = Decoder(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -173,8 +184,10 @@ class BlendEngine(GenerationMixin):
         ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
         and fp32 on CPU. ``revision``, ``trust_remote_code`` and ``model_kwargs`` go to
         transformers' ``from_pretrained`` (see `kvblend.engine.loading.LOADING_OPTIONS`). Other
-        keyword arguments go to `BlendEngine`.
+        keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
         """
+        kwargs["threads"] = use_threads(kwargs.get("threads"))
+        check_environment()  # KVBLEND_DECODE_CACHE / _COMPILE: refused before the model loads
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
@@ -195,6 +208,7 @@ class BlendEngine(GenerationMixin):
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of ``text`` alone, without special tokens."""
+        check_text(text, "text")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, prompt: str) -> list[int]:
@@ -204,7 +218,8 @@ class BlendEngine(GenerationMixin):
         the BOS token (written by a chat template) gets no second one, as in transformers'
         chat pipeline.
         """
-        return encode_prompt(self.tokenizer, prompt).ids
+        check_text(prompt, "prompt")
+        return encode_prompt(self.tokenizer, prompt).ids.tolist()
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> str:
         """Render the model's chat template over ``messages``, ready for the assistant's turn."""
@@ -252,74 +267,26 @@ class BlendEngine(GenerationMixin):
             logger.error("parity self-check failed: relative error %.3g > %.3g", error, tolerance)
         return error
 
-    # ------------------------------------------------------------------ documents
-    def segment_id(self, text: str) -> str:
-        """Content id under which a document's KV is stored (no computation)."""
-        return self.library.segment_kv.key(text)
-
-    def precompute(
-        self,
-        texts: Iterable[str],
-        *,
-        progress: bool | None = None,
-        force: bool = False,
-        batch_tokens: int = DEFAULT_BATCH_TOKENS,
-    ) -> list[str]:
-        """Compute and store the KV of each document text once; return their segment ids.
-
-        A text whose entry is in the store and reads back intact is skipped (``force``: always
-        recomputed); an entry that cannot be read is dropped and recomputed. The others are
-        computed in batches of documents of similar length, ``batch_tokens`` (documents x
-        longest document, in tokens) at most per forward pass (`kvblend.engine.precompute`).
-        Every text becomes known to the document registry, so any process sharing the store
-        finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
-        more texts.
-        """
-        return self.library.precompute(
-            texts, progress=progress, force=force, batch_tokens=batch_tokens
-        )
-
-    def register(self, texts: Iterable[str]) -> None:
-        """Make document texts known without computing anything (their KV is computed on use).
-
-        Rarely needed: documents precomputed by any process sharing the store are known.
-        """
-        self.library.register(texts)
-
-    def is_known(self, text: str) -> bool:
-        """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
-        return self.library.is_known(text)
-
     # ------------------------------------------------------------------ planning
-    def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
-        """Cut a prompt string into segments: the known documents in it and the text between.
-
-        ``cache_prefix``: the text before the first document is cached as a prefix.
-        """
-        return self.library.segments_for(prompt, cache_prefix=cache_prefix)
-
-    def _segments(self, prompt: PromptLike) -> list[Segment]:
-        if isinstance(prompt, str):
-            return self.segments_for(prompt)
-        return check_segments(prompt)
-
     def plan(self, prompt: PromptLike) -> PrefillPlan:
-        """Tokenize the whole prompt once and decide where each token's KV comes from."""
-        early = None
-        if isinstance(prompt, str) and prompt:  # tokenized while its documents are found
+        """Tokenize the whole prompt (documents' known tokens spliced in); plan each token's KV."""
+        early = None  # a tokenizer that cannot splice tokenizes the string while matching
+        rules = splice_rules(self.tokenizer)
+        if isinstance(prompt, str) and prompt and rules is None:
             check_text(prompt, "the prompt")
             self._window.check_chars(len(prompt))
             early = encode_in_background(self.tokenizer, prompt)
         items = self._segments(prompt)
         text = "".join(segment.text for segment in items)
         self._window.check_chars(len(text))
-        tokens = early.result() if early is not None else encode_prompt(self.tokenizer, text)
-        self._window.check_length(len(tokens.ids))
-        if not tokens.ids:
+        pieces = cached_pieces(items)
+        layouts = {(p.start, p.end): self.segment_kv.layout(text[p.start : p.end])
+                   for p in pieces if p.role == "document"}  # fmt: skip
+        tokens = early.result() if early else prompt_tokens(self.tokenizer, text, layouts, rules)
+        self._window.check_length(tokens.ids.size)
+        if not tokens.ids.size:
             raise ValueError("the prompt has no tokens")
-        return plan_prefill(
-            tokens, cached_pieces(items), lambda start, end: self.segment_kv.layout(text[start:end])
-        )
+        return plan_prefill(tokens, pieces, lambda start, end: layouts[start, end])
 
     def explain(self, prompt: PromptLike, config: BlendConfig | None = None) -> Explanation:
         """Show, without running the model, what `prefill` with ``config`` would do, and why.
@@ -328,6 +295,8 @@ class BlendEngine(GenerationMixin):
         not reused are the ones `prefill` reports for the same prompt and config: both come
         from `forecast_blend` over the same plan.
         """
+        check_config(config)
+        check_prompt(prompt)
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         items = self._segments(prompt)
@@ -354,12 +323,9 @@ class BlendEngine(GenerationMixin):
         logged once a minute. ``cancel``: once set, the prefill stops before its next layer and
         raises `BlendCancelledError`.
         """
-        if config is not None and not isinstance(config, BlendConfig):
-            raise TypeError(f"config must be a BlendConfig or None, got {type(config).__name__}")
-        if not isinstance(prompt, (str, Sequence)):
-            raise TypeError(
-                f"prompt must be a str or a list of segments, got {type(prompt).__name__}"
-            )
+        check_config(config)
+        check_prompt(prompt)
+        check_cancel(cancel)
         config = config or BlendConfig()
         config.check_model(self.decoder.shape)
         if config.reads_cache:
@@ -374,8 +340,8 @@ class BlendEngine(GenerationMixin):
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
-        kinds = torch.tensor([int(kind) for kind in plan.kinds], dtype=torch.int8)
-        token_ids = torch.tensor(plan.token_ids, dtype=torch.long)
+        kinds = torch.from_numpy(plan.kinds.copy())  # the loop's own: the plan stays as planned
+        token_ids = torch.from_numpy(plan.token_ids.copy())
         lookup_started = time.perf_counter()
         spans: list[CachedSpan] = []
         if config.reads_cache:
@@ -395,5 +361,5 @@ class BlendEngine(GenerationMixin):
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
-        self._fallback_log.report(stats)
-        return PrefillResult(out.logits, plan.token_ids, stats, out.keys, out.values)
+        self._fallback_log.report(stats, len(self.documents))
+        return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)

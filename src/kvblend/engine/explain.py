@@ -14,6 +14,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .config import BlendConfig
 from .prompt import PrefillPlan, SpanReport, TokenKind
 from .registry import DocumentRegistry
@@ -34,11 +36,16 @@ class BlendForecast:
     documents_lost: list[str] = field(default_factory=list)  # found, not reused: why
 
 
+def _count(kinds: np.ndarray, kind: TokenKind) -> int:
+    """How many of ``kinds`` are ``kind``."""
+    return int(np.count_nonzero(kinds == kind))
+
+
 def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
     if row.span is None:
         return 0
     span = plan.spans[row.span]
-    return sum(1 for kind in plan.kinds[span.start : span.end] if kind == TokenKind.MOVED)
+    return _count(plan.kinds[span.start : span.end], TokenKind.MOVED)
 
 
 def _lead_rows(config: BlendConfig) -> tuple[int, int]:
@@ -63,7 +70,7 @@ def _recomputed(
     if config.strategy == "epic":
         lead, _ = _lead_rows(config)
         rows = sum(
-            sum(1 for kind in plan.kinds[span.start : span.start + lead] if kind == TokenKind.MOVED)
+            _count(plan.kinds[span.start : span.start + lead], TokenKind.MOVED)
             for span in plan.spans
             if span.kind == TokenKind.MOVED
         )
@@ -71,11 +78,17 @@ def _recomputed(
     return 0, 0.0, None  # reuse, and strategies this module does not know
 
 
+#: `BlendStats.fallback` of a prompt without a cached document: nothing to blend.
+NO_DOCUMENTS = "no_documents: the prompt holds no known document, so it is computed in full"
+
+
 def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
     """Forecast the prefill of ``plan`` with ``config`` (a pure function: no model runs)."""
     if not config.reads_cache:
         return BlendForecast(config.strategy, 0)
-    moved = sum(1 for kind in plan.kinds if kind == TokenKind.MOVED)
+    if not any(row.role == "document" for row in plan.report):  # a prompt head at most
+        return BlendForecast("full", 0, NO_DOCUMENTS, 1.0)
+    moved = _count(plan.kinds, TokenKind.MOVED)
     recomputed, cost, fallback = _recomputed(plan, config, moved)
     lead, short = _lead_rows(config)
     lost = []
@@ -104,17 +117,29 @@ class FallbackLog:
         self.interval = interval
         self._last: dict[str, float] = {}
 
-    def warn(self, cause: str, message: str) -> None:
+    def warn(self, cause: str, message: str, level: int = logging.WARNING) -> None:
         """Log ``message`` unless ``cause`` was logged less than ``interval`` seconds ago."""
         now = time.monotonic()
         if now - self._last.get(cause, -float("inf")) < self.interval:
             return
         self._last[cause] = now
-        self.logger.warning("%s", message)
+        self.logger.log(level, "%s", message)
 
-    def report(self, stats: BlendStats) -> None:
-        """Log each reason a prompt's documents were not reused, once per cause a minute."""
-        if stats.fallback is not None:
+    def report(self, stats: BlendStats, known: int | None = None) -> None:
+        """Log each reason a prompt's documents were not reused, once per cause a minute.
+
+        A prompt without a known document (a greeting, a rephrasing step) is logged at INFO
+        level, with the ``known`` documents that could have been found in it; one that holds
+        the start of a known document, not its whole text, is a near miss (a warning).
+        """
+        if stats.fallback == NO_DOCUMENTS:
+            self.warn(
+                "no_documents", f"no known document in the prompt ({known} known): computed in "
+                "full (stats.fallback); a document is found only when its exact text occurs in "
+                "the prompt; engine.explain(prompt) or `kvblend explain` shows what is reused",
+                level=logging.INFO,
+            )  # fmt: skip
+        elif stats.fallback is not None:
             cause = stats.fallback.split(":")[0]
             self.warn(
                 cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
@@ -160,7 +185,7 @@ class Explanation:
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens a cache holds (before any recompute)."""
-        return sum(1 for kind in self.plan.kinds if kind != TokenKind.COMPUTE)
+        return len(self.plan.kinds) - _count(self.plan.kinds, TokenKind.COMPUTE)
 
     @property
     def reused_tokens(self) -> int:
@@ -179,7 +204,7 @@ class Explanation:
         """Uncached prompt tokens, computed in full (every token for strategy ``full``)."""
         if self.strategy == "full":
             return len(self.plan.token_ids)
-        return sum(1 for kind in self.plan.kinds if kind == TokenKind.COMPUTE)
+        return _count(self.plan.kinds, TokenKind.COMPUTE)
 
     @property
     def fallback(self) -> str | None:

@@ -68,6 +68,10 @@ class GenerationResult:
     total_s: float
     stats: Any  # BlendStats of the prefill
     finish_reason: str  # "stop" (EOS or stop string) or "length"
+    #: Prompts decoded together with this one (`BlendEngine.generate_batch`), itself included;
+    #: in a batch ``ttft_s`` is the batch's (every prompt prefilled first) and
+    #: ``stats.timings["prefill_s"]`` this prompt's own prefill.
+    batch_size: int = 1
 
     @property
     def output_tokens(self) -> int:

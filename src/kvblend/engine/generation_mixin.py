@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .batch_decode import decode_batch
-from .config import BlendConfig
+from .config import BlendConfig, check_config
 from .decode_plan import DecodeOptions
 from .generation import GenerationResult, decode, decode_stream
 from .results import BlendCancelledError, PrefillResult
 from .segments import PromptLike, Segment
+from .validation import check_cancel, check_prompt
 
 
 class GenerationMixin:
@@ -87,6 +88,7 @@ class GenerationMixin:
             repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
         )  # fmt: skip
         DecodeOptions(**options).check()  # before any model work
+        _check_call(segments, config, cancel)
         pre = self._prefilled(segments, config, cancel)
         return decode(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
@@ -105,10 +107,16 @@ class GenerationMixin:
         decode reads the weights once per step for every prompt; each result equals that
         prompt's own `generate` (positions stay exact under the padding), up to floating-point
         rounding of the batched kernels. A prompt whose output budget the context window clips
-        is decoded alone. TTFT is the time to the first tokens of the whole batch.
+        is decoded alone. Each result's ``ttft_s`` is the time from the call to the first tokens
+        of the whole batch (every prompt prefilled), and its ``stats.timings["prefill_s"]`` that
+        prompt's own prefill.
         """
         started = time.perf_counter()
         DecodeOptions(**options).check()  # an unknown keyword is a TypeError here
+        if isinstance(prompts, (str, PrefillResult)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        for prompt in prompts:  # every one, before the first prefill
+            _check_call(prompt, config, None)
         pres = [self._prefilled(prompt, config) for prompt in prompts]
         budget = int(options.get("max_new_tokens", 64))
         limit = self.context_window
@@ -144,6 +152,7 @@ class GenerationMixin:
             repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
         )  # fmt: skip
         DecodeOptions(**options).check()  # before any model work
+        _check_call(segments, config, cancel)
         pre = self._prefilled(segments, config, cancel)
         for piece in decode_stream(
             self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, **options
@@ -151,3 +160,11 @@ class GenerationMixin:
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")
             yield piece
+
+
+def _check_call(prompt: object, config: object, cancel: object) -> None:
+    """Refuse a prompt, config or cancel event of the wrong type, before any model work."""
+    if not isinstance(prompt, PrefillResult):
+        check_prompt(prompt)
+    check_config(config)
+    check_cancel(cancel)

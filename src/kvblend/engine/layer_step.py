@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from .adapter import ModelAdapter
 from .correction import CorrectionTensors, apply_correction
-from .decoder import ModelAdapter
 from .rope import rotate, rotate_
 
 #: What a step does after writing the layer's K/V: attention and MLP of every computed row

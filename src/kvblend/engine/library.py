@@ -26,7 +26,14 @@ from .prompt import PrefillPlan, cached_pieces
 from .registry import DocumentRegistry
 from .segment_kv import SegmentKV
 from .segments import KV_LAYOUT, Segment, segment_key
-from .validation import ContextWindow, check_text, short
+from .validation import (
+    ContextWindow,
+    check_count,
+    check_text,
+    check_texts,
+    short,
+    tokens_beyond,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +112,7 @@ class DocumentLibrary:
 
     def register(self, texts: Iterable[str]) -> None:
         """Make document texts known without computing anything."""
-        items = [texts] if isinstance(texts, str) else list(texts)
+        items = [texts] if isinstance(texts, str) else check_texts(texts, "texts")
         self.registry.add(items, self.context)
 
     def precompute(
@@ -123,7 +130,11 @@ class DocumentLibrary:
         """
         from tqdm.auto import tqdm
 
-        items = [texts] if isinstance(texts, str) else list(texts)
+        items = [texts] if isinstance(texts, str) else check_texts(texts, "texts")
+        check_count(batch_tokens, "batch_tokens")
+        for name, flag in (("force", force), ("progress", progress)):
+            if not isinstance(flag, bool) and not (name == "progress" and flag is None):
+                raise TypeError(f"{name} must be True or False, got {type(flag).__name__}")
         self.check_documents(items)  # every one fits, before anything is computed
         bar = tqdm(
             total=len(items),
@@ -158,8 +169,14 @@ class DocumentLibrary:
             except (TypeError, ValueError) as error:
                 raise type(error)(f"document {index}: {error}") from None
             if self.window.tokens and len(text.encode("utf-8", "surrogatepass")) > room:
+                beyond = tokens_beyond(self._tokenize, text, self.window.tokens)  # a prefix first
+                if beyond is not None:
+                    self.window.check_length(beyond[0], what, at_least=not beyond[1])
                 layout = self.segment_kv.layout(text, self.context)
                 self.window.check_length(len(layout.context_ids) + len(layout.ids), what)
+
+    def _tokenize(self, text: str) -> list[int]:
+        return list(self.segment_kv.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
         """Cut a prompt string into segments: the known documents in it and the text between.
@@ -186,11 +203,14 @@ class DocumentLibrary:
         return pieces
 
     def near_miss(self, prompt: object, items: Sequence[Segment]) -> str | None:
-        """Describe a known document whose start, not whole text, is in a prompt string."""
-        if not isinstance(prompt, str):
-            return None
+        """Describe a known document whose start, not whole text, is in a prompt.
+
+        A prompt string, or the text of a segment list outside its cached segments (the
+        adapters cut the prompt strings they get into segments, `segments_for`).
+        """
+        text = prompt if isinstance(prompt, str) else "".join(item.text for item in items)
         matched = [(piece.start, piece.end) for piece in cached_pieces(items)]
-        return near_miss(self.registry, prompt, matched)
+        return near_miss(self.registry, text, matched)
 
     def stored_spans(self, plan: PrefillPlan) -> dict[int, bool]:
         """Whether the store holds the KV of each cached span of ``plan`` (by its index)."""

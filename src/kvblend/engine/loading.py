@@ -24,7 +24,6 @@ import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import platformdirs
 import safetensors.torch
 import torch
 
@@ -40,6 +39,7 @@ __all__ = [
     "BUNDLED_NAME",
     "BUNDLED_PACKAGE",
     "CACHE_ENV",
+    "CONVERSION_FORMAT",
     "LOADING_OPTIONS",
     "MODEL_ENV",
     "ModelNotFoundError",
@@ -51,6 +51,7 @@ __all__ = [
     "file_digest",
     "load_model",
     "model_fingerprint",
+    "model_folder",
     "resolve_device",
     "resolve_dtype",
     "resolve_model",
@@ -71,7 +72,11 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """Root of kvblend's cache folder (``KVBLEND_CACHE_DIR`` or the platform user cache dir)."""
-    return Path(os.environ.get(CACHE_ENV) or platformdirs.user_cache_dir("kvblend"))
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    import platformdirs  # here, not at import: the engine imports without it
+
+    return Path(platformdirs.user_cache_dir("kvblend"))
 
 
 def bundled_model_path() -> Path | None:
@@ -210,9 +215,46 @@ def _hub_offline(timeout_s: float = 3.0) -> bool:
         return True
 
 
+#: Version of the converted folder's format, part of its name: a folder an older kvblend wrote
+#: is never read again (version 1 saved a tied embedding only as ``lm_head.weight``, which vLLM
+#: loads as an uninitialised embedding).
+CONVERSION_FORMAT = 2
+
+
 def converted_gguf_folder(path: Path) -> Path:
     """Where the safetensors conversion of GGUF file ``path`` lives, named by its content hash."""
-    return cache_dir() / "models" / f"{path.stem}-{file_digest(path)[:16]}"
+    return cache_dir() / "models" / f"{path.stem}-{file_digest(path)[:16]}-v{CONVERSION_FORMAT}"
+
+
+def model_folder(model: str | os.PathLike[str] | None = None) -> Path:
+    """Return a local model folder for ``model`` (None: the default), as `load_model` reads it.
+
+    A GGUF file gives its converted folder (converted on first use): a standard Hugging Face
+    folder that transformers and vLLM both load, e.g. ``vllm serve "$(kvblend model-folder)"``.
+    """
+    spec = resolve_model(model)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        return _converted_gguf(path)
+    if path.is_dir():
+        return path
+    raise ModelNotFoundError(f"model {spec!r} is not a local folder or GGUF file")
+
+
+def _tensors_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Return the weights by name, a tied output embedding saved once as the input one.
+
+    ``safetensors`` keeps one name of tied tensors, and ``save_model`` keeps ``lm_head.weight``;
+    transformers ties it back, but vLLM reads ``model.embed_tokens.weight`` (and ties the head to
+    it), so the tied pair is written under that name.
+    """
+    state = model.state_dict()
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if tied and "model.embed_tokens.weight" in state:
+        state.pop("lm_head.weight", None)
+    return {name: tensor.detach().contiguous() for name, tensor in state.items()}
 
 
 def _converted_gguf(path: Path) -> Path:
@@ -237,7 +279,9 @@ def _converted_gguf(path: Path) -> Path:
             del config.quantization_config
         config.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
-        safetensors.torch.save_model(model, str(staging / "model.safetensors"))
+        safetensors.torch.save_file(
+            _tensors_to_save(model), str(staging / "model.safetensors"), metadata={"format": "pt"}
+        )
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(folder)

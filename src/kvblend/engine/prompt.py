@@ -1,33 +1,33 @@
-"""Whole-prompt tokenization and the prefill plan: which prompt tokens come from which cache.
+"""The prefill plan: which prompt tokens come from which cache.
 
-The model must read exactly the prompt the user wrote: the token ids its own tokenizer gives
-the whole text, as ``model.generate(**tokenizer(prompt))`` would. Tokenizing each piece of a
-prompt on its own and concatenating the ids is not the same text to the model (a BPE tokenizer
-glues a space to the next word, merges newlines across pieces; a SentencePiece tokenizer adds a
-``▁`` at the start of every piece), so a prompt is tokenized once, and cached documents are then
-located in that token sequence through the tokenizer's character offsets.
-
-A document's KV is cached for the tokens it has when it follows its document context (the text
+The prompt's tokens are the tokenizer's on the whole text (`kvblend.engine.tokens`). A
+document's KV is cached for the tokens it has when it follows its document context (the text
 it is precomputed behind). In a prompt, the document's tokens whose ids and character offsets
 (relative to the document's start) equal cached ones reuse the cached rows; tokens at its edges
 that tokenize differently in context (a space glued to its first word, a word continuing past
 its end) are computed. `plan_prefill` is a pure function of token ids and offsets, so every
-tokenizer family follows the same rule and the plan can be tested without a model.
+tokenizer family follows the same rule and the plan can be tested without a model; it works on
+numpy arrays (the plan's ``token_ids`` and ``kinds`` are arrays), never token by token.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-import os
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .tokens import (
+    DocumentLayout,
+    PromptTokens,
+    document_layout,
+    encode_in_background,
+    encode_prompt,
+    prompt_tokens,
+    token_keys,
+)
 
 if TYPE_CHECKING:
     from .segments import Segment
@@ -43,6 +43,7 @@ __all__ = [
     "encode_in_background",
     "encode_prompt",
     "plan_prefill",
+    "prompt_tokens",
     "CachedPiece",
     "cached_pieces",
 ]
@@ -54,100 +55,6 @@ class TokenKind(IntEnum):
     PREFIX = 0  # a cache computed over exactly the tokens before it: reused as is
     MOVED = 1  # a document cache computed behind other text: reused, may be recomputed
     COMPUTE = 2  # no cache: computed at every layer
-
-
-@dataclass(frozen=True)
-class PromptTokens:
-    """Token ids of a text with each token's character span ``[start, end)`` in that text."""
-
-    ids: list[int]
-    offsets: list[tuple[int, int]]
-
-    @functools.cached_property
-    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``ids``, span starts and span ends as int64 arrays (made once)."""
-        count = len(self.ids)
-        flat = itertools.chain.from_iterable(self.offsets)
-        spans = np.fromiter(flat, dtype=np.int64, count=2 * count).reshape(count, 2)
-        return np.fromiter(self.ids, dtype=np.int64, count=count), spans[:, 0], spans[:, 1]
-
-
-def encode_prompt(tokenizer: Any, text: str) -> PromptTokens:
-    """Tokenize ``text`` as a whole, as transformers would before ``generate``.
-
-    Special tokens are added the way ``tokenizer(text)`` adds them, except when the text already
-    starts with the tokenizer's BOS token (a chat template wrote it): then none are added, as
-    transformers' ``apply_chat_template(..., tokenize=True)`` and text-generation pipeline do,
-    so the BOS is not doubled.
-    """
-    if not getattr(tokenizer, "is_fast", False):
-        raise TypeError(
-            "kvblend needs a fast (Rust) tokenizer to locate documents in a prompt; load the "
-            "tokenizer with use_fast=True"
-        )
-    bos = getattr(tokenizer, "bos_token", None)
-    add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:  # the Rust tokenizer ``tokenizer(text)`` calls, without its wrapping
-        encoding = backend.encode(text, add_special_tokens=add_special)
-        return PromptTokens(encoding.ids, encoding.offsets)
-    encoded = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
-    offsets = [(int(start), int(end)) for start, end in encoded["offset_mapping"]]
-    return PromptTokens(list(encoded["input_ids"]), offsets)
-
-
-_ENCODER: ThreadPoolExecutor | None = None
-_ENCODER_LOCK = threading.Lock()
-
-
-def encode_in_background(tokenizer: Any, text: str) -> Future[PromptTokens]:
-    """`encode_prompt` in a worker thread, so a prompt is tokenized while its documents are found.
-
-    The Rust tokenizer releases the GIL, so on two or more cores matching costs no latency.
-    """
-    global _ENCODER
-    with _ENCODER_LOCK:
-        if _ENCODER is None:
-            workers = min(8, os.cpu_count() or 2)
-            _ENCODER = ThreadPoolExecutor(workers, thread_name_prefix="kvblend-tokenize")
-    return _ENCODER.submit(encode_prompt, tokenizer, text)
-
-
-@dataclass(frozen=True)
-class DocumentLayout:
-    """A document's tokens as cached: behind ``context_ids``, with offsets relative to its start.
-
-    ``ids`` / ``offsets`` are the tokens whose KV is stored (offsets may start below 0 for a
-    token that straddles the end of the context text).
-    """
-
-    context_ids: list[int]
-    ids: list[int]
-    offsets: list[tuple[int, int]]
-
-    @functools.cached_property
-    def lookup(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The cached tokens by (start, id), for `_longest_run` (made once per layout).
-
-        Returns the sorted keys, the token index of each key (the first of equal keys) and
-        every token's end offset.
-        """
-        tokens = PromptTokens(self.ids, self.offsets)
-        ids, starts, ends = tokens.arrays
-        keys = _token_keys(starts, ids)
-        order = np.argsort(keys, kind="stable")
-        return keys[order], order, ends
-
-
-def document_layout(tokenizer: Any, context_text: str, text: str) -> DocumentLayout:
-    """Tokenize ``context_text + text`` as a whole and split it where the document starts."""
-    whole = encode_prompt(tokenizer, context_text + text)
-    boundary = len(context_text)
-    split = 0
-    while split < len(whole.ids) and whole.offsets[split][1] <= boundary:
-        split += 1
-    offsets = [(start - boundary, end - boundary) for start, end in whole.offsets[split:]]
-    return DocumentLayout(whole.ids[:split], whole.ids[split:], offsets)
 
 
 @dataclass(frozen=True)
@@ -181,10 +88,13 @@ class SpanReport:
 
 @dataclass
 class PrefillPlan:
-    """Token ids of the whole prompt, each token's kind, and the cached spans to read."""
+    """Token ids of the whole prompt, each token's kind, and the cached spans to read.
 
-    token_ids: list[int]
-    kinds: list[TokenKind]
+    ``token_ids`` is an int64 array ``[tokens]``, ``kinds`` an int8 array of `TokenKind` values.
+    """
+
+    token_ids: np.ndarray
+    kinds: np.ndarray
     spans: list[PlannedSpan] = field(default_factory=list)
     report: list[SpanReport] = field(default_factory=list)
 
@@ -208,11 +118,6 @@ def cached_pieces(segments: Sequence[Segment]) -> list[CachedPiece]:
     return pieces
 
 
-def _token_keys(starts: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """One int64 per (start offset, token id): equal keys for equal pairs."""
-    return (starts + (1 << 30)) * (1 << 32) + ids
-
-
 def _tokens_within(prompt: PromptTokens, start: int, end: int) -> range:
     """Return the indices of the tokens lying entirely inside characters ``[start, end)``.
 
@@ -221,8 +126,11 @@ def _tokens_within(prompt: PromptTokens, start: int, end: int) -> range:
     """
     _, starts, ends = prompt.arrays
     first = int(np.searchsorted(starts, start, side="left"))
-    while first < len(starts) and starts[first] == ends[first]:
-        first += 1  # zero-width (special) tokens belong to no document
+    for stop in (first + 64, starts.size):  # zero-width (special) tokens belong to no document
+        sized = np.flatnonzero(starts[first:stop] != ends[first:stop])
+        if sized.size or stop == starts.size:
+            first += int(sized[0]) if sized.size else stop - first
+            break
     # No more tokens than characters end inside [start, end), zero-width ones aside: look at
     # that many first, the rest of the prompt only if they all do.
     nearby = ends[first : first + (end - start) + 64] > end
@@ -232,7 +140,7 @@ def _tokens_within(prompt: PromptTokens, start: int, end: int) -> range:
     return range(first, first + (int(np.argmax(beyond)) if beyond.any() else len(beyond)))
 
 
-def _straddling(offsets: Sequence[tuple[int, int]], tokens: range, start: int, end: int) -> int:
+def _straddling(offsets: np.ndarray, tokens: range, start: int, end: int) -> int:
     """How many tokens just outside ``tokens`` also hold characters of ``[start, end)``."""
     before = tokens.start > 0 and offsets[tokens.start - 1][1] > start
     after = tokens.stop < len(offsets) and offsets[tokens.stop][0] < end
@@ -254,7 +162,7 @@ def _longest_run(
     keys, order, cached_ends = layout.lookup
     ids, starts, ends = (array[tokens.start : tokens.stop] for array in prompt.arrays)
     starts, ends = starts - char_start, ends - char_start
-    wanted = _token_keys(starts, ids)
+    wanted = token_keys(starts, ids)
     slot = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
     cached = order[slot]
     found = (keys[slot] == wanted) & (cached_ends[cached] == ends)
@@ -279,8 +187,9 @@ def _plan_prefix(prompt: PromptTokens, plan: PrefillPlan, prefix_end: int) -> No
     beyond = ends > prefix_end
     count = int(np.argmax(beyond)) if beyond.any() else len(ends)
     if count:
-        plan.kinds[:count] = [TokenKind.PREFIX] * count
-        plan.spans.append(PlannedSpan(0, count, 0, TokenKind.PREFIX, [], prompt.ids[:count]))
+        plan.kinds[:count] = TokenKind.PREFIX
+        head = prompt.ids[:count].tolist()
+        plan.spans.append(PlannedSpan(0, count, 0, TokenKind.PREFIX, [], head))
     plan.report.append(
         SpanReport(
             0, prefix_end, count, "prefix", count, True, "prompt head, reused exactly",
@@ -301,13 +210,13 @@ def _plan_document(
         length > 0
         and cached == 0
         and first == len(context)
-        and ids[: len(context)] == context
-        and all(kind != TokenKind.PREFIX for kind in kinds[first : first + length])
+        and np.array_equal(ids[: len(context)], context)
+        and not np.any(kinds[first : first + length] == TokenKind.PREFIX)
     )
     kind = TokenKind.PREFIX if exact else TokenKind.MOVED
     span_index = len(plan.spans) if length else None
     if length:
-        kinds[first : first + length] = [kind] * length
+        kinds[first : first + length] = kind
         plan.spans.append(PlannedSpan(first, first + length, cached, kind, context, layout.ids))
     overlapping = len(tokens) + _straddling(prompt.offsets, tokens, piece.start, piece.end)
     edge = overlapping - length
@@ -338,13 +247,13 @@ def plan_prefill(
     pieces, and document tokens that tokenize differently in context, are computed; the last
     token is always computed (it gives the logits).
     """
-    plan = PrefillPlan(list(prompt.ids), [TokenKind.COMPUTE] * len(prompt.ids))
+    plan = PrefillPlan(prompt.ids, np.full(prompt.ids.size, TokenKind.COMPUTE, dtype=np.int8))
     prefix_end = max((piece.end for piece in pieces if piece.role == "prefix"), default=0)
     if prefix_end:
         _plan_prefix(prompt, plan, prefix_end)
     for piece in pieces:
         if piece.role != "prefix":
             _plan_document(prompt, plan, piece, layout_of(piece.start, piece.end))
-    if plan.kinds:
+    if plan.kinds.size:
         plan.kinds[-1] = TokenKind.COMPUTE
     return plan

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
+from .adapter import ModelAdapter
 from .blend_io import CachedSpan
-from .decoder import ModelAdapter
 from .rope import rotate_
 
 #: Layers per copy group, by device type; a device type not listed copies every layer at once.

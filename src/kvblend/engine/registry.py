@@ -320,16 +320,26 @@ class DocumentRegistry:
         Returns the first ``(start, length)``: where a full `ANCHOR_CHARS`-character anchor of a
         known document starts, outside the ``matched`` character spans (sorted, as `find`
         returns them), and the longest known document with that anchor; None when none does.
+        A document found in ``matched`` (reused: a question quoting its first words is no
+        truncated copy) or whose whole text starts there (uncached, not truncated) is no
+        near miss.
         """
         self.refresh()
         hashes = window_crc32(prompt, ANCHOR_CHARS)
         cursor, size = 0, len(prompt)
+        reused = {text_digest(prompt[begin:end]) for begin, end in matched}
         with self._lock:
             for match_start, match_end in [*matched, (size, size)]:
                 for start in range(cursor, max(cursor, match_start - ANCHOR_CHARS + 1)):
                     bucket = self._anchors.get((int(hashes[start]), ANCHOR_CHARS))
-                    if bucket:
-                        return start, max(bucket)
+                    missed = [
+                        length
+                        for length, digests in (bucket or {}).items()
+                        if digests - reused
+                        and text_digest(prompt[start : start + length]) not in digests
+                    ]
+                    if missed:
+                        return start, max(missed)
                 cursor = match_end
         return None
 

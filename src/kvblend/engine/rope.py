@@ -13,6 +13,8 @@ with the inverse table (`inverse_table`) of the same position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 #: Rotations done at once, in elements of the rotated tensor: `rotate_` works on slices of at
@@ -99,3 +101,22 @@ class RopeTables:
         if self._inverse is None:
             self._inverse = inverse_table(self.table)
         return self._inverse
+
+
+def rope_tables(
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    total: int,
+    length: int,
+    device: torch.device,
+) -> RopeTables:
+    """Return the `RopeTables` of a ``length``-row buffer for a ``total``-token prompt.
+
+    ``rotary`` (the model adapter's) is asked for the prompt's positions only (a dynamic RoPE
+    scales by the longest one, and a model may have no table past its context); the rows past
+    them (a size bucket's) get zeros: no query reads them.
+    """
+    cos, sin = rotary(torch.arange(total, device=device))
+    table = rope_table(cos, sin)
+    if length > total:
+        table = torch.cat((table, table.new_zeros(length - total, *table.shape[1:])))
+    return RopeTables(table)

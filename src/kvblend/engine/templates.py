@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .segments import Segment
+from .validation import check_text, check_texts
 
 __all__ = ["apply_chat_template", "chat_head_tail", "rag_prefix", "rag_segments"]
 
@@ -23,6 +24,16 @@ def apply_chat_template(tokenizer: Any, messages: Sequence[Mapping[str, str]]) -
 
     A tokenizer without a chat template gets ``role: content`` lines and ``assistant:``.
     """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TypeError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts, got "
+            f"{type(messages).__name__}"
+        )
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise TypeError(
+                f"messages[{index}] must be a dict with a str 'role', got {message!r:.60}"
+            )
     if getattr(tokenizer, "chat_template", None) is None:
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return "\n".join(lines) + "\nassistant:"
@@ -55,8 +66,17 @@ def rag_segments(
     separator: str = "\n\n",
 ) -> list[Segment]:
     """Return the segments of a chat RAG prompt: template head, documents, question."""
-    if not isinstance(question, str) or not question.strip():
+    check_text(question, "the question")
+    if not question.strip():
         raise ValueError("the question is empty")
+    documents = check_texts(documents, "documents")
+    if system is not None:
+        check_text(system, "system")
+    if not check_text(separator, "separator"):
+        raise ValueError("the separator is empty")
+    for index, document in enumerate(documents):
+        if not document:
+            raise ValueError(f"documents[{index}] is empty")
     head, tail = chat_head_tail(tokenizer, system)
     segments = [Segment(head + "Documents:" + separator, role="prefix")]
     for index, document in enumerate(documents):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,47 @@ def check_text(text: str, what: str = "text") -> str:
     return text
 
 
+def check_texts(texts: object, what: str = "documents") -> list[str]:
+    """Return ``texts`` as a list if it is a list (or other sequence) of str, else raise.
+
+    A str is refused (iterating it would make one document of each character), and so is an
+    item that is not a str, named by its index.
+    """
+    if isinstance(texts, (str, bytes)):
+        raise TypeError(
+            f"{what} must be a list of str, got a single {type(texts).__name__} (pass [text] "
+            "for one document)"
+        )
+    if not isinstance(texts, Iterable) or isinstance(texts, (dict, set, frozenset)):
+        raise TypeError(f"{what} must be a list of str, got {type(texts).__name__}")
+    items = list(texts)
+    for index, item in enumerate(items):
+        if not isinstance(item, str):
+            raise TypeError(f"{what}[{index}] must be a str, got {type(item).__name__}")
+    return items
+
+
+def check_count(value: object, what: str) -> int:
+    """Return ``value`` if it is an int of at least 1, else raise one clear error."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1, got {value}")
+    return int(value)
+
+
+def check_cancel(cancel: object) -> None:
+    """Refuse a ``cancel`` that is not a `threading.Event` or None (before any model work)."""
+    if cancel is not None and not isinstance(cancel, threading.Event):
+        raise TypeError(f"cancel must be a threading.Event or None, got {type(cancel).__name__}")
+
+
+def check_prompt(prompt: object, what: str = "prompt") -> None:
+    """Refuse a prompt that is neither a str nor a list of segments (before any model work)."""
+    if not isinstance(prompt, (str, Sequence)) or isinstance(prompt, (bytes, bytearray)):
+        raise TypeError(f"{what} must be a str or a list of segments, got {type(prompt).__name__}")
+
+
 @dataclass(frozen=True)
 class ContextWindow:
     """A model's context window, which every prompt and document must fit (0: no limit)."""
@@ -68,14 +110,43 @@ class ContextWindow:
                 "characters a token)"
             )
 
-    def check_length(self, tokens: int, what: str | None = None) -> None:
-        """Refuse a text of ``tokens`` tokens that does not fit the context window."""
+    def check_length(self, tokens: int, what: str | None = None, *, at_least: bool = False) -> None:
+        """Refuse a text of ``tokens`` tokens (``at_least``: or more) that cannot fit the window."""
         limit = self.tokens
         if limit and tokens > limit:
+            count = f"at least {tokens:,}" if at_least else f"{tokens:,}"
             raise ValueError(
-                f"{what or 'prompt'} of {tokens:,} tokens is longer than {self.model}'s context "
+                f"{what or 'prompt'} of {count} tokens is longer than {self.model}'s context "
                 f"window of {limit} tokens"
             )
+
+
+#: Tokens a prefix cut before a space may have beyond the whole text's first tokens (a word cut
+#: in two is tokenized apart from what follows it).
+PREFIX_SLACK = 8
+
+
+def tokens_beyond(
+    tokenize: Callable[[str], Sequence[int]], text: str, limit: int
+) -> tuple[int, bool] | None:
+    """Tell, tokenizing as little of ``text`` as it can, whether it has more than ``limit`` tokens.
+
+    Tokenizes prefixes of ``text`` cut before a whitespace character, from about 4 characters a
+    token of ``limit`` on, doubling while they fit: a text far over the limit is refused after
+    tokenizing about ``limit`` tokens of it, not its megabytes. Returns ``(tokens, exact)``: the
+    whole text's count (``exact``), or a lower bound from a prefix (its count less
+    `PREFIX_SLACK`); None when the whole text has at most ``limit`` tokens.
+    """
+    size = 4 * (limit + PREFIX_SLACK + 1)
+    while size < len(text):
+        cut = max(text.rfind(" ", size // 2, size), text.rfind("\n", size // 2, size))
+        if cut > 0:
+            counted = len(tokenize(text[:cut])) - PREFIX_SLACK
+            if counted > limit:
+                return counted, False
+        size *= 2
+    counted = len(tokenize(text))
+    return (counted, True) if counted > limit else None
 
 
 def longest_token_chars(tokenizer: Any) -> int:

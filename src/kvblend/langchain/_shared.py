@@ -78,6 +78,10 @@ class BlendSettings(EngineHolder, BaseModel):
     blend_config: BlendConfig | None = None
     """How the blended prefill recomputes reused tokens (None = `BlendConfig()` defaults)."""
 
+    threads: int | None = Field(default=None, ge=1)
+    """torch CPU threads, for the whole process, from the first call on (None: the engine's
+    load-aware default, the cores the last minute's load leaves idle; see docs/guides.md)."""
+
     max_tokens: int = Field(default=256, ge=1)
     """Largest number of tokens to generate."""
 

@@ -65,6 +65,10 @@ class BlendRetriever(EngineHolder, BaseRetriever):
     model: str | None = None
     """Model spec for the shared engine when no ``engine`` is given (None = the default)."""
 
+    threads: int | None = Field(default=None, ge=1)
+    """torch CPU threads, for the whole process, from the first call on (None: the engine's
+    load-aware default)."""
+
     k: int | None = Field(default=None, ge=1)
     """Number of documents to return: passed to the wrapped retriever as ``k`` and used to cut
     its result. A ``k`` given to ``invoke`` wins. None leaves the wrapped retriever's default."""

@@ -47,6 +47,12 @@ class BlendNodePostprocessor(EngineHolder, BaseNodePostprocessor):
     model: str | None = Field(
         default=None, description="Model spec of the shared engine when no `engine` is given."
     )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch CPU threads, for the whole process, from the first call on (None: "
+        "the engine's load-aware default).",
+    )
     order: Literal["retrieved", "most_relevant_last"] = Field(
         default="retrieved",
         description="Node order. Blended KV does not depend on position, so the order can "

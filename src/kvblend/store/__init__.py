@@ -8,7 +8,13 @@ see docs/store.md. `RedisKVStore` and `RemoteTieredKVStore` are imported on firs
 
 from typing import Any
 
-from kvblend.store.base import CorruptEntryError, KVStore, StoreError, StoreStats
+from kvblend.store.base import (
+    CorruptEntryError,
+    EntryReplacedError,
+    KVStore,
+    StoreError,
+    StoreStats,
+)
 from kvblend.store.defaults import default_store
 from kvblend.store.disk import DiskKVStore, default_store_dir
 from kvblend.store.index import RepairReport
@@ -19,6 +25,7 @@ from kvblend.store.tiered import TieredKVStore
 __all__ = [
     "CorruptEntryError",
     "DiskKVStore",
+    "EntryReplacedError",
     "KVStore",
     "LazyTensors",
     "MemoryKVStore",

@@ -58,6 +58,18 @@ class CorruptEntryError(StoreError):
         self.reason = reason
 
 
+class EntryReplacedError(StoreError):
+    """An entry was replaced or evicted while it was read (another process wrote the key).
+
+    Not damage: the lookup counts as a miss, nothing is dropped, and the caller computes the
+    entry (or reads it again).
+    """
+
+    def __init__(self, key: str, reason: str) -> None:
+        super().__init__(f"KV store entry {key!r} {reason}")
+        self.key = key
+
+
 class RemoteUnavailableError(StoreError):
     """A remote store cannot reach its server, or skips it while backing off.
 
@@ -73,7 +85,8 @@ class StoreStats:
     object saw since it was built (per process). `entries` and `bytes` describe the current
     content, which for a disk store includes what other processes wrote. `hit_rate` is
     `hits / (hits + misses)`, 0.0 before the first lookup. A tiered store fills `tiers` with
-    one `StoreStats` per tier ("memory", "disk").
+    one `StoreStats` per tier ("memory", "disk"). `read_only`: the store (a tiered store: its
+    disk tier) was opened read-only, its entries are read and writes fail.
     """
 
     entries: int
@@ -85,6 +98,7 @@ class StoreStats:
     put_errors: int = 0
     capacity_bytes: int | None = None
     tiers: Mapping[str, StoreStats] = field(default_factory=dict)
+    read_only: bool = False
     hit_rate: float = field(init=False)
 
     def __post_init__(self) -> None:

@@ -7,9 +7,11 @@ else, refuses to unpickle what another program may have left in the folder, and 
 deletes files inside the folder. Reads open the entry's file and parse only its header; tensors
 are read one at a time by the lazy mapping `get()` returns, each checked against its checksum.
 
-The folder is private to its owner unless opened as shared (`files`). An index found damaged,
-on open or later, is set aside and rebuilt (`index`), so the disk tier heals instead of failing
-for the life of the process.
+The folder is private to its owner unless opened as shared, and no file in it that is a link
+(symbolic or hard) is written (`files`). An index found damaged, deleted or empty, on open or
+later, is rebuilt from the entry files (`index`, `rebuild`), so the disk tier heals instead of
+failing or recomputing everything. A folder that cannot be written is served read-only
+(`readonly`); `repair()` then only reports.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kvblend.store.base import (
     validate_key,
 )
 from kvblend.store.entry_format import Payload, check_expected, encode_entry, read_header
+from kvblend.store.entry_mac import load_store_key
 from kvblend.store.files import ForeignValueError, file_modes, prepare_folder
 from kvblend.store.index import (
     ORPHAN_GRACE_S,
@@ -52,7 +55,7 @@ from kvblend.store.index import (
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.readonly import ReadOnlyIndex, looks_read_only, record_logs
-from kvblend.store.rebuild import adopt_files, sweep_if_due
+from kvblend.store.rebuild import adopt_files, delete_unless_replaced, survey, sweep_if_due
 from kvblend.store.records import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
@@ -81,8 +84,10 @@ class DiskKVStore(KVStore):
     Several processes may open the same folder at once. `directory` defaults to
     `default_store_dir()`. The folder is private (``0700``, files ``0600``) unless `shared` is
     True (group access, ``0770``/``0660``); `shared=None` reads ``$KVBLEND_STORE_SHARED``.
-    Raises `StoreError` if the folder cannot be created or opened for writing; `put()` raises
-    `StoreError` when the disk is full or read-only.
+    `store_key` (default ``$KVBLEND_STORE_KEY``) makes entries carry a keyed MAC and refuses
+    those without a valid one (`kvblend.store.entry_mac`). Raises `StoreError` if the folder
+    cannot be created or opened (a folder that can only be read opens `read_only`); `put()`
+    raises `StoreError` when the disk is full or read-only.
     """
 
     def __init__(
@@ -93,9 +98,11 @@ class DiskKVStore(KVStore):
         prefetch_ahead: int = DEFAULT_PREFETCH_AHEAD,
         timeout: float = 60.0,
         shared: bool | None = None,
+        store_key: str | None = None,
     ) -> None:
         if size_limit <= 0:
             raise ValueError(f"size_limit must be > 0, got {size_limit}")
+        self._store_key = load_store_key(store_key)
         self.directory = Path(directory) if directory is not None else default_store_dir()
         self.size_limit = int(size_limit)
         self.modes = file_modes(shared)
@@ -105,7 +112,7 @@ class DiskKVStore(KVStore):
         self._lock = threading.Lock()
         self._reopen_lock = threading.Lock()
         self._damaged = False
-        self._set_aside = 0
+        self._set_aside = self._rebuilt_files = 0
         self._hits = self._misses = self._evictions = self._corrupt = 0
         self.read_only = False
         self._writable_retry_at = 0.0
@@ -133,7 +140,7 @@ class DiskKVStore(KVStore):
 
     def _open_index(self) -> tuple[diskcache.Cache, tuple[int, int] | None]:
         # cull_limit=0: set() never evicts by itself; put() evicts (and counts) itself.
-        cache, set_aside_at = open_index(
+        cache, lost_at, set_aside = open_index(
             self.directory,
             self.modes,
             timeout=self._timeout,
@@ -141,11 +148,11 @@ class DiskKVStore(KVStore):
             size_limit=self.size_limit,
             cull_limit=0,
         )
-        if set_aside_at is not None:
-            self._set_aside += 1
-            adopt_files(cache, self.directory, older_than=set_aside_at)  # rebuilt, not wiped
-        else:
-            sweep_if_due(cache, self.directory, self.modes)  # what a killed writer left
+        self._set_aside += set_aside
+        # what a killed writer left; a lost index (damaged, deleted, empty): rebuilt, not wiped
+        swept = sweep_if_due(cache, self.directory, self.modes, lost_at)
+        if lost_at is not None and swept is not None:
+            self._rebuilt_files += swept.adopted
         return cache, index_identity(self.directory)
 
     def _index(self) -> diskcache.Cache:
@@ -207,9 +214,10 @@ class DiskKVStore(KVStore):
         header = None
         if payload is not None:
             try:
-                header = read_header(payload, key)
+                header = read_header(payload, key, self._store_key)
                 check_expected(header, expect)
             except CorruptEntryError as error:
+                header = None  # a miss, counted as one: never a mapping over a closed file
                 payload.close()
                 self._drop_corrupt(key, payload.identity, error)
         with self._lock:
@@ -232,7 +240,7 @@ class DiskKVStore(KVStore):
         """Write the entry (synchronously), then evict least recently used entries if needed."""
         validate_key(key)
         checked, user_metadata = validate_entry(tensors, metadata)
-        data = encode_entry(key, checked, user_metadata)
+        data = encode_entry(key, checked, user_metadata, self._store_key)
         if len(data) > self.size_limit:
             raise StoreError(
                 f"entry {key!r} is {len(data)} bytes, more than the size limit "
@@ -260,7 +268,8 @@ class DiskKVStore(KVStore):
     def keys(self) -> list[str]:
         """Return the keys of every entry in the folder's index (every process's writes)."""
         with self._storage_errors("list the entries"):
-            return [key for key in self._index().iterkeys() if isinstance(key, str)]
+            rows = self._index()._sql("SELECT key FROM Cache WHERE raw = 1").fetchall()  # noqa: SLF001
+        return [key for (key,) in rows if isinstance(key, str)]
 
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, reading only the entry's header."""
@@ -269,7 +278,7 @@ class DiskKVStore(KVStore):
         if payload is None:
             return None
         try:
-            return read_header(payload, key).metadata
+            return read_header(payload, key, self._store_key).metadata
         except CorruptEntryError as error:
             self._drop_corrupt(key, payload.identity, error)
             return None
@@ -290,6 +299,7 @@ class DiskKVStore(KVStore):
                 evictions=self._evictions,
                 corrupt_dropped=self._corrupt,
                 capacity_bytes=self.size_limit,
+                read_only=self.read_only,
             )
 
     def clear(self) -> None:
@@ -305,9 +315,12 @@ class DiskKVStore(KVStore):
         `kvblend.store.rebuild`), drops index rows whose file is missing or lies outside the
         folder, takes whole entry files no row names back into the index and deletes the other
         value files no row names (unless younger than `ORPHAN_GRACE_S`: they may be entries
-        being written).
-        Raises `StoreError` if the folder cannot be used.
+        being written). On a `read_only` store nothing is changed: the report says what was
+        found (`RepairReport.read_only`). Raises `StoreError` if the folder cannot be used.
         """
+        if self.read_only:
+            with self._storage_errors("check the KV store"):
+                return survey(self._cache, self.directory)
         with self._storage_errors("repair the KV store"):
             moment = None
             with self._reopen_lock:
@@ -326,7 +339,8 @@ class DiskKVStore(KVStore):
             orphan_bytes=swept.deleted_bytes,
             entries=entries,
             bytes=volume,
-            files_adopted=swept.adopted,
+            files_adopted=swept.adopted + self._rebuilt_files,
+            index_rebuilt=self._rebuilt_files > 0,
         )
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:
@@ -367,25 +381,6 @@ class DiskKVStore(KVStore):
             self._corrupt += 1
         logger.warning("dropping a corrupt entry of the KV store in %s: %s", self.directory, error)
         try:
-            cache = self._index()
-            with cache.transact(retry=True):
-                current = self._identity_of(cache, key) if identity is not None else None
-                if identity is not None and current not in (identity, "foreign"):
-                    return  # gone, or rewritten by another process since we read it
-                cache.delete(key, retry=True)
+            delete_unless_replaced(self._index(), key, identity)
         except _STORAGE_ERRORS as failure:
             logger.warning("could not drop corrupt entry %r: %s", key, failure)
-
-    def _identity_of(self, cache: diskcache.Cache, key: str) -> str | None:
-        """Return the identity of the value stored under `key` now, "foreign", or None."""
-        try:
-            value = cache.get(key, read=True, retry=True)
-        except ForeignValueError:
-            return "foreign"
-        if value is None:
-            return None
-        if not isinstance(value, (bytes, io.BufferedIOBase)):
-            return "foreign"
-        payload = Payload(value)
-        payload.close()
-        return payload.identity

@@ -10,7 +10,8 @@ The diskcache index names each value file; a row whose name is not one diskcache
 (``ab/cd/<28 hex>.val``, inside the folder, not through a symbolic link) or that names something
 other than a regular file (a FIFO would block the reader) is treated as a foreign value: never
 read, never deleted. Nothing is written through a link either: a value sub-folder, the index
-or one of SQLite's files next to it that is a symbolic link is refused (`refuse_links`).
+or one of SQLite's files next to it that is a symbolic link, or a file with other names (a
+hard link), is refused (`refuse_links`): nothing outside the folder is written or chmod-ed.
 Writes retry when another process removes an emptied sub-folder between creating it and
 opening the file in it, as diskcache's own writer does.
 """
@@ -70,10 +71,26 @@ def file_modes(shared: bool | None = None) -> FileModes:
 
 
 def set_mode(path: str | os.PathLike[str], mode: int) -> None:
-    """Set the permission bits of `path`, keeping a folder's setgid bit (shared groups)."""
-    current = os.stat(path).st_mode
-    if stat.S_IMODE(current) & ~stat.S_ISGID != mode:
-        os.chmod(path, mode | (current & stat.S_ISGID))
+    """Set the permission bits of `path`, keeping a folder's setgid bit (shared groups).
+
+    Raises `OSError` (``EMLINK``) for a file with other names (`refuse_links`): its mode is
+    that of a file elsewhere too.
+    """
+    info = os.stat(path)
+    _refuse_hard_link(os.fspath(path), info)
+    if stat.S_IMODE(info.st_mode) & ~stat.S_ISGID != mode:
+        os.chmod(path, mode | (info.st_mode & stat.S_ISGID))
+
+
+def _refuse_hard_link(path: str, info: os.stat_result) -> None:
+    if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+        raise OSError(
+            errno.EMLINK,
+            f"{os.path.basename(path)} in the KV store folder is a hard link ({info.st_nlink} "
+            "names, maybe a file outside the folder); kvblend does not write or chmod a file "
+            "other names share: remove it",
+            path,
+        )
 
 
 def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
@@ -101,7 +118,7 @@ def prepare_folder(path: str | os.PathLike[str], modes: FileModes) -> None:
             for name in os.listdir(path):
                 full = os.path.join(path, name)
                 if name.startswith(INDEX_NAME) and not os.path.islink(full):
-                    with contextlib.suppress(OSError):
+                    with contextlib.suppress(OSError):  # a hard link is refused later
                         set_mode(full, modes.file)
         else:
             logger.warning(
@@ -124,14 +141,22 @@ SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
 
 
 def refuse_links(directory: str | os.PathLike[str], *names: str) -> None:
-    """Raise `OSError` (``ELOOP``) if one of `names` in `directory` is a symbolic link.
+    """Raise `OSError` if one of `names` in `directory` is a symbolic or a hard link.
 
     Nothing under a store folder is followed through a link: SQLite and the store would
-    otherwise create tables, write and change modes wherever the link points.
+    otherwise create tables, write and change modes wherever the link points. A regular file
+    with more than one name (``st_nlink > 1``: ``ln /elsewhere/victim.db STORE/cache.db``) is
+    the same file as one elsewhere, so it is refused too (``EMLINK``); a symbolic link raises
+    ``ELOOP``.
     """
     for name in names:
         path = os.path.join(directory, name)
-        if os.path.islink(path):
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        _refuse_hard_link(path, info)
+        if stat.S_ISLNK(info.st_mode):
             raise OSError(
                 errno.ELOOP,
                 f"{name} in the KV store folder is a symbolic link (to {os.readlink(path)!r}); "
@@ -144,13 +169,14 @@ def prepare_index_file(directory: str | os.PathLike[str], modes: FileModes) -> N
     """Create the folder's SQLite index file with `modes` before SQLite does (with 0644).
 
     SQLite gives its ``-wal`` and ``-shm`` files the mode of the database file. Raises
-    `OSError` if the index or one of SQLite's files next to it is a symbolic link.
+    `OSError` if the index or one of SQLite's files next to it is a symbolic or hard link.
     """
     refuse_links(directory, *(INDEX_NAME + suffix for suffix in SQLITE_SUFFIXES))
     path = os.path.join(directory, INDEX_NAME)
     descriptor = os.open(path, os.O_RDONLY | os.O_CREAT | _NOFOLLOW, modes.file)
     try:
         info = os.fstat(descriptor)
+        _refuse_hard_link(path, info)  # linked between the check and the open
         if info.st_size == 0 and stat.S_IMODE(info.st_mode) != modes.file:
             _fchmod(descriptor, modes.file)
     finally:

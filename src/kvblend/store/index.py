@@ -5,6 +5,8 @@ overwritten by another program. A folder whose index cannot be read would otherw
 disk tier off for good, so opening one sets the damaged index aside as ``cache.db.damaged``
 (replacing an older one, kept for inspection) and starts a new index, which the store then
 rebuilds from the entry files' own headers (`kvblend.store.rebuild`): no intact entry is lost.
+An index deleted or emptied to 0 bytes (any index with no entry at all) is lost the same way and
+rebuilt when opened, whenever the last sweep was.
 
 `repair()` does the same on demand and more: it drops index rows whose file is missing or whose
 file name lies outside the folder, and adopts or deletes value files no row names. A value file
@@ -58,6 +60,13 @@ class RepairReport:
     entries: int
     bytes: int
     files_adopted: int = 0  # whole entry files no row named, taken back into the index
+    #: The index was lost (set aside, deleted or empty) and rebuilt from the entry files.
+    index_rebuilt: bool = False
+    #: The folder could not be written: nothing was changed, the counts below say what was found.
+    read_only: bool = False
+    index_damaged: bool = False  # found damaged and left (read-only); else it was set aside
+    rows_broken: int = 0  # read-only: index rows without a valid file, left
+    files_unindexed: int = 0  # read-only: value files no row names, left
 
 
 def is_damage(error: BaseException) -> bool:
@@ -78,25 +87,32 @@ def index_identity(directory: Path) -> tuple[int, int] | None:
 
 def open_index(
     directory: Path, modes: FileModes, disk: type[diskcache.Disk] | None = None, **settings: object
-) -> tuple[diskcache.Cache, float | None]:
+) -> tuple[diskcache.Cache, float | None, bool]:
     """Open the folder's index; a damaged one is set aside and replaced by a new index.
 
     `disk` is the serializer class (default: the store's bytes-only one with `modes`). Returns
-    the index and the time a damaged one was set aside (None: none was); the caller rebuilds
-    the new index from the entry files (`kvblend.store.rebuild`). Raises `sqlite3.Error` or
-    `OSError` when the folder cannot be used (read-only, locked, not a folder).
+    the index, the time it was found lost (None: it has entries) and whether a damaged one was
+    set aside. An index with no entry at all (damaged and set aside, deleted, emptied to 0
+    bytes, or a new folder) is lost: the caller rebuilds it from the entry files
+    (`kvblend.store.rebuild`), so losing it never means computing every entry again. Raises
+    `sqlite3.Error` or `OSError` when the folder cannot be used (read-only, locked, not a
+    folder, a linked index).
     """
     settings["disk"] = disk if disk is not None else disk_class(modes)
     prepare_index_file(directory, modes)
+    set_aside_at = None
     try:
-        return _open_checked(directory, settings), None
+        cache = _open_checked(directory, settings)
     except sqlite3.DatabaseError as error:
         if not is_damage(error):
             raise
-        damage = error
-    set_aside_at = set_aside_damaged_index(directory, damage)
-    prepare_index_file(directory, modes)
-    return _open_checked(directory, settings), set_aside_at
+        set_aside_at = set_aside_damaged_index(directory, error)
+        prepare_index_file(directory, modes)
+        cache = _open_checked(directory, settings)
+    set_aside = set_aside_at is not None
+    if cache._sql("SELECT 1 FROM Cache LIMIT 1").fetchall():  # noqa: SLF001
+        return cache, None, set_aside
+    return cache, set_aside_at if set_aside_at is not None else time.time(), set_aside
 
 
 def _open_checked(directory: Path, settings: dict[str, object]) -> diskcache.Cache:

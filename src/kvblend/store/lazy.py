@@ -21,7 +21,7 @@ from typing import Any, cast
 
 import torch
 
-from kvblend.store.base import CorruptEntryError, StoreError
+from kvblend.store.base import CorruptEntryError, EntryReplacedError, StoreError
 from kvblend.store.entry_format import EntryHeader, read_tensor
 from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
@@ -244,18 +244,29 @@ def lazy_entry(
     prefetch_ahead: int,
     on_corrupt: Callable[[CorruptEntryError], None],
     finite: bool = False,
+    replaced: Callable[[], bool] | None = None,
 ) -> LazyTensors:
     """Return the lazy mapping over an entry's `payload` whose `header` is read and checked.
 
     Each tensor is read from the payload and verified on first access (on `target`), the next
     ones prefetched on `pool`; a damaged tensor (or with `finite`, a floating one holding NaN or
-    infinity) is reported to `on_corrupt`. Shared by every
+    infinity) is reported to `on_corrupt`, unless `replaced()` says the stored value changed
+    since its header was read: that raises `EntryReplacedError` (not damage). Shared by every
     store that keeps entries in the disk tier's format.
     """
     infos = {info.name: info for info in header.tensors}
+
+    def load(name: str) -> torch.Tensor | PendingCopy:
+        try:
+            return read_tensor(payload, infos[name], key, target, finite=finite)
+        except CorruptEntryError as error:
+            if replaced is not None and replaced():
+                raise EntryReplacedError(key, "replaced while it was read") from error
+            raise
+
     return LazyTensors(
         [info.name for info in header.tensors],
-        lambda name: read_tensor(payload, infos[name], key, target, finite=finite),
+        load,
         metadata=header.metadata,
         pool=pool,
         prefetch_ahead=prefetch_ahead,

@@ -99,7 +99,7 @@ class ReadOnlyIndex:
         return int(pages) * int(page_size) + int(total[0])
 
     def _sql(self, statement: str, parameters: tuple[Any, ...] = ()) -> sqlite3.Cursor:
-        if not statement.lstrip().upper().startswith("SELECT"):
+        if not statement.lstrip().upper().startswith(("SELECT", "PRAGMA QUICK_CHECK")):
             _refuse()
         return self._connection.execute(statement, parameters)
 

@@ -1,11 +1,12 @@
 """`RedisKVStore`: entries on a Redis server, shared by every process and machine that uses it.
 
-Each entry is one Redis string holding exactly the bytes the disk tier writes (safetensors with
-per-tensor CRC-32, see `entry_format`), under ``<prefix>kv:v<format>:<key>``: nothing is
-pickled, and a damaged or foreign value is detected and dropped like on disk. `get()` costs one
-round trip (the entry's length and its first 64 KiB, which hold the header) and returns a
-`LazyTensors`; each tensor is then fetched with its own ``GETRANGE`` on the store's prefetch
-threads, so the blend loop starts on layer 0 while later layers are still on the wire.
+Each entry is one Redis string holding exactly the bytes the disk tier writes (`entry_format`:
+safetensors with per-tensor checksums and, with a store key, MACs), under
+``<prefix>kv:v<format>:<key>``: nothing is pickled, and a damaged or foreign value is detected
+and dropped like on disk. `get()` costs one round trip (the entry's length and its first 64 KiB,
+which hold the header) and returns a `LazyTensors`; each tensor is then fetched with its own
+``GETRANGE`` (`redis_payload`) on the store's prefetch threads, so the blend loop starts on
+layer 0 while later layers are still on the wire.
 
 Redis bounds the size itself: ``maxmemory`` with ``maxmemory-policy allkeys-lru`` (or
 ``volatile-lru`` with `ttl_s`) evicts old entries; with ``noeviction`` a full server refuses
@@ -17,11 +18,13 @@ per log changed by Lua scripts (`kvblend.store.redis_records`), so every process
 sequence.
 
 Failures: every server error is raised as `StoreError` (`RemoteUnavailableError` when the server
-cannot be reached, which the store logs itself, at most once a minute). After a connection error
-or timeout the store stops asking the server for `retry_after_s` (doubling up to
-`max_retry_after_s`) and fails fast meanwhile, so a dead server costs one timeout per back-off
-period, not one per request; redis-py opens a new connection on the next attempt.
-`RemoteTieredKVStore` turns these errors into misses and warnings.
+cannot be reached, which the store logs itself, at most once a minute). The first connection
+error or timeout (`socket_timeout_s`) takes the server out: every later request fails at once,
+without touching the network, until a background ``PING`` (after `retry_after_s`, doubling up
+to `max_retry_after_s`) is answered (`redis_health`). So a dead or stalled server costs one
+timeout, not one per request. An entry replaced or evicted while it is read is a miss
+(`EntryReplacedError`), never counted as damage. `RemoteTieredKVStore` turns these errors into
+misses and warnings.
 """
 
 from __future__ import annotations
@@ -29,9 +32,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import torch
 
@@ -48,15 +50,16 @@ from kvblend.store.base import (
 from kvblend.store.entry_format import (
     FORMAT_VERSION,
     EntryHeader,
-    Payload,
     check_expected,
-    checksum,
     encode_entry,
     read_header,
 )
+from kvblend.store.entry_mac import load_store_key
 from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DEFAULT_MAX_RECORDS
 from kvblend.store.redis_access import redacted, warn_if_open
+from kvblend.store.redis_health import RedisHealth
+from kvblend.store.redis_payload import RangePayload
 from kvblend.store.redis_records import RedisRecordLogs
 
 try:
@@ -76,6 +79,8 @@ DEFAULT_PREFIX = "kvblend:"
 #: Bytes fetched with the entry length on `get()`; headers of engine entries are a few KiB.
 _HEAD_BYTES = 64 << 10
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
+#: Reads of an entry's head before one that does not parse is taken for damage.
+_OPEN_ATTEMPTS = 3
 _T = TypeVar("_T")
 
 # Delete an entry only if it still starts with the header that was read: KEYS = entry;
@@ -88,52 +93,16 @@ return 0
 """
 
 
-class _RangePayload(Payload):
-    """One entry on the server, read by byte ranges; the first range is already fetched."""
-
-    def __init__(self, store: RedisKVStore, redis_key: str, size: int, head: bytes) -> None:
-        self._store = store
-        self._redis_key = redis_key
-        self._head = head
-        self._lock = threading.Lock()
-        self._closed = False
-        self.size = size
-        self.identity = "redis:" + checksum(head)
-
-    def read_into(self, offset: int, buffer: memoryview) -> int:
-        """Fill `buffer` from `offset` (from the fetched head, else one GETRANGE)."""
-        with self._lock:
-            if self._closed:
-                raise StoreError("read from a closed KV store entry")
-        end = min(offset + len(buffer), self.size)
-        if end <= offset:
-            return 0
-        if end <= len(self._head):
-            chunk = self._head[offset:end]
-        else:
-            chunk = self._store._call(
-                f"read entry {self._redis_key!r}",
-                lambda: cast(bytes, self._store.client.getrange(self._redis_key, offset, end - 1)),
-            )
-            if len(chunk) < end - offset:
-                raise StoreError(f"entry {self._redis_key!r} was evicted or replaced while read")
-        buffer[: len(chunk)] = chunk
-        return len(chunk)
-
-    def close(self) -> None:
-        """Forget the fetched head; later reads raise `StoreError`."""
-        with self._lock:
-            self._closed = True
-            self._head = b""
-
-
 class RedisKVStore(KVStore):
     """Store on a Redis server (``redis://`` or TLS ``rediss://`` URL, password in the URL).
 
-    `url` defaults to `$KVBLEND_REDIS_URL`; a server off this machine named without a password
-    is warned about once (`redis_access.warn_if_open`). Building the store does not connect: a
-    server that is down only makes operations raise `StoreError`. `prefix` namespaces every key,
-    so several stores (or other applications) can share one server. Thread safe; several
+    `url` defaults to `$KVBLEND_REDIS_URL`; only its redacted form is kept (`url`), and a
+    server off this machine named without a password is warned about once
+    (`redis_access.warn_if_open`). Building the store does not connect: a server that is down
+    only makes operations raise `StoreError`, and after the first timeout they fail at once
+    until `health` sees the server answer. `prefix` namespaces every key, so several stores (or
+    other applications) can share one server. `store_key` (default ``$KVBLEND_STORE_KEY``)
+    signs entries and refuses unsigned ones (`kvblend.store.entry_mac`). Thread safe; several
     processes and machines may use one server at once.
     """
 
@@ -151,12 +120,14 @@ class RedisKVStore(KVStore):
         max_retry_after_s: float = 30.0,
         prefetch_ahead: int = 8,
         max_records: int = DEFAULT_MAX_RECORDS,
+        store_key: str | None = None,
     ) -> None:
         url = url or os.environ.get(REDIS_URL_ENV)
         if not url:
             raise ValueError(f"no Redis URL: pass url= or set ${REDIS_URL_ENV}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        self._store_key = load_store_key(store_key)
         self.url = redacted(url)
         warn_if_open(url)
         self.prefix = prefix
@@ -170,62 +141,35 @@ class RedisKVStore(KVStore):
         )
         self._records = RedisRecordLogs(self.client, prefix, max_records)
         self._drop_script = self.client.register_script(_DROP_IF_SAME)
-        self._retry_after_s = retry_after_s
-        self._max_retry_after_s = max_retry_after_s
+        self.health = RedisHealth(self.url, self.client.ping, retry_after_s, max_retry_after_s)
         self._prefetch_ahead = prefetch_ahead
         self._pool = PrefetchPool(max_workers=4, name="kvblend-redis")
         self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._delay = 0.0
-        self._last_warning = -float("inf")
         self._hits = self._misses = self._corrupt = 0
 
     # ------------------------------------------------------------------ availability
     @property
     def available(self) -> bool:
-        """False while the store is backing off after a connection failure."""
-        return time.monotonic() >= self._down_until
+        """False from a connection failure until a background check sees the server answer."""
+        return self.health.available
 
     def _call(self, action: str, operation: Callable[[], _T]) -> _T:
         """Run one server operation; map its errors to `StoreError` and track availability."""
-        with self._lock:
-            wait = self._down_until - time.monotonic()
-        if wait > 0:
-            raise RemoteUnavailableError(
-                f"Redis at {self.url} unavailable, next attempt in {wait:.1f} s"
-            )
+        self.health.check(action)
         try:
-            result = operation()
+            return operation()
         except _CONNECTION_ERRORS as error:
-            self._failed(error)
+            self.health.failed(error)
             message = f"cannot {action} on Redis at {self.url}: {error}"
             raise RemoteUnavailableError(message) from error
         except redis.RedisError as error:  # refused by the server: OOM, wrong type, ...
             raise StoreError(f"cannot {action} on Redis at {self.url}: {error}") from error
-        if self._delay:
-            with self._lock:
-                recovered, self._delay = self._delay > 0, 0.0
-            if recovered:
-                logger.warning("KV store Redis tier at %s is available again", self.url)
-        return result
 
-    def _failed(self, error: BaseException) -> None:
-        now = time.monotonic()
+    def _count_replaced(self) -> None:
+        """Count a lookup whose entry was replaced while it was read as a miss, not a hit."""
         with self._lock:
-            self._delay = min(self._max_retry_after_s, max(self._retry_after_s, 2 * self._delay))
-            self._down_until = now + self._delay
-            delay = self._delay
-            warn = now - self._last_warning >= 60.0
-            if warn:
-                self._last_warning = now
-        log = logger.warning if warn else logger.debug
-        log(
-            "KV store Redis tier at %s unavailable (%s); using the local tiers, next attempt "
-            "in %.1f s",
-            self.url,
-            error,
-            delay,
-        )
+            self._hits -= 1
+            self._misses += 1
 
     # ------------------------------------------------------------------ keys
     def _entry_key(self, key: str) -> str:
@@ -252,40 +196,54 @@ class RedisKVStore(KVStore):
                 self._hits += 1
         if opened is None:
             return None
-        payload, header, header_bytes = opened
+        payload, header = opened
         target = torch.device(device) if device is not None else None
         return lazy_entry(
             payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
-            on_corrupt=lambda error: self._drop_corrupt(key, header_bytes, error),
-            finite=expect is not None and expect.finite,
+            on_corrupt=lambda error: self._drop_corrupt(key, payload.header, error),
+            finite=expect is not None and expect.finite, replaced=payload.replaced,
         )  # fmt: skip
 
     def _open(
         self, key: str, expect: EntrySpec | None = None
-    ) -> tuple[_RangePayload, EntryHeader, bytes] | None:
-        """Fetch the length and head of `key`'s entry and verify its header (None: a miss)."""
+    ) -> tuple[RangePayload, EntryHeader] | None:
+        """Fetch the length and head of `key`'s entry and verify its header (None: a miss).
+
+        The length and the head are two commands: an entry replaced between them reads as
+        damaged, so a damaged head is fetched again, and only one that reads the same twice is
+        corrupt (dropped and counted).
+        """
         redis_key = self._entry_key(key)
 
-        def fetch() -> list:
+        def fetch() -> tuple[int, bytes]:
             pipe = self.client.pipeline(transaction=False)
             pipe.strlen(redis_key)
             pipe.getrange(redis_key, 0, _HEAD_BYTES - 1)
             if self.ttl_s is not None:
                 pipe.expire(redis_key, int(max(1, self.ttl_s)))
-            return pipe.execute()
+            size, head = pipe.execute()[:2]
+            return int(size), bytes(head)
 
-        size, head = self._call(f"read entry {key!r}", fetch)[:2]
-        if not size:
-            return None
-        head = bytes(head)
-        payload = _RangePayload(self, redis_key, int(size), head)
-        try:
-            header = read_header(payload, key)
-            check_expected(header, expect)
-        except CorruptEntryError as error:
-            self._drop_corrupt(key, head, error)
-            return None
-        return payload, header, head[: 8 + int.from_bytes(head[:8], "little")]
+        fetched = self._call(f"read entry {key!r}", fetch)
+        for attempt in range(_OPEN_ATTEMPTS):
+            if not fetched[0]:
+                return None
+            payload = RangePayload(
+                self._call, self.client, redis_key, *fetched, on_replaced=self._count_replaced
+            )
+            try:
+                header = read_header(payload, key, self._store_key)
+                check_expected(header, expect)
+            except CorruptEntryError as error:
+                again = self._call(f"read entry {key!r}", fetch)
+                if again != fetched and attempt + 1 < _OPEN_ATTEMPTS:
+                    fetched = again  # replaced while read: read the new value
+                    continue
+                self._drop_corrupt(key, fetched[1], error)
+                return None
+            payload.header = fetched[1][: 8 + int.from_bytes(fetched[1][:8], "little")]
+            return payload, header
+        return None
 
     def put(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
@@ -293,7 +251,7 @@ class RedisKVStore(KVStore):
         """Write the entry with one SET (with the TTL, if any); raises `StoreError` on failure."""
         redis_key = self._entry_key(key)
         checked, user_metadata = validate_entry(tensors, metadata)
-        data = encode_entry(key, checked, user_metadata)
+        data = encode_entry(key, checked, user_metadata, self._store_key)
         expiry = int(max(1, self.ttl_s)) if self.ttl_s is not None else None
         self._call(
             f"write entry {key!r} ({len(data)} bytes)",
@@ -392,6 +350,7 @@ class RedisKVStore(KVStore):
     def close(self) -> None:
         """Stop the prefetch threads and close the connections (reopened on next use)."""
         self._pool.close()
+        self.health.close()
         self.client.connection_pool.disconnect()
 
     # ------------------------------------------------------------------ record logs

@@ -242,6 +242,7 @@ class TieredKVStore(KVStore):
                 put_errors=self._put_errors,
                 capacity_bytes=backing.capacity_bytes,
                 tiers=tiers,
+                read_only="disk" in tiers and tiers["disk"].read_only,
             )
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:

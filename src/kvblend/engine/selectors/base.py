@@ -21,8 +21,9 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from ..adapter import ModelAdapter
 from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan, RowSet, to_device
-from ..decoder import DecoderShape, ModelAdapter
+from ..decoder import DecoderShape
 
 
 @dataclass(frozen=True)

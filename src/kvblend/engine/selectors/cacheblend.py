@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..adapter import ModelAdapter
 from ..blend_io import COMPUTE, MOVED, RowSet
-from ..decoder import DecoderShape, ModelAdapter
+from ..decoder import DecoderShape
 from .base import (
     CORRECTION,
     RECOMPUTE_RATIO,

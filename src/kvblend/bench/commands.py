@@ -1,0 +1,349 @@
+"""What each ``kvblend bench`` subcommand runs: its engine, its benchmark, its result files.
+
+Every ``cmd_*`` takes the parsed arguments of its subcommand (`kvblend.bench.cli.build_parser`),
+loads the engine the way the docs tell users to (`_engine`), runs the benchmark of its module
+(``kvblend.bench.ttft``, ``quality``, ``nq``...) and writes the result as JSON, with the machine
+it ran on, and as a Markdown table beside it (`_write`), which it also prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
+    """Load the benchmarked engine, configured as the docs tell users to.
+
+    Its system prompt is the one the benchmark's prompts use, so documents are precomputed
+    behind that prompt head (``--engine-system`` overrides it; ``--doc-prefix bos`` drops it).
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    from ..cli_args import check_device
+    from ..engine import BlendEngine
+    from ..store import MemoryKVStore
+
+    check_device(args.device)  # one line for `--device gpu`, before the model loads
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    doc_prefix = getattr(args, "doc_prefix", "auto")
+    engine_system = getattr(args, "engine_system", None)
+    return BlendEngine.from_pretrained(
+        args.model, store=MemoryKVStore(8 << 30), device=args.device, dtype=args.dtype,
+        system_prompt=system_prompt if engine_system is None else engine_system,
+        doc_prefix=None if doc_prefix == "bos" else "auto",
+    )  # fmt: skip
+
+
+def _machine(engine: Any) -> dict[str, Any]:
+    device = engine.decoder.device
+    return {
+        "model": engine.name,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "dtype": str(engine.decoder.dtype).replace("torch.", ""),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _write(result: dict[str, Any], path: Path, table: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(table + "\n")
+    print(table)
+    print(f"\nwrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
+
+
+def cmd_ttft(args: argparse.Namespace) -> None:
+    """Time every strategy at every prompt length."""
+    from .strategies import parse_strategies
+    from .ttft import SYSTEM, run_ttft
+    from .ttft_summary import ttft_table
+
+    strategies = parse_strategies(args.strategies)
+    engine = _engine(args, SYSTEM)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    result = run_ttft(
+        engine, lengths=lengths, strategies=strategies, repeats=args.repeats,
+        doc_tokens=args.doc_tokens, disk=not args.no_disk,
+        disk_strategies=args.disk_strategies.split(",") if args.disk_strategies else None,
+        decode_tokens=args.decode_tokens, seed=args.seed,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), ttft_table(result["summary"]))
+
+
+def default_name() -> str:
+    """Return the default config in words, e.g. ``attention 0.4/0.15`` (early / later ratio)."""
+    from ..engine import BlendConfig
+
+    config = BlendConfig()
+    if config.strategy == "attention" and config.early_layers > 0:
+        return f"attention {config.early_ratio:g}/{config.recompute_ratio:g}"
+    if config.strategy in ("attention", "cacheblend"):
+        return f"{config.strategy} {config.recompute_ratio:g}"
+    return config.strategy
+
+
+def cmd_figures(args: argparse.Namespace) -> None:
+    """Print the figures: 8 x 512-token documents, cacheblend 0.15 and the default vs full."""
+    from .strategies import parse_strategies
+    from .ttft import SYSTEM, run_ttft
+    from .ttft_summary import ttft_table
+
+    engine = _engine(args, SYSTEM)
+    result = run_ttft(
+        engine, lengths=[args.docs * 512],
+        strategies=parse_strategies("cacheblend-value-0.15,default"),
+        repeats=args.repeats, doc_tokens=512, decode_tokens=0,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    summary = {(s["strategy"], s["store"]): s for s in result["summary"]}
+    full = summary[("full", "memory")]
+    blend = summary[("cacheblend-value-0.15", "memory")]
+    default = summary[("default", "memory")]
+    disk = summary.get(("default", "disk"))
+    lines = [
+        f"{args.docs} documents x 512 tokens + question ({full['prompt_tokens']} prompt tokens), "
+        f"{args.repeats} interleaved repeats, medians:",
+        f"  full prefill TTFT             {full['ttft_median_s']:.3f} s",
+        f"  cacheblend 0.15 TTFT (memory) {blend['ttft_median_s']:.3f} s  "
+        f"-> blended/full = {blend['ttft_vs_full']:.3f} (target <= 0.25)",
+        f"  default ({default_name()}) TTFT (memory) "
+        f"{default['ttft_median_s']:.3f} s  "
+        f"-> blended/full = {default['ttft_vs_full']:.3f} (target <= 0.333)",
+    ]
+    if disk is not None:
+        lines.append(
+            f"  default TTFT (disk)           {disk['ttft_median_s']:.3f} s  "
+            f"-> disk/memory = {disk['disk_vs_memory']:.2f} (target <= 1.25)"
+        )
+    store = result["store"]
+    lines.append(
+        f"  store size per 1,000 document tokens: memory {store['memory_mib_per_1k_tokens']:.1f} "
+        f"MiB, disk {store['disk_mib_per_1k_tokens'] or 0:.1f} MiB"
+    )
+    text = "\n".join(lines)
+    _write(result, Path(args.output), text + "\n\n" + ttft_table(result["summary"]))
+
+
+def cmd_quality(args: argparse.Namespace) -> None:
+    """Accuracy and fidelity of every strategy on the generated QA task."""
+    from ..engine import BlendConfig
+    from .qa import SYSTEM_PROMPT, generate_qa
+    from .quality import quality_report, run_quality
+    from .stats import paired_table, strategy_stats
+    from .strategies import parse_strategies
+
+    items = generate_qa(args.questions, seed=args.seed)
+    strategies = parse_strategies(args.strategies)
+    engine = _engine(args, SYSTEM_PROMPT)
+    meta = {
+        "machine": _machine(engine),
+        "seed": args.seed,
+        "doc_prefix": engine.doc_prefix,
+        "default_config": repr(BlendConfig()),
+    }
+    result = run_quality(
+        engine, items, strategies, max_new_tokens=args.max_new_tokens,
+        output=Path(args.output), meta=meta,
+    )  # fmt: skip
+    result["paired"] = strategy_stats(result["rows"], seed=args.seed)
+    _write(
+        result, Path(args.output),
+        quality_report(result["summary"])
+        + "\n\nPaired with full prefill (bootstrap over questions):\n\n"
+        + paired_table(result["paired"]),
+    )  # fmt: skip
+
+
+def cmd_ingest(args: argparse.Namespace) -> None:
+    """Documents/s of precompute, one by one vs batched."""
+    from .ingest import ingest_table, run_ingest
+    from .ttft import SYSTEM
+
+    engine = _engine(args, SYSTEM)
+    result = run_ingest(
+        engine, documents=args.documents, doc_tokens=args.doc_tokens,
+        batch_tokens=[int(x) for x in args.batch_tokens.split(",")], repeats=args.repeats,
+        seed=args.seed,
+    )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), ingest_table(result))
+
+
+def cmd_gpu(args: argparse.Namespace) -> None:
+    """TTFT, decode speed, peak memory and ingestion on one device (a GPU, or a CPU smoke run)."""
+    from .gpu import gpu_table, run_gpu, shaped_engine
+    from .ttft import SYSTEM
+
+    engine = shaped_engine(args) if args.model_shape else _engine(args, SYSTEM)
+    result = run_gpu(engine, args)
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), gpu_table(result))
+
+
+def cmd_plan(args: argparse.Namespace) -> None:
+    """Time tokenizing and matching a string prompt against the tokenizer alone."""
+    from ..engine.loading import load_model, resolve_model
+    from .planning import planning_line, run_planning, tokenizer_engine
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _, tokenizer = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32)
+    engine = tokenizer_engine(tokenizer)
+    result = run_planning(engine, args.tokens, args.doc_tokens, args.repeats, args.nq)
+    print(planning_line(result))
+
+
+#: ``--doc-prefix`` / ``--heads`` choices: the engines to build, not told or told the prompt head.
+HEAD_CHOICES = {"auto": ["untold"], "head": ["told"], "both": ["told", "untold"], "bos": ["bos"]}
+
+
+def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
+    """Build the engines ``--doc-prefix`` names.
+
+    ``auto``: the engine's defaults (not told the prompts' head); ``head``: told it; ``both``;
+    ``bos``: documents behind BOS alone.
+    """
+    from ..engine.engine import DEFAULT_SYSTEM_PROMPT
+    from .compare import engines_for
+
+    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    return engines_for(base, HEAD_CHOICES[args.doc_prefix], head_text(base.tokenizer))
+
+
+def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
+    from ..engine import BlendConfig
+
+    return {"machine": _machine(engine), "default_config": repr(BlendConfig()),
+            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+
+
+def cmd_nq(args: argparse.Namespace) -> None:
+    """Every strategy on NQ-open questions over retrieved Wikipedia passages."""
+    from .compare import summary_table
+    from .nq import nq_head, run_nq
+    from .strategies import parse_strategies
+
+    strategies = parse_strategies(args.strategies)
+    engines = _heads_engines(args, nq_head)
+    engine = next(iter(engines.values()))
+    result = run_nq(
+        engines, args.data, strategies, ks=[int(k) for k in args.k.split(",")],
+        questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
+        max_new_tokens=args.max_new_tokens, cache_dir=Path(args.cache_dir) if args.cache_dir
+        else None, output=Path(args.output), meta=_meta(args, engine),
+        log=lambda message: print(message, file=sys.stderr),
+    )  # fmt: skip
+    recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
+    title = (
+        f"NQ-open, {engine.name}, {result['questions']} questions, k = {args.k} "
+        f"(gold retrieved: {recall})"
+    )
+    table = summary_table(result["summary"], ("k", "head"))
+    _write(result, Path(args.output), title + "\n\n" + table)
+
+
+def cmd_shapes(args: argparse.Namespace) -> None:
+    """Every strategy on every prompt shape, engines told and not told the prompt head."""
+    from ..engine.engine import DEFAULT_SYSTEM_PROMPT
+    from .compare import summary_table
+    from .shapes import parse_shapes, run_shapes
+    from .strategies import parse_strategies
+
+    shapes = parse_shapes(args.shapes)
+    strategies = parse_strategies(args.strategies)
+    args.doc_prefix = "bos" if args.heads == "bos" else "auto"
+    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    result = run_shapes(
+        base, shapes, strategies, data=args.data, questions=args.questions, seed=args.seed,
+        gold_at=args.gold_at,
+        max_new_tokens=args.max_new_tokens, heads=HEAD_CHOICES[args.heads],
+        cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+        output=Path(args.output), meta=_meta(args, base),
+        log=lambda message: print(message, file=sys.stderr),
+    )  # fmt: skip
+    title = f"Every prompt shape, {base.name}, {args.questions} questions per shape"
+    _write(result, Path(args.output),
+           title + "\n\n" + summary_table(result["summary"], ("shape", "head")))  # fmt: skip
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    """Tables and plots from saved results."""
+    from .report import write_report
+
+    print(write_report(Path(args.ttft), Path(args.quality), Path(args.img_dir)))
+
+
+def cmd_registry(args: argparse.Namespace) -> None:
+    """Search cost of the document registry at several registry sizes."""
+    from .registry import registry_table, run_registry
+
+    counts = tuple(int(x) for x in args.counts.split(","))
+    result = run_registry(counts, docs_in_prompt=args.docs_in_prompt, repeats=args.repeats)
+    result["machine"] = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    _write(result, Path(args.output), registry_table(result))
+
+
+def cmd_doc_context(args: argparse.Namespace) -> None:
+    """Blend settings with documents precomputed behind BOS, the prompt head or the chat head."""
+    from .doc_context import doc_context_items, doc_context_table, run_doc_context
+    from .qa import SYSTEM_PROMPT
+
+    engine = _engine(args, SYSTEM_PROMPT)
+    items = doc_context_items(args.questions, seed=args.seed)
+    result = run_doc_context(
+        engine, items, args.contexts.split(","), args.configs.split(","), Path(args.output)
+    )
+    result["machine"], result["seed"] = _machine(engine), args.seed
+    _write(result, Path(args.output), doc_context_table(result["summary"]))
+
+
+def cmd_redis_ttft(args: argparse.Namespace) -> None:
+    """TTFT with documents from memory, a cold disk and Redis; four-process Redis throughput."""
+    from .redis_ttft import redis_server, redis_table, run_redis_ttft
+    from .ttft import SYSTEM
+
+    with redis_server(args.redis_url) as url:
+        engine = _engine(args, SYSTEM)
+        result = run_redis_ttft(
+            engine, url, length=args.length, doc_tokens=args.doc_tokens, repeats=args.repeats,
+            rounds=args.rounds,
+        )  # fmt: skip
+    result["machine"] = _machine(engine)
+    _write(result, Path(args.output), redis_table(result["summary"]))
+
+
+def cmd_vllm(args: argparse.Namespace) -> None:
+    """TTFT and requests/s of vLLM with kvblend's connector against vanilla vLLM."""
+    from .vllm import run_vllm_bench, vllm_table
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    result = run_vllm_bench(
+        args.model, lengths=lengths, repeats=args.repeats, doc_tokens=args.doc_tokens,
+        rate_length=args.rate_length, rate_tokens=args.rate_tokens,
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+    )  # fmt: skip
+    result["machine"] = {
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
+    _write(result, Path(args.output), vllm_table(result))

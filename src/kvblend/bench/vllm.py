@@ -1,0 +1,248 @@
+"""``kvblend bench vllm``: vLLM with kvblend's connector against vanilla vLLM, on one machine.
+
+Both engines serve the same model folder (the bundled model's converted folder by default) with
+prefix caching on. Documents of ``doc_tokens`` synthetic tokens are precomputed once by this
+process into a store folder the connector then reads (``KVBLEND_STORE_DIR``), as a separate
+ingestion job would; every prompt is a chat RAG prompt whose documents come in another order
+than any earlier prompt's, so vLLM's prefix cache holds at most the prompt head. Measured:
+
+- TTFT at each prompt length (repeated), and its ratio to vanilla vLLM's (the median of
+  per-repeat ratios);
+- requests/s with 1, 4 and 8 concurrent requests of ``rate_length`` tokens, ``rate_tokens``
+  generated tokens each.
+
+Both run at once as OpenAI-compatible servers (`vllm_server.VLLMServer`), and every prompt goes
+to one then the other (alternating which goes first), so a load change on a shared machine
+slows both alike; TTFT is the time to the first streamed token, as a client sees it. Run this
+command with the Python of the environment vLLM is installed in (``.venv-vllm/bin/kvblend``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .ttft import QUESTION, SYSTEM, build_documents, length_label
+
+__all__ = ["run_vllm_bench", "vllm_table"]
+
+DEFAULT_LENGTHS = (2048, 4096, 7680)
+CONCURRENCY = (1, 4, 8)
+
+
+def _prompt(engine: Any, documents: Sequence[str]) -> str:
+    return "".join(s.text for s in engine.rag_segments(QUESTION, documents, system=SYSTEM))
+
+
+def build_jobs(
+    engine: Any, lengths: Sequence[int], repeats: int, doc_tokens: int, rate_length: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """Return the TTFT prompts, the concurrent batches and every document to precompute.
+
+    Repeat ``r`` of a length rotates its documents by ``r + 1`` and reverses them; the batches'
+    prompts each start with a document of their own, drawn from a shared pool.
+    """
+    ttft, documents = [], []
+    for length in lengths:
+        docs = build_documents(engine, length, doc_tokens, seed=length)
+        documents += docs
+        for repeat in range(repeats):
+            shift = (repeat + 1) % len(docs)
+            order = (docs[shift:] + docs[:shift])[::-1]
+            ttft.append({"length": length, "repeat": repeat, "prompt": _prompt(engine, order)})
+    per_prompt = max(1, rate_length // doc_tokens)
+    pool = build_documents(engine, sum(CONCURRENCY) * doc_tokens, doc_tokens, seed=rate_length + 7)
+    documents += pool
+    prompts = [
+        _prompt(engine, [pool[(i + 5 * k) % len(pool)] for k in range(per_prompt)])
+        for i in range(len(pool))
+    ]
+    rate, used = [], 0
+    for concurrency in CONCURRENCY:
+        rate.append({"prompts": prompts[used : used + concurrency]})
+        used += concurrency
+    return ttft, rate, documents
+
+
+def _cached(usage: dict[str, Any] | None) -> int:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def time_ttft(
+    servers: dict[str, Any], prompts: Sequence[dict[str, Any]], log: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """Time each prompt on both servers, alternating which goes first."""
+    from .vllm_server import first_token
+
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    for number, item in enumerate(prompts):
+        names = list(servers) if number % 2 == 0 else list(servers)[::-1]
+        for name in names:
+            timed = first_token(servers[name].url, item["prompt"])
+            usage = timed["usage"] or {}
+            rows[name].append({
+                "length": item["length"], "repeat": item["repeat"], "ttft_s": timed["ttft_s"],
+                "prompt_tokens": usage.get("prompt_tokens"), "num_cached_tokens": _cached(usage),
+            })  # fmt: skip
+            log(f"{name} {length_label(item['length'])} repeat {item['repeat']}: "
+                f"TTFT {timed['ttft_s']:.2f} s, {_cached(usage)} cached")  # fmt: skip
+    return rows
+
+
+def time_rate(
+    servers: dict[str, Any], batches: Sequence[dict[str, Any]], tokens: int, log: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """Requests/s of each batch of concurrent prompts on each server, alternating the order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .vllm_server import complete
+
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    for number, batch in enumerate(batches):
+        names = list(servers) if number % 2 == 0 else list(servers)[::-1]
+        for name in names:
+            prompts = batch["prompts"]
+            url = servers[name].url
+            began = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                done = list(pool.map(functools.partial(complete, url, max_tokens=tokens), prompts))
+            seconds = time.perf_counter() - began
+            cached = sum(_cached(result.get("usage")) for result in done)
+            rows[name].append({
+                "concurrency": len(prompts), "seconds": seconds,
+                "requests_s": len(prompts) / seconds, "cached_tokens": cached,
+            })  # fmt: skip
+            log(f"{name} {len(prompts)} concurrent: {len(prompts) / seconds:.3f} req/s")
+    return rows
+
+
+def run_vllm_bench(
+    model: str | None,
+    *,
+    lengths: Sequence[int] = DEFAULT_LENGTHS,
+    repeats: int = 2,
+    doc_tokens: int = 512,
+    rate_length: int = 2048,
+    rate_tokens: int = 16,
+    work_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Run both servers over the same prompts; return every measurement and a summary."""
+    from ..engine import BlendEngine
+    from ..engine.loading import model_folder
+    from ..store import default_store
+    from .vllm_server import VLLMServer
+
+    def log(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    folder = model_folder(model)
+    work = Path(work_dir or tempfile.mkdtemp(prefix="kvblend-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    store_dir = work / "store"
+    engine = BlendEngine.from_pretrained(
+        str(folder), store=default_store(store_dir), system_prompt=SYSTEM
+    )
+    ttft, rate, documents = build_jobs(engine, lengths, repeats, doc_tokens, rate_length)
+    engine.precompute(documents)
+    env = {"KVBLEND_STORE_DIR": str(store_dir), "TOKENIZERS_PARALLELISM": "false"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    connector = {
+        "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
+        "kv_role": "kv_both", "kv_connector_extra_config": {"system_prompt": SYSTEM},
+    }  # fmt: skip
+    length = engine.context_window
+    servers = {
+        "vanilla": VLLMServer(str(folder), work / "vanilla.log", max_model_len=length, env=env),
+        "kvblend": VLLMServer(
+            str(folder), work / "kvblend.log", max_model_len=length, env=env,
+            kv_transfer_config=connector,
+        ),
+    }  # fmt: skip
+    try:
+        for server in servers.values():
+            server.wait()
+        warmup = _prompt(engine, ["A short warm-up document."])
+        for server in servers.values():  # the connector claims nothing before its gate reports
+            _warm(server.url, warmup)
+        ttft_rows = time_ttft(servers, ttft, log)
+        rate_rows = time_rate(servers, rate, rate_tokens, log)
+    finally:
+        for server in servers.values():
+            server.stop()
+    vanilla = {"ttft": ttft_rows["vanilla"], "rate": rate_rows["vanilla"]}
+    kvblend = {"ttft": ttft_rows["kvblend"], "rate": rate_rows["kvblend"]}
+    return {
+        "model": str(folder), "doc_tokens": doc_tokens, "repeats": repeats,
+        "rate_length": rate_length, "rate_tokens": rate_tokens, "work_dir": str(work),
+        "vanilla": vanilla, "kvblend": kvblend, "summary": summarize(vanilla, kvblend),
+    }  # fmt: skip
+
+
+def _warm(url: str, prompt: str) -> None:
+    from .vllm_server import complete
+
+    complete(url, prompt, 1)
+
+
+def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any]:
+    """Median TTFT per length and its ratio to vanilla's; requests/s per concurrency."""
+    by_key = {(row["length"], row["repeat"]): row for row in vanilla["ttft"]}
+    ttft = []
+    for length in sorted({row["length"] for row in kvblend["ttft"]}):
+        ours = [row for row in kvblend["ttft"] if row["length"] == length]
+        theirs = [by_key[(row["length"], row["repeat"])] for row in ours]
+        ttft.append({
+            "length": length,
+            "prompt_tokens": ours[0]["prompt_tokens"],
+            "vanilla_s": statistics.median(row["ttft_s"] for row in theirs),
+            "kvblend_s": statistics.median(row["ttft_s"] for row in ours),
+            "ratio": statistics.median(
+                a["ttft_s"] / b["ttft_s"] for a, b in zip(ours, theirs, strict=True)
+            ),
+            "cached_tokens": statistics.median(row["num_cached_tokens"] or 0 for row in ours),
+        })  # fmt: skip
+    rate = [
+        {
+            "concurrency": a["concurrency"],
+            "vanilla_rps": b["requests_s"],
+            "kvblend_rps": a["requests_s"],
+            "ratio": a["requests_s"] / b["requests_s"],
+        }  # fmt: skip
+        for a, b in zip(kvblend["rate"], vanilla["rate"], strict=True)
+    ]
+    return {"ttft": ttft, "rate": rate}
+
+
+def vllm_table(result: dict[str, Any]) -> str:
+    """Markdown tables of a ``kvblend bench vllm`` result."""
+    summary = result["summary"]
+    lines = [
+        "| prompt | vanilla vLLM TTFT | vLLM + kvblend TTFT | kvblend / vanilla | cached tokens |",
+        "|---|---|---|---|---|",
+    ]
+    for row in summary["ttft"]:
+        lines.append(
+            f"| {length_label(row['length'])} ({row['prompt_tokens']} tokens) | "
+            f"{row['vanilla_s']:.2f} s | {row['kvblend_s']:.2f} s | {row['ratio']:.2f} | "
+            f"{row['cached_tokens']:.0f} |"
+        )
+    lines += [
+        "",
+        f"| concurrent requests ({length_label(result['rate_length'])} tokens, "
+        f"{result['rate_tokens']} generated) | vanilla vLLM req/s | vLLM + kvblend req/s | ratio |",
+        "|---|---|---|---|",
+    ]
+    for row in summary["rate"]:
+        lines.append(
+            f"| {row['concurrency']} | {row['vanilla_rps']:.3f} | {row['kvblend_rps']:.3f} | "
+            f"{row['ratio']:.2f}x |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,151 @@
+"""The documents a connector side finds and reads: the same store, registry and keys as the engine.
+
+Both sides of the connector build a `DocumentLibrary` over the store every kvblend process shares
+(``$KVBLEND_STORE_DIR`` / ``$KVBLEND_REDIS_URL``, or the connector's settings), for the model
+vLLM serves. Entries are keyed by the engine's model fingerprint, computed the way
+`BlendEngine` computes it (transformers' model over the same folder, in vLLM's dtype), so a
+store filled by ``kvblend precompute --model FOLDER`` serves the connector and the other way
+round. The fingerprint is remembered on disk, keyed by the folder files' content hashes, so it is
+computed once per model, not at every start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvblend.engine.decoder import DecoderShape
+from kvblend.engine.fingerprint import model_fingerprint
+from kvblend.engine.library import DocumentLibrary
+from kvblend.engine.loading import cache_dir, file_digest
+from kvblend.engine.registry import DEFAULT_CAPACITY
+from kvblend.engine.templates import rag_prefix
+from kvblend.engine.validation import ContextWindow, longest_token_chars
+
+from .settings import ConnectorSettings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ShapeOnly", "folder_fingerprint", "open_library", "open_tokenizer"]
+
+
+class ShapeOnly:
+    """The scheduler side's stand-in for a model: its sizes, and no weights to compute with."""
+
+    def __init__(self, shape: DecoderShape, dtype: torch.dtype) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.device = torch.device("cpu")
+
+
+def open_tokenizer(model_config: Any) -> Any:
+    """Load the Hugging Face tokenizer of the model vLLM serves (the files vLLM reads)."""
+    from transformers import AutoTokenizer
+
+    source = getattr(model_config, "tokenizer", None) or model_config.model
+    revision = getattr(model_config, "tokenizer_revision", None)
+    trust = bool(getattr(model_config, "trust_remote_code", False))
+    return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust)
+
+
+def _memo_key(folder: Path, dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """Return a key naming the folder's content, dtypes and transformers version (or None)."""
+    if not folder.is_dir():
+        return None
+    import transformers
+
+    digest = hashlib.sha256(f"{dtype}|{kv_dtype}|{transformers.__version__}".encode())
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and not path.name.startswith("."):
+            digest.update(f"|{path.name}={file_digest(path)}".encode())
+    return digest.hexdigest()
+
+
+def _memo_file() -> Path:
+    return cache_dir() / "fingerprints.json"
+
+
+def _read_memo() -> dict[str, str]:
+    try:
+        memo = json.loads(_memo_file().read_text("utf-8"))
+        return {str(k): str(v) for k, v in memo.items()} if isinstance(memo, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_memo(key: str, fingerprint: str) -> None:
+    memo = _read_memo()
+    memo[key] = fingerprint
+    try:
+        _memo_file().parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(prefix=".fingerprints-", dir=_memo_file().parent)
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(memo, out)
+        os.replace(temporary, _memo_file())
+    except OSError as error:  # computed again next time
+        logger.debug("could not remember the model fingerprint: %s", error)
+
+
+def folder_fingerprint(model_config: Any, tokenizer: Any, kv_dtype: torch.dtype) -> str:
+    """Return the engine's `model_fingerprint` of the model vLLM serves, in vLLM's dtype.
+
+    transformers loads the same folder (on the CPU) once; the result is remembered under the
+    folder files' content hashes.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = model_config.dtype
+    folder = Path(str(model_config.model)).expanduser()
+    key = _memo_key(folder, dtype, kv_dtype)
+    if key is not None and key in (memo := _read_memo()):
+        return memo[key]
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_config.model), dtype=dtype, device_map="cpu",
+        revision=getattr(model_config, "revision", None),
+        trust_remote_code=bool(getattr(model_config, "trust_remote_code", False)),
+    )  # fmt: skip
+    fingerprint = model_fingerprint(model, tokenizer, kv_dtype)
+    del model
+    if key is not None:
+        _write_memo(key, fingerprint)
+    return fingerprint
+
+
+def open_library(
+    settings: ConnectorSettings,
+    model_config: Any,
+    decoder: Any,
+    tokenizer: Any,
+    fingerprint: str,
+) -> DocumentLibrary:
+    """Open a connector side's documents over the shared store, for ``decoder`` (or `ShapeOnly`)."""
+    from kvblend.store import default_store
+
+    store = default_store(settings.store_dir, redis_url=settings.redis_url)
+    name = Path(str(model_config.model)).name or str(model_config.model)
+    window = ContextWindow(decoder.shape.max_positions, longest_token_chars(tokenizer), name)
+    doc_prefix = rag_prefix(tokenizer, settings.system_prompt)
+    return DocumentLibrary(
+        decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
+        kv_dtype=decoder.dtype, model_name=name, window=window, capacity=DEFAULT_CAPACITY,
+    )  # fmt: skip
+
+
+def config_shape(model_config: Any, parallel_config: Any) -> DecoderShape:
+    """Return the model's `DecoderShape` as the store keeps it: every KV head."""
+    config = model_config.hf_config
+    heads = int(config.num_attention_heads)
+    return DecoderShape(
+        num_layers=int(config.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_key_value_heads", heads)),
+        head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
+        max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
+    )

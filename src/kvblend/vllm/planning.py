@@ -1,0 +1,221 @@
+"""What the connector does with one request, decided from its prompt token ids (no model runs).
+
+vLLM hands the scheduler side a request's token ids, not its text. `plan_request` decodes them,
+checks that tokenizing the text as a whole gives exactly those ids (else nothing is reused: the
+plan would not describe what the model reads), finds the registry's documents in the text and
+plans the prefill with the engine's own `plan_prefill`: documents are matched on tokens, their
+edge tokens that merge with a neighbour are computed. Then, unlike the engine, nothing missing
+is computed into the store on the way: a span whose entry the store does not hold (or cannot
+be asked about) and the rows vLLM's own prefix cache already holds are turned into computed
+rows (`restrict`), and the engine's budget rule (`forecast_blend`) decides on what is left.
+
+The result, a `RequestPlan`, says how many tokens the connector provides (all but the last
+prompt token, from vLLM's prefix hit on) or, with ``fallback``, why vLLM prefills the prompt
+itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvblend.engine.config import BlendConfig
+from kvblend.engine.explain import forecast_blend
+from kvblend.engine.prompt import (
+    PlannedSpan,
+    PrefillPlan,
+    SpanReport,
+    TokenKind,
+    cached_pieces,
+    encode_prompt,
+    plan_prefill,
+)
+from kvblend.engine.segments import segment_key
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RequestPlan", "plan_request", "restrict"]
+
+
+@dataclass
+class RequestPlan:
+    """The connector's decision for one request, made on the scheduler side.
+
+    Rows ``[start, stop)`` are provided by the connector (``claimed``); ``start`` is vLLM's own
+    prefix-cache hit, ``stop`` the last prompt token, which vLLM always computes.
+    """
+
+    plan: PrefillPlan
+    config: BlendConfig
+    start: int
+    stop: int
+    reused: int = (
+        0  # prompt tokens nobody computes: vLLM's prefix hit plus rows read from the store
+    )
+    recomputed: int = 0  # rows read from the store that the strategy recomputes
+    fallback: str | None = None  # why vLLM prefills the prompt itself (None: the connector blends)
+    #: found documents whose KV is not stored yet: (text, document context), filled after the blend
+    missing: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def claimed(self) -> int:
+        """Return the tokens the connector provides (0 when vLLM prefills the prompt itself)."""
+        return 0 if self.fallback is not None else max(0, self.stop - self.start)
+
+    @property
+    def total(self) -> int:
+        """Return the prompt's token count."""
+        return len(self.plan.token_ids)
+
+    @property
+    def computed(self) -> int:
+        """Return the prompt tokens computed (by the blend or vLLM), recomputed ones included."""
+        return self.total - self.reused
+
+    def summary(self) -> dict[str, Any]:
+        """Return the record a response carries (``kv_transfer_params["kvblend"]``)."""
+        return {
+            "strategy": self.config.strategy if self.fallback is None else "vllm",
+            "prompt_tokens": self.total,
+            "cached_tokens": self.reused if self.fallback is None else self.start,
+            "recomputed_tokens": self.recomputed if self.fallback is None else 0,
+            "vllm_prefix_tokens": self.start,
+            "fallback": self.fallback,
+        }
+
+
+def _decoded(tokenizer: Any, token_ids: Sequence[int]) -> tuple[str, Any] | None:
+    """Return the prompt's text and its whole-text tokens, if they are exactly ``token_ids``."""
+    text = tokenizer.decode(
+        list(token_ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    tokens = encode_prompt(tokenizer, text)
+    same = np.array_equal(tokens.ids, np.asarray(token_ids, dtype=np.int64))
+    return (text, tokens) if same else None
+
+
+def restrict(plan: PrefillPlan, start: int, dropped: set[int], why: str) -> PrefillPlan:
+    """``plan`` with rows below ``start`` and the spans ``dropped`` (by index) computed instead.
+
+    Spans that reach below ``start`` keep their rows from ``start`` on; the report names the
+    dropped spans' documents with ``why`` and points the others at their new span indices.
+    """
+    kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: the plan is left as it was
+    kinds[:start] = TokenKind.COMPUTE
+    spans: list[PlannedSpan] = []
+    moved: dict[int, int] = {}  # old span index -> new one
+    for index, span in enumerate(plan.spans):
+        if index in dropped or span.end <= start:
+            kinds[span.start : span.end] = TokenKind.COMPUTE
+            continue
+        first = max(span.start, start)
+        moved[index] = len(spans)
+        shift = first - span.start
+        spans.append(dataclasses.replace(span, start=first, cached_start=span.cached_start + shift))
+    report: list[SpanReport] = []
+    for row in plan.report:
+        if row.span is None or row.span in moved:
+            new = None if row.span is None else moved[row.span]
+            reused = 0 if new is None else spans[new].end - spans[new].start
+            report.append(dataclasses.replace(row, span=new, reused=min(row.reused, reused)))
+        else:
+            report.append(dataclasses.replace(row, span=None, reused=0, reason=why))
+    if kinds.size:
+        kinds[-1] = TokenKind.COMPUTE
+    return PrefillPlan(plan.token_ids, kinds, spans, report)
+
+
+def plan_request(
+    library: Any,
+    token_ids: Sequence[int],
+    start: int,
+    config: BlendConfig,
+) -> RequestPlan:
+    """Plan one request: the rows the connector provides from ``start`` (vLLM's prefix hit) on.
+
+    ``library`` is a `kvblend.engine.library.DocumentLibrary` (its registry finds documents, its
+    `SegmentKV` tokenizes them as cached); only the store's ``contains`` is asked, nothing read.
+    """
+    total = len(token_ids)
+    ids = np.asarray(token_ids, dtype=np.int64)
+    empty = PrefillPlan(ids, np.full(total, TokenKind.COMPUTE, dtype=np.int8))
+    request = RequestPlan(empty, config, start, total - 1)
+    if total - 1 <= start:
+        request.fallback = "vLLM's prefix cache holds the whole prompt"
+        return request
+    decoded = _decoded(library.segment_kv.tokenizer, token_ids)
+    if decoded is None:
+        request.fallback = "the prompt's token ids are not the tokenization of its text"
+        return request
+    text, tokens = decoded
+    items = library.segments_for(text)
+    plan = plan_prefill(
+        tokens, cached_pieces(items), lambda begin, end: library.segment_kv.layout(text[begin:end])
+    )
+    if config.reads_cache and not plan.spans:
+        request.fallback = "no stored document in the prompt"
+        return request
+    missing = _missing_spans(library, plan) if config.reads_cache else set()
+    request.missing = _missing_documents(library, text, plan, missing)
+    request.plan = restrict(plan, start, missing, "not in the store yet: computed")
+    _decide(request)
+    return request
+
+
+def _missing_spans(library: Any, plan: PrefillPlan) -> set[int]:
+    """Return the spans whose entry the store does not hold, or cannot say it holds."""
+    missing = set()
+    for index, span in enumerate(plan.spans):
+        key = segment_key(library.fingerprint, span.context_ids, span.cached_ids)
+        try:
+            if not library.store.contains(key):
+                missing.add(index)
+        except Exception as error:  # noqa: BLE001 - a store outage: those rows are computed
+            logger.debug("store lookup of %s failed: %s", key, error)
+            missing.add(index)
+    return missing
+
+
+def _missing_documents(
+    library: Any, text: str, plan: PrefillPlan, missing: set[int]
+) -> list[tuple[str, str]]:
+    """Return the documents (text, context) of the ``missing`` spans, to store next."""
+    found = []
+    for row in plan.report:
+        if row.role == "document" and row.span in missing:
+            document = text[row.char_start : row.char_end]
+            found.append((document, library.context_for(document)))
+    return found
+
+
+def _decide(request: RequestPlan) -> None:
+    """Apply the budget rules to ``request.plan`` and count what the blend reuses.
+
+    On top of the engine's rule (`forecast_blend`), a blend must compute fewer rows than vLLM
+    would after its own prefix-cache hit: the blend recomputes that hit's rows (it needs their
+    K/V and cannot read vLLM's cache), so a long hit leaves nothing to gain.
+    """
+    plan, config, start = request.plan, request.config, request.start
+    cached = int(np.count_nonzero(plan.kinds != TokenKind.COMPUTE))
+    if config.reads_cache and not cached:
+        request.fallback = "no stored document left to reuse"
+        return
+    forecast = forecast_blend(plan, config)
+    if forecast.fallback is not None:
+        request.fallback = forecast.fallback
+        return
+    request.recomputed = forecast.recomputed_tokens
+    blend_rows = request.total - (cached - request.recomputed if config.reads_cache else 0)
+    own_rows = request.total - start
+    if start and blend_rows >= own_rows:
+        request.fallback = (
+            f"vLLM's prefix cache holds {start} tokens: computing the other {own_rows} costs "
+            f"less than a blend computing {blend_rows}"
+        )
+        return
+    request.reused = start + (cached - request.recomputed if config.reads_cache else 0)
