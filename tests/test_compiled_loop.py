@@ -153,3 +153,15 @@ def test_the_compiled_full_prefill_equals_transformers_forward(
         expected = engine.model(ids).logits[0, -1].float()
     torch.testing.assert_close(pre.logits, expected, atol=1e-4, rtol=0)
     assert np.isfinite(pre.logits.cpu().numpy()).all()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("KVBLEND_COMPILE", "yes"), ("KVBLEND_ATTENTION", "dense")]
+)
+def test_a_loop_setting_out_of_its_choices_is_one_clear_error(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_tiny_engine("qwen2")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name} must be .*, got '{value}'$"):
+        engine.prefill(_prompt((0, 1, 2), QUESTIONS[0]), BlendConfig("reuse"))

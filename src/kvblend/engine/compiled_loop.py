@@ -42,9 +42,14 @@ RECOMPILE_LIMIT = 4096
 
 
 def compile_loop() -> bool:
-    """Whether the layer loop runs compiled (``KVBLEND_COMPILE``; eager when unset)."""
-    value = os.environ.get(COMPILE_ENV, "").strip().lower()
-    return value in ("1", "true", "yes", "on")
+    """Whether the layer loop runs compiled (``KVBLEND_COMPILE``: ``1``, or ``0``/unset: eager).
+
+    Any other value is refused with one line.
+    """
+    value = os.environ.get(COMPILE_ENV, "").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @functools.cache

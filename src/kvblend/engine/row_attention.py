@@ -226,8 +226,10 @@ def query_chunks(lower: np.ndarray, upper: np.ndarray, window: int | None) -> li
 
 def use_flex(device: torch.device, compiled: bool) -> bool:
     """Whether sparse rows attend with FlexAttention (CUDA, the compiled loop) or chunks."""
-    forced = os.environ.get(ATTENTION_ENV)
-    if forced in ("flex", "chunks"):
+    forced = os.environ.get(ATTENTION_ENV, "").strip()
+    if forced and forced not in ("flex", "chunks"):
+        raise ValueError(f"{ATTENTION_ENV} must be flex or chunks, got {forced!r}")
+    if forced:
         return forced == "flex"
     return compiled or device.type == "cuda"
 
