@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +16,8 @@ from kvblend.engine.blend import (
     run_blend,
     selection_context,
 )
-from kvblend.engine.decoder import apply_rope, signed_sin
+from kvblend.engine.blend_io import RowSet
+from kvblend.engine.rope import apply_rope, signed_sin
 from kvblend.engine.selectors.attention import AttentionSelector, tail_rows
 from kvblend.store import MemoryKVStore
 
@@ -299,7 +301,7 @@ def test_no_bos_tokenizer_and_single_segment() -> None:
 def test_apply_rope_matches_transformers_rotary_formula():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvblend.engine.decoder import apply_rope, signed_sin
+    from kvblend.engine.rope import apply_rope, signed_sin
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(4, 37, 16, generator=generator)
@@ -313,12 +315,24 @@ def test_apply_rope_matches_transformers_rotary_formula():
     torch.testing.assert_close(apply_rope(k, cos, sin_signed), expected_k[0])
 
 
-@pytest.mark.parametrize("pattern", ["sparse", "prefix-then-block"])
+def dense_reference(decoder, q, k, v, window):
+    """Every row's attention with transformers' rule (key <= query, within the window)."""
+    from kvblend.engine.row_attention import attention_mask, sdpa
+
+    total = q.shape[1]
+    mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
+    return sdpa(q, k, v, decoder.scaling, mask)
+
+
+@pytest.mark.parametrize("pattern", ["sparse", "prefix-then-block", "device-chosen"])
 def test_attention_of_active_rows_matches_dense_causal(
     tiny_engine: BlendEngine, pattern: str
 ) -> None:
-    """Masked query chunks (sparse rows) and scattered dense attention (mostly active rows)."""
-    from kvblend.engine.row_attention import RowAttention, attention_mask
+    """Masked query chunks (sparse rows; from host bounds of rows chosen on the device too)
+    and scattered dense attention (mostly active rows) equal dense causal attention."""
+    from kvblend.engine.blend_io import RowSet
+    from kvblend.engine.row_attention import RowAttention
+    from kvblend.engine.selectors.base import chosen_rows
 
     decoder, shape = tiny_engine.decoder, tiny_engine.decoder.shape
     total = 700
@@ -329,13 +343,22 @@ def test_attention_of_active_rows_matches_dense_causal(
     if pattern == "sparse":  # several query chunks, the last row always active
         chosen = torch.randperm(total - 1, generator=generator)[:299]
         positions = torch.cat([chosen, torch.tensor([total - 1])]).sort().values
-    else:  # BOS computed, a reused prefix, then every row computed
+        rows = RowSet.from_host(positions.numpy(), decoder.device)
+    elif pattern == "prefix-then-block":  # BOS computed, a reused prefix, then every row
         positions = torch.cat([torch.tensor([0]), torch.arange(120, total)])
-    attention = RowAttention(decoder, positions, total)
-    assert attention.scatter == (pattern != "sparse")
+        rows = RowSet.from_host(positions.numpy(), decoder.device)
+    else:  # 200 of 600 candidates chosen on the device: the host knows bounds only
+        base = np.array([0, *range(650, total)])
+        candidates = np.arange(50, 650)
+        chosen = torch.from_numpy(candidates)[torch.randperm(600, generator=generator)[:200]]
+        rows = chosen_rows(base, chosen, candidates, decoder.device)
+        positions = rows.positions
+        assert rows.host is None and rows.bounds() is not None
+    attention = RowAttention(rows, total, decoder.windows, decoder.scaling, q.dtype)
+    assert attention.scatter == (pattern == "prefix-then-block")
+    assert attention.rows.host is None or pattern != "device-chosen"  # never read back
     for layer, window in enumerate(decoder.windows):
-        mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
-        expected = decoder.attend(layer, q, k, v, mask)[positions]
+        expected = dense_reference(decoder, q, k, v, window)[positions]
         got = attention(layer, q[:, positions], k, v)
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), report(got, expected)
 
@@ -457,8 +480,10 @@ def attention_selection(
     selector = AttentionSelector(config.settings)
     with torch.inference_mode():
         selection = selector.select(selection_context(engine.decoder, inputs))
-    chosen = selection.computed[inputs.kinds[selection.computed] == MOVED]
-    return chosen, selector.scores
+    rows = selection.computed
+    assert isinstance(rows, RowSet) and rows.host is None  # chosen on the device
+    positions = rows.positions
+    return positions[inputs.kinds[positions] == MOVED], selector.scores
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
@@ -525,8 +550,8 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
 
 
 def test_kv_kept_for_the_store_owns_its_memory() -> None:
-    """The loop keeps every layer's K/V in one buffer; KV returned to be stored (raw keys)
-    is copied out of it, so a store that serializes tensors never sees shared memory."""
+    """The loop keeps every layer's K/V in one buffer, keys rotated; the K/V to be stored
+    (`raw_kv`, keys before RoPE) is a tensor of its own, so a store never sees the buffer."""
     from kvblend.engine.blend import BlendInput, run_blend
     from kvblend.engine.blend_io import COMPUTE
     from kvblend.engine.decoder import Decoder
@@ -534,11 +559,13 @@ def test_kv_kept_for_the_store_owns_its_memory() -> None:
     decoder = Decoder(tiny_model("qwen2"))
     ids = torch.arange(3, 23)
     kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
-    out = run_blend(
-        decoder, BlendInput(ids, kinds, []), BlendConfig("full"), need_logits=False,
-        keep_raw_keys=True,
-    )  # fmt: skip
-    assert out.raw_keys is not None
-    tensors = [*out.raw_keys, *out.values]
-    storages = {t.untyped_storage().data_ptr() for t in tensors}
-    assert len(storages) == len(tensors)
+    out = run_blend(decoder, BlendInput(ids, kinds, []), BlendConfig("full"), need_logits=False)
+    raw = out.raw_kv
+    assert raw is not None and raw.shape[3] == ids.numel()
+    buffer = out.keys[0].untyped_storage().data_ptr()
+    assert raw.untyped_storage().data_ptr() != buffer
+    cos, sin = decoder.rotary(torch.arange(ids.numel()))
+    for layer, keys in enumerate(out.keys):  # the stored keys, rotated, are the loop's keys
+        rotated = apply_rope(raw[layer, 0], cos, signed_sin(sin))
+        assert torch.allclose(rotated, keys, atol=1e-6, rtol=0)
+        assert torch.equal(raw[layer, 1], out.values[layer])

@@ -2,8 +2,9 @@
 
 On the CPU the copy stream is the null one (copies run at once, no events), so the grouping
 runs here as it does on CUDA: a recording stream checks which copies are issued and that every
-layer waits for its group before it is computed, and every strategy's prefill is bit for bit
-the same with groups of one, two or every layer.
+layer waits for its group before it is computed, that a group's keys are rotated once as they
+are placed, and every strategy's prefill is bit for bit the same with groups of one, two or
+every layer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from kvblend.engine import blend as blend_module
 from kvblend.engine import prompt_kv
 from kvblend.engine.blend_io import CachedSpan
 from kvblend.engine.prompt_kv import CopyStream, LayerLoads, PromptKV, group_layers
+from kvblend.engine.rope import rope_table, rotate
 from kvblend.engine.segment_kv import StoredRows
 
 LAYERS, HEADS, DIM = 7, 2, 4
@@ -54,12 +56,20 @@ def _spans(generator: torch.Generator) -> tuple[list[CachedSpan], list[torch.Ten
     return spans, [entries[0], entries[1][:, :, :, 3:6]]
 
 
+def _table(length: int) -> torch.Tensor:
+    """A `rope_table` of ``length`` positions (every position a different rotation)."""
+    angles = torch.arange(length)[:, None] * torch.tensor([0.3, 0.05])[None]
+    cos, sin = torch.cat((angles.cos(),) * 2, -1), torch.cat((angles.sin(),) * 2, -1)
+    return rope_table(cos, sin)
+
+
 @pytest.mark.parametrize("group", [1, 3, 4, LAYERS])
 def test_groups_place_exactly_the_layers_issued(group: int) -> None:
     spans, rows = _spans(torch.Generator().manual_seed(group))
     before = [span.source.tensors["kv"].clone() for span in spans]  # the store's: never written
-    kv = PromptKV(torch.full((LAYERS, 2, HEADS, 16, DIM), float("nan")))
-    loads = LayerLoads(kv, spans, group, CopyStream(torch.device("cpu")))
+    kv = PromptKV(torch.full((LAYERS, 2, HEADS, 16, DIM), float("nan")), 16)
+    table = _table(16)
+    loads = LayerLoads(kv, spans, group, CopyStream(torch.device("cpu")), table)
     loads.issue(range(2, LAYERS))  # layers 0 and 1 compute every row: nothing placed there
     assert [loads.issued(layer) for layer in range(LAYERS)] == [False] * 2 + [True] * 5
     for layer in range(LAYERS):
@@ -67,8 +77,10 @@ def test_groups_place_exactly_the_layers_issued(group: int) -> None:
         placed = kv.data[layer, :, :, 2:7], kv.data[layer, :, :, 10:13]
         if layer < 2:
             assert all(torch.isnan(p).all() for p in placed)
-        else:
-            assert all(torch.equal(p, r[layer]) for p, r in zip(placed, rows, strict=True))
+            continue
+        for p, r, at in zip(placed, rows, (slice(2, 7), slice(10, 13)), strict=True):
+            assert torch.equal(p[1], r[layer, 1])  # values as stored
+            assert torch.equal(p[0], rotate(r[layer, 0], table[at]))  # keys rotated, once
     assert torch.isnan(kv.data[:, :, :, 7:10]).all() and torch.isnan(kv.data[:, :, :, 13:]).all()
     assert all(torch.equal(s.source.tensors["kv"], kv) for s, kv in zip(spans, before, strict=True))
 
@@ -98,18 +110,18 @@ class _Recording(CopyStream):
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
-    """Log copies and waits of every pass, and each layer's compute (`write_fresh`)."""
+    """Log copies and waits of every pass, and each layer's compute (`compute_layer`)."""
     log: list[tuple[str, Any]] = []
     monkeypatch.setattr(_Recording, "log", log)
     monkeypatch.setattr(prompt_kv, "CopyStream", _Recording)
     monkeypatch.setitem(prompt_kv.GROUP_LAYERS, "cpu", 2)
-    real = blend_module.write_fresh
+    real = blend_module.compute_layer
 
-    def writing(state: Any, layer: int) -> Any:
+    def writing(state: Any, layer: int, *args: Any) -> Any:
         log.append(("compute", layer))
-        return real(state, layer)
+        return real(state, layer, *args)
 
-    monkeypatch.setattr(blend_module, "write_fresh", writing)
+    monkeypatch.setattr(blend_module, "compute_layer", writing)
     return log
 
 

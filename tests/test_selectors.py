@@ -12,9 +12,9 @@ import torch
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.engine import selectors
-from kvblend.engine.blend_io import MOVED
+from kvblend.engine.blend_io import MOVED, RowSet
 from kvblend.engine.decoder import Decoder
-from kvblend.engine.row_attention import QUERY_CHUNK, RowAttention, attention_mask
+from kvblend.engine.row_attention import QUERY_CHUNK, RowAttention, attention_mask, sdpa
 from kvblend.engine.selectors.base import Selection, SelectionContext, Selector, Setting, ratio
 from kvblend.store import MemoryKVStore
 
@@ -132,6 +132,11 @@ def test_a_new_selector_is_one_class_and_one_registry_line() -> None:
         del selectors.SELECTORS["last-tokens"]
 
 
+def _row_attention(decoder: Decoder, rows: torch.Tensor, total: int, **kwargs) -> RowAttention:
+    rowset = RowSet.from_host(rows.numpy(), decoder.device)
+    return RowAttention(rowset, total, decoder.windows, decoder.scaling, decoder.dtype, **kwargs)
+
+
 def test_row_attention_masks_stay_within_their_budget() -> None:
     """Masks cover each query chunk's own key range, and past the budget are not kept."""
     decoder = Decoder(tiny_model("mistral"))  # a sliding window on every layer
@@ -139,14 +144,14 @@ def test_row_attention_masks_stay_within_their_budget() -> None:
     assert window is not None
     total = 64 * window
     rows = torch.arange(0, total, 3)  # sparse: masked chunks
-    kept = RowAttention(decoder, rows, total)
+    kept = _row_attention(decoder, rows, total)
     element = torch.empty((), dtype=decoder.dtype).element_size()
     # Each chunk spans at most its rows' positions plus one window of keys: O(rows x window).
     bound = rows.numel() * (3 * QUERY_CHUNK + window) * element
     assert 0 < kept.mask_bytes <= bound < rows.numel() * total * element
     for chunk in kept.chunks[window]:
         assert chunk.key_end - chunk.key_begin <= 3 * QUERY_CHUNK + window
-    rebuilt = RowAttention(decoder, rows, total, mask_budget=0)
+    rebuilt = _row_attention(decoder, rows, total, mask_budget=0)
     assert rebuilt.mask_bytes == 0 and not rebuilt.masks
     generator = torch.Generator().manual_seed(0)
     shape = decoder.shape
@@ -157,8 +162,43 @@ def test_row_attention_masks_stay_within_their_budget() -> None:
     full_q = torch.zeros(shape.num_heads, total, shape.head_dim)
     full_q[:, rows] = q
     mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
-    expected = decoder.attend(0, full_q, k, v, mask)[rows]
+    expected = sdpa(full_q, k, v, decoder.scaling, mask)[rows]
     assert torch.allclose(kept(0, q, k, v), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_query_chunks_read_fewest_keys_in_no_more_calls(window: int | None) -> None:
+    """Chunk boundaries minimise the pairs read (and calls), never more calls than chunks of
+    `QUERY_CHUNK` rows, and every row reads every key it may attend to."""
+    from kvblend.engine.row_attention import CALL_PAIRS, QueryChunk, query_chunks
+
+    generator = np.random.default_rng(0)
+    early = np.sort(generator.choice(2000, 100, replace=False))
+    late = np.sort(generator.choice(np.arange(2000, 4000), 800, replace=False))
+    exact = np.concatenate([early, late])
+    loose = np.sort(np.concatenate([early, np.arange(3200, 4000)]))  # upper bounds of a probe
+    for lower, upper in ((exact, exact), (exact, loose)):
+        chunks = query_chunks(lower, upper, window)
+        fixed = [
+            QueryChunk(b, min(b + QUERY_CHUNK, upper.size),
+                       0 if window is None else max(0, int(lower[b]) - window + 1),
+                       int(upper[min(b + QUERY_CHUNK, upper.size) - 1]) + 1)
+            for b in range(0, upper.size, QUERY_CHUNK)
+        ]  # fmt: skip
+
+        def cost(chunks: list[QueryChunk]) -> int:
+            return sum((c.end - c.begin) * (c.key_end - c.key_begin) + CALL_PAIRS for c in chunks)
+
+        assert len(chunks) <= len(fixed) and cost(chunks) <= cost(fixed)
+        assert [c.begin for c in chunks[1:]] == [c.end for c in chunks[:-1]]
+        assert chunks[0].begin == 0 and chunks[-1].end == upper.size
+        for c in chunks:
+            assert c.end - c.begin <= 2 * QUERY_CHUNK
+            assert c.key_end > upper[c.end - 1]
+            if window is not None:
+                assert c.key_begin <= max(0, lower[c.begin] - window + 1)
+    rows = np.arange(3000, 3000 + QUERY_CHUNK + 44)  # bounded only by the prompt's end:
+    assert len(query_chunks(rows, np.full(rows.size, 3999), None)) == 1  # a split saves nothing
 
 
 def _blend_every_strategy(engine: BlendEngine) -> None:
@@ -181,22 +221,20 @@ def test_masked_attention_never_asks_sdpa_for_gqa(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SDPA's enable_gqa with a mask runs the math kernel on CUDA: KV heads are expanded."""
-    from kvblend.engine import decoder as decoder_module
     from kvblend.engine import row_attention
 
     calls: list[tuple[bool, bool, int, int]] = []
-    real = decoder_module.F.scaled_dot_product_attention
+    real = row_attention.F.scaled_dot_product_attention
 
     def recording(q, k, v, *args, **kwargs):
         masked = kwargs.get("attn_mask") is not None
         calls.append((masked, bool(kwargs.get("enable_gqa")), q.shape[1], k.shape[1]))
         return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(decoder_module.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(row_attention.F, "scaled_dot_product_attention", recording)
     # The CUDA rule, exercised on the CPU: masked calls get expanded KV heads.
-    assert not decoder_module.sdpa_takes_gqa(True, torch.device("cuda"))
-    assert decoder_module.sdpa_takes_gqa(True, torch.device("cpu"))
-    monkeypatch.setattr(decoder_module, "sdpa_takes_gqa", lambda masked, device: not masked)
+    assert not row_attention.sdpa_takes_gqa(True, torch.device("cuda"))
+    assert row_attention.sdpa_takes_gqa(True, torch.device("cpu"))
     monkeypatch.setattr(row_attention, "sdpa_takes_gqa", lambda masked, device: not masked)
     engine = BlendEngine(tiny_model(family), byte_tokenizer(), store=MemoryKVStore())
     shape = engine.decoder.shape
@@ -209,25 +247,37 @@ def test_masked_attention_never_asks_sdpa_for_gqa(
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_the_layer_loop_does_not_sync_with_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every strategy but cacheblend (whose check layer picks rows by value) runs its layer
-    loop without a host sync: torch raises on one in ``set_sync_debug_mode("error")``."""
+def test_no_strategy_syncs_with_the_host_before_the_logits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """From the first pass to the logits, no strategy waits for the GPU (rows chosen on the
+    device stay there; attention is FlexAttention over a block mask built there): torch raises
+    on a sync in ``set_sync_debug_mode("error")``. The statistics read rows after the logits."""
     from kvblend.engine import blend
+    from kvblend.engine import engine as engine_module
 
-    real = blend.run_layers
+    real_run, real_stats = engine_module.run_blend, blend.pass_stats
 
-    def checked(state, start, selector, *args):
-        refines = selector is not None and selector.refine_layers and selector.refine_reads_cache
+    def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode(0 if refines else "error")
+        torch.cuda.set_sync_debug_mode("error")
         try:
-            return real(state, start, selector, *args)
+            return real_run(*args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
-    monkeypatch.setattr(blend, "run_layers", checked)
+    def stats_may_sync(*args, **kwargs):  # type: ignore[no-untyped-def]
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return real_stats(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
     model = tiny_model("qwen2").to("cuda")
     engine = BlendEngine(model, byte_tokenizer(), store=MemoryKVStore())
+    _blend_every_strategy(engine)  # stores every segment: the prefills below read them
+    monkeypatch.setattr(engine_module, "run_blend", checked)
+    monkeypatch.setattr(blend, "pass_stats", stats_may_sync)
     _blend_every_strategy(engine)
 
 
@@ -312,15 +362,15 @@ def _rows_per_layer(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
     from kvblend.engine import blend
 
     passes: list[list[int]] = []
-    real = blend.write_fresh
+    real = blend.compute_layer
 
-    def recording(state, layer):
+    def recording(state, layer, *args):
         if layer == 0:
             passes.append([])
-        passes[-1].append(state.computed.size)
-        return real(state, layer)
+        passes[-1].append(state.rows.count)
+        return real(state, layer, *args)
 
-    monkeypatch.setattr(blend, "write_fresh", recording)
+    monkeypatch.setattr(blend, "compute_layer", recording)
     return passes
 
 
@@ -379,8 +429,10 @@ def test_the_funnel_keeps_the_best_scoring_rows_after_the_early_layers(
     scores = selector.scores.numpy()
     candidates = np.flatnonzero(kinds == MOVED)
     ranked = candidates[np.argsort(-scores[candidates], kind="stable")]
-    rows = np.asarray(selection.computed)
-    later = rows[selector.later]
+    assert isinstance(selection.computed, RowSet) and selection.computed.host is None
+    rows = selection.computed.positions.numpy()
+    later = rows[selector.later.keep.numpy()]
+    assert np.array_equal(later, selector.later.rows.positions.numpy())
     assert set(rows[kinds[rows] == MOVED]) == set(ranked[: budget.early])
     assert set(later[kinds[later] == MOVED]) == set(ranked[: budget.keep])
     assert set(later[kinds[later] != MOVED]) == set(rows[kinds[rows] != MOVED])
@@ -455,7 +507,7 @@ def test_flex_attention_rows_equal_the_chunked_ones(
     the chunked attention's output, sliding windows included (run eagerly on the CPU)."""
     import warnings
 
-    from kvblend.engine.row_attention import ATTENTION_ENV
+    from kvblend.engine.row_attention import ATTENTION_ENV, use_flex
 
     decoder = Decoder(tiny_model(family))
     total = 300
@@ -466,11 +518,11 @@ def test_flex_attention_rows_equal_the_chunked_ones(
     k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     with torch.inference_mode():
-        chunked = RowAttention(decoder, rows, total)(0, q, k, v)
+        chunked = _row_attention(decoder, rows, total)(0, q, k, v)
         monkeypatch.setenv(ATTENTION_ENV, "flex")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex attention warns that it is slow
-            flex = RowAttention(decoder, rows, total)
+            flex = _row_attention(decoder, rows, total, flex=use_flex(decoder.device, False))
             assert flex.flex is not None
             got = flex(0, q, k, v)
     torch.testing.assert_close(got, chunked, atol=1e-5, rtol=1e-5)
@@ -479,13 +531,15 @@ def test_flex_attention_rows_equal_the_chunked_ones(
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
     ("strategy", "most", "probe_layers"),
-    [("reuse", 0, None), ("attention", 1, 1.0), ("attention", 1, 0.5), ("epic", 0, None)],
-)
+    [("reuse", 0, None), ("attention", 1, 1.0), ("attention", 1, 0.5), ("epic", 0, None),
+     ("cacheblend", 1, None)],
+)  # fmt: skip
 def test_a_whole_blend_syncs_at_most_once_on_cuda(
     strategy: str, most: int, probe_layers: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From the first pass to the logits, the host waits for the GPU at most once (the rows the
-    default's probe chose): torch warns at every sync in ``set_sync_debug_mode("warn")``."""
+    """In a whole blend, the host waits for the GPU at most once: for the statistics, the rows
+    a probe or a check layer chose are read after the logits (torch warns at every sync in
+    ``set_sync_debug_mode("warn")``)."""
     import warnings
 
     from kvblend.engine import engine as engine_module

@@ -111,3 +111,27 @@ def test_a_gpu_tier_is_read_in_place_and_a_host_tier_is_pinned_once() -> None:
     moved = host.get("doc", device="cuda")
     assert moved is not None and torch.equal(moved["kv"].cpu(), kv)
     assert host.get("doc")["kv"].data_ptr() == kept["kv"].data_ptr()  # pinned once, kept
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_host_tier_entry_reaches_the_gpu_through_the_loops_group_copies() -> None:
+    """A host-tier entry is opened in (pinned) host memory, not copied to the GPU whole: the
+    blend loop's copies of each group of layers are the transfer, and the answer is the same
+    as from a GPU tier."""
+    model = tiny_model("qwen2").to("cuda")
+    engines = {
+        where: BlendEngine(model, byte_tokenizer(), store=MemoryKVStore(device=device))
+        for where, device in (("host", None), ("gpu", "cuda"))
+    }
+    results = {}
+    for where, engine in engines.items():
+        engine.precompute(DOCS, progress=False)
+        engine.prefill(prompt((2, 0, 1)))  # stores the prompt head too
+        spans, computed = engine.segment_kv.open_spans(engine.plan(prompt((2, 0, 1))))
+        assert computed == 0
+        devices = {span.source.layers().device.type for span in spans}
+        assert devices == ({"cpu"} if where == "host" else {"cuda"})
+        if where == "host":
+            assert all(span.source.layers().is_pinned() for span in spans)
+        results[where] = engine.prefill(prompt((2, 0, 1)), BlendConfig())
+    torch.testing.assert_close(results["host"].logits, results["gpu"].logits, atol=1e-5, rtol=0)

@@ -9,8 +9,12 @@ ops that would synchronise on CUDA are named in `SYNC_OPS`.
 
 Counting covers the device work of a prefill, `kvblend.engine.blend.run_blend` (every pass of
 the strategy, stats included); the host-side planning before it builds its tensors from Python
-lists. Ops per layer per pass are the count divided by layers x passes: they do not depend on
-the model's width or the prompt's length, so a test can assert them on a tiny model.
+lists. Syncs are counted before the logits (the host waiting for the prefill's own work) and
+after them (the rows chosen on the device, read for the statistics once the work is queued).
+Ops per layer per pass are the count divided by layers x passes: they do not depend on the
+model's width or the prompt's length, so a test can assert them on a tiny model. They are the
+eager loop's on the CPU: there sparse rows attend in query chunks (one SDPA call each), where
+CUDA makes one FlexAttention call per layer.
 
 ``kvblend bench ops`` runs it on a 24-layer GQA model with random weights (16 documents x 512
 tokens by default) and prints ops per layer per pass and syncs per prefill for each strategy.
@@ -55,6 +59,9 @@ class OpCount:
 
     ops: int = 0
     syncs: int = 0
+    #: syncs before the logits were computed (the host waiting on the prefill's own work);
+    #: those after them read what the prefill chose, for its statistics
+    syncs_before_logits: int | None = None
     by_op: Counter[str] = field(default_factory=Counter)
     sync_ops: Counter[str] = field(default_factory=Counter)
 
@@ -109,9 +116,14 @@ def _tolist_counted(counter: OpCounter) -> Iterator[None]:
 
 
 def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tuple[OpCount, Any]:
-    """Run ``engine.prefill(prompt, config)`` and count the ops and syncs of its blend."""
+    """Run ``engine.prefill(prompt, config)`` and count the ops and syncs of its blend.
+
+    ``syncs_before_logits``: the syncs counted when the model adapter's ``logits`` was called.
+    """
     counter = OpCounter()
     real = engine_module.run_blend
+    decoder = engine.decoder
+    real_logits = decoder.logits
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         counter.active = True
@@ -120,13 +132,20 @@ def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tupl
         finally:
             counter.active = False
 
+    def logits(hidden: Any) -> Any:
+        if counter.active and counter.count.syncs_before_logits is None:
+            counter.count.syncs_before_logits = counter.count.syncs
+        return real_logits(hidden)
+
     counter.active = False
     engine_module.run_blend = counted
+    decoder.logits = logits  # type: ignore[method-assign]
     try:
         with counter, _tolist_counted(counter):
             result = engine.prefill(prompt, config)
     finally:
         engine_module.run_blend = real
+        del decoder.logits
     return counter.count, result
 
 
@@ -210,6 +229,7 @@ def run_ops(
                 "ops": count.ops,
                 "ops_per_layer_pass": count.ops / (layers * passes(config)),
                 "syncs": count.syncs,
+                "syncs_before_logits": count.syncs_before_logits,
                 "sync_ops": dict(count.sync_ops),
                 "top_ops": dict(count.by_op.most_common(12)),
             }
@@ -220,13 +240,16 @@ def run_ops(
 def ops_table(rows: list[dict[str, Any]]) -> str:
     """Markdown of `run_ops`."""
     lines = [
-        "| strategy | prompt | passes | aten ops / layer / pass | host syncs / prefill |",
-        "|---|---|---|---|---|",
+        "| strategy | prompt | passes | aten ops / layer / pass | host syncs before the logits "
+        "| after |",
+        "|---|---|---|---|---|---|",
     ]
     for row in rows:
+        before = row["syncs_before_logits"]
+        before = row["syncs"] if before is None else before
         lines.append(
             f"| {row['strategy']} | {row['prompt_tokens']} | {row['passes']} | "
-            f"{row['ops_per_layer_pass']:.1f} | {row['syncs']} |"
+            f"{row['ops_per_layer_pass']:.1f} | {before} | {row['syncs'] - before} |"
         )
     return "\n".join(lines)
 

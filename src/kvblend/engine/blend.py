@@ -1,27 +1,30 @@
-"""The blended prefill: one plain loop over the decoder's layers.
+"""The blended prefill: one plain loop over the model's layers, through its adapter.
 
 A selector (`kvblend.engine.selectors`) picks the rows computed from layer 0 on: the uncached
-tokens always, and the reused tokens its strategy recomputes. The computed rows are known on
-the host before the first layer, so every size and index the loop needs (attention chunks, the
-correction's rows) is set up once per pass and no layer reads a value back from the device.
-The prompt's un-rotated KV of every layer lives in one preallocated buffer (`PromptKV`,
-`prompt_kv.py`). At every layer the loop then
+tokens always, and the reused tokens its strategy recomputes. Rows a selector chose by value on
+the device (the default's probe, CacheBlend's check layer) stay there: their count is known on
+the host, the sorted rows, their RoPE table, attention masks and the correction are built from
+them with device ops, and the host learns which rows they were only after the logits (for the
+statistics). The prompt's K/V of every layer lives in one preallocated buffer (`PromptKV`,
+`prompt_kv.py`), keys rotated to their positions. At every layer the loop
 
-1. waits for the layer's cached KV: the first layer that reads cached KV issues its copies, a
+1. waits for the layer's cached K/V: the first layer that reads cached K/V issues its copies, a
    group of layers per copy (every document's keys and values at once, straight from the
-   stored tensors) with one event per group, for every layer from it on when the pass computes
-   only some rows; on CUDA they run on a side stream, so later groups load while earlier
-   layers compute (one group of every layer on the CPU; a second pass takes over the first
-   pass's buffer and waits on its copies),
+   stored tensors, in host memory or on the device), each group's keys rotated once as they
+   land, with one event per group, for every layer from it on when the pass computes only some
+   rows; on CUDA they run on a side stream, so later groups load while earlier layers compute
+   (one group of every layer on the CPU; a second pass takes over the first pass's buffer and
+   waits on its copies),
 2. lets the selector narrow the computed rows, at its refine layers,
-3. projects the computed rows (keys and values in one product), moves the stale cached rows by
-   the correction (`correction.py`) and writes the fresh K/V over their cached rows (one op),
-4. rotates the whole layer's keys in one step (`rotate`, over a table of every position made
-   once per prefill), attends the computed rows over them (`row_attention.py`) and runs the MLP.
+3. runs the layer (`layer_step.py`): projects the computed rows, rotates their queries and
+   keys, moves the stale cached rows by the correction, writes the fresh K/V (one op), attends
+   the computed rows over the whole layer (`row_attention.py`) and runs the MLP. The step is
+   a pure function, run eagerly or compiled (`compiled_loop.py`, ``KVBLEND_COMPILE``).
 
-Keys are kept un-rotated (before RoPE) and rotated to their prompt positions with the model's own
-rotary embedding, so re-placing a cached segment is exact. Read `blend_io.py` for the token kinds.
-A prefill can be cancelled between layers (``cancel``, a `threading.Event`).
+The loop calls the model only through the `ModelAdapter` protocol (`decoder.py`). Keys are
+stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
+segment is exact. Read `blend_io.py` for the token kinds. A prefill can be cancelled between
+layers (``cancel``, a `threading.Event`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .adapter import ModelAdapter
 from .blend_io import (
     COMPUTE,
     MOVED,
@@ -41,21 +45,23 @@ from .blend_io import (
     BlendOutput,
     CachedSpan,
     LayerKV,
-    host_rows,
+    RowSet,
+    as_rows,
     moved_span_index,
-    moved_spans_read,
     on_host,
-    read_back,
+    rows_read,
     to_device,
 )
+from .compiled_loop import StepRunner, step_runner
 from .config import BlendConfig
-from .correction import StaleCorrection
-from .decoder import Decoder, rope_table, rotate
+from .correction import CorrectionTensors, stale_correction
+from .layer_step import FULL, LAST, WRITE
 from .prompt_kv import LayerLoads, PromptKV
 from .results import BlendCancelledError
-from .row_attention import RowAttention, attend
+from .rope import RopeTables, inverse_table, rope_tables, rotate
+from .row_attention import RowAttention
 from .selectors import Selection, SelectionContext, Selector, selector_class
-from .selectors.base import PassObserver
+from .selectors.base import Narrowing, PassObserver
 
 __all__ = [
     "COMPUTE",
@@ -75,23 +81,25 @@ __all__ = [
 class PassState:
     """One pass over one prompt: the rows it computes and their hidden states, as layers go.
 
-    ``computed`` are the sorted computed positions on the host; everything the loop needs
-    about them (chunk bounds, the correction's rows) is derived there, never read back.
+    ``rows`` are the computed rows; the layer step gets ``padded``, the same positions
+    followed by the padding rows of a compiled loop's row bucket (copies of the last row; none
+    in the eager loop), and ``hidden`` holds a row for each.
     """
 
-    decoder: Decoder
+    adapter: ModelAdapter
     prompt: BlendInput
     host_kinds: np.ndarray
-    table: torch.Tensor  # `rope_table` of every position
+    tables: RopeTables
     kv: PromptKV
-    computed: np.ndarray
-    hidden: torch.Tensor  # [len(computed), hidden]
     share: float  # the stale-KV correction's share (0: off)
+    runner: StepRunner
     loads: LayerLoads = field(init=False)  # the cached K/V's copies, a group of layers each
-    rows: torch.Tensor = field(init=False)  # ``computed`` on the device
-    row_table: torch.Tensor = field(init=False)
+    rows: RowSet = field(init=False)
+    padded: torch.Tensor = field(init=False)  # the positions the step computes
+    hidden: torch.Tensor = field(init=False)  # [padded rows, hidden]
+    row_table: torch.Tensor = field(init=False)  # the RoPE table of ``padded``
     attention: RowAttention = field(init=False)
-    correction: StaleCorrection | None = field(init=False)
+    correction: CorrectionTensors | None = field(init=False)
     load_s: float = 0.0
     token_layers: int = 0
 
@@ -101,80 +109,62 @@ class PassState:
 
     @property
     def every_row(self) -> bool:
-        return self.computed.size == self.total
+        return self.rows.count == self.total
 
-    def set_rows(self, computed: np.ndarray, rows: torch.Tensor) -> None:
-        """Make ``computed`` (host) / ``rows`` (device) the computed rows: attention, correction."""
-        self.computed, self.rows = computed, rows
-        self.row_table = self.table.index_select(0, rows)
-        self.attention = RowAttention(self.decoder, rows, self.total, host=computed)
+    def set_rows(self, rows: RowSet, hidden: torch.Tensor) -> None:
+        """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
+        adapter, total = self.adapter, self.total
+        self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
+        self.attention = RowAttention(
+            rows, total, adapter.windows, adapter.scaling, adapter.dtype,
+            flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
+        )  # fmt: skip
+        self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
+        self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
         if self.share > 0 and not self.every_row:
+            host = rows.host
+            if host is not None and self.padded.numel() > rows.count:  # padding: the last row
+                host = np.pad(host, (0, self.padded.numel() - rows.count), mode="edge")
             spans = moved_span_index(self.host_kinds, self.prompt.spans)
-            self.correction = StaleCorrection(
-                self.host_kinds, spans, computed, self.share, self.decoder.device
-            )
+            self.correction = stale_correction(
+                self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
+                self.row_table, self.runner.bucket,
+            )  # fmt: skip
 
-    def narrow(self, keep: torch.Tensor | np.ndarray) -> None:
-        """Keep only the computed rows ``keep`` (indices into ``computed``).
-
-        ``keep`` on the device is read back (a host sync); on the host (an array) it is not.
-        """
+    def narrow(self, narrowing: Narrowing) -> None:
+        """Keep only the computed rows ``narrowing.keep`` (indices into the computed rows)."""
+        keep = narrowing.keep
         if isinstance(keep, np.ndarray):
-            host, keep = keep, to_device(keep, self.decoder.device)
-        else:
-            host = read_back(keep)
-        self.hidden = self.hidden.index_select(0, keep)
-        self.set_rows(self.computed[host], self.rows.index_select(0, keep))
+            keep = to_device(keep, self.adapter.device)
+        self.set_rows(narrowing.rows, self.hidden[: self.rows.count].index_select(0, keep))
 
 
 def begin_pass(
-    decoder: Decoder, prompt: BlendInput, table: torch.Tensor, computed: np.ndarray, share: float,
-    start: BlendOutput | None,
+    adapter: ModelAdapter, prompt: BlendInput, tables: RopeTables, rows: RowSet, share: float,
+    start: BlendOutput | None, runner: StepRunner, corrected: bool,
 ) -> PassState:  # fmt: skip
     """Embed the computed rows and prepare their attention and correction.
 
     From ``start`` (a first pass), the pass takes over its K/V buffer and its copies, some of
-    which may still be under way.
+    which may still be under way. ``corrected``: a correction will read this buffer (this
+    pass's or a later one's), so its uncached rows start as zeros.
     """
-    rows = to_device(computed, decoder.device)
-    hidden = decoder.embed(prompt.token_ids.index_select(0, rows))
     assert prompt.host_kinds is not None
-    if start is not None and start.raw_kv is not None:
-        kv = PromptKV(start.raw_kv)
-    else:
-        kv = PromptKV.empty(decoder, prompt.token_ids.numel())
-    state = PassState(decoder, prompt, prompt.host_kinds, table, kv, computed, hidden, share)
+    total = prompt.token_ids.numel()
+    if start is not None and start.kv is not None:
+        kv = start.kv
+    else:  # uncached rows zeroed: the correction reads every computed row's K/V
+        zeroed = None
+        if corrected and (prompt.host_kinds == MOVED).any():
+            zeroed = to_device(np.flatnonzero(prompt.host_kinds == COMPUTE), adapter.device)
+        kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed, runner.compiled)
+    state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
     state.loads = start.loads if start is not None and start.loads is not None else (
-        LayerLoads.for_pass(decoder, kv, prompt.spans)
+        LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
     )  # fmt: skip
-    state.set_rows(computed, rows)
+    state.set_rows(rows, adapter.embed(prompt.token_ids.index_select(0, rows.positions)))
     return state
-
-
-def write_fresh(state: PassState, layer: int) -> torch.Tensor:
-    """Step 3: project the computed rows, correct the stale rows, write the fresh K/V.
-
-    Returns the computed rows' un-rotated queries.
-    """
-    queries, fresh = state.decoder.project_rows(layer, state.hidden)
-    state.token_layers += state.computed.size
-    target = state.kv.data[layer]
-    if state.every_row:
-        target.copy_(fresh.permute(1, 2, 0, 3))
-        return queries
-    if state.correction is not None:  # before the fresh K/V overwrite the cached ones
-        state.correction.apply(target, fresh)
-    target.index_copy_(2, state.rows, fresh.permute(1, 2, 0, 3))
-    return queries
-
-
-def attend_and_mlp(
-    state: PassState, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-) -> None:
-    """Step 4: the computed rows attend over the whole patched KV, then the MLP."""
-    state.hidden = state.hidden + state.attention(layer, queries, keys, values)
-    state.hidden = state.decoder.feed_forward(layer, state.hidden)
 
 
 def check_cancel(cancel: threading.Event | None) -> None:
@@ -195,10 +185,37 @@ def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> 
     loads = state.loads
     if not loads.issued(layer) and (not state.every_row or layer in refine_layers):
         loaded = time.perf_counter()
-        stop = state.decoder.shape.num_layers if not state.every_row else layer + 1
+        stop = state.adapter.shape.num_layers if not state.every_row else layer + 1
         loads.issue(range(layer, stop))
         state.load_s += time.perf_counter() - loaded
     loads.wait(layer)
+
+
+def refine(state: PassState, selector: Selector, layer: int) -> None:
+    """Step 2: the selector narrows the computed rows (from the cached K/V it may compare)."""
+    count = state.rows.count  # the computed rows, padding left out
+    cached: tuple[torch.Tensor, ...] = ()
+    if selector.refine_reads_cache:  # the computed rows' cached K/V, keys before RoPE
+        layer_kv = state.kv.data[layer].index_select(2, state.rows.positions)
+        keys = rotate(layer_kv[0], inverse_table(state.row_table[:count]))
+        cached = (keys, layer_kv[1])
+    hidden = state.hidden[:count]
+    kinds = state.prompt.kinds
+    narrowing = selector.refine(state.adapter, layer, hidden, state.rows, kinds, cached)  # type: ignore[arg-type]
+    state.narrow(narrowing)
+
+
+def compute_layer(state: PassState, layer: int, mode: str, observer: PassObserver | None) -> None:
+    """Step 3: run the layer over the computed rows (`layer_step`), then show it to ``observer``."""
+    layer_kv = state.kv.layers[layer]
+    state.hidden, queries = state.runner.step(
+        state.adapter, layer, mode, state.hidden, layer_kv, state.padded, state.row_table,
+        state.correction, state.attention,
+    )  # fmt: skip
+    state.token_layers += state.rows.count
+    if observer is not None:
+        total = state.total
+        observer.observe(layer, queries, layer_kv[0, :, :total], layer_kv[1, :, :total])
 
 
 def run_layers(
@@ -208,140 +225,113 @@ def run_layers(
     need_logits: bool,
     cancel: threading.Event | None = None,
     stop: int | None = None,
-) -> BlendOutput:
-    """Run the layer loop of a pass and return its KV (and logits).
+) -> torch.Tensor | None:
+    """Run the layer loop of a pass; return its logits (None when not needed).
 
-    Nothing in it reads a value back from the device (no host sync on CUDA), except a
-    selector's refine step, which chooses rows by their values. ``stop``: run the first
-    ``stop`` layers only (a probe; the copies of every layer are issued all the same).
+    Nothing in it reads a value back from the device (no host sync on CUDA). ``stop``: run
+    the first ``stop`` layers only (a probe; the copies of every layer are issued all the same).
     """
-    decoder, prompt = state.decoder, state.prompt
     refine_layers = selector.refine_layers if selector is not None else frozenset()
-    out = BlendOutput(None, [], [], [], raw_kv=state.kv.data, loads=state.loads)
-    last = (decoder.shape.num_layers if stop is None else stop) - 1
+    last = (state.adapter.shape.num_layers if stop is None else stop) - 1
     for layer in range(last + 1):
         check_cancel(cancel)
         load_cached(state, layer, refine_layers)  # step 1
-        if layer in refine_layers:  # step 2: the selector narrows the computed rows
+        if layer in refine_layers:  # step 2
             assert selector is not None
-            cached = (state.kv.data[layer, 0], state.kv.data[layer, 1])
-            kinds = prompt.kinds
-            state.narrow(selector.refine(decoder, layer, state.hidden, state.rows, kinds, cached))
-        queries = write_fresh(state, layer)
-        raw_keys, values = state.kv.data[layer, 0], state.kv.data[layer, 1]
-        keys = rotate(raw_keys, state.table)
-        if layer < last or need_logits or observer is not None:
-            queries = rotate(queries, state.row_table)
-            if observer is not None:
-                observer.observe(layer, queries, keys, values)
-            if layer < last:
-                attend_and_mlp(state, layer, queries, keys, values)
-            elif need_logits:  # only the last row's output feeds the logits
-                state.hidden = last_row(decoder, layer, state.hidden, queries, keys, values)
-        out.keys.append(keys)
-        out.values.append(values)
-        assert out.raw_keys is not None
-        out.raw_keys.append(raw_keys)
-    if need_logits:
-        out.logits = decoder.logits(state.hidden)
-    return out
+            refine(state, selector, layer)
+        mode = FULL if layer < last else (LAST if need_logits else WRITE)
+        compute_layer(state, layer, mode, observer)  # step 3
+    return state.adapter.logits(state.hidden) if need_logits else None
 
 
 def run_pass(
-    decoder: Decoder,
+    adapter: ModelAdapter,
     blend_input: BlendInput,
     selection: Selection,
     *,
     selector: Selector | None = None,
     observer: PassObserver | None = None,
     need_logits: bool = True,
-    keep_raw_keys: bool = False,
     cancel: threading.Event | None = None,
-    table: torch.Tensor | None = None,
+    tables: RopeTables | None = None,
     layers: int | None = None,
+    corrected: bool | None = None,
 ) -> BlendOutput:
     """One pass over the layers: compute ``selection.computed``, read the other rows' KV.
 
-    ``layers``: run the first ``layers`` layers only (a probe: no logits).
+    ``layers``: run the first ``layers`` layers only (a probe: no logits). ``corrected``:
+    whether a stale-KV correction reads the pass's buffer (default: the selector's).
     """
     share = selector.correction if selector is not None else 0.0
-    refine_layers = selector.refine_layers if selector is not None else frozenset()
     start = selection.start
-    reads_cache = selector is not None and selector.refine_reads_cache
-    if start is not None and (keep_raw_keys or (refine_layers and reads_cache)):
-        raise ValueError(
-            "a start pass cannot be combined with raw keys or refine layers that read the cache"
-        )
+    if start is not None and selector is not None and selector.refine_reads_cache:
+        if selector.refine_layers:
+            raise ValueError(
+                "a start pass cannot be combined with refine layers that read the cache"
+            )
     blend_input = on_host(blend_input)
     total = blend_input.token_ids.numel()
-    computed = host_rows(selection.computed)
-    if need_logits and (computed[-1] != total - 1 or layers is not None):
+    rows = as_rows(selection.computed, adapter.device)
+    bounds = rows.bounds()
+    if need_logits and (layers is not None or (bounds is not None and bounds[0][-1] != total - 1)):
         raise RuntimeError("logits need the last prompt token computed through every layer")
-    if table is None:
-        table = prompt_rope(decoder, total)
-    state = begin_pass(decoder, blend_input, table, computed, share, start)
-    out = run_layers(state, selector, observer, need_logits, cancel, layers)
-    if not keep_raw_keys:
-        out.raw_keys = None
-    else:  # KV to be stored: tensors of their own, not views of one buffer
-        assert out.raw_keys is not None
-        out.raw_keys = [keys.clone() for keys in out.raw_keys]
-        out.values = [values.clone() for values in out.values]
+    tables = tables if tables is not None else prompt_tables(adapter, total)
+    runner = step_runner(adapter, total)
+    corrected = share > 0 if corrected is None else corrected
+    runner.begin(adapter.device)
+    state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
+    try:
+        logits = run_layers(state, selector, observer, need_logits, cancel, layers)
+    except BaseException:
+        state.kv.copied()  # a static buffer is handed back
+        raise
+    out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
     out.stats = pass_stats(state, blend_input)
+    return with_kv(out, state.kv)
+
+
+def with_kv(out: BlendOutput, kv: PromptKV) -> BlendOutput:
+    """``out`` over ``kv``: its per-layer keys and values (views of the prompt's rows)."""
+    rows = kv.prompt_rows()
+    out.kv = kv
+    out.keys, out.values = (
+        [rows[i, 0] for i in range(len(rows))],
+        [rows[i, 1] for i in range(len(rows))],
+    )
     return out
 
 
 def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
-    """Return what a pass did, counted on the host after its last layer."""
-    kinds = state.host_kinds
-    moved = kinds == MOVED
-    return {
-        "load_s": state.load_s,
-        "recomputed_tokens": int(moved[state.computed].sum()),
-        "token_layers": state.token_layers,
-        "token_layers_full": state.total * state.decoder.shape.num_layers,
-        "moved_tokens": int(moved.sum()),
-        "moved_spans_read": moved_spans_read(blend_input.spans, state.computed, state.total),
-    }
+    """Return what a pass did, counted on the host after its last layer.
 
-
-def last_row(
-    decoder: Decoder,
-    layer: int,
-    hidden: torch.Tensor,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-) -> torch.Tensor:
-    """Run the last layer for the last row only.
-
-    The other rows' K/V are written already and only the last row's output feeds the logits:
-    it attends to every key (from the window's start on a sliding-window layer).
+    Rows chosen on the device are read back here, after the logits: the host learns which
+    rows were recomputed only once the prefill's work is queued.
     """
-    total = keys.shape[1]
-    window = decoder.windows[layer]
-    if window is not None and window < total:
-        keys, values = keys[:, total - window :], values[:, total - window :]
-    out = attend(decoder, layer, queries[:, -1:], keys, values, None, causal=False)
-    return decoder.feed_forward(layer, hidden[-1:] + out)
+    computed = state.rows.host_positions()
+    layers = state.adapter.shape.num_layers
+    stats = rows_read(state.host_kinds, blend_input.spans, computed)
+    return {"load_s": state.load_s, "token_layers": state.token_layers,
+            "token_layers_full": state.total * layers, **stats}  # fmt: skip
 
 
-def prompt_rope(decoder: Decoder, total: int) -> torch.Tensor:
-    """Return the `rope_table` of positions ``0..total-1`` (made once per prefill)."""
-    cos, sin = decoder.rotary(torch.arange(total, device=decoder.device))
-    return rope_table(cos, sin)
+def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
+    """Return the RoPE tables of a prompt's buffer rows (made once per prefill)."""
+    length = step_runner(adapter, total).length
+    return rope_tables(adapter.rotary, total, length, adapter.device)
 
 
 def selection_context(
-    decoder: Decoder,
+    adapter: ModelAdapter,
     blend_input: BlendInput,
     cancel: threading.Event | None = None,
-    table: torch.Tensor | None = None,
+    tables: RopeTables | None = None,
+    correction: float = 0.0,
 ) -> SelectionContext:
-    """Return what a selector sees of a prompt (``blend_input`` on the decoder's device).
+    """Return what a selector sees of a prompt (``blend_input`` on the adapter's device).
 
     Its kinds are on the host; its first passes compute the rows a selector names and read the
-    rest from the cache.
+    rest from the cache (``correction``: the selector's share, whose prefill may continue
+    from a first pass's buffer).
     """
     blend_input = on_host(blend_input)
     assert blend_input.host_kinds is not None
@@ -351,22 +341,21 @@ def selection_context(
     ) -> BlendOutput:
         selection = Selection(computed)
         return run_pass(
-            decoder, blend_input, selection, observer=observer, need_logits=False,
-            cancel=cancel, table=table, layers=layers,
+            adapter, blend_input, selection, observer=observer, need_logits=False,
+            cancel=cancel, tables=tables, layers=layers, corrected=correction > 0,
         )  # fmt: skip
 
     kinds = torch.from_numpy(blend_input.host_kinds)
-    return SelectionContext(decoder, kinds, blend_input.spans, first_pass)
+    return SelectionContext(adapter, kinds, blend_input.spans, first_pass)
 
 
 @torch.inference_mode()
 def run_blend(
-    decoder: Decoder,
+    adapter: ModelAdapter,
     blend_input: BlendInput,
     config: BlendConfig,
     *,
     need_logits: bool = True,
-    keep_raw_keys: bool = False,
     cancel: threading.Event | None = None,
 ) -> BlendOutput:
     """Run the blended prefill of one prompt and return logits and the fused KV cache.
@@ -374,21 +363,23 @@ def run_blend(
     ``cancel``: checked between layers; once set, `BlendCancelledError` is raised.
     """
     blend_input = on_host(blend_input)
-    device = decoder.device
+    device = adapter.device
     blend_input = BlendInput(
         to_device(blend_input.token_ids, device), to_device(blend_input.kinds, device),
         blend_input.spans,
         blend_input.host_kinds,
     )  # fmt: skip
     selector = selector_class(config.strategy)(config.settings)
-    table = prompt_rope(decoder, blend_input.token_ids.numel())
+    tables = prompt_tables(adapter, blend_input.token_ids.numel())
     started = time.perf_counter()
-    selection = selector.select(selection_context(decoder, blend_input, cancel, table))
+    context = selection_context(adapter, blend_input, cancel, tables, selector.correction)
+    selection = selector.select(context)
     select_s = time.perf_counter() - started
     out = run_pass(
-        decoder, blend_input, selection, selector=selector, need_logits=need_logits,
-        keep_raw_keys=keep_raw_keys, cancel=cancel, table=table,
+        adapter, blend_input, selection, selector=selector, need_logits=need_logits,
+        cancel=cancel, tables=tables,
     )  # fmt: skip
+    out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
     out.stats["probe_s"] = 0.0
     if selection.start is not None:  # the first pass's work and reads count too
         out.stats["probe_s"] = select_s

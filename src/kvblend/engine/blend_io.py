@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .prompt import TokenKind
+from .rope import rotate_
 
 PREFIX, MOVED, COMPUTE = TokenKind.PREFIX, TokenKind.MOVED, TokenKind.COMPUTE
 
@@ -63,20 +64,36 @@ class BlendOutput:
     logits: torch.Tensor | None  # [vocab] float32
     keys: list[torch.Tensor]  # per layer, rotated [kv_heads, tokens, head_dim]
     values: list[torch.Tensor]
-    raw_keys: list[torch.Tensor] | None  # per layer, un-rotated (when asked for)
     stats: dict[str, float] = field(default_factory=dict)
-    #: the pass's un-rotated KV of every layer ``[layers, 2, kv_heads, tokens, head_dim]``
-    raw_kv: torch.Tensor | None = field(default=None, repr=False)
-    #: the pass's copies of cached K/V into ``raw_kv`` (`LayerLoads`), some maybe under way
-    #: on a side stream: a pass that starts from this one waits on them, layer by layer
+    #: the pass's K/V buffer (`PromptKV`, keys rotated): a pass that starts from this one
+    #: updates it in place
+    kv: Any = field(default=None, repr=False)
+    #: the pass's copies of cached K/V into ``kv`` (`LayerLoads`), some maybe under way on a
+    #: side stream: a pass that starts from this one waits on them, layer by layer
     loads: Any = field(default=None, repr=False)
+    #: the RoPE tables of the buffer's rows (``inverse``: what undoes the keys' RoPE)
+    tables: Any = field(default=None, repr=False)
+
+    @property
+    def raw_kv(self) -> torch.Tensor | None:
+        """Every layer's K/V ``[layers, 2, kv_heads, tokens, head_dim]`` as the store keeps it.
+
+        Keys before RoPE; a tensor of its own (made on each access), never the pass's buffer.
+        """
+        if self.kv is None or self.tables is None:
+            return None
+        kv = self.kv.prompt_rows().clone()
+        rotate_(kv[:, 0], self.tables.inverse[: kv.shape[3]])
+        return kv
 
 
 def read_back(tensor: torch.Tensor) -> np.ndarray:
     """Copy a device tensor of indices to the host: the blend's only way to read device values.
 
-    Each call is a host sync on CUDA; the loop calls it at most once per pass (the rows a
-    selector chose on the device), never inside a layer, except at a check layer.
+    Each call is a host sync on CUDA. Before the logits the loop calls it only where a pass's
+    rows were chosen on the device and the attention it runs needs their positions on the host
+    (`RowSet.host_positions`: the eager query chunks of a row set with no host bounds, i.e.
+    CacheBlend's check layer); after the logits once more, for the statistics.
     """
     return np.asarray(tensor.tolist(), dtype=np.int64)
 
@@ -95,13 +112,43 @@ def to_device(host: np.ndarray | torch.Tensor, device: torch.device) -> torch.Te
     return tensor.to(device, non_blocking=True)
 
 
-def host_rows(rows: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Sorted positions on the host: a host (CPU) tensor or array as is, a device one read back."""
-    if isinstance(rows, np.ndarray):
-        return rows.astype(np.int64, copy=False)
-    if rows.device.type == "cpu":
-        return rows.numpy().astype(np.int64, copy=False)
-    return read_back(rows)
+@dataclass(frozen=True)
+class RowSet:
+    """A pass's computed rows: sorted prompt positions on the device, and what the host knows.
+
+    The count is always known on the host (the tensor's size). ``host``: the positions on the
+    host, when the host chose them. Rows chosen on the device (a probe's top rows) are not read
+    back; the host may instead know bounds of each sorted row's position (``lower[i] <=
+    positions[i] <= upper[i]``), enough to size attention calls without reading the rows.
+    """
+
+    positions: torch.Tensor  # [count] long, sorted, on the decoder's device
+    host: np.ndarray | None = None
+    lower: np.ndarray | None = None
+    upper: np.ndarray | None = None
+
+    @classmethod
+    def from_host(cls, host: np.ndarray, device: torch.device) -> RowSet:
+        """Rows chosen on the host (sorted positions), copied to ``device`` without waiting."""
+        host = host.astype(np.int64, copy=False)
+        return cls(to_device(host, device), host)
+
+    @property
+    def count(self) -> int:
+        """How many rows (known on the host: no sync)."""
+        return int(self.positions.shape[0])
+
+    def bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Host bounds ``(lower, upper)`` of each sorted row's position (exact when known)."""
+        if self.host is not None:
+            return self.host, self.host
+        if self.lower is not None and self.upper is not None:
+            return self.lower, self.upper
+        return None
+
+    def host_positions(self) -> np.ndarray:
+        """Return the positions on the host: as known, else read back (a host sync on CUDA)."""
+        return self.host if self.host is not None else read_back(self.positions)
 
 
 def moved_span_index(kinds: np.ndarray, spans: list[CachedSpan]) -> np.ndarray:
@@ -120,6 +167,16 @@ def moved_spans_read(spans: list[CachedSpan], computed: np.ndarray, total: int) 
     return sum(1 for s in spans if s.kind == MOVED and not done[s.start : s.end].all())
 
 
+def rows_read(kinds: np.ndarray, spans: list[CachedSpan], computed: np.ndarray) -> dict[str, int]:
+    """Return what a pass computing ``computed`` (host positions) read of the moved rows."""
+    moved = kinds == MOVED
+    return {
+        "recomputed_tokens": int(moved[computed].sum()),
+        "moved_tokens": int(moved.sum()),
+        "moved_spans_read": moved_spans_read(spans, computed, kinds.size),
+    }
+
+
 def on_host(blend_input: BlendInput) -> BlendInput:
     """``blend_input`` with its kinds on the host too (read back once if only on a device)."""
     if blend_input.host_kinds is not None:
@@ -127,3 +184,13 @@ def on_host(blend_input: BlendInput) -> BlendInput:
     kinds = blend_input.kinds
     host = kinds.numpy() if kinds.device.type == "cpu" else read_back(kinds).astype(np.int8)
     return BlendInput(blend_input.token_ids, kinds, blend_input.spans, host)
+
+
+def as_rows(computed: torch.Tensor | np.ndarray | RowSet, device: torch.device) -> RowSet:
+    """Return a selection's computed rows as a `RowSet` (a device tensor is read back)."""
+    if isinstance(computed, RowSet):
+        return computed
+    if isinstance(computed, torch.Tensor):
+        host = computed.numpy() if computed.device.type == "cpu" else read_back(computed)
+        return RowSet.from_host(host, device)
+    return RowSet.from_host(computed, device)

@@ -1,10 +1,12 @@
-"""The per-layer arithmetic of a Hugging Face RoPE decoder, exposed as small pure-torch steps.
+"""`Decoder`: the model adapter (`kvblend.engine.adapter.ModelAdapter`) of a transformers model.
+
+The blend loop (`blend.py` and the modules it uses) calls the adapter's members and nothing
+else; attention itself (the rows' mask, the kernel) is the loop's job (`row_attention.py`).
 
 `Decoder` wraps a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3) and
 calls the model's own modules (norms, projections, rotary embedding, MLP, head) so that weights,
-biases, q/k norms and every RoPE scaling variant are the model's, not a re-implementation. The
-blend loop in `blend.py` drives these steps with explicit positions; nothing here keeps
-per-request state.
+biases, q/k norms and every RoPE scaling variant are the model's, not a re-implementation.
+Nothing here keeps per-request state.
 
 Tensor layout, batch of one, as in transformers' caches: queries ``[heads, tokens, head_dim]``,
 keys and values ``[kv_heads, tokens, head_dim]`` (only the KV heads are kept: GQA).
@@ -76,96 +78,6 @@ class DecoderShape:
     max_positions: int
 
 
-def sdpa_takes_gqa(masked: bool, device: torch.device) -> bool:
-    """Whether SDPA should get grouped KV heads (``enable_gqa``) rather than expanded ones.
-
-    Unmasked: always. With a mask, only on the CPU: on CUDA that combination falls back to the
-    math kernel, so the KV heads are expanded instead, as transformers' sdpa_attention does;
-    the CPU's flash kernel takes both at once, and expanding there only adds copies (about 6%
-    of a default blend at 4K tokens).
-    """
-    return not masked or device.type == "cpu"
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Repeat each KV head ``groups`` times: ``[kv_heads, tokens, d] -> [heads, tokens, d]``.
-
-    Query head ``h`` reads KV head ``h // groups``, as transformers' ``repeat_kv``.
-    """
-    kv_heads, tokens, head_dim = x.shape
-    return x[:, None].expand(kv_heads, groups, tokens, head_dim).reshape(-1, tokens, head_dim)
-
-
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated: the table `apply_rope` multiplies swapped halves by."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos`` and ``signed_sin(sin)``.
-
-    Computes transformers' ``x * cos + rotate_half(x) * sin`` with one product and two in-place
-    multiply-adds over the halves instead of four temporaries: the blend rotates every key of
-    the prompt at every layer, so this is on the hot path.
-    """
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin_signed[..., :half])
-    out[..., half:].addcmul_(x[..., :half], sin_signed[..., half:])
-    return out
-
-
-def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Return the rotation of every position as one table ``[tokens, 2, 2, head_dim // 2]``.
-
-    Entry ``[t, i, m]`` multiplies input half ``m`` into output half ``i``, so `rotate` is one
-    product and one sum: the same products and sums as transformers' ``apply_rotary_pos_emb``
-    (``x * cos + rotate_half(x) * sin``), so the result is bit for bit the same.
-    """
-    half = cos.shape[-1] // 2
-    first = torch.stack((cos[..., :half], -sin[..., :half]), dim=-2)
-    second = torch.stack((sin[..., half:], cos[..., half:]), dim=-2)
-    return torch.stack((first, second), dim=-3)
-
-
-def rotate(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by a `rope_table` of its tokens (two ops)."""
-    halves = x.unflatten(-1, (2, -1)).unsqueeze(-3)  # [heads, tokens, 1, 2, half]
-    return (halves * table).sum(dim=-2).flatten(-2)
-
-
-def scaled_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-    causal: bool = True,
-) -> torch.Tensor:
-    """SDPA of rotated ``[heads, tokens, head_dim]`` inputs: ``[tokens, heads * head_dim]``.
-
-    Before ``o_proj``. ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf =
-    may not) or a boolean one (True = may attend), or None for plain causal attention over
-    aligned queries and keys (``causal=False``: every key). Keys and values may hold fewer
-    (grouped) heads than the queries.
-    """
-    groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
-    if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
-        keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-    out = F.scaled_dot_product_attention(
-        queries.unsqueeze(0),
-        keys.unsqueeze(0),
-        values.unsqueeze(0),
-        attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
-        is_causal=mask is None and causal,
-        scale=scaling,
-        enable_gqa=queries.shape[0] != keys.shape[0],
-    )
-    # [1, heads, tokens, head_dim] -> [tokens, heads * head_dim]
-    return out[0].transpose(0, 1).reshape(queries.shape[1], -1)
-
-
 #: RMSNorm classes whose forward is exactly ``weight * rms_norm(x.float()).to(x.dtype)``.
 _PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 
@@ -186,7 +98,7 @@ def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class Decoder:
-    """Pure-torch steps over one transformers decoder model (no state per request)."""
+    """The `ModelAdapter` of a transformers decoder model (pure torch, no state per request)."""
 
     def __init__(self, model: nn.Module) -> None:
         config: Any = getattr(model, "config", None)
@@ -233,7 +145,7 @@ class Decoder:
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the model's own RoPE ``cos``/``sin`` ``[tokens, head_dim]`` at ``positions``."""
-        probe = torch.empty(0, device=self.device, dtype=self.dtype)
+        probe = self.inner.embed_tokens.weight[:0]  # its device and dtype are all it reads
         cos, sin = self.inner.rotary_emb(probe, positions.unsqueeze(0))
         return cos[0], sin[0]
 
@@ -307,30 +219,8 @@ class Decoder:
             return k.transpose(0, 1)
         return attention.v_proj(x).view(tokens, -1, self.shape.head_dim).transpose(0, 1)
 
-    def attend(
-        self,
-        layer: int,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        mask: torch.Tensor | None,
-        rows: torch.Tensor | None = None,
-        causal: bool = True,
-    ) -> torch.Tensor:
-        """Attention output ``[tokens, hidden]`` (after ``o_proj``) of rotated inputs.
-
-        ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf = may not) or a
-        boolean one (True = may attend), or None for plain causal
-        attention over aligned queries and keys (``causal=False``: every key). ``rows`` keeps
-        only those query rows (before ``o_proj``).
-        """
-        out = scaled_attention(queries, keys, values, mask, self.scaling, causal)
-        if rows is not None:
-            out = out.index_select(0, rows)
-        return self.attention_output(layer, out)
-
     def attention_output(self, layer: int, attended: torch.Tensor) -> torch.Tensor:
-        """Apply ``o_proj`` of ``layer`` to attended rows ``[rows, heads * head_dim]``."""
+        """Return ``o_proj`` of ``layer`` over attention outputs ``[rows, heads * head_dim]``."""
         return self.layers[layer].self_attn.o_proj(attended)
 
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .decoder import Decoder, apply_rope, signed_sin
+from .decoder import Decoder
+from .rope import apply_rope, signed_sin
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "forward_batch", "length_batches"]
 

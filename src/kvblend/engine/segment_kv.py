@@ -247,8 +247,9 @@ class SegmentKV:
             BlendConfig("full"),
             need_logits=False,
         )
-        assert out.raw_kv is not None  # the pass's own buffer: nobody else holds it
-        rows = out.raw_kv[:, :, :, len(context) :]
+        raw = out.raw_kv  # keys before RoPE, a tensor of its own
+        assert raw is not None
+        rows = raw[:, :, :, len(context) :]
         tensors = {KV_NAME: rows.to(self.kv_dtype, memory_format=torch.contiguous_format)}
         self._put(key, tensors, len(context), len(token_ids))
         return tensors
@@ -312,14 +313,18 @@ class SegmentKV:
     def open_spans(self, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
         """Open each planned span's entry, computing missing or unreadable ones.
 
-        Returns the spans for the blend loop and how many entries were computed now.
+        Entries are opened where the store keeps them (host memory, pinned when CUDA is
+        available, or a device): the blend loop copies each layer group's rows straight into
+        its buffer on the device, on a side stream while earlier layers compute, instead of
+        the whole entry being copied before the first layer. Returns the spans for the blend
+        loop and how many entries were computed now.
         """
         spans, computed = [], 0
         for span in plan.spans:
             key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
             tokens = len(span.cached_ids)
             try:
-                entry = self.open_entry(key, tokens, self.decoder.device)
+                entry = self.open_entry(key, tokens)
             except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
                 logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
                 self.drop(key)

@@ -77,7 +77,7 @@ def parity_verdict(adapter: VLLMAdapter, reference: torch.Tensor, ids: list[int]
     """Relative error of the blend loop's (``full``) last logits against vLLM's ``reference``."""
     token_ids = torch.tensor(ids, dtype=torch.long)
     kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-    got = run_blend(adapter, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits  # type: ignore[arg-type]
+    got = run_blend(adapter, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
     assert got is not None
     return float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-6))
 
@@ -136,7 +136,7 @@ class WorkerSide:
         token_ids = torch.as_tensor(np.asarray(plan.token_ids, dtype=np.int64))
         blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
         opened = time.perf_counter()
-        out = run_blend(self.adapter, blend_input, config, need_logits=False)  # type: ignore[arg-type]
+        out = run_blend(self.adapter, blend_input, config, need_logits=False)
         blended = time.perf_counter()
         outcome.timings = {
             "open_s": opened - began, "loop_s": blended - opened,

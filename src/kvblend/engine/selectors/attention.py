@@ -8,7 +8,8 @@ every layer's cached KV has arrived). The top ``recompute_ratio`` of the moved t
 are recomputed at every layer; with ``early_layers``, a funnel recomputes the top ``early_ratio`` in
 the first layers and narrows to ``recompute_ratio`` after them (the rows that leave are read from
 the cache again). The probe's KV (reused rows in place, already rotated) is the prefill's starting
-point, so the cached KV is loaded and rotated once.
+point, so the cached KV is loaded and rotated once. The chosen rows stay on the device (a ``topk``
+of a count the host knows, sorted there): the prefill starts without reading them back.
 """
 
 from __future__ import annotations
@@ -20,85 +21,22 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED, read_back, to_device
-from ..decoder import Decoder
-from ..row_attention import attention_mask
+from ..adapter import ModelAdapter
+from ..blend_io import COMPUTE, MOVED, RowSet, to_device
 from .base import (
     CORRECTION,
+    Narrowing,
     Selection,
     SelectionContext,
     Selector,
     Setting,
+    chosen_rows,
     non_negative_int,
     ratio,
 )
+from .tail_attention import TailAttention, tail_attention, tail_rows
 
-
-def tail_rows(kinds: torch.Tensor | np.ndarray) -> np.ndarray:
-    """Positions of the uncached tail: the computed tokens after the last moved one (host).
-
-    In a RAG prompt that is the question and the template text after it, the part of the prompt
-    the answer is generated from. ``kinds`` is on the host.
-    """
-    kinds = np.asarray(kinds)
-    moved = np.flatnonzero(kinds == MOVED)
-    start = int(moved[-1]) + 1 if moved.size else 0
-    tail = np.flatnonzero(kinds[start:] == COMPUTE) + start
-    return tail if tail.size else np.array([kinds.size - 1])
-
-
-def tail_attention(
-    decoder: Decoder,
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    """How much each token contributes to the attention output of ``queries``: ``[tokens]``.
-
-    The attention weight each query pays each key, times the norm of that key's value (the
-    size of what it adds to the output: attention sinks take much weight and add little),
-    summed over heads and queries. ``queries`` are rotated ``[heads, rows, head_dim]``;
-    ``keys`` (rotated) and ``values`` are ``[kv_heads, tokens, head_dim]`` (GQA: query head ``h``
-    reads KV head ``h // groups``, as transformers' ``repeat_kv``); ``mask`` is the float32
-    additive ``[rows, tokens]`` causal (and sliding-window) mask of the queries' positions.
-    """
-    kv_heads, total, head_dim = keys.shape
-    groups = queries.shape[0] // kv_heads
-    grouped = queries.reshape(kv_heads, groups * queries.shape[1], head_dim)
-    if mask.shape[0] != grouped.shape[1]:  # one mask row per (head of the group, query)
-        mask = mask.repeat(groups, 1)
-    scores = torch.baddbmm(
-        mask.to(keys.dtype), grouped, keys.transpose(1, 2), alpha=decoder.scaling
-    )
-    weights = scores.softmax(dim=-1, dtype=torch.float32)
-    norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
-    return (weights.sum(dim=1) * norms).sum(dim=0)
-
-
-class TailAttention:
-    """A probe pass's observer: sums `tail_attention` of the tail rows over every layer."""
-
-    def __init__(self, decoder: Decoder, computed: np.ndarray, tail: np.ndarray, total: int):
-        self.decoder = decoder
-        device = decoder.device
-        local = np.searchsorted(computed, tail)  # the tail among the computed rows
-        self.local = to_device(local, device)
-        self.scores = torch.zeros(total, device=device, dtype=torch.float32)
-        groups = decoder.shape.num_heads // decoder.shape.num_kv_heads
-        positions = to_device(tail, device)
-        self.masks = {  # [groups * tail, total], made once per pass
-            window: attention_mask(positions, 0, total, window, decoder.dtype).repeat(groups, 1)
-            for window in set(decoder.windows)
-        }
-
-    def observe(
-        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> None:
-        """Add this layer's tail attention to the scores."""
-        tail_queries = queries.index_select(1, self.local)
-        mask = self.masks[self.decoder.windows[layer]]
-        self.scores.add_(tail_attention(self.decoder, tail_queries, keys, values, mask))
+__all__ = ["AttentionSelector", "TailAttention", "attention_budget", "tail_attention", "tail_rows"]
 
 
 def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.ndarray:
@@ -328,7 +266,7 @@ class AttentionSelector(Selector):
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         super().__init__(settings)
-        self.later: np.ndarray | None = None  # the rows kept after the early layers
+        self.later: Narrowing | None = None  # the rows kept after the early layers
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most (`attention_budget` says how many)."""
@@ -345,38 +283,38 @@ class AttentionSelector(Selector):
             computed[moved] = True
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
         candidates = moved[~lead[moved]]  # moved rows not recomputed already
-        if budget.probe:
-            probe_rows = np.flatnonzero(uncached)
-            observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
-            num_layers = context.decoder.shape.num_layers
-            layers = probe_layer_count(self.options["probe_layers"], num_layers)
-            start = context.run_pass(
-                torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None
-            )
-            self.scores = observer.scores
-            # the one host sync of the prefill: the chosen rows, best first
-            ranked = read_back(ranked_candidates(observer.scores, candidates, budget.early))
-        else:  # nothing to rank (no row, or every row, early; none later): no probe
-            start, ranked = None, candidates[: budget.early]
-        computed[ranked] = True
-        rows = np.flatnonzero(computed)
-        layers = early_layer_count(self.options["early_layers"], context.decoder.shape.num_layers)
+        if not budget.probe:  # nothing to rank (no row, or every row, early; none later)
+            computed[candidates[: budget.early]] = True
+            return Selection(torch.from_numpy(np.flatnonzero(computed)))
+        probe_rows = np.flatnonzero(uncached)
+        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
+        num_layers = context.decoder.shape.num_layers
+        layers = probe_layer_count(self.options["probe_layers"], num_layers)
+        start = context.run_pass(
+            torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None
+        )
+        self.scores = scores = observer.scores
+        # the chosen rows, best first, stay on the device: no read-back
+        ranked = ranked_candidates(scores, candidates, budget.early)
+        base = np.flatnonzero(computed)
+        rows = chosen_rows(base, ranked, candidates, context.decoder.device)
+        layers = early_layer_count(self.options["early_layers"], num_layers)
         if budget.early > budget.keep and layers:  # the funnel narrows after the early layers
-            later = computed.copy()
-            later[ranked[budget.keep :]] = False
-            self.later = np.flatnonzero(later[rows])
+            later = chosen_rows(base, ranked[: budget.keep], candidates, rows.positions.device)
+            keep = torch.searchsorted(rows.positions, later.positions)
+            self.later = Narrowing(keep, later)
             self.refine_layers = frozenset([layers])
-        return Selection(torch.from_numpy(rows), start=start)
+        return Selection(rows, start=start)
 
     def refine(
         self,
-        decoder: Decoder,
+        decoder: ModelAdapter,
         layer: int,
         hidden: torch.Tensor,
-        computed: torch.Tensor,
+        rows: RowSet,
         kinds: torch.Tensor,
         cached: tuple[torch.Tensor, torch.Tensor],
-    ) -> np.ndarray:
+    ) -> Narrowing:
         """After the early layers, keep the rows of ``recompute_ratio`` (chosen in `select`)."""
         assert self.later is not None
         return self.later

@@ -6,6 +6,10 @@ may run a first pass over the prompt to decide (`SelectionContext.run_pass`, wit
 `PassObserver` that sees every layer's queries and KV), and hand that pass's KV to the prefill
 as a starting point. A selector that narrows the computed rows inside the loop, as CacheBlend
 does at its check layers, lists those layers in ``refine_layers`` and implements `refine`.
+
+Rows chosen by values on the device (a probe's scores, a check layer's deviations) stay there:
+a fixed count known on the host is taken (``topk``), and the sorted rows are built with device
+ops (`chosen_rows`), so nothing is read back before the logits.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan, to_device
-from ..decoder import Decoder, DecoderShape
+from ..adapter import ModelAdapter
+from ..blend_io import COMPUTE, MOVED, BlendOutput, CachedSpan, RowSet, to_device
+from ..decoder import DecoderShape
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class SelectionContext(NamedTuple):
     ``moved`` and ``uncached``. Only a first pass runs on the decoder's device.
     """
 
-    decoder: Decoder
+    decoder: ModelAdapter
     kinds: torch.Tensor  # [tokens] on the host
     spans: list[CachedSpan]
     #: ``run_pass(computed rows, observer, layers=None)``: a pass over the first ``layers``
@@ -98,31 +103,41 @@ class SelectionContext(NamedTuple):
 class Selection:
     """The positions computed from layer 0 on, and optionally a pass to start from.
 
-    ``computed``: sorted positions, on the host (a CPU tensor or array; a tensor on another
-    device is read back once, a host sync). ``start``: a pass over the same prompt whose
-    computed rows are a subset of ``computed``; the prefill updates its KV buffer in place
-    instead of loading every cached row again.
+    ``computed``: sorted positions. On the host (a CPU tensor or array; a tensor on another
+    device is read back once, a host sync), or a `RowSet` of rows chosen on the device.
+    ``start``: a pass over the same prompt whose computed rows are a subset of ``computed``;
+    the prefill updates its KV buffer in place instead of loading every cached row again.
     """
 
-    computed: torch.Tensor | np.ndarray  # sorted positions
+    computed: torch.Tensor | np.ndarray | RowSet  # sorted positions
     start: BlendOutput | None = None
 
 
-def top_scoring(
-    score: torch.Tensor, candidates: torch.Tensor | np.ndarray, keep: int
-) -> torch.Tensor:
-    """Return the ``keep`` entries of ``candidates`` (indices into ``score``) scoring most.
+class Narrowing(NamedTuple):
+    """A refine step's result: which computed rows stay computed, and their positions.
 
-    A fixed-size selection (``topk``) on ``score``'s device: no host sync.
+    ``keep``: sorted indices into the computed rows (on the device, or a host array);
+    ``rows``: the positions they stand for.
     """
-    if isinstance(candidates, np.ndarray):
-        candidates = to_device(candidates, score.device)
-    if keep >= candidates.numel():
-        return candidates
-    if keep <= 0:
-        return candidates[:0]
-    top = torch.topk(score[candidates], keep, sorted=False).indices
-    return candidates[top].sort().values
+
+    keep: torch.Tensor | np.ndarray
+    rows: RowSet
+
+
+def chosen_rows(
+    base: np.ndarray, chosen: torch.Tensor, candidates: np.ndarray, device: torch.device
+) -> RowSet:
+    """Rows ``base`` (host) and ``chosen`` (device: distinct ``candidates``), sorted on the device.
+
+    Nothing is read back: the host bounds each sorted row's position by the rows it would be
+    if the chosen ones were the first or the last ``chosen.numel()`` candidates (sorted, as
+    ``base``): the i-th smallest of a set only grows when members are replaced by larger ones.
+    """
+    count = chosen.numel()
+    positions = torch.cat((to_device(base, device), chosen)).sort().values
+    lower = np.sort(np.concatenate((base, candidates[:count])))
+    upper = np.sort(np.concatenate((base, candidates[candidates.size - count :])))
+    return RowSet(positions, lower=lower, upper=upper)
 
 
 class Selector:
@@ -172,19 +187,17 @@ class Selector:
 
     def refine(
         self,
-        decoder: Decoder,
+        decoder: ModelAdapter,
         layer: int,
         hidden: torch.Tensor,
-        computed: torch.Tensor,
+        rows: RowSet,
         kinds: torch.Tensor,
         cached: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor | np.ndarray:
-        """Return the indices into ``computed`` still computed from a refine layer on.
+    ) -> Narrowing:
+        """Return the computed rows still computed from a refine layer on.
 
-        On the device (read back once: a host sync) or, when known before the loop, on the
-        host (no sync).
-
-        ``hidden`` are the computed rows' hidden states entering ``layer``; ``cached`` the
-        layer's un-rotated cached keys and values ``[kv_heads, total, head_dim]``.
+        ``hidden`` are the computed rows' hidden states entering ``layer``; ``kinds`` the
+        prompt's kinds on the device; ``cached`` the computed rows' cached keys (before RoPE)
+        and values ``[kv_heads, rows, head_dim]`` at ``layer``.
         """
         raise NotImplementedError

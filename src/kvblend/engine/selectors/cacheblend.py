@@ -3,7 +3,8 @@
 Every moved token is computed up to a check layer; there, the fresh value (or, as LMCache does,
 key) projection of every computed row is compared with the cached one, and only the moved
 rows deviating most stay computed for the remaining layers. A ratio schedule narrows the set in
-steps (gradual filtering).
+steps (gradual filtering). The rows are chosen on the device (a ``topk`` of a size the host
+knows) and not read back.
 """
 
 from __future__ import annotations
@@ -14,17 +15,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..blend_io import COMPUTE, MOVED
-from ..decoder import Decoder, DecoderShape
+from ..adapter import ModelAdapter
+from ..blend_io import COMPUTE, MOVED, RowSet
+from ..decoder import DecoderShape
 from .base import (
     CORRECTION,
     RECOMPUTE_RATIO,
+    Narrowing,
     Selection,
     SelectionContext,
     Selector,
     Setting,
     ratio,
-    top_scoring,
 )
 
 
@@ -97,6 +99,8 @@ class CacheBlendSelector(Selector):
         )
         self.refine_layers = frozenset(self.schedule)
         self.moved_total = 0
+        self.uncached = 0  # computed rows that are not moved (all of them, at every layer)
+        self.active = 0  # moved rows computed so far
 
     def check_model(self, shape: DecoderShape) -> None:
         """Refuse check layers the model does not have."""
@@ -110,29 +114,29 @@ class CacheBlendSelector(Selector):
     def select(self, context: SelectionContext) -> Selection:
         """Compute every moved row up to the first check layer."""
         kinds = context.kinds.numpy()
-        self.moved_total = int((kinds == MOVED).sum())
+        self.moved_total = self.active = int((kinds == MOVED).sum())
+        self.uncached = int((kinds == COMPUTE).sum())
         return Selection(torch.from_numpy(np.flatnonzero((kinds == COMPUTE) | (kinds == MOVED))))
 
     def refine(
         self,
-        decoder: Decoder,
+        decoder: ModelAdapter,
         layer: int,
         hidden: torch.Tensor,
-        computed: torch.Tensor,
+        rows: RowSet,
         kinds: torch.Tensor,
         cached: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> Narrowing:
         """Keep the moved rows whose fresh K or V deviates most from the cached one."""
         # Only the compared projection runs over every computed row; the rows kept get their
         # queries, keys and values in the loop.
         use_keys = self.options["deviation"] == "key"
         fresh = decoder.project_kv(layer, hidden, keys=use_keys)
-        stored = (cached[0] if use_keys else cached[1]).index_select(1, computed)
-        computed_kinds = kinds[computed]
-        kept = top_scoring(
-            (fresh.float() - stored.float()).pow(2).sum(dim=(0, 2)),
-            (computed_kinds == MOVED).nonzero().squeeze(1),
-            round(self.schedule[layer] * self.moved_total),
-        )
-        uncached = (computed_kinds == COMPUTE).nonzero().squeeze(1)
-        return torch.cat([uncached, kept]).sort().values
+        stored = cached[0] if use_keys else cached[1]
+        deviation = (fresh.float() - stored.float()).pow(2).sum(dim=(0, 2))
+        moved = kinds.index_select(0, rows.positions) == MOVED
+        # the uncached rows rank first (infinite), then the moved rows by deviation
+        score = torch.where(moved, deviation, torch.full_like(deviation, float("inf")))
+        self.active = min(round(self.schedule[layer] * self.moved_total), self.active)
+        keep = torch.topk(score, self.uncached + self.active, sorted=False).indices.sort().values
+        return Narrowing(keep, RowSet(rows.positions.index_select(0, keep)))
