@@ -14,7 +14,8 @@ hang or a failure loses that step alone), writing every output into one folder (
    ``--model-shape llama-8b`` (``gpu_qwen.json``, ``gpu_llama8b.json``);
 3. ``decode``, ``decode-compiled``: ``benchmarks/decode.py --device cuda`` without and with
    ``KVBLEND_DECODE_COMPILE=1``; ``attention-chunks``, ``attention-flex``: full and the default
-   at 8K with the query chunks and with ``KVBLEND_ATTENTION=flex``;
+   at 8K with the query chunks and with ``KVBLEND_ATTENTION=flex``; ``prefill-compiled``: the
+   same with the compiled blend loop (``KVBLEND_COMPILE=1``, CUDA graphs);
 4. the summary (`gpu_suite_summary`): ``summary.md`` and ``summary.json``, also printed.
 
 A GPU machine lends commands of 10 minutes, about 30 minutes in all: ``--quick`` runs
@@ -60,10 +61,14 @@ CUDA_TESTS = (
     "tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_precompute_batch.py",
     "tests/test_store_transfer.py", "tests/test_selectors.py", "tests/test_prompt_kv.py",
     "tests/test_decode_cache.py", "tests/test_store_views.py", "tests/test_store.py",
+    "tests/test_compiled_loop.py",
 )  # fmt: skip
 #: The steps of ``--quick``, and the three commands of a full run (``--steps``).
 QUICK_STEPS = ("tests", "qwen", "llama-8b")
-PARTS = ("tests,qwen", "llama-8b", "decode,decode-compiled,attention-chunks,attention-flex")
+PARTS = (
+    "tests,qwen", "llama-8b",
+    "decode,decode-compiled,attention-chunks,attention-flex,prefill-compiled",
+)  # fmt: skip
 #: Seconds each step may take: every part of a full run, and ``--quick``, fits 570 s.
 LIMITS = {"tests": 240, "qwen": 300, "llama-8b": 540}
 QUICK_LIMITS = {"tests": 150, "qwen": 150, "llama-8b": 240}
@@ -72,7 +77,12 @@ SMOKE_TESTS = ("tests/test_store_transfer.py", "tests/test_store_views.py")
 #: How the status of a step that ran begins.
 RAN = ("ok", "failed", "timed out")
 #: Environment variables a step sets itself, never inherited.
-STEP_ENV = ("KVBLEND_DECODE_COMPILE", "KVBLEND_ATTENTION", "KVBLEND_DECODE_CACHE")
+STEP_ENV = (
+    "KVBLEND_DECODE_COMPILE",
+    "KVBLEND_ATTENTION",
+    "KVBLEND_DECODE_CACHE",
+    "KVBLEND_COMPILE",
+)
 
 
 @dataclass
@@ -187,12 +197,14 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
         Step("qwen", bench(out / "gpu_qwen.json", *qwen_run), limits["qwen"]),
         Step("llama-8b", bench(out / "gpu_llama8b.json", *eight_run), limits["llama-8b"]),
         Step("decode", [*decode, "--name", "decode"], 120, {"KVBLEND_DECODE_COMPILE": "0"}),
-        Step("decode-compiled", [*decode, "--name", "decode_compiled"], 180, compiled,
+        Step("decode-compiled", [*decode, "--name", "decode_compiled"], 150, compiled,
              cuda_only=True),
-        Step("attention-chunks", bench(out / "gpu_attention_chunks.json", *attention), 120,
+        Step("attention-chunks", bench(out / "gpu_attention_chunks.json", *attention), 90,
              {"KVBLEND_ATTENTION": "chunks"}),
-        Step("attention-flex", bench(out / "gpu_attention_flex.json", *attention), 140,
+        Step("attention-flex", bench(out / "gpu_attention_flex.json", *attention), 100,
              {"KVBLEND_ATTENTION": "flex"}),
+        Step("prefill-compiled", bench(out / "gpu_prefill_compiled.json", *attention), 110,
+             {"KVBLEND_COMPILE": "1"}),
     ]  # fmt: skip
 
 

@@ -280,7 +280,7 @@ def test_the_suite_plans_every_step_and_refuses_unknown_steps(
     smoke = suite.plan_steps(argparse.Namespace(device="cpu", **options), tmp_path)
     names = [step.name for step in smoke]
     assert names == ["tests", "qwen", "llama-8b", "decode", "decode-compiled",
-                     "attention-chunks", "attention-flex"]  # fmt: skip
+                     "attention-chunks", "attention-flex", "prefill-compiled"]  # fmt: skip
     options |= {"qwen": "q.gguf"}
     by_name = {s.name: s for s in suite.plan_steps(argparse.Namespace(device="cuda", **options),
                                                    tmp_path)}  # fmt: skip
@@ -290,6 +290,8 @@ def test_the_suite_plans_every_step_and_refuses_unknown_steps(
     assert "llama-8b" in by_name["llama-8b"].argv and suite.STRATEGIES in by_name["llama-8b"].argv
     assert by_name["attention-flex"].env == {"KVBLEND_ATTENTION": "flex"}
     assert by_name["decode-compiled"].env == {"KVBLEND_DECODE_COMPILE": "1"}
+    assert by_name["prefill-compiled"].env == {"KVBLEND_COMPILE": "1"}
+    assert "tests/test_compiled_loop.py" in by_name["tests"].argv
     # no Qwen file here: its runs and decode time random weights of its shape
     monkeypatch.setattr(suite, "qwen_model", lambda explicit: (None, "not there"))
     options |= {"qwen": None, "tokenizer": "tok"}
