@@ -316,8 +316,10 @@ def test_blocks_of_cancelled_blends_answer_as_vanilla_vllm(vllm_runs: dict[str, 
     for ours, theirs in zip(steps["after_abort"], vanilla, strict=True):
         assert _record(ours)["fallback"] == "kvblend off for this request"
         assert ours["token_ids"] == theirs["token_ids"], (ours["text"], theirs["text"])
-    # the blocks the cancelled blend wrote are vLLM's prefix-cache hit of the same prompt
-    assert steps["after_abort"][1]["num_cached_tokens"] >= 16 * 60
+    # the full blocks the cancelled blend wrote are vLLM's prefix-cache hit of the same prompt
+    # (the CPU backend's blocks hold 128 tokens)
+    reused = steps["after_abort"][1]
+    assert reused["num_cached_tokens"] >= _record(reused)["prompt_tokens"] - 128 > 0
 
 
 def test_preempted_requests_answer_as_vanilla_vllm(vllm_runs: dict[str, Any]) -> None:

@@ -542,3 +542,21 @@ def test_core_kvblend_does_not_import_vllm() -> None:
 
     code = "import sys, kvblend, kvblend.vllm.planning; assert 'vllm' not in sys.modules, 1"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "tensor, pipeline, said",
+    [(2, 1, "tensor_parallel_size=2 is not supported yet"), (1, 2, "pipeline_parallel_size=2")],
+)
+def test_parallel_vllm_is_refused_with_what_is_unsupported(
+    tensor: int, pipeline: int, said: str
+) -> None:
+    from kvblend.vllm.sides import WorkerHooks
+
+    parallel = SimpleNamespace(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline)
+    hooks = WorkerHooks(ConnectorSettings(), SimpleNamespace(parallel_config=parallel), None)
+    hooks.register({})
+    report = hooks.report()
+    assert report is not None and report.verdict is not None
+    passed, message = report.verdict
+    assert not passed and said in message and "could not start" in message
