@@ -36,10 +36,17 @@ def scheduler_side(settings: ConnectorSettings, vllm_config: Any) -> SchedulerSi
 def _unsupported(vllm_config: Any) -> str | None:
     """Why the worker side cannot blend with this vLLM configuration (None: it can)."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    tensor, pipeline = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if pipeline > 1:
         return (
-            "tensor and pipeline parallelism are not supported yet (each rank would blend its "
-            "own heads; the stored entries hold every head)"
+            f"pipeline_parallel_size={pipeline} is not supported: the blend loop runs every "
+            "layer in one process, a pipeline rank holds only some of them"
+        )
+    if tensor > 1:
+        return (
+            f"tensor_parallel_size={tensor} is not supported yet: stored entries hold every KV "
+            "head, not one rank's slice, and the selectors would score tokens from each rank's "
+            "own heads, so the ranks would recompute different rows"
         )
     return None
 
