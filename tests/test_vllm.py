@@ -191,7 +191,7 @@ def _vanilla_job(model: Path, prompts: dict[str, list[str]]) -> dict[str, Any]:
 def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer) -> dict[str, Any]:
     connector = {
         "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
-        "kv_role": "kv_both",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
     }  # fmt: skip
     steps = [
         _step("full", prompts["full"], kv_transfer_params=FULL),

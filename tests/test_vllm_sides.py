@@ -560,3 +560,12 @@ def test_parallel_vllm_is_refused_with_what_is_unsupported(
     assert report is not None and report.verdict is not None
     passed, message = report.verdict
     assert not passed and said in message and "could not start" in message
+
+
+def test_vllms_default_failure_policy_is_warned_about() -> None:
+    """vLLM fails a request whose claimed tokens were not written unless told to recompute."""
+    from kvblend.vllm.sides import failure_policy_warning
+
+    said = failure_policy_warning(SimpleNamespace(kv_load_failure_policy="fail"))
+    assert said is not None and "'fail'" in said and '"recompute"' in said
+    assert failure_policy_warning(SimpleNamespace(kv_load_failure_policy="recompute")) is None

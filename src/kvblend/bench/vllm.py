@@ -156,7 +156,8 @@ def run_vllm_bench(
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
     connector = {
         "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
-        "kv_role": "kv_both", "kv_connector_extra_config": {"system_prompt": SYSTEM},
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"system_prompt": SYSTEM},
     }  # fmt: skip
     length = engine.context_window
     servers = {

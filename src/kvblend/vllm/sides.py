@@ -30,7 +30,21 @@ def scheduler_side(settings: ConnectorSettings, vllm_config: Any) -> SchedulerSi
     decoder = ShapeOnly(shape, model_config.dtype)
     fingerprint = folder_fingerprint(model_config, tokenizer, model_config.dtype)
     library = open_library(settings, model_config, decoder, tokenizer, fingerprint)
+    if (warning := failure_policy_warning(vllm_config.kv_transfer_config)) is not None:
+        logger.warning(warning)
     return SchedulerSide(settings, library)
+
+
+def failure_policy_warning(kv_transfer_config: Any) -> str | None:
+    """Return the warning for a policy that fails requests whose claimed rows were not written."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy == "recompute":
+        return None
+    return (
+        f"kv_load_failure_policy is {policy!r}: a request whose blend fails even as full "
+        'prefill ends with an error; add "kv_load_failure_policy": "recompute" to '
+        "--kv-transfer-config so that vLLM computes those tokens itself"
+    )
 
 
 def _unsupported(vllm_config: Any) -> str | None:
