@@ -570,3 +570,54 @@ def test_a_whole_blend_syncs_at_most_once_on_cuda(
         settings = {"min_recompute": 0, "full_above": 1.0, "probe_layers": probe_layers}
     engine.prefill(prompt, BlendConfig(strategy, **settings))
     assert counted and counted[-1] <= most
+
+
+@pytest.mark.parametrize("strategy", ["attention", "cacheblend"])
+def test_selectors_choose_rows_by_the_adapters_reduced_scores(
+    monkeypatch: pytest.MonkeyPatch, strategy: str
+) -> None:
+    """Under tensor parallelism `reduce_scores` sums the ranks' scores: the rows follow the sum.
+
+    Here the "other ranks" add a ramp that outweighs any score, so the moved rows chosen are
+    the last ones, whatever the model's own scores; the hook runs once per selection.
+    """
+    from kvblend.engine.selectors import cacheblend
+
+    engine, prompt, lengths = _records_engine()
+    sums: list[int] = []
+
+    def with_other_ranks(scores: torch.Tensor) -> torch.Tensor:
+        sums.append(scores.numel())
+        return scores + 1e6 * torch.arange(scores.numel(), dtype=scores.dtype)
+
+    monkeypatch.setattr(engine.decoder, "reduce_scores", with_other_ranks)
+    kept: list[np.ndarray] = []
+    if strategy == "attention":
+        config = BlendConfig(recompute_ratio=0.25, lead_tokens=0, short_document=0,
+                             min_recompute=0, full_above=1.0)  # fmt: skip
+        real_select = selectors.attention.AttentionSelector.select
+
+        def select(self, context):
+            selection = real_select(self, context)
+            kept.append(selection.computed.positions.numpy())
+            return selection
+
+        monkeypatch.setattr(selectors.attention.AttentionSelector, "select", select)
+    else:
+        config = BlendConfig("cacheblend", recompute_ratio=0.25)
+        real_refine = cacheblend.CacheBlendSelector.refine
+
+        def refine(self, *args):
+            narrowing = real_refine(self, *args)
+            kept.append(narrowing.rows.positions.numpy())
+            return narrowing
+
+        monkeypatch.setattr(cacheblend.CacheBlendSelector, "refine", refine)
+    pre = engine.prefill(prompt, config)
+    moved = sum(lengths)
+    assert len(sums) == 1 and pre.stats.recomputed_tokens == round(0.25 * moved)
+    rows = kept[-1]
+    total = pre.stats.prompt_tokens
+    question = total - len(engine.tokenize("\nWho lives in Oslo?"))
+    chosen = rows[(rows >= len(engine.tokenize("Records:\n"))) & (rows < question)]
+    assert chosen.tolist() == list(range(question - round(0.25 * moved), question))

@@ -422,7 +422,10 @@ class _PagedLayer:
 def _worker(engine: BlendEngine) -> tuple[WorkerSide, list[_PagedLayer]]:
     shape = engine.decoder.shape
     layers = [_PagedLayer(shape.num_kv_heads, shape.head_dim, 64) for _ in range(shape.num_layers)]
-    engine.decoder.attention_layers = layers  # type: ignore[attr-defined]
+    decoder: Any = engine.decoder  # as `VLLMAdapter` without tensor parallelism
+    decoder.attention_layers, decoder.tp_size = layers, 1
+    decoder.kv_heads = slice(0, shape.num_kv_heads)
+    decoder.gather_ranks = lambda values: values.float().reshape(1, -1)
     return WorkerSide(engine.decoder, engine.library, BLOCK), layers  # type: ignore[arg-type]
 
 
@@ -544,22 +547,19 @@ def test_core_kvblend_does_not_import_vllm() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.parametrize(
-    "tensor, pipeline, said",
-    [(2, 1, "tensor_parallel_size=2 is not supported yet"), (1, 2, "pipeline_parallel_size=2")],
-)
-def test_parallel_vllm_is_refused_with_what_is_unsupported(
-    tensor: int, pipeline: int, said: str
-) -> None:
-    from kvblend.vllm.sides import WorkerHooks
+def test_pipeline_parallel_vllm_is_refused_with_what_is_unsupported() -> None:
+    from kvblend.vllm.sides import WorkerHooks, _unsupported
 
-    parallel = SimpleNamespace(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline)
+    parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)
     hooks = WorkerHooks(ConnectorSettings(), SimpleNamespace(parallel_config=parallel), None)
     hooks.register({})
     report = hooks.report()
     assert report is not None and report.verdict is not None
     passed, message = report.verdict
-    assert not passed and said in message and "could not start" in message
+    assert not passed and "pipeline_parallel_size=2" in message and "could not start" in message
+    # tensor parallelism is blended, each rank with its own heads (tests/test_vllm_ranks.py)
+    tensor = SimpleNamespace(tensor_parallel_size=3, pipeline_parallel_size=1)
+    assert _unsupported(SimpleNamespace(parallel_config=tensor)) is None
 
 
 def test_vllms_default_failure_policy_is_warned_about() -> None:

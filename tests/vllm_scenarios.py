@@ -2,7 +2,8 @@
 
 Run with the vLLM environment's interpreter (``.venv-vllm/bin/python tests/vllm_scenarios.py
 JOB.json RESULT.json``); `tests/test_vllm.py` writes the job and checks the result. The job:
-``{"model": folder, "max_model_len": n, "kv_transfer_config": {...} or null, "steps": [...]}``;
+``{"model": folder, "max_model_len": n, "kv_transfer_config": {...} or null,
+"tensor_parallel_size": n (optional), "steps": [...]}``;
 each step: ``{"name", "prompts": [...], "max_tokens", "kv_transfer_params": {...} or null,
 "one_at_a_time": bool, "reset_prefix_cache": bool, "kill_pid": pid or null, "abort": [...] or
 null, "preempt": bool}``. Every prompt's result: the generated text and token ids,
@@ -116,10 +117,14 @@ def main(job_path: str, result_path: str) -> None:
     with open(job_path, encoding="utf-8") as handle:
         job = json.load(handle)
     started = time.perf_counter()
+    parallel: dict[str, Any] = {}
+    if job.get("tensor_parallel_size", 1) > 1:  # ranks in processes of their own
+        parallel = {"tensor_parallel_size": job["tensor_parallel_size"],
+                    "distributed_executor_backend": "mp"}  # fmt: skip
     llm = LLM(
         model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
         enforce_eager=True, enable_prefix_caching=True, seed=0,
-        kv_transfer_config=job.get("kv_transfer_config"),
+        kv_transfer_config=job.get("kv_transfer_config"), **parallel,
     )  # fmt: skip
     results: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": {}}
     for step in job["steps"]:

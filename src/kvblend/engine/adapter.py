@@ -10,7 +10,8 @@ function of its inputs, so the loop may run a layer's steps compiled (``KVBLEND_
 
 Layouts, one prompt at a time: hidden states ``[rows, hidden]``; queries
 ``[heads, rows, head_dim]``; keys and values ``[kv_heads, rows, head_dim]`` (under tensor
-parallelism, the heads of this rank). Keys are always returned un-rotated; ``rotary`` gives the
+parallelism, the heads of this rank: `reduce_scores` makes selection scores the same on every
+rank). Keys are always returned un-rotated; ``rotary`` gives the
 model's own RoPE tables in transformers' convention (``x * cos + rotate_half(x) * sin``).
 """
 
@@ -68,6 +69,15 @@ class ModelAdapter(Protocol):
 
     def feed_forward(self, layer: int, hidden: torch.Tensor) -> torch.Tensor:
         """Apply the residual MLP half: ``hidden + mlp(post_attention_norm(hidden))``."""
+        ...
+
+    def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Return per-token selection scores ``[tokens]`` summed over every rank's heads.
+
+        A selector scores tokens from the heads it sees; under tensor parallelism those are one
+        rank's, so the scores are summed across the ranks (one all-reduce) and every rank
+        chooses the same rows. Without it, the scores as they are. Called once per selection.
+        """
         ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

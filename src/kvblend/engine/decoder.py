@@ -228,6 +228,10 @@ class Decoder:
         block = self.layers[layer]
         return hidden + block.mlp(norm(block.post_attention_layernorm, hidden))
 
+    def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Return selection scores summed over every rank's heads: one process, so ``scores``."""
+        return scores
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``[vocab]`` for the last row of ``hidden``."""
         last = norm(self.inner.norm, hidden[-1:])

@@ -5,7 +5,9 @@ Mistral, Qwen2 or Qwen3 model: the vocabulary-parallel embedding, the RMSNorms, 
 ``qkv_proj`` (split as vLLM's attention splits it), q/k norms, the rotary embedding's own
 ``cos_sin_cache``, ``o_proj`` and the MLP (row-parallel layers, so their all-reduce is vLLM's),
 and ``compute_logits``. Nothing is copied or re-implemented: weights, biases, RoPE scaling and
-quantized linear layers stay vLLM's. Under tensor parallelism the heads are this rank's.
+quantized linear layers stay vLLM's. Under tensor parallelism the heads are this rank's
+(``kv_heads``: which of a stored entry's), and selection scores are summed over the ranks
+(`reduce_scores`), so every rank blends the same rows with its own heads.
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ class VLLMAdapter:
         ]
         #: The vLLM attention layer of each decoder layer (its name keys the paged KV cache).
         self.attention_layers = [layer.self_attn.attn for layer in self._layers]
+        qkv = first.qkv_proj
+        #: This rank and the tensor-parallel size (1: no tensor parallelism).
+        self.tp_rank, self.tp_size = (
+            int(getattr(qkv, "tp_rank", 0)),
+            int(getattr(qkv, "tp_size", 1)),
+        )
+        #: The KV heads of this rank among the model's (a stored entry holds every one). As
+        #: vLLM's ``QKVParallelLinear`` shards them: ``num_kv_heads`` each, and when there are
+        #: fewer KV heads than ranks, each head replicated on ``num_kv_head_replicas`` ranks.
+        first_head = self.tp_rank // int(getattr(qkv, "num_kv_head_replicas", 1) or 1)
+        first_head *= self.shape.num_kv_heads
+        self.kv_heads = slice(first_head, first_head + self.shape.num_kv_heads)
 
     @property
     def device(self) -> torch.device:
@@ -147,6 +161,31 @@ class VLLMAdapter:
         """Return ``hidden + mlp(post_attention_layernorm(hidden))`` with vLLM's modules."""
         block = self._layers[layer]
         return hidden + block.mlp(_norm(block.post_attention_layernorm, hidden))
+
+    def reduce_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """Return selection scores summed over the tensor-parallel ranks (one all-reduce).
+
+        Each rank scores tokens from its own heads; the sum is every head's score, the same on
+        every rank, so every rank picks the same rows. Without tensor parallelism: ``scores``.
+        """
+        if self.tp_size == 1:
+            return scores
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(scores.contiguous())
+
+    def gather_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Return every rank's float32 ``values`` ``[n]`` as ``[tp_size, n]`` (on every rank).
+
+        One all-reduce (the collective the model's own layers use) of a zero tensor holding
+        this rank's values in its row.
+        """
+        values = values.float().reshape(-1)
+        if self.tp_size == 1:
+            return values[None]
+        rows = torch.zeros(self.tp_size, values.numel(), device=self.device)
+        rows[self.tp_rank] = values.to(self.device)
+        return self.reduce_scores(rows).cpu()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Return float32 next-token logits ``[vocab]`` of the last row (vLLM's processor)."""

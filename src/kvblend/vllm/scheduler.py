@@ -72,11 +72,21 @@ class KVBlendWorkerMeta:
     outcomes: list[BlendOutcome] = field(default_factory=list)
 
     def merge(self, other: KVBlendWorkerMeta) -> KVBlendWorkerMeta:
-        """Combine two workers' reports: a gate passes when it passed on every rank."""
+        """Combine two workers' reports: a gate passes when it passed on every rank.
+
+        Tensor-parallel ranks each report every blended request: one outcome per request is
+        kept, a failed one (or one that fell back) over one that did not.
+        """
         verdict = self.verdict or other.verdict
         if self.verdict and other.verdict and not other.verdict[0]:
             verdict = other.verdict
-        return KVBlendWorkerMeta(verdict, self.outcomes + other.outcomes)
+        outcomes: dict[str, BlendOutcome] = {}
+        for outcome in self.outcomes + other.outcomes:
+            kept = outcomes.get(outcome.request_id)
+            worse = (outcome.failed, outcome.error is not None, len(outcome.lost))
+            if kept is None or worse > (kept.failed, kept.error is not None, len(kept.lost)):
+                outcomes[outcome.request_id] = outcome
+        return KVBlendWorkerMeta(verdict, list(outcomes.values()))
 
 
 def _excluded(request: Any) -> str | None:

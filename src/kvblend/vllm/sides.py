@@ -3,8 +3,9 @@
 The scheduler side needs the tokenizer, the model's sizes and the store; the worker side also
 needs the model, which the plugin took from vLLM's loader (`plugin.loaded_model`), and the
 attention layers' caches, which vLLM registers after loading. A worker side that cannot be
-built (no model, an unsupported one, tensor or pipeline parallelism) reports a failed gate with
-its reason, so the scheduler side claims nothing and vLLM prefills every request itself.
+built (no model, an unsupported one, pipeline parallelism) reports a failed gate with its
+reason, so the scheduler side claims nothing and vLLM prefills every request itself. Under
+tensor parallelism each rank's worker side blends with its own heads (`VLLMAdapter`).
 """
 
 from __future__ import annotations
@@ -49,18 +50,11 @@ def failure_policy_warning(kv_transfer_config: Any) -> str | None:
 
 def _unsupported(vllm_config: Any) -> str | None:
     """Why the worker side cannot blend with this vLLM configuration (None: it can)."""
-    parallel = vllm_config.parallel_config
-    tensor, pipeline = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    pipeline = vllm_config.parallel_config.pipeline_parallel_size
     if pipeline > 1:
         return (
             f"pipeline_parallel_size={pipeline} is not supported: the blend loop runs every "
             "layer in one process, a pipeline rank holds only some of them"
-        )
-    if tensor > 1:
-        return (
-            f"tensor_parallel_size={tensor} is not supported yet: stored entries hold every KV "
-            "head, not one rank's slice, and the selectors would score tokens from each rank's "
-            "own heads, so the ranks would recompute different rows"
         )
     return None
 
@@ -116,7 +110,13 @@ class WorkerHooks:
         model_config = self.vllm_config.model_config
         tokenizer = open_tokenizer(model_config)
         fingerprint = folder_fingerprint(model_config, tokenizer, adapter.dtype)
-        library = open_library(self.settings, model_config, adapter, tokenizer, fingerprint)
+        # entries hold every KV head: under tensor parallelism they are checked against the
+        # whole model's shape, and each rank reads its own heads (`WorkerSide._open`)
+        decoder: Any = adapter
+        if adapter.tp_size > 1:
+            full = config_shape(model_config, self.vllm_config.parallel_config)
+            decoder = ShapeOnly(full, adapter.dtype)
+        library = open_library(self.settings, model_config, decoder, tokenizer, fingerprint)
         return WorkerSide(adapter, library, int(self.vllm_config.cache_config.block_size))
 
     def start(self, meta: KVBlendMetadata) -> None:

@@ -90,21 +90,35 @@ class WorkerSide:
         self.library = library
         self.block_size = block_size
         self.failed_blocks: set[int] = set()
+        self.fill_refused = False  # said once: documents are not stored under tensor parallelism
 
     def gate(self, reference_logits: Any) -> tuple[bool, str]:
-        """Run the parity gate; ``reference_logits(ids)`` is vLLM's own forward."""
+        """Run the parity gate; ``reference_logits(ids)`` is vLLM's own forward.
+
+        Under tensor parallelism every rank computes the logits (vLLM gathers them to every
+        rank on this platform) and the verdict is taken on the worst rank's error, so every
+        rank reaches the same one.
+        """
         ids = encode_prompt(self.library.segment_kv.tokenizer, PARITY_TEXT).ids.tolist()
+        failed = None
         try:
             error = parity_verdict(self.adapter, reference_logits(ids), ids)
         except Exception as failure:  # noqa: BLE001 - any failure closes the gate
-            return False, f"the parity gate could not run vLLM's forward: {failure}"
+            error, failed = float("inf"), failure
+        try:
+            worst = float(self.adapter.gather_ranks(torch.tensor([error])).max())
+        except Exception as failure:  # noqa: BLE001 - the ranks could not agree: closed
+            return False, f"the parity gate could not compare the ranks' verdicts: {failure}"
+        if failed is not None or worst == float("inf"):
+            why = failed if failed is not None else "it failed on another tensor-parallel rank"
+            return False, f"the parity gate could not run vLLM's forward: {why}"
         tolerance = parity_tolerance(self.adapter.dtype)
-        if not error <= tolerance:
+        if not worst <= tolerance:
             return False, (
                 f"kvblend's layer loop does not reproduce vLLM's forward pass (relative logit "
-                f"error {error:.3g} > {tolerance:g}): refusing to blend"
+                f"error {worst:.3g} > {tolerance:g}): refusing to blend"
             )
-        return True, f"parity gate passed (relative logit error {error:.3g})"
+        return True, f"parity gate passed (relative logit error {worst:.3g})"
 
     def run(self, job: BlendJob) -> BlendOutcome:
         """Blend one job and write its rows; never raises."""
@@ -159,35 +173,74 @@ class WorkerSide:
 
         Each entry is read whole here, before the loop (the store checks its checksum, shape,
         dtype and finite values as it reads), so a damaged or foreign entry makes its rows
-        computed in full, as vLLM would compute them, rather than recomputed mid-prompt.
+        computed in full, as vLLM would compute them, rather than recomputed mid-prompt. Under
+        tensor parallelism the ranks agree on which entries they use (an entry one rank could
+        not read is computed on every rank) and each rank reads its own KV heads.
         """
-        segment_kv, spans = self.library.segment_kv, []
-        for span in plan.spans:
-            key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
-            tokens = len(span.cached_ids)
-            try:
-                entry = segment_kv.open_entry(key, tokens, self.adapter.device)
-                if entry is None:
-                    outcome.lost.append(f"entry {key[:12]} not in the store")
-                else:
-                    entry = {KV_NAME: entry[KV_NAME]}  # read (and checked) now
-            except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
-                segment_kv.drop(key)
-                outcome.lost.append(f"entry {key[:12]} unusable ({error})")
+        segment_kv, adapter = self.library.segment_kv, self.adapter
+        opened = [self._entry(span, outcome) for span in plan.spans]
+        usable = torch.tensor([entry is not None for _, entry in opened], dtype=torch.float32)
+        agreed = adapter.gather_ranks(usable).min(dim=0).values if opened else usable
+        spans = []
+        for index, (span, (key, entry)) in enumerate(zip(plan.spans, opened, strict=True)):
+            if entry is not None and not agreed[index]:
+                outcome.lost.append(f"entry {key[:12]} unusable on another tensor-parallel rank")
                 entry = None
             if entry is None:
                 kinds[span.start : span.end] = int(TokenKind.COMPUTE)
                 continue
             rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            recompute = functools.partial(
-                segment_kv.compute, key, span.context_ids, span.cached_ids
-            )
-            stored = StoredRows(entry, rows, recompute, segment_kv.entry_shape(tokens))
+            dtype, shape = segment_kv.entry_shape(len(span.cached_ids))
+            entry = {KV_NAME: entry[KV_NAME][:, :, adapter.kv_heads]}  # this rank's heads
+            expected = (dtype, (*shape[:2], adapter.shape.num_kv_heads, *shape[3:]))
+            stored = StoredRows(entry, rows, self._recompute(span), expected)
             spans.append(CachedSpan(span.start, span.end, stored, span.kind))
         return spans
 
+    def _entry(self, span: Any, outcome: BlendOutcome) -> tuple[str, dict[str, Any] | None]:
+        """Read one span's entry whole (None: missing or unusable, said in ``outcome``)."""
+        segment_kv = self.library.segment_kv
+        key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
+        try:
+            entry = segment_kv.open_entry(key, len(span.cached_ids), self.adapter.device)
+            if entry is None:
+                outcome.lost.append(f"entry {key[:12]} not in the store")
+                return key, None
+            return key, {KV_NAME: entry[KV_NAME]}  # read (and checked) now
+        except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
+            segment_kv.drop(key)
+            outcome.lost.append(f"entry {key[:12]} unusable ({error})")
+            return key, None
+
+    def _recompute(self, span: Any) -> Any:
+        """Return what recomputes a span's entry should its (already read) tensor fail a check."""
+        segment_kv = self.library.segment_kv
+        key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
+        if self.adapter.tp_size > 1:
+
+            def refuse() -> Any:
+                raise RuntimeError("a tensor-parallel rank cannot recompute a whole entry")
+
+            return refuse
+        return functools.partial(segment_kv.compute, key, span.context_ids, span.cached_ids)
+
     def fill(self, documents: list[tuple[str, str]]) -> int:
-        """Compute and store the KV of documents found but not stored; return how many."""
+        """Compute and store the KV of documents found but not stored; return how many.
+
+        Not under tensor parallelism: a rank computes its own KV heads only, and an entry holds
+        every one (said once; such documents come from ``kvblend precompute``, or from a server
+        without tensor parallelism, over the same store).
+        """
+        if self.adapter.tp_size > 1:
+            if not self.fill_refused:
+                self.fill_refused = True
+                logger.warning(
+                    "kvblend: documents not stored yet are not stored by a tensor-parallel "
+                    "server (tensor_parallel_size=%d: each rank computes only its own KV heads); "
+                    "store them with `kvblend precompute`",
+                    self.adapter.tp_size,
+                )
+            return 0
         segment_kv, done = self.library.segment_kv, 0
         for text, context in dict.fromkeys(documents):
             try:

@@ -293,7 +293,8 @@ class AttentionSelector(Selector):
         start = context.run_pass(
             torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None
         )
-        self.scores = scores = observer.scores
+        # summed over every tensor-parallel rank's heads, so every rank picks the same rows
+        self.scores = scores = context.decoder.reduce_scores(observer.scores)
         # the chosen rows, best first, stay on the device: no read-back
         ranked = ranked_candidates(scores, candidates, budget.early)
         base = np.flatnonzero(computed)

@@ -133,7 +133,8 @@ class CacheBlendSelector(Selector):
         use_keys = self.options["deviation"] == "key"
         fresh = decoder.project_kv(layer, hidden, keys=use_keys)
         stored = cached[0] if use_keys else cached[1]
-        deviation = (fresh.float() - stored.float()).pow(2).sum(dim=(0, 2))
+        # summed over every tensor-parallel rank's heads, so every rank keeps the same rows
+        deviation = decoder.reduce_scores((fresh.float() - stored.float()).pow(2).sum(dim=(0, 2)))
         moved = kinds.index_select(0, rows.positions) == MOVED
         # the uncached rows rank first (infinite), then the moved rows by deviation
         score = torch.where(moved, deviation, torch.full_like(deviation, float("inf")))
