@@ -180,6 +180,18 @@ def test_ranks_agree_on_the_entries_they_use(setup: tuple[BlendEngine, list[str]
     assert outcomes[0].reused < full.reused
 
 
+def test_a_failed_blend_is_not_run_again_on_a_rank(setup: tuple[BlendEngine, list[str]]) -> None:
+    """A rank never runs a pass alone: its blocks are failed loads, which vLLM computes."""
+    engine, documents = setup
+    job = _job(engine, documents, BlendConfig(**TOY))
+    job.block_ids = job.block_ids[:1]  # too few blocks: the write fails after the loop
+    workers, _ = _ranks(engine)
+    outcomes = _on_ranks(lambda rank: workers[rank].run(job))
+    for worker, outcome in zip(workers, outcomes, strict=True):
+        assert outcome.failed and "not run again under tensor parallelism" in str(outcome.error)
+        assert worker.take_failed_blocks() == set(job.block_ids)
+
+
 def test_the_gate_verdict_is_the_same_on_every_rank(setup: tuple[BlendEngine, list[str]]) -> None:
     engine, _ = setup
     workers, _ = _ranks(engine)

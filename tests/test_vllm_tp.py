@@ -2,15 +2,16 @@
 
 The bundled SmolLM2 has 9 attention heads and 3 KV heads, so vLLM splits it over 3 ranks (not
 2): each rank's connector blends with its own 3 query heads and 1 KV head, reads its KV head of
-the stored entries, and the ranks choose the same rows from scores summed across them. Two
+the stored entries, and the ranks choose the same rows from scores summed across them. Three
 vLLM engines run here, in the vLLM environment (`tests/vllm_scenarios.py`), over a disk store
 this process fills as another kvblend process would:
 
-- with ``tensor_parallel_size=3``: vanilla vLLM's own prefill (requests with ``{"kvblend":
-  false}``, prefix cache reset), then ``full`` through the connector, then the default;
-- with one rank: the default.
+- vanilla vLLM (no connector) with ``tensor_parallel_size=3``;
+- the connector with ``tensor_parallel_size=3``: requests with kvblend off, then ``full``,
+  then the default (the prefix cache reset before each);
+- the connector with one rank: the default.
 
-``full`` must equal vLLM's own greedy tokens at 3 ranks; the default must reuse the stored
+``full`` must equal vanilla vLLM's greedy tokens at 3 ranks; the default must reuse the stored
 documents, with the same counts as one rank (the counts follow from the prompt alone) and the
 same answers (the scores are summed in another order across ranks, so the rows chosen could
 differ where two scores tie to rounding; the test says so if they do).
@@ -73,33 +74,41 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }  # fmt: skip
     env.pop("KVBLEND_REDIS_URL", None)
     three = [
-        _step("vanilla", full, kv_transfer_params=OFF),
+        _step("off", full, kv_transfer_params=OFF),
         _step("full", full, kv_transfer_params=FULL, reset_prefix_cache=True),
         _step("default", default, reset_prefix_cache=True),
     ]
-    one = [_step("default", default)]
+    vanilla = {**_job(model, [_step("full", full)], 3), "kv_transfer_config": None}
     return {
         "engine": engine, "prompts": default,
+        "vanilla": _run(vanilla, folder, env, "vanilla"),
         "three": _run(_job(model, three, 3), folder, env, "three"),
-        "one": _run(_job(model, one, 1), folder, env, "one"),
+        "one": _run(_job(model, [_step("default", default)], 1), folder, env, "one"),
     }  # fmt: skip
 
 
-def test_every_rank_passes_the_gate(tp_runs: dict[str, Any]) -> None:
+def test_every_rank_passes_the_gate_with_its_own_kv_head(tp_runs: dict[str, Any]) -> None:
     log = tp_runs["three"]["log"]
     assert "kvblend: parity gate passed" in log, log[-3000:]
     assert "not supported" not in log
+    for rank in range(3):
+        said = f"rank {rank} of 3 blends 3 query heads and KV heads [{rank}, {rank + 1}) of 3"
+        assert said in log
 
 
-def test_full_through_the_connector_equals_vllm_at_three_ranks(tp_runs: dict[str, Any]) -> None:
-    steps = tp_runs["three"]["steps"]
-    for ours, theirs in zip(steps["full"], steps["vanilla"], strict=True):
+def test_full_through_the_connector_equals_vanilla_vllm_at_three_ranks(
+    tp_runs: dict[str, Any],
+) -> None:
+    steps, vanilla = tp_runs["three"]["steps"], tp_runs["vanilla"]["steps"]["full"]
+    for ours, off, theirs in zip(steps["full"], steps["off"], vanilla, strict=True):
         record = _record(ours)
         assert record["strategy"] == "full" and record["fallback"] is None, record
         assert record["recomputed_tokens"] == 0 and ours["num_cached_tokens"] == 0
-        assert _record(theirs)["strategy"] == "vllm"
-        assert len(ours["token_ids"]) == MAX_TOKENS
+        assert len(theirs["token_ids"]) == MAX_TOKENS and theirs["text"].strip()
         assert ours["token_ids"] == theirs["token_ids"], (ours["text"], theirs["text"])
+        # kvblend off for a request: vLLM's own prefill, through the same engine
+        assert _record(off)["strategy"] == "vllm"
+        assert off["token_ids"] == theirs["token_ids"], (off["text"], theirs["text"])
 
 
 def test_the_default_reuses_stored_documents_as_one_rank_does(tp_runs: dict[str, Any]) -> None:

@@ -11,8 +11,8 @@ function of its inputs, so the loop may run a layer's steps compiled (``KVBLEND_
 Layouts, one prompt at a time: hidden states ``[rows, hidden]``; queries
 ``[heads, rows, head_dim]``; keys and values ``[kv_heads, rows, head_dim]`` (under tensor
 parallelism, the heads of this rank: `reduce_scores` makes selection scores the same on every
-rank). Keys are always returned un-rotated; ``rotary`` gives the
-model's own RoPE tables in transformers' convention (``x * cos + rotate_half(x) * sin``).
+rank). Keys are always returned un-rotated; ``rotary`` gives the model's own RoPE tables in
+transformers' convention (``x * cos + rotate_half(x) * sin``).
 """
 
 from __future__ import annotations

@@ -59,6 +59,23 @@ def _unsupported(vllm_config: Any) -> str | None:
     return None
 
 
+def _logits_on_every_rank() -> None:
+    """Refuse tensor parallelism where vLLM gathers the logits to the first rank only.
+
+    The parity gate compares logits on every rank (each runs the same collectives); a rank
+    without them would leave the others waiting.
+    """
+    from vllm.platforms import current_platform
+
+    from kvblend.engine.decoder import UnsupportedModelError
+
+    if not current_platform.use_all_gather():
+        raise UnsupportedModelError(
+            "tensor parallelism is not supported on this platform: vLLM gathers the logits "
+            "to the first rank only, and every rank's parity gate needs them"
+        )
+
+
 class WorkerHooks:
     """The worker side's state across vLLM's per-step hooks."""
 
@@ -114,8 +131,16 @@ class WorkerHooks:
         # whole model's shape, and each rank reads its own heads (`WorkerSide._open`)
         decoder: Any = adapter
         if adapter.tp_size > 1:
+            _logits_on_every_rank()
             full = config_shape(model_config, self.vllm_config.parallel_config)
             decoder = ShapeOnly(full, adapter.dtype)
+            heads = adapter.kv_heads
+            logger.info(
+                "kvblend: tensor-parallel rank %d of %d blends %d query heads and KV heads "
+                "[%d, %d) of %d",
+                adapter.tp_rank, adapter.tp_size, adapter.shape.num_heads, heads.start,
+                heads.stop, full.num_kv_heads,
+            )  # fmt: skip
         library = open_library(self.settings, model_config, decoder, tokenizer, fingerprint)
         return WorkerSide(adapter, library, int(self.vllm_config.cache_config.block_size))
 

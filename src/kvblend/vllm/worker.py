@@ -121,7 +121,12 @@ class WorkerSide:
         return True, f"parity gate passed (relative logit error {worst:.3g})"
 
     def run(self, job: BlendJob) -> BlendOutcome:
-        """Blend one job and write its rows; never raises."""
+        """Blend one job and write its rows; never raises.
+
+        A blend that fails runs again as ``full``; under tensor parallelism it does not (a
+        rank running a pass the others do not would mismatch their collectives): its blocks
+        are reported as failed loads at once, and vLLM computes them on every rank.
+        """
         outcome = BlendOutcome(job.request_id)
         started = time.perf_counter()
         try:
@@ -130,6 +135,8 @@ class WorkerSide:
             outcome.error = f"{type(error).__name__}: {error}"
             outcome.reused = outcome.recomputed = 0
             try:
+                if self.adapter.tp_size > 1:
+                    raise RuntimeError("not run again under tensor parallelism") from error
                 self._blend(job, BlendConfig("full"), outcome)
             except Exception as again:  # noqa: BLE001 - vLLM recomputes the claimed blocks
                 outcome.failed = True
@@ -232,7 +239,7 @@ class WorkerSide:
         without tensor parallelism, over the same store).
         """
         if self.adapter.tp_size > 1:
-            if not self.fill_refused:
+            if not self.fill_refused and self.adapter.tp_rank == 0:  # every rank would say it
                 self.fill_refused = True
                 logger.warning(
                     "kvblend: documents not stored yet are not stored by a tensor-parallel "
