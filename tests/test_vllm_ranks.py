@@ -229,3 +229,22 @@ def test_the_ranks_reports_keep_one_outcome_per_request() -> None:
     )
     assert sorted(o.request_id for o in merged.outcomes) == ["r", "s"]
     assert next(o for o in merged.outcomes if o.request_id == "r") is fell_back
+
+
+@pytest.mark.parametrize(
+    "kv, ranks, held",
+    [
+        (3, 3, [(0, 1), (1, 2), (2, 3)]),  # SmolLM2 at tensor_parallel_size=3
+        (8, 2, [(0, 4), (4, 8)]),
+        (3, 9, [(0, 1)] * 3 + [(1, 2)] * 3 + [(2, 3)] * 3),  # fewer KV heads than ranks
+        (2, 4, [(0, 1), (0, 1), (1, 2), (1, 2)]),
+    ],
+)
+def test_each_rank_reads_the_kv_heads_vllm_gives_it(
+    kv: int, ranks: int, held: list[tuple[int, int]]
+) -> None:
+    from kvblend.vllm.adapter import rank_kv_heads
+
+    local, replicas = max(kv // ranks, 1), max(ranks // kv, 1)  # as QKVParallelLinear
+    got = [rank_kv_heads(rank, local, replicas) for rank in range(ranks)]
+    assert [(heads.start, heads.stop) for heads in got] == held

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvblend.engine.decoder import SUPPORTED_FAMILIES, DecoderShape, UnsupportedModelError
 
-__all__ = ["VLLMAdapter"]
+__all__ = ["VLLMAdapter", "rank_kv_heads"]
 
 
 def _checked_layers(model: nn.Module) -> tuple[Any, list[Any]]:
@@ -48,6 +48,17 @@ def _checked_layers(model: nn.Module) -> tuple[Any, list[Any]]:
                 f"style; {type(model).__name__} has another"
             )
     return backbone, layers
+
+
+def rank_kv_heads(rank: int, kv_heads: int, replicas: int) -> slice:
+    """Which of the model's KV heads tensor-parallel rank ``rank`` holds, as vLLM shards them.
+
+    vLLM's ``QKVParallelLinear`` gives each rank ``kv_heads`` heads (its ``num_kv_heads``);
+    when the model has fewer KV heads than ranks, each head is replicated on ``replicas``
+    ranks (its ``num_kv_head_replicas``) and rank ``r`` holds head ``r // replicas``.
+    """
+    first = rank // replicas * kv_heads
+    return slice(first, first + kv_heads)
 
 
 def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
@@ -99,12 +110,9 @@ class VLLMAdapter:
             int(getattr(qkv, "tp_rank", 0)),
             int(getattr(qkv, "tp_size", 1)),
         )
-        #: The KV heads of this rank among the model's (a stored entry holds every one). As
-        #: vLLM's ``QKVParallelLinear`` shards them: ``num_kv_heads`` each, and when there are
-        #: fewer KV heads than ranks, each head replicated on ``num_kv_head_replicas`` ranks.
-        first_head = self.tp_rank // int(getattr(qkv, "num_kv_head_replicas", 1) or 1)
-        first_head *= self.shape.num_kv_heads
-        self.kv_heads = slice(first_head, first_head + self.shape.num_kv_heads)
+        #: The KV heads of this rank among the model's (a stored entry holds every one).
+        replicas = int(getattr(qkv, "num_kv_head_replicas", 1) or 1)
+        self.kv_heads = rank_kv_heads(self.tp_rank, self.shape.num_kv_heads, replicas)
 
     @property
     def device(self) -> torch.device:
