@@ -134,6 +134,7 @@ def test_summary_pairs_each_system_with_its_baseline_question_by_question() -> N
     ]
     records[3]["engine_default"]["fallback"] = "full_above: blend would cost 0.9 of full"
     records[2]["vllm_kvblend"]["prompt_tokens"] = 101
+    records[1]["vllm_kvblend"]["kvblend"] = None  # a stop string ended it: vLLM drops the report
     summary = summarize_nq(records, seed=3)
     systems = summary["systems"]
     assert systems["vllm"]["accuracy"] == 0.5 and systems["vllm_kvblend"]["accuracy"] == 0.25
@@ -154,7 +155,7 @@ def test_summary_pairs_each_system_with_its_baseline_question_by_question() -> N
     assert pairs[("vllm", "engine_full")]["difference"] == 0.0
     checks = summary["checks"]
     assert checks["same_prompt_tokens"] == 0.75
-    assert checks["connector_outcomes"] == {"blended": 4}
+    assert checks["connector_outcomes"] == {"blended": 3, "no report": 1}
     assert checks["engine_outcomes"] == {"blended": 3, "full_above": 1}
     table = vllm_nq_table({"summary": summary, "model": "/m/SmolLM2", "questions": 4,
                            "prompts": "p.jsonl", "max_new_tokens": 32})  # fmt: skip

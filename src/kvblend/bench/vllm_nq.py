@@ -178,16 +178,25 @@ def _recomputed(row: dict[str, Any]) -> float | None:
     return float(report["recomputed_tokens"]) if report else None
 
 
+def _outcome(row: dict[str, Any]) -> str:
+    """Return ``blended``, the fallback rule, or ``no report``.
+
+    vLLM drops the connector's report of a request a stop string ended: its frontend finds the
+    stop string and aborts the request before the engine core finishes it.
+    """
+    report = row["kvblend"]
+    if report is None:
+        return "no report"
+    return str(report.get("fallback") or "blended").split(":")[0]
+
+
 def _checks(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Whether vLLM read the engine's tokens, and why blends fell back, in each engine."""
     same_tokens = [
         record["vllm_kvblend"]["prompt_tokens"] == record["engine_full"]["prompt_tokens"]
         for record in records
     ]
-    connector = Counter(
-        ((record["vllm_kvblend"]["kvblend"] or {}).get("fallback") or "blended").split(":")[0]
-        for record in records
-    )
+    connector = Counter(_outcome(record["vllm_kvblend"]) for record in records)
     engine = Counter(
         (record["engine_default"]["fallback"] or "blended").split(":")[0] for record in records
     )
