@@ -13,6 +13,7 @@ import pytest
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.engine.registry import DocumentRegistry, Match
+from kvblend.engine.registry_records import DOCUMENT, HEAD_CHARS, anchor_hash, text_digest
 from kvblend.store import DiskKVStore, MemoryKVStore, default_store
 
 A = "Marta Quill is a beekeeper who lives in Lisbon."
@@ -51,7 +52,7 @@ def test_least_recently_matched_documents_are_dropped_past_capacity() -> None:
 def test_finds_follow_documents_added_and_dropped_between_searches() -> None:
     import random
 
-    from kvblend.engine.registry import _non_overlapping
+    from kvblend.engine.anchors import non_overlapping
 
     rng = random.Random(7)
     words = ["hive", "violin", "Lisbon", "river", "lamp", "quill", "harbour", "saffron"]
@@ -63,7 +64,7 @@ def test_finds_follow_documents_added_and_dropped_between_searches() -> None:
             registry.add(rng.sample(texts, rng.randint(1, 4)))  # past capacity: some dropped
         prompt = " | ".join(rng.sample(texts, 8))
         known = [text for text in set(texts) if text in registry]
-        expected = _non_overlapping(
+        expected = non_overlapping(
             [
                 (start, start + len(text), b"")
                 for text in known
@@ -71,8 +72,8 @@ def test_finds_follow_documents_added_and_dropped_between_searches() -> None:
                 if prompt.startswith(text, start)
             ]
         )
-        assert registry.find(prompt) == expected, step
-        assert registry.find(prompt) == expected, step
+        assert [(m.start, m.end) for m in registry.find(prompt)] == expected, step
+        assert [(m.start, m.end) for m in registry.find(prompt)] == expected, step
 
 
 def test_a_document_added_is_found_though_the_newest_document_is_unchanged() -> None:
@@ -90,11 +91,11 @@ def test_a_near_miss_is_the_first_known_start_outside_the_matches() -> None:
     registry = DocumentRegistry(MemoryKVStore(), "documents-test")
     assert registry.anchor_in(f"x {A}") is None
     registry.add([A, B])
-    prompt = f"{A[:30]} and {B} and {A[:20]}"
+    prompt = f"{A[:40]} and {B} and {A[:34]}"
     matches = [(m.start, m.end) for m in registry.find(prompt)]
     assert registry.anchor_in(prompt, matches) == (0, len(A))
     assert registry.anchor_in(prompt[30:], [(m - 30, n - 30) for m, n in matches]) == (
-        len(prompt) - 20 - 30,
+        len(prompt) - 34 - 30,
         len(A),
     )
 
@@ -351,3 +352,25 @@ def test_a_long_context_is_recorded_in_parts(tmp_path: Path) -> None:
     writer.add([A, B], context="")
     reader = DocumentRegistry(DiskKVStore(tmp_path), "documents-test")
     assert reader.contexts(A) == [long_head, ""] and reader.contexts(B) == [""]
+
+
+def test_a_question_naming_a_documents_first_words_is_no_near_miss() -> None:
+    """Only a prompt holding a known document's first `HEAD_CHARS` characters holds a copy."""
+    registry = DocumentRegistry(MemoryKVStore(), "documents-test")
+    registry.add([A, B])
+    question = "Marta Quill is a what, and where does she live?"
+    assert A[:16] in question and registry.anchor_in(question) is None
+    truncated = f"{B[:HEAD_CHARS]}\nQuestion: {question}"
+    assert registry.anchor_in(truncated) == (0, len(B))
+    # another process learns the heads from the log; one rebuilt from entries, from their metadata
+    other = DocumentRegistry(registry.store, "documents-test")
+    assert other.anchor_in(question) is None and other.anchor_in(truncated) == (0, len(B))
+
+
+def test_a_document_known_without_its_head_is_checked_by_its_anchor() -> None:
+    """Records written before heads existed: the anchor alone decides, as it did then."""
+    store = MemoryKVStore()
+    store.append_records("old", [DOCUMENT.pack(b"D", anchor_hash(A), len(A), text_digest(A),
+                                               text_digest(""))])  # fmt: skip
+    registry = DocumentRegistry(store, "old")
+    assert registry.anchor_in("Marta Quill is a what, and where does she live?") == (0, len(A))

@@ -63,8 +63,12 @@ def test_a_damaged_records_file_costs_one_rebuild(model, tmp_path: Path, damage:
     second = engine_over(model, DiskKVStore(tmp_path), system_prompt="Another head.")
     assert_reuses_both(second)
     assert second.documents.rebuilds == 1
+    # the heads came back too (entry metadata): a question naming A's first words is no near miss
+    assert second.documents.anchor_in(f"{A[:16]} what?") is None
+    assert second.documents.anchor_in(f"{A[:40]} what?") == (0, len(A))
     third = engine_over(model, DiskKVStore(tmp_path))
     assert third.is_known(A) and third.is_known(B) and third.documents.rebuilds == 0
+    assert third.documents.anchor_in(f"{A[:16]} what?") is None
 
 
 def test_a_log_replaced_under_a_running_engine_is_rebuilt(model, tmp_path: Path) -> None:

@@ -12,7 +12,10 @@ vLLM environment (``.venv-vllm``, `scripts/install_vllm.sh`), and runs every pro
   reports (``num_cached_tokens``, ``kv_transfer_params``) is the engine's own forecast;
 - a batch of 8 concurrent requests mixing stored, unknown and shared documents answers as the
   same requests one at a time;
-- a damaged entry, then a stopped Redis, give vanilla vLLM's answer.
+- a damaged entry, then a stopped Redis, give vanilla vLLM's answer;
+- requests cancelled while (or after) the connector blends them leave blocks that later
+  requests reuse with vanilla vLLM's answers, and requests preempted after their blend answer
+  as vanilla vLLM, their record kept and their preemption counted.
 """
 
 from __future__ import annotations
@@ -119,6 +122,10 @@ def _prompts(engine: Any) -> dict[str, list[str]]:
 #: The per-request settings of the batch: the toy documents are short, which the default
 #: recomputes whole; these settings blend them (as tests/conftest.py's TOY_BLEND_SETTINGS).
 BATCH_PARAMS = {"kvblend": {"short_document": 0, "min_recompute": 0, "full_above": 1.0}}
+FULL = {"kvblend": {"strategy": "full"}}
+#: Tokens generated in the preemption step: enough that every request is still running when
+#: the step preempts them (after each one's first token).
+PREEMPT_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +155,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
             **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "KVBLEND_STORE_DIR": str(folder / "vllm-disk"), "KVBLEND_REDIS_URL": server.url,
         }  # fmt: skip
-        env.pop("PYTHONPATH", None)  # the vLLM environment has kvblend installed (editable)
+        env["PYTHONPATH"] = str(ROOT / "src")  # these sources, in vLLM's spawned processes too
         vanilla = _run(_vanilla_job(model, prompts), folder, env, "vanilla")
         kvblend = _run(_kvblend_job(model, prompts, server), folder, env, "kvblend")
         yield {
@@ -176,16 +183,18 @@ def _step(name: str, prompts: list[str], **options: Any) -> dict[str, Any]:
 
 def _vanilla_job(model: Path, prompts: dict[str, list[str]]) -> dict[str, Any]:
     steps = [_step(name, prompts[name]) for name in ("full", "damaged", "redis_down")]
+    steps.append(_step("after_abort", prompts["default"]))
+    steps.append(_step("preempt", prompts["full"], max_tokens=PREEMPT_TOKENS))
     return {"model": str(model), "kv_transfer_config": None, "steps": steps}
 
 
 def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer) -> dict[str, Any]:
     connector = {
         "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
-        "kv_role": "kv_both",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
     }  # fmt: skip
     steps = [
-        _step("full", prompts["full"], kv_transfer_params={"kvblend": {"strategy": "full"}}),
+        _step("full", prompts["full"], kv_transfer_params=FULL),
         _step("default", prompts["default"]),
         _step("batch", prompts["batch"], kv_transfer_params=BATCH_PARAMS, reset_prefix_cache=True),
         _step(
@@ -196,6 +205,23 @@ def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer
             one_at_a_time=True,
         ),  # fmt: skip
         _step("damaged", prompts["damaged"]),
+        _step(
+            "abort",
+            prompts["default"],
+            kv_transfer_params=FULL,
+            reset_prefix_cache=True,
+            abort=["soon", "first_token"],
+            max_tokens=64,
+        ),  # fmt: skip
+        _step("after_abort", prompts["default"], kv_transfer_params={"kvblend": False}),
+        _step(
+            "preempt",
+            prompts["full"],
+            kv_transfer_params=FULL,
+            reset_prefix_cache=True,
+            preempt=True,
+            max_tokens=PREEMPT_TOKENS,
+        ),  # fmt: skip
         _step("redis_down", prompts["redis_down"], kill_pid=server.pid),
     ]
     return {"model": str(model), "kv_transfer_config": connector, "steps": steps}
@@ -279,6 +305,35 @@ def test_a_stopped_redis_gives_vanilla_vllms_answer(vllm_runs: dict[str, Any]) -
     assert record["fallback"] is not None and record["cached_tokens"] == 0, record
     assert ours["num_cached_tokens"] == 0
     assert ours["token_ids"] == theirs["token_ids"], (ours["text"], theirs["text"])
+
+
+def test_blocks_of_cancelled_blends_answer_as_vanilla_vllm(vllm_runs: dict[str, Any]) -> None:
+    """Cancelled while blending (``soon``) or after (``first_token``): their KV stays exact."""
+    steps = vllm_runs["kvblend"]["steps"]
+    soon, after_first = steps["abort"]
+    assert soon["aborted"] == "soon" and after_first["token_ids"], steps["abort"]
+    vanilla = vllm_runs["vanilla"]["steps"]["after_abort"]
+    for ours, theirs in zip(steps["after_abort"], vanilla, strict=True):
+        assert _record(ours)["fallback"] == "kvblend off for this request"
+        assert ours["token_ids"] == theirs["token_ids"], (ours["text"], theirs["text"])
+    # the full blocks the cancelled blend wrote are vLLM's prefix-cache hit of the same prompt
+    # (the CPU backend's blocks hold 128 tokens)
+    reused = steps["after_abort"][1]
+    assert reused["num_cached_tokens"] >= _record(reused)["prompt_tokens"] - 128 > 0
+
+
+def test_preempted_requests_answer_as_vanilla_vllm(vllm_runs: dict[str, Any]) -> None:
+    ours, theirs = (
+        vllm_runs["kvblend"]["steps"]["preempt"],
+        vllm_runs["vanilla"]["steps"]["preempt"],
+    )
+    records = [_record(result) for result in ours]
+    assert any(record.get("preemptions", 0) >= 1 for record in records), records
+    assert "a preempted request resumes" in vllm_runs["kvblend"]["log"]
+    for result, record, vanilla in zip(ours, records, theirs, strict=True):
+        assert record["strategy"] == "full" and record["fallback"] is None, record
+        assert result["num_cached_tokens"] == record["cached_tokens"] == 0
+        assert result["token_ids"] == vanilla["token_ids"], (result["text"], vanilla["text"])
 
 
 def test_the_connector_logs_its_gate_and_each_request(vllm_runs: dict[str, Any]) -> None:

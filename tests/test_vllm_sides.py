@@ -308,6 +308,79 @@ def test_a_request_resumed_after_preemption_is_not_claimed_again(
     assert side.matched(request, 0) == (0, False)
 
 
+def _scheduled(*request_ids: str) -> SimpleNamespace:
+    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=i) for i in request_ids])
+
+
+def test_a_request_cancelled_mid_blend_leaves_no_state(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """vLLM frees an aborted request between steps: its blend's outcome may come after."""
+    from kvblend.vllm.worker import BlendOutcome
+
+    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    request = _request("c1", ids)
+    claimed, _ = side.matched(request, 0)
+    side.allocated(request, _Blocks(list(range(1, 9))), claimed)
+    (job,) = side.metadata(_scheduled("c1")).jobs  # the worker blends it in this step
+    params = side.finished(request)  # aborted while the step runs
+    assert (
+        params is not None
+        and params["kvblend"]["cached_tokens"] == request.prefill_stats.num_cached_tokens
+    )
+    assert side.tracked() == {"c1"}  # only until the outcome arrives
+    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("c1", reused=3, blend_s=0.5)]))
+    assert side.tracked() == set()
+    assert side.take_counts()["requests"] == 1
+    assert side.metadata(_scheduled("c1")).jobs == []  # nothing is ever blended for it again
+
+
+@pytest.mark.parametrize("when", ["waiting for the gate", "planned", "allocated"])
+def test_a_request_cancelled_before_its_blend_leaves_no_state(
+    engine: BlendEngine, documents: list[str], when: str
+) -> None:
+    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY)), engine.library)
+    request = _request("c2", engine.encode(_prompt(engine, documents[::-1])))
+    if when != "waiting for the gate":
+        side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    claimed, _ = side.matched(request, 0)
+    if when == "allocated":
+        side.allocated(request, _Blocks(list(range(1, 9))), claimed or 0)
+    side.finished(request)
+    assert side.tracked() == set()
+    assert side.metadata(_scheduled("c2")).jobs == []
+
+
+def test_a_preempted_request_keeps_its_first_record_and_is_not_claimed_again(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    from kvblend.vllm.worker import BlendOutcome
+
+    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    request = _request("p1", ids)
+    claimed, _ = side.matched(request, 0)
+    side.allocated(request, _Blocks(list(range(1, 9))), claimed)
+    side.metadata(_scheduled("p1"))
+    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("p1", reused=7, blend_s=0.5)]))
+    cached = request.prefill_stats.num_cached_tokens
+    assert cached > 0
+    request.num_preemptions = 1  # vLLM freed its blocks; the request waits again
+    assert side.matched(request, 16) == (0, False)  # its prefix-cache hit: vLLM's own
+    side.allocated(request, _Blocks(list(range(20, 28))), 0)
+    assert side.metadata(_scheduled("p1")).jobs == []
+    assert request.prefill_stats.num_cached_tokens == cached  # what vLLM reported, unchanged
+    params = side.finished(request)
+    assert params is not None
+    record = params["kvblend"]
+    assert record["preemptions"] == 1 and record["fallback"] is None
+    assert record["cached_tokens"] == cached and record["strategy"] == "attention"
+    assert side.tracked() == set()
+    counts = side.take_counts()
+    assert counts["blended"] == 1 and counts["vllm"] == 0
+
+
 def test_a_failed_gate_claims_nothing(engine: BlendEngine, documents: list[str]) -> None:
     side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY)), engine.library)
     side.worker_output(KVBlendWorkerMeta(verdict=(False, "does not reproduce vLLM")))
@@ -403,6 +476,34 @@ def test_a_damaged_entry_is_computed_in_full(documents: list[str]) -> None:
     torch.testing.assert_close(key, cache.layers[-1].keys[0][:, position], atol=1e-5, rtol=1e-4)
 
 
+def test_blocks_of_a_cancelled_request_get_the_next_requests_own_kv(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """vLLM hands a freed request's blocks to another: every row written is the new one's."""
+    worker, layers = _worker(engine)
+    blocks = list(range(4, 60))[::-1]
+    first = engine.encode(_prompt(engine, documents[::-1]))
+    plan = plan_request(engine.library, first, 0, BlendConfig(**TOY)).plan
+    assert not worker.run(
+        BlendJob("gone", plan, BlendConfig(**TOY), 0, len(first) - 1, blocks)
+    ).failed
+    ids = engine.encode(_prompt(engine, documents[:2], "Which river?"))
+    plan = plan_request(engine.library, ids, 0, BlendConfig("full")).plan
+    assert not worker.run(
+        BlendJob("next", plan, BlendConfig("full"), 0, len(ids) - 1, blocks)
+    ).failed
+    cache = _reference_kv(engine, ids)
+    for layer, paged in enumerate(layers):
+        for position in range(len(ids) - 1):
+            key, value = paged.read(blocks[position // BLOCK] * BLOCK + position % BLOCK)
+            torch.testing.assert_close(
+                key, cache.layers[layer].keys[0][:, position], atol=1e-5, rtol=1e-4
+            )
+            torch.testing.assert_close(
+                value, cache.layers[layer].values[0][:, position], atol=1e-5, rtol=1e-4
+            )
+
+
 def test_a_blend_that_cannot_write_reports_its_blocks(
     engine: BlendEngine, documents: list[str]
 ) -> None:
@@ -441,3 +542,30 @@ def test_core_kvblend_does_not_import_vllm() -> None:
 
     code = "import sys, kvblend, kvblend.vllm.planning; assert 'vllm' not in sys.modules, 1"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    "tensor, pipeline, said",
+    [(2, 1, "tensor_parallel_size=2 is not supported yet"), (1, 2, "pipeline_parallel_size=2")],
+)
+def test_parallel_vllm_is_refused_with_what_is_unsupported(
+    tensor: int, pipeline: int, said: str
+) -> None:
+    from kvblend.vllm.sides import WorkerHooks
+
+    parallel = SimpleNamespace(tensor_parallel_size=tensor, pipeline_parallel_size=pipeline)
+    hooks = WorkerHooks(ConnectorSettings(), SimpleNamespace(parallel_config=parallel), None)
+    hooks.register({})
+    report = hooks.report()
+    assert report is not None and report.verdict is not None
+    passed, message = report.verdict
+    assert not passed and said in message and "could not start" in message
+
+
+def test_vllms_default_failure_policy_is_warned_about() -> None:
+    """vLLM fails a request whose claimed tokens were not written unless told to recompute."""
+    from kvblend.vllm.sides import failure_policy_warning
+
+    said = failure_policy_warning(SimpleNamespace(kv_load_failure_policy="fail"))
+    assert said is not None and "'fail'" in said and '"recompute"' in said
+    assert failure_policy_warning(SimpleNamespace(kv_load_failure_policy="recompute")) is None

@@ -194,7 +194,8 @@ def serving(
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
     connector = {
         "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
-        "kv_role": "kv_both", "kv_connector_extra_config": extra_config,
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra_config,
     }  # fmt: skip
     servers = {
         "vanilla": VLLMServer(str(folder), work / "vanilla.log", max_model_len=max_model_len,

@@ -85,3 +85,12 @@ def window_crc32(text: str, width: int) -> np.ndarray:
         group = np.flatnonzero(lengths == length)
         out[group] = _crc_at(raw, starts[group], length)
     return out
+
+
+def non_overlapping(found: list[tuple[int, int, bytes]]) -> list[tuple[int, int]]:
+    """Longest matches first, earlier first among equals; drop any that overlaps a kept one."""
+    kept: list[tuple[int, int]] = []
+    for start, end, _ in sorted(found, key=lambda item: (item[0] - item[1], item[0])):
+        if all(end <= other_start or start >= other_end for other_start, other_end in kept):
+            kept.append((start, end))
+    return sorted(kept)

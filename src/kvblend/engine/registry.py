@@ -30,17 +30,21 @@ from typing import Any
 
 import numpy as np
 
-from .anchors import window_crc32
+from .anchors import non_overlapping, window_crc32
 from .registry_records import (
     ANCHOR_CHARS,
     CONTEXT,
     DOCUMENT,
+    HEAD,
+    HEAD_CHARS,
     MIN_CHARS,
     REBUILT,
     anchor_hash,
     context_records,
     document_metadata,
+    head_hash,
     parse_document_metadata,
+    parse_head,
     text_digest,
 )
 
@@ -95,6 +99,7 @@ class DocumentRegistry:
         self._anchor_lengths: dict[int, int] = {}  # anchor length -> documents using it
         self._stored_behind: dict[bytes, list[bytes]] = {}  # digest -> context digests, newest last
         self._contexts: dict[bytes, str] = {}  # context digest -> context text
+        self._heads: dict[bytes, int] = {}  # digest -> hash of its first HEAD_CHARS characters
         # Search caches of `find`, both cleared by `_insert` and `_remove`: the known anchor
         # hashes per anchor length as sorted arrays (made once the anchors are unchanged since
         # the last search), and digest -> hash of a found document's last characters.
@@ -141,9 +146,10 @@ class DocumentRegistry:
                 if where in self._stored_behind.get(digest, ()):
                     self._documents.move_to_end(digest)
                     continue
-                anchor = anchor_hash(text)
+                anchor, self._heads[digest] = anchor_hash(text), head_hash(text)
                 self._insert(digest, anchor, len(text), where)
                 records.append(DOCUMENT.pack(b"D", anchor, len(text), digest, where))
+                records.append(HEAD.pack(b"H", digest, self._heads[digest]))
         if records and self._shared:
             self._share(records)
 
@@ -208,7 +214,8 @@ class DocumentRegistry:
             return 0
         self._rebuilt_at = time.monotonic()
         try:
-            described = [parse_document_metadata(item) for item in self._stored()]
+            items = list(self._stored())
+            described = [parse_document_metadata(item) for item in items]
         except Exception as error:  # noqa: BLE001 - the registry keeps what it knows
             logger.warning("could not rebuild the document registry from the store: %s", error)
             return 0
@@ -221,6 +228,10 @@ class DocumentRegistry:
             for digest, anchor, length, where, _ in found:
                 self._insert(digest, anchor, length, where)
                 records.append(DOCUMENT.pack(b"D", anchor, length, digest, where))
+            for item, parsed in zip(items, described, strict=True):
+                if parsed is not None and (head := parse_head(item)) is not None:
+                    self._heads[parsed[0]] = head
+                    records.append(HEAD.pack(b"H", parsed[0], head))
             self.rebuilds += 1
         logger.info("document registry rebuilt from the store: %d document(s)", len(found))
         if share and self._shared:
@@ -238,6 +249,9 @@ class DocumentRegistry:
             _, anchor, length, digest, where = DOCUMENT.unpack(record)
             if MIN_CHARS <= length < 1 << 31 and where not in self._stored_behind.get(digest, ()):
                 self._insert(digest, anchor, length, where)
+        elif record[:1] == b"H" and len(record) == HEAD.size:
+            _, digest, head = HEAD.unpack(record)
+            self._heads[digest] = head
         elif record[:1] == b"C" and len(record) >= CONTEXT.size:
             _, where, part, parts = CONTEXT.unpack_from(record)
             if where in self._contexts or not part < parts:
@@ -280,7 +294,7 @@ class DocumentRegistry:
             for _, _, digest in found:
                 self._documents.move_to_end(digest)  # recency only: the anchors are unchanged
             self._anchors_settled = True
-        return _non_overlapping(found)
+        return [Match(start, end) for start, end in non_overlapping(found)]
 
     def _search_arrays(self) -> dict[int, np.ndarray] | None:
         """Return the known anchor hashes per anchor length, sorted; None while documents change.
@@ -321,8 +335,10 @@ class DocumentRegistry:
         known document starts, outside the ``matched`` character spans (sorted, as `find`
         returns them), and the longest known document with that anchor; None when none does.
         A document found in ``matched`` (reused: a question quoting its first words is no
-        truncated copy) or whose whole text starts there (uncached, not truncated) is no
-        near miss.
+        truncated copy), whose whole text starts there (uncached, not truncated), or whose
+        first `HEAD_CHARS` characters do not (a question naming its first words) is no near
+        miss; a document known from records written before heads were is checked by its
+        anchor alone.
         """
         self.refresh()
         hashes = window_crc32(prompt, ANCHOR_CHARS)
@@ -335,13 +351,18 @@ class DocumentRegistry:
                     missed = [
                         length
                         for length, digests in (bucket or {}).items()
-                        if digests - reused
+                        if self._heads_at(prompt, start, length, digests - reused)
                         and text_digest(prompt[start : start + length]) not in digests
                     ]
                     if missed:
                         return start, max(missed)
                 cursor = match_end
         return None
+
+    def _heads_at(self, prompt: str, start: int, length: int, digests: set[bytes]) -> bool:
+        """Whether ``prompt`` holds, at ``start``, the head of one of ``digests`` (unknown: yes)."""
+        here = head_hash(prompt[start : start + min(length, HEAD_CHARS)])
+        return any(self._heads.get(digest, here) == here for digest in digests)
 
     def _insert(self, digest: bytes, anchor: int, length: int, context: bytes) -> None:
         behind = self._stored_behind.setdefault(digest, [])
@@ -363,6 +384,7 @@ class DocumentRegistry:
     def _remove(self, digest: bytes, anchor: int, length: int) -> None:
         self._stored_behind.pop(digest, None)
         self._tail_anchors.pop(digest, None)
+        self._heads.pop(digest, None)
         self._anchor_arrays, self._anchors_settled = None, False
         anchor_length = min(length, ANCHOR_CHARS)
         bucket = self._anchors.get((anchor, anchor_length), {})
@@ -375,12 +397,3 @@ class DocumentRegistry:
         self._anchor_lengths[anchor_length] -= 1
         if not self._anchor_lengths[anchor_length]:
             del self._anchor_lengths[anchor_length]
-
-
-def _non_overlapping(found: list[tuple[int, int, bytes]]) -> list[Match]:
-    """Longest matches first, earlier first among equals; drop any that overlaps a kept one."""
-    kept: list[tuple[int, int]] = []
-    for start, end, _ in sorted(found, key=lambda item: (item[0] - item[1], item[0])):
-        if all(end <= other_start or start >= other_end for other_start, other_end in kept):
-            kept.append((start, end))
-    return [Match(start, end) for start, end in sorted(kept)]

@@ -2,9 +2,10 @@
 
 A document record holds hashes, not text: a 32-bit hash of the document's first characters (its
 anchor, `ANCHOR_CHARS` of them), its length, a 128-bit hash of the whole text and one of its
-context. A context's text is recorded once, in context records (split in parts when long). A
-rebuild's mark says the log was rebuilt from the store's entries, which name their document in
-their metadata (`document_metadata`) so that a lost log can be rebuilt from them.
+context; a head record, a 32-bit hash of its first `HEAD_CHARS` characters (for near misses).
+A context's text is recorded once, in context records (split in parts when long). A rebuild's
+mark says the log was rebuilt from the store's entries, which name their document in their
+metadata (`document_metadata`) so that a lost log can be rebuilt from them.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from collections.abc import Mapping
 ANCHOR_CHARS = 16
 #: Documents shorter than this are not registered: too short to be worth a cache entry.
 MIN_CHARS = 8
+#: Characters of a document's head: a prompt holding a known document's anchor is said to hold
+#: a truncated copy of it only when it also holds this many of its first characters (so a
+#: question that names a document's first words is no near miss).
+HEAD_CHARS = 32
 
 DOCUMENT = struct.Struct("<cIQ16s16s")  # b"D", anchor hash, length, text digest, context digest
 CONTEXT = struct.Struct("<c16sHH")  # b"C", context digest, part, parts; then the part's bytes
 CONTEXT_PART_BYTES = 4000  # a record log takes records of at most 4096 bytes
 REBUILT = struct.Struct("<cQ")  # b"R", documents found: the log was rebuilt from the store
+HEAD = struct.Struct("<c16sI")  # b"H", text digest, hash of its first HEAD_CHARS characters
 
 
 def text_digest(text: str) -> bytes:
@@ -33,6 +39,11 @@ def text_digest(text: str) -> bytes:
 def anchor_hash(text: str) -> int:
     """Return the 32-bit hash of ``text``'s anchor: its first `ANCHOR_CHARS` characters."""
     return zlib.crc32(text[:ANCHOR_CHARS].encode("utf-8", "surrogatepass"))
+
+
+def head_hash(text: str) -> int:
+    """Return the 32-bit hash of ``text``'s first `HEAD_CHARS` characters."""
+    return zlib.crc32(text[:HEAD_CHARS].encode("utf-8", "surrogatepass"))
 
 
 def context_records(where: bytes, context: str) -> list[bytes]:
@@ -58,6 +69,7 @@ def document_metadata(text: str, context: str) -> dict[str, str]:
         "document.anchor": str(anchor_hash(text)),
         "document.chars": str(len(text)),
         "document.context": context,
+        "document.head": str(head_hash(text)),
     }
 
 
@@ -78,3 +90,12 @@ def parse_document_metadata(
     if len(digest) != 16 or not 0 <= anchor < 1 << 32 or not MIN_CHARS <= length < 1 << 31:
         return None
     return digest, anchor, length, text_digest(context), context
+
+
+def parse_head(metadata: Mapping[str, str]) -> int | None:
+    """Return the head hash `document_metadata` stored (None: an entry from before heads)."""
+    try:
+        head = int(metadata["document.head"])
+    except (KeyError, ValueError, TypeError):
+        return None
+    return head if 0 <= head < 1 << 32 else None

@@ -16,6 +16,15 @@ recomputed tokens and any fallback reason, comes back in ``kv_transfer_params["k
 Nothing is claimed before the worker's parity gate has passed (the scheduler asks again, step
 after step, for up to `GATE_WAIT_S` seconds), nor for a resumed preempted request, a request
 asking for prompt logprobs, LoRA or multimodal inputs: vLLM prefills those itself.
+
+Cancelled and preempted requests: a job is built in the same ``schedule()`` call that allocated
+the request's blocks, and the worker writes it before that step's forward. vLLM aborts and
+preempts requests between steps only (or, with async scheduling or pipeline parallelism,
+defers freeing the blocks of a request whose step is in flight, since this connector is a KV
+consumer), so a blend never writes into blocks handed to another request. A cancelled request's
+state is dropped by ``request_finished`` (or, if its blend's outcome is still on its way, when
+it arrives). A preempted request keeps the record of its first prefill (what vLLM's usage
+reports), with ``preemptions`` counted; vLLM computes whatever its prefix cache no longer holds.
 """
 
 from __future__ import annotations
@@ -150,6 +159,8 @@ class SchedulerSide:
         plan = known[1]
         self._fill.extend(plan.missing)
         plan.missing = []
+        if self._resumed(request):
+            return
         if num_external <= 0 or plan.fallback is not None:
             self._record(request.request_id, plan)
             return
@@ -163,6 +174,20 @@ class SchedulerSide:
         if stats is not None and stats.num_prompt_tokens:
             self._stats[request.request_id] = stats
             _set_cached(stats, plan.reused)
+
+    def _resumed(self, request: Any) -> bool:
+        """Whether ``request`` resumes after a preemption (its first record is kept, counted)."""
+        preemptions = int(getattr(request, "num_preemptions", 0) or 0)
+        record = self._records.get(request.request_id)
+        if preemptions <= 0 or record is None:
+            return False
+        record["preemptions"] = preemptions
+        self._fallbacks.warn(
+            "preempted",
+            "kvblend: a preempted request resumes: vLLM computes what its prefix cache no "
+            "longer holds",
+        )
+        return True
 
     def _record(self, request_id: str, plan: RequestPlan) -> None:
         record = plan.summary()
@@ -254,6 +279,11 @@ class SchedulerSide:
             self._stats.pop(request.request_id, None)
             self._count(record)
         return {"kvblend": record}
+
+    def tracked(self) -> set[str]:
+        """Return the requests the scheduler side holds any state of (none once all finished)."""
+        held = set(self._plans) | set(self._jobs) | set(self._records) | set(self._stats)
+        return held | self._pending | set(self._done)
 
     def _count(self, record: dict[str, Any]) -> None:
         counts = self._counts

@@ -30,16 +30,37 @@ def scheduler_side(settings: ConnectorSettings, vllm_config: Any) -> SchedulerSi
     decoder = ShapeOnly(shape, model_config.dtype)
     fingerprint = folder_fingerprint(model_config, tokenizer, model_config.dtype)
     library = open_library(settings, model_config, decoder, tokenizer, fingerprint)
+    if (warning := failure_policy_warning(vllm_config.kv_transfer_config)) is not None:
+        logger.warning(warning)
     return SchedulerSide(settings, library)
+
+
+def failure_policy_warning(kv_transfer_config: Any) -> str | None:
+    """Return the warning for a policy that fails requests whose claimed rows were not written."""
+    policy = getattr(kv_transfer_config, "kv_load_failure_policy", "recompute")
+    if policy == "recompute":
+        return None
+    return (
+        f"kv_load_failure_policy is {policy!r}: a request whose blend fails even as full "
+        'prefill ends with an error; add "kv_load_failure_policy": "recompute" to '
+        "--kv-transfer-config so that vLLM computes those tokens itself"
+    )
 
 
 def _unsupported(vllm_config: Any) -> str | None:
     """Why the worker side cannot blend with this vLLM configuration (None: it can)."""
     parallel = vllm_config.parallel_config
-    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+    tensor, pipeline = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    if pipeline > 1:
         return (
-            "tensor and pipeline parallelism are not supported yet (each rank would blend its "
-            "own heads; the stored entries hold every head)"
+            f"pipeline_parallel_size={pipeline} is not supported: the blend loop runs every "
+            "layer in one process, a pipeline rank holds only some of them"
+        )
+    if tensor > 1:
+        return (
+            f"tensor_parallel_size={tensor} is not supported yet: stored entries hold every KV "
+            "head, not one rank's slice, and the selectors would score tokens from each rank's "
+            "own heads, so the ranks would recompute different rows"
         )
     return None
 
