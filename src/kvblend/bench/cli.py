@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from pathlib import Path
 
 from .commands import (
     HEAD_CHOICES,
+    RESULTS_DIR,
     cmd_doc_context,
     cmd_figures,
     cmd_gpu,
@@ -22,8 +22,6 @@ from .commands import (
     cmd_ttft,
     cmd_vllm,
 )
-
-RESULTS_DIR = Path("benchmarks") / "results"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="documents precomputed behind: the engine's defaults, not told "
                          "the prompts' head (auto), their head (head), both, or BOS")  # fmt: skip
     nq.add_argument("--output", default=str(RESULTS_DIR / "nq.json"))
+    nq.add_argument("--write-prompts", metavar="FILE",
+                    help="write the prompts to a JSONL file and run no strategy (the input of "
+                         "`kvblend bench vllm --nq FILE`)")  # fmt: skip
     nq.set_defaults(func=cmd_nq)
 
     shapes = sub.add_parser("shapes", help="every prompt shape in one report, head told or not")
@@ -195,7 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--rate-length", type=int, default=2048, help="prompt tokens of req/s runs")
     vllm.add_argument("--rate-tokens", type=int, default=16, help="tokens each request generates")
     vllm.add_argument("--work-dir", help="folder for the store, jobs and vLLM logs (default: tmp)")
-    vllm.add_argument("--output", default=str(RESULTS_DIR / "vllm.json"))
+    vllm.add_argument("--nq", metavar="PROMPTS",
+                      help="instead of timing: accuracy on the prompts of `kvblend bench "
+                           "nq --write-prompts PROMPTS`, vLLM vs the engine")  # fmt: skip
+    vllm.add_argument("--questions", type=int, default=0, help="--nq: the first N (0: all)")
+    vllm.add_argument("--max-new-tokens", type=int, default=32, help="--nq: answer tokens")
+    vllm.add_argument("--seed", type=int, default=0, help="--nq: seed of the bootstrap")
+    vllm.add_argument(
+        "--output", default=None, help="default: benchmarks/results/vllm.json (--nq: vllm_nq.json)"
+    )
     vllm.set_defaults(func=cmd_vllm)
     return parser
 

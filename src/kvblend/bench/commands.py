@@ -19,6 +19,9 @@ from typing import Any
 
 import torch
 
+#: Where results go by default.
+RESULTS_DIR = Path("benchmarks") / "results"
+
 
 def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
     """Load the benchmarked engine, configured as the docs tell users to.
@@ -245,6 +248,17 @@ def cmd_nq(args: argparse.Namespace) -> None:
     strategies = parse_strategies(args.strategies)
     engines = _heads_engines(args, nq_head)
     engine = next(iter(engines.values()))
+    if args.write_prompts:
+        written = run_nq(
+            engines, args.data, [], ks=[int(k) for k in args.k.split(",")],
+            questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
+            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            prompts_file=Path(args.write_prompts),
+        )  # fmt: skip
+        recall = ", ".join(f"{v:.0%}" for v in written["recall"].values())
+        print(f"wrote {written['prompts']} prompts to {args.write_prompts} (gold retrieved: "
+              f"{recall})")  # fmt: skip
+        return
     result = run_nq(
         engines, args.data, strategies, ks=[int(k) for k in args.k.split(",")],
         questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
@@ -332,9 +346,29 @@ def cmd_redis_ttft(args: argparse.Namespace) -> None:
     _write(result, Path(args.output), redis_table(result["summary"]))
 
 
+def _vllm_machine() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }  # fmt: skip
+
+
 def cmd_vllm(args: argparse.Namespace) -> None:
-    """TTFT and requests/s of vLLM with kvblend's connector against vanilla vLLM."""
+    """TTFT and requests/s of vLLM with kvblend's connector against vanilla vLLM (or ``--nq``)."""
     from .vllm import run_vllm_bench, vllm_table
+
+    if args.nq:
+        from .vllm_nq import run_vllm_nq, vllm_nq_table
+
+        output = Path(args.output or RESULTS_DIR / "vllm_nq.json")
+        result = run_vllm_nq(
+            args.model, Path(args.nq), questions=args.questions,
+            max_new_tokens=args.max_new_tokens, seed=args.seed,
+            work_dir=Path(args.work_dir) if args.work_dir else None, output=output,
+        )  # fmt: skip
+        result["machine"] = _vllm_machine()
+        _write(result, output, vllm_nq_table(result))
+        return
 
     lengths = [int(x) for x in args.lengths.split(",")]
     result = run_vllm_bench(
@@ -342,8 +376,5 @@ def cmd_vllm(args: argparse.Namespace) -> None:
         rate_length=args.rate_length, rate_tokens=args.rate_tokens,
         work_dir=Path(args.work_dir) if args.work_dir else None,
     )  # fmt: skip
-    result["machine"] = {
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }  # fmt: skip
-    _write(result, Path(args.output), vllm_table(result))
+    result["machine"] = _vllm_machine()
+    _write(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))

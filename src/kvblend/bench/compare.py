@@ -120,7 +120,8 @@ def evaluate_item(
             {**base, "head": head, "strategy": "full", "answer": full_answer,
              "correct": item.score(full_answer), "agrees": True, "kl": 0.0,
              "compute_fraction": 1.0, "recompute_fraction": 0.0, "documents_reused": 0,
-             "ttft_s": full_ttft, "ttft_ratio": 1.0}
+             "reused_tokens": full_pre.stats.reused_tokens, "recomputed_tokens": 0,
+             "fallback": None, "ttft_s": full_ttft, "ttft_ratio": 1.0}
         )  # fmt: skip
         for strat in strategies[1:]:
             pre, answer, ttft = _run(engine, strat.segments(item.segments), strat.config,
@@ -134,7 +135,9 @@ def evaluate_item(
                  "compute_fraction": pre.stats.compute_fraction,
                  "recompute_fraction": pre.stats.recompute_fraction,
                  "documents_reused": pre.stats.documents_reused,
-                 "ttft_s": ttft, "ttft_ratio": ttft / full_ttft}
+                 "reused_tokens": pre.stats.reused_tokens,
+                 "recomputed_tokens": pre.stats.recomputed_tokens,
+                 "fallback": pre.stats.fallback, "ttft_s": ttft, "ttft_ratio": ttft / full_ttft}
             )  # fmt: skip
     return rows
 

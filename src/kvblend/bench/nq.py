@@ -229,6 +229,64 @@ def nq_items(
     return items
 
 
+def write_prompts(items: Sequence[PromptItem], path: str | Path) -> int:
+    """Write prompt items to a JSONL file, one a line: what another process needs to ask them.
+
+    Each line holds ``qid``, ``answers``, ``segments`` (``text``, ``role``, ``cache``; their
+    concatenation is the prompt string) and ``meta``. Returns the number of lines written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for item in items:
+            segments = [{"text": s.text, "role": s.role, "cache": s.cache} for s in item.segments]
+            record = {"qid": item.qid, "answers": item.answers, "segments": segments,
+                      "meta": item.meta}  # fmt: skip
+            out.write(json.dumps(record) + "\n")
+    return len(items)
+
+
+def read_prompts(path: str | Path) -> list[PromptItem]:
+    """Read a `write_prompts` file back into prompt items scored by best-subspan exact match."""
+    items = []
+    with Path(path).open(encoding="utf-8") as lines:
+        for line in lines:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            answers = list(record["answers"])
+            items.append(
+                PromptItem(
+                    qid=record["qid"],
+                    segments=[Segment(**segment) for segment in record["segments"]],
+                    answers=answers,
+                    score=functools.partial(best_subspan_em, answers=answers),
+                    meta=dict(record.get("meta") or {}),
+                )
+            )
+    return items
+
+
+def nq_prompt_items(
+    engine: BlendEngine,
+    corpus: Sequence[Passage],
+    questions: Sequence[NQQuestion],
+    retriever: Retriever,
+    *,
+    ks: Sequence[int] = (10,),
+    seed: int = 0,
+    gold_at: str = "retrieved",
+) -> list[PromptItem]:
+    """`nq_items` at every k in turn, each item's ``meta["k"]`` saying which."""
+    items = []
+    for k in ks:
+        for item in nq_items(engine, corpus, questions, retriever, k=k, seed=seed,
+                             gold_at=gold_at):  # fmt: skip
+            item.meta["k"] = k
+            items.append(item)
+    return items
+
+
 def write_json(result: dict[str, Any], output: Path | None) -> None:
     """Write ``result`` to ``output`` atomically (a partial run leaves a readable file)."""
     if output is None:
@@ -254,8 +312,12 @@ def run_nq(
     output: Path | None = None,
     meta: dict[str, Any] | None = None,
     log: Any = None,
+    prompts_file: Path | None = None,
 ) -> dict[str, Any]:
-    """Every strategy on ``questions`` NQ questions (from ``offset``) at each k; JSON as it goes."""
+    """Every strategy on ``questions`` NQ questions (from ``offset``) at each k; JSON as it goes.
+
+    ``prompts_file``: write the prompts to that JSONL file (`write_prompts`) and run nothing.
+    """
     from .compare import run_items, summarize_rows
 
     corpus, all_questions = load_nq(data)
@@ -280,12 +342,16 @@ def run_nq(
         "summary": [],
         "rows": [],
     }
+    every = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at)
+    if prompts_file is not None:
+        result["prompts_file"], result["prompts"] = str(prompts_file), len(every)
+        write_prompts(every, prompts_file)
     done: list[dict[str, Any]] = []
     for k in ks:
-        items = nq_items(engine, corpus, chosen, retriever, k=k, seed=seed, gold_at=gold_at)
+        items = [item for item in every if item.meta["k"] == k]
         result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
-        for item in items:
-            item.meta["k"] = k
+        if prompts_file is not None:
+            continue
 
         def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
             result["rows"] = earlier + rows

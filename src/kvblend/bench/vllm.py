@@ -19,19 +19,20 @@ command with the Python of the environment vLLM is installed in (``.venv-vllm/bi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .ttft import QUESTION, SYSTEM, build_documents, length_label
 
-__all__ = ["run_vllm_bench", "vllm_table"]
+__all__ = ["run_vllm_bench", "serving", "vllm_table"]
 
 DEFAULT_LENGTHS = (2048, 4096, 7680)
 CONCURRENCY = (1, 4, 8)
@@ -135,49 +136,13 @@ def run_vllm_bench(
     work_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Run both servers over the same prompts; return every measurement and a summary."""
-    from ..engine import BlendEngine
-    from ..engine.loading import model_folder
-    from ..store import default_store
-    from .vllm_server import VLLMServer
-
-    def log(message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
-
-    folder = model_folder(model)
-    work = Path(work_dir or tempfile.mkdtemp(prefix="kvblend-bench-vllm-"))
-    work.mkdir(parents=True, exist_ok=True)
-    store_dir = work / "store"
-    engine = BlendEngine.from_pretrained(
-        str(folder), store=default_store(store_dir), system_prompt=SYSTEM
-    )
+    folder, work, engine = bench_engine(model, work_dir, SYSTEM)
     ttft, rate, documents = build_jobs(engine, lengths, repeats, doc_tokens, rate_length)
     engine.precompute(documents)
-    env = {"KVBLEND_STORE_DIR": str(store_dir), "TOKENIZERS_PARALLELISM": "false"}
-    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
-    connector = {
-        "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"system_prompt": SYSTEM},
-    }  # fmt: skip
-    length = engine.context_window
-    servers = {
-        "vanilla": VLLMServer(str(folder), work / "vanilla.log", max_model_len=length, env=env),
-        "kvblend": VLLMServer(
-            str(folder), work / "kvblend.log", max_model_len=length, env=env,
-            kv_transfer_config=connector,
-        ),
-    }  # fmt: skip
-    try:
-        for server in servers.values():
-            server.wait()
-        warmup = _prompt(engine, ["A short warm-up document."])
-        for server in servers.values():  # the connector claims nothing before its gate reports
-            _warm(server.url, warmup)
-        ttft_rows = time_ttft(servers, ttft, log)
-        rate_rows = time_rate(servers, rate, rate_tokens, log)
-    finally:
-        for server in servers.values():
-            server.stop()
+    warmup = _prompt(engine, ["A short warm-up document."])
+    with serving(folder, work, engine.context_window, warmup, {"system_prompt": SYSTEM}) as servers:
+        ttft_rows = time_ttft(servers, ttft, log_line)
+        rate_rows = time_rate(servers, rate, rate_tokens, log_line)
     vanilla = {"ttft": ttft_rows["vanilla"], "rate": rate_rows["vanilla"]}
     kvblend = {"ttft": ttft_rows["kvblend"], "rate": rate_rows["kvblend"]}
     return {
@@ -187,10 +152,68 @@ def run_vllm_bench(
     }  # fmt: skip
 
 
-def _warm(url: str, prompt: str) -> None:
-    from .vllm_server import complete
+def log_line(message: str) -> None:
+    """Print a progress line to stderr."""
+    print(message, file=sys.stderr, flush=True)
 
-    complete(url, prompt, 1)
+
+def bench_engine(
+    model: str | None, work_dir: Path | None, system_prompt: str
+) -> tuple[Path, Path, Any]:
+    """Return the model folder vLLM serves, the work folder, an engine over ``work / "store"``.
+
+    The engine (with ``system_prompt``) precomputes the documents the connector then reads, as
+    a separate ingestion job would.
+    """
+    from ..engine import BlendEngine
+    from ..engine.loading import model_folder
+    from ..store import default_store
+
+    folder = model_folder(model)
+    work = Path(work_dir or tempfile.mkdtemp(prefix="kvblend-bench-vllm-"))
+    work.mkdir(parents=True, exist_ok=True)
+    engine = BlendEngine.from_pretrained(
+        str(folder), store=default_store(work / "store"), system_prompt=system_prompt
+    )
+    return folder, work, engine
+
+
+@contextlib.contextmanager
+def serving(
+    folder: Path, work: Path, max_model_len: int, warmup: str, extra_config: dict[str, Any]
+) -> Iterator[dict[str, Any]]:
+    """Run vanilla vLLM and vLLM + `KVBlendConnector` (``extra_config``) over ``work / "store"``.
+
+    Yields the two started `VLLMServer` by name (``vanilla``, ``kvblend``), each already asked
+    ``warmup`` once (the connector claims nothing before its parity gate reports); stops both
+    on exit. Their logs are ``work / "vanilla.log"`` and ``work / "kvblend.log"``.
+    """
+    from .vllm_server import VLLMServer, complete
+
+    env = {"KVBLEND_STORE_DIR": str(work / "store"), "TOKENIZERS_PARALLELISM": "false"}
+    env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    connector = {
+        "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra_config,
+    }  # fmt: skip
+    servers = {
+        "vanilla": VLLMServer(str(folder), work / "vanilla.log", max_model_len=max_model_len,
+                              env=env),
+        "kvblend": VLLMServer(
+            str(folder), work / "kvblend.log", max_model_len=max_model_len, env=env,
+            kv_transfer_config=connector,
+        ),
+    }  # fmt: skip
+    try:
+        for server in servers.values():
+            server.wait()
+        for server in servers.values():
+            complete(server.url, warmup, 1)
+        yield servers
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any]:

