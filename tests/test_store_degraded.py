@@ -198,6 +198,8 @@ def test_an_engine_recomputes_a_redis_entry_replaced_mid_prompt(
     assert torch.allclose(kv, clean_kv[:, :, :, spans[0].source.rows], atol=1e-5, rtol=0)
     redis_tier = reader.store.stats().tiers["redis"]
     assert redis_tier.corrupt_dropped == 0 and redis_tier.misses == 1
+    summary = reader.store.stats()  # the tiered store's own count: a miss, not a hit
+    assert (summary.hits, summary.misses) == (0, 1)
     assert "corrupt" not in caplog.text
     expected = writer.prefill(prompt, BlendConfig("reuse")).logits
     got = reader.prefill(prompt, BlendConfig("reuse"))

@@ -281,20 +281,30 @@ def copy_then_keep(
     keep: Callable[[dict[str, torch.Tensor]], None],
     metadata: dict[str, str],
     on_close: Callable[[], None] | None,
+    on_replaced: Callable[[], None] | None = None,
 ) -> LazyTensors:
     """Return a lazy view of a slower tier's entry that hands out its tensors on `target`.
 
     Once every tensor has been read (as a prefill does), ``keep(tensors)`` receives the pristine
     tensors, to keep them in a faster tier without a second read. A tensor already on `target`
     is handed out as it is (read, never written: `KVStore.get`), so it may be the very tensor the
-    faster tier keeps.
+    faster tier keeps. ``on_replaced()`` is called, once, when the entry turns out to have been
+    replaced or evicted while it was read (`EntryReplacedError`, raised on as it is).
     """
     names = list(stored)
     collected: dict[str, torch.Tensor] = {}
     collected_lock = threading.Lock()
+    replaced = [on_replaced]
 
     def load(name: str) -> torch.Tensor | PendingCopy:
-        pristine = stored[name]
+        try:
+            pristine = stored[name]
+        except EntryReplacedError:
+            with collected_lock:
+                callback, replaced[0] = replaced[0], None
+            if callback is not None:
+                callback()
+            raise
         with collected_lock:
             collected[name] = pristine
             complete = len(collected) == len(names)

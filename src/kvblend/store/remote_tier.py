@@ -121,7 +121,14 @@ class RemoteTieredKVStore(TieredKVStore):
         def keep(tensors: dict[str, torch.Tensor]) -> None:
             self._promotions.submit(lambda: self._promote(key, tensors, metadata))
 
-        return copy_then_keep(stored, target, keep, metadata, getattr(stored, "close", None))
+        def replaced() -> None:  # counted as a hit by `get`: a miss after all
+            with self._remote_lock:
+                self._lookups[0] -= 1
+                self._lookups[1] += 1
+
+        return copy_then_keep(
+            stored, target, keep, metadata, getattr(stored, "close", None), replaced
+        )
 
     def _promote(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
