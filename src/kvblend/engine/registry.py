@@ -251,7 +251,8 @@ class DocumentRegistry:
                 self._insert(digest, anchor, length, where)
         elif record[:1] == b"H" and len(record) == HEAD.size:
             _, digest, head = HEAD.unpack(record)
-            self._heads[digest] = head
+            if digest in self._documents:  # written right after its document's record
+                self._heads[digest] = head
         elif record[:1] == b"C" and len(record) >= CONTEXT.size:
             _, where, part, parts = CONTEXT.unpack_from(record)
             if where in self._contexts or not part < parts:
