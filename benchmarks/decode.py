@@ -32,8 +32,8 @@ from kvblend import BlendConfig, BlendEngine
 from kvblend.bench.gpu import shape_tokenizer
 from kvblend.bench.random_models import MODEL_SHAPES, random_model
 from kvblend.bench.synthetic import synthetic_text
-from kvblend.engine.decode_cache import CACHE_ENV, COMPILE_ENV, KINDS
-from kvblend.engine.loading import resolve_device, resolve_dtype
+from kvblend.decoding.cache import CACHE_ENV, COMPILE_ENV, KINDS
+from kvblend.models.loading import resolve_device, resolve_dtype
 from kvblend.store import MemoryKVStore
 
 RESULTS = Path(__file__).parent / "results"

@@ -13,7 +13,7 @@ tree):
 
 `image_site` links exactly the image's packages (and their dependencies) of this environment
 into a folder: with ``python -S`` and that folder, the kit's and ``src`` on the path, a CPU test
-imports what the GPU run imports as the GPU machine would (`tests/test_gpu_kit.py`).
+imports what the GPU run imports as the GPU machine would (`tests/bench/test_gpu_kit.py`).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def save_tokenizer(folder: Path) -> list[str]:
     import torch
 
     sys.path.insert(0, str(ROOT / "src"))
-    from kvblend.engine.loading import load_model, resolve_model
+    from kvblend.models.loading import load_model, resolve_model
 
     tokenizer = load_model(resolve_model(None), torch.device("cpu"), torch.float32)[1]
     return list(tokenizer.save_pretrained(str(folder)))

@@ -58,11 +58,17 @@ QWEN_GGUF = "Qwen2.5-Coder-0.5B-Instruct.gguf"
 #: Test files with CUDA paths: the ``compute_device`` / ``device_engine`` fixtures of
 #: tests/conftest.py, or tests skipped without CUDA.
 CUDA_TESTS = (
-    "tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_precompute_batch.py",
-    "tests/test_store_transfer.py", "tests/test_selectors.py", "tests/test_prompt_kv.py",
-    "tests/test_decode_cache.py", "tests/test_store_views.py", "tests/test_store.py",
-    "tests/test_compiled_loop.py",
-)  # fmt: skip
+    "tests/engine/test_engine_exact.py",
+    "tests/blend/test_bf16.py",
+    "tests/documents/test_precompute_batch.py",
+    "tests/store/test_store_transfer.py",
+    "tests/blend/test_selectors.py",
+    "tests/blend/test_prompt_kv.py",
+    "tests/decoding/test_decode_cache.py",
+    "tests/store/test_store_views.py",
+    "tests/store/test_store.py",
+    "tests/blend/test_compiled_loop.py",
+)
 #: The steps of ``--quick``, and the three commands of a full run (``--steps``).
 QUICK_STEPS = ("tests", "qwen", "llama-8b")
 PARTS = (
@@ -73,7 +79,7 @@ PARTS = (
 LIMITS = {"tests": 240, "qwen": 300, "llama-8b": 540}
 QUICK_LIMITS = {"tests": 150, "qwen": 150, "llama-8b": 240}
 #: The CPU smoke run's test files: quick, their CUDA tests skip.
-SMOKE_TESTS = ("tests/test_store_transfer.py", "tests/test_store_views.py")
+SMOKE_TESTS = ("tests/store/test_store_transfer.py", "tests/store/test_store_views.py")
 #: How the status of a step that ran begins.
 RAN = ("ok", "failed", "timed out")
 #: Environment variables a step sets itself, never inherited.
@@ -149,7 +155,16 @@ def preflight(tokenizer: str | None) -> str | None:
 
 def bench(output: Path, *options: str) -> list[str]:
     """``kvblend bench gpu`` writing ``output``."""
-    return [sys.executable, "-m", "kvblend.cli", "bench", "gpu", *options, "--output", str(output)]
+    return [
+        sys.executable,
+        "-m",
+        "kvblend.cli.main",
+        "bench",
+        "gpu",
+        *options,
+        "--output",
+        str(output),
+    ]
 
 
 def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
@@ -320,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.save_tokenizer:
         import torch
 
-        from kvblend.engine.loading import load_model, resolve_model
+        from kvblend.models.loading import load_model, resolve_model
 
         tokenizer = load_model(resolve_model(None), torch.device("cpu"), torch.float32)[1]
         print("\n".join(tokenizer.save_pretrained(args.save_tokenizer)))

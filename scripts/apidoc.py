@@ -2,7 +2,7 @@
 
 Run ``python scripts/apidoc.py`` from the repository root to rewrite ``docs/api.md``, or
 ``python scripts/apidoc.py --check`` to exit with status 1 when the file is out of date
-(``tests/test_docs.py`` does the same). The public names are each module's ``__all__``; classes
+(``tests/docs/test_docs.py`` does the same). The public names are each module's ``__all__``; classes
 list their public methods and properties defined in kvblend, and pydantic models (the framework
 adapters) list their fields with the docstring written under each field.
 
@@ -39,7 +39,7 @@ HEADER = """\
 # API reference
 
 Generated from the docstrings by `python scripts/apidoc.py`; do not edit by hand.
-`tests/test_docs.py` fails when this file and the code disagree: run the command again after
+`tests/docs/test_docs.py` fails when this file and the code disagree: run the command again after
 changing a public signature or docstring.
 
 Guides and background: [index.md](index.md).

@@ -1,7 +1,7 @@
 """Execute every cookbook notebook on the bundled model and write its outputs back.
 
 ``python scripts/run_cookbook.py [NOTEBOOK ...]`` (default: all). The committed outputs are
-then what the code prints; ``tests/test_cookbook.py`` re-runs the notebooks and fails when a
+then what the code prints; ``tests/docs/test_cookbook.py`` re-runs the notebooks and fails when a
 cell tagged ``checked`` (a cell whose output holds no timing) prints anything else.
 """
 

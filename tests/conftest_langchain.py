@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvblend.engine.loading import bundled_model_path
+from kvblend.models.loading import bundled_model_path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -14,7 +14,7 @@ Matching picks the longest documents first, never lets two matches overlap, and 
 left to right. Only documents whose first characters occur in the prompt are searched for, so
 the cost grows with the prompt length plus the number of known documents, not their product.
 
-This module depends only on `kvblend.engine.segments`; it imports no framework.
+This module depends only on `kvblend.prompt.segments`; it imports no framework.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .engine.segments import Segment
+from kvblend.prompt.segments import Segment
 
 __all__ = ["DocumentMatch", "find_documents", "split_prompt"]
 

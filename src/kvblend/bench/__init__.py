@@ -4,6 +4,6 @@
 are thin wrappers over them); see docs/benchmarks.md. `main(argv)` is the entry point of both.
 """
 
-from .cli import main
+from kvblend.bench.cli import main
 
 __all__ = ["main"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from .commands import (
+from kvblend.bench.commands import (
     HEAD_CHOICES,
     RESULTS_DIR,
     cmd_doc_context,
@@ -26,7 +26,7 @@ from .commands import (
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
-    from ..cli_args import OneLineParser
+    from kvblend.cli.args import OneLineParser
 
     parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -90,21 +90,21 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--output", default=str(RESULTS_DIR / "precompute.json"))
     ingest.set_defaults(func=cmd_ingest)
 
-    from .gpu import add_gpu_arguments
+    from kvblend.bench.gpu import add_gpu_arguments
 
     gpu = sub.add_parser("gpu", help="TTFT, decode, peak memory and ingestion on a GPU in bf16")
     model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
 
-    from .planning import add_plan_arguments
+    from kvblend.bench.planning import add_plan_arguments
 
     plan = sub.add_parser("plan", help="tokenizing and matching a string prompt vs the tokenizer")
     model_options(plan)
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
-    from .ops import add_ops_arguments, cmd_ops
+    from kvblend.bench.ops import add_ops_arguments, cmd_ops
 
     ops = sub.add_parser("ops", help="aten ops per layer and host syncs of a prefill (CPU)")
     add_ops_arguments(ops)

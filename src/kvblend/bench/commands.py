@@ -32,9 +32,9 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
-    from ..cli_args import check_device
-    from ..engine import BlendEngine
-    from ..store import MemoryKVStore
+    from kvblend.cli.args import check_device
+    from kvblend.engine.engine import BlendEngine
+    from kvblend.store import MemoryKVStore
 
     check_device(args.device)  # one line for `--device gpu`, before the model loads
     transformers.utils.logging.set_verbosity_error()
@@ -75,9 +75,9 @@ def _write(result: dict[str, Any], path: Path, table: str) -> None:
 
 def cmd_ttft(args: argparse.Namespace) -> None:
     """Time every strategy at every prompt length."""
-    from .strategies import parse_strategies
-    from .ttft import SYSTEM, run_ttft
-    from .ttft_summary import ttft_table
+    from kvblend.bench.strategies import parse_strategies
+    from kvblend.bench.ttft import SYSTEM, run_ttft
+    from kvblend.bench.ttft_summary import ttft_table
 
     strategies = parse_strategies(args.strategies)
     engine = _engine(args, SYSTEM)
@@ -94,7 +94,7 @@ def cmd_ttft(args: argparse.Namespace) -> None:
 
 def default_name() -> str:
     """Return the default config in words, e.g. ``attention 0.4/0.15`` (early / later ratio)."""
-    from ..engine import BlendConfig
+    from kvblend.blend.config import BlendConfig
 
     config = BlendConfig()
     if config.strategy == "attention" and config.early_layers > 0:
@@ -106,9 +106,9 @@ def default_name() -> str:
 
 def cmd_figures(args: argparse.Namespace) -> None:
     """Print the figures: 8 x 512-token documents, cacheblend 0.15 and the default vs full."""
-    from .strategies import parse_strategies
-    from .ttft import SYSTEM, run_ttft
-    from .ttft_summary import ttft_table
+    from kvblend.bench.strategies import parse_strategies
+    from kvblend.bench.ttft import SYSTEM, run_ttft
+    from kvblend.bench.ttft_summary import ttft_table
 
     engine = _engine(args, SYSTEM)
     result = run_ttft(
@@ -148,11 +148,11 @@ def cmd_figures(args: argparse.Namespace) -> None:
 
 def cmd_quality(args: argparse.Namespace) -> None:
     """Accuracy and fidelity of every strategy on the generated QA task."""
-    from ..engine import BlendConfig
-    from .qa import SYSTEM_PROMPT, generate_qa
-    from .quality import quality_report, run_quality
-    from .stats import paired_table, strategy_stats
-    from .strategies import parse_strategies
+    from kvblend.bench.qa import SYSTEM_PROMPT, generate_qa
+    from kvblend.bench.quality import quality_report, run_quality
+    from kvblend.bench.stats import paired_table, strategy_stats
+    from kvblend.bench.strategies import parse_strategies
+    from kvblend.blend.config import BlendConfig
 
     items = generate_qa(args.questions, seed=args.seed)
     strategies = parse_strategies(args.strategies)
@@ -178,8 +178,8 @@ def cmd_quality(args: argparse.Namespace) -> None:
 
 def cmd_ingest(args: argparse.Namespace) -> None:
     """Documents/s of precompute, one by one vs batched."""
-    from .ingest import ingest_table, run_ingest
-    from .ttft import SYSTEM
+    from kvblend.bench.ingest import ingest_table, run_ingest
+    from kvblend.bench.ttft import SYSTEM
 
     engine = _engine(args, SYSTEM)
     result = run_ingest(
@@ -193,8 +193,8 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 def cmd_gpu(args: argparse.Namespace) -> None:
     """TTFT, decode speed, peak memory and ingestion on one device (a GPU, or a CPU smoke run)."""
-    from .gpu import gpu_table, run_gpu, shaped_engine
-    from .ttft import SYSTEM
+    from kvblend.bench.gpu import gpu_table, run_gpu, shaped_engine
+    from kvblend.bench.ttft import SYSTEM
 
     engine = shaped_engine(args) if args.model_shape else _engine(args, SYSTEM)
     result = run_gpu(engine, args)
@@ -204,8 +204,8 @@ def cmd_gpu(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Time tokenizing and matching a string prompt against the tokenizer alone."""
-    from ..engine.loading import load_model, resolve_model
-    from .planning import planning_line, run_planning, tokenizer_engine
+    from kvblend.bench.planning import planning_line, run_planning, tokenizer_engine
+    from kvblend.models.loading import load_model, resolve_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -225,15 +225,15 @@ def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
     ``auto``: the engine's defaults (not told the prompts' head); ``head``: told it; ``both``;
     ``bos``: documents behind BOS alone.
     """
-    from ..engine.engine import DEFAULT_SYSTEM_PROMPT
-    from .compare import engines_for
+    from kvblend.bench.compare import engines_for
+    from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
     base = _engine(args, DEFAULT_SYSTEM_PROMPT)
     return engines_for(base, HEAD_CHOICES[args.doc_prefix], head_text(base.tokenizer))
 
 
 def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
-    from ..engine import BlendConfig
+    from kvblend.blend.config import BlendConfig
 
     return {"machine": _machine(engine), "default_config": repr(BlendConfig()),
             "max_new_tokens": args.max_new_tokens}  # fmt: skip
@@ -241,9 +241,9 @@ def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 
 def cmd_nq(args: argparse.Namespace) -> None:
     """Every strategy on NQ-open questions over retrieved Wikipedia passages."""
-    from .compare import summary_table
-    from .nq import nq_head, run_nq
-    from .strategies import parse_strategies
+    from kvblend.bench.compare import summary_table
+    from kvblend.bench.nq import nq_head, run_nq
+    from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
     engines = _heads_engines(args, nq_head)
@@ -277,10 +277,10 @@ def cmd_nq(args: argparse.Namespace) -> None:
 
 def cmd_shapes(args: argparse.Namespace) -> None:
     """Every strategy on every prompt shape, engines told and not told the prompt head."""
-    from ..engine.engine import DEFAULT_SYSTEM_PROMPT
-    from .compare import summary_table
-    from .shapes import parse_shapes, run_shapes
-    from .strategies import parse_strategies
+    from kvblend.bench.compare import summary_table
+    from kvblend.bench.shapes import parse_shapes, run_shapes
+    from kvblend.bench.strategies import parse_strategies
+    from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
     shapes = parse_shapes(args.shapes)
     strategies = parse_strategies(args.strategies)
@@ -301,14 +301,14 @@ def cmd_shapes(args: argparse.Namespace) -> None:
 
 def cmd_report(args: argparse.Namespace) -> None:
     """Tables and plots from saved results."""
-    from .report import write_report
+    from kvblend.bench.report import write_report
 
     print(write_report(Path(args.ttft), Path(args.quality), Path(args.img_dir)))
 
 
 def cmd_registry(args: argparse.Namespace) -> None:
     """Search cost of the document registry at several registry sizes."""
-    from .registry import registry_table, run_registry
+    from kvblend.bench.registry import registry_table, run_registry
 
     counts = tuple(int(x) for x in args.counts.split(","))
     result = run_registry(counts, docs_in_prompt=args.docs_in_prompt, repeats=args.repeats)
@@ -319,8 +319,8 @@ def cmd_registry(args: argparse.Namespace) -> None:
 
 def cmd_doc_context(args: argparse.Namespace) -> None:
     """Blend settings with documents precomputed behind BOS, the prompt head or the chat head."""
-    from .doc_context import doc_context_items, doc_context_table, run_doc_context
-    from .qa import SYSTEM_PROMPT
+    from kvblend.bench.doc_context import doc_context_items, doc_context_table, run_doc_context
+    from kvblend.bench.qa import SYSTEM_PROMPT
 
     engine = _engine(args, SYSTEM_PROMPT)
     items = doc_context_items(args.questions, seed=args.seed)
@@ -333,8 +333,8 @@ def cmd_doc_context(args: argparse.Namespace) -> None:
 
 def cmd_redis_ttft(args: argparse.Namespace) -> None:
     """TTFT with documents from memory, a cold disk and Redis; four-process Redis throughput."""
-    from .redis_ttft import redis_server, redis_table, run_redis_ttft
-    from .ttft import SYSTEM
+    from kvblend.bench.redis_ttft import redis_server, redis_table, run_redis_ttft
+    from kvblend.bench.ttft import SYSTEM
 
     with redis_server(args.redis_url) as url:
         engine = _engine(args, SYSTEM)
@@ -355,10 +355,10 @@ def _vllm_machine() -> dict[str, Any]:
 
 def cmd_vllm(args: argparse.Namespace) -> None:
     """TTFT and requests/s of vLLM with kvblend's connector against vanilla vLLM (or ``--nq``)."""
-    from .vllm import run_vllm_bench, vllm_table
+    from kvblend.bench.vllm import run_vllm_bench, vllm_table
 
     if args.nq:
-        from .vllm_nq import run_vllm_nq, vllm_nq_table
+        from kvblend.bench.vllm_nq import run_vllm_nq, vllm_nq_table
 
         output = Path(args.output or RESULTS_DIR / "vllm_nq.json")
         result = run_vllm_nq(

@@ -16,10 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..engine import BlendConfig, BlendEngine, Segment
-from .quality import STOP, kl_divergence
-from .stats import strategy_stats
-from .strategies import Strategy
+from kvblend.bench.quality import STOP, kl_divergence
+from kvblend.bench.stats import strategy_stats
+from kvblend.bench.strategies import Strategy
+from kvblend.blend.config import BlendConfig
+from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.segments import Segment
 
 #: Engine heads: ``told`` precomputes documents behind the prompt's exact head; ``untold`` is an
 #: engine left at its defaults (its own system prompt's RAG head), as a plain setup has it.
@@ -215,7 +217,7 @@ def run_items(
 
 def summary_table(summary: Sequence[dict[str, Any]], keys: Sequence[str] = ("head",)) -> str:
     """Markdown table of `summarize_rows` output, one row per group and strategy."""
-    from .stats import format_ci
+    from kvblend.bench.stats import format_ci
 
     head = " | ".join(keys)
     lines = [

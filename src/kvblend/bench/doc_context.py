@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine import BlendConfig, BlendEngine
-from ..store import MemoryKVStore
-from .qa import QAItem, generate_qa, score
-from .quality import STOP, kl_divergence, prompt_segments
+from kvblend.bench.qa import QAItem, generate_qa, score
+from kvblend.bench.quality import STOP, kl_divergence, prompt_segments
+from kvblend.blend.config import BlendConfig
+from kvblend.engine.engine import BlendEngine
+from kvblend.store import MemoryKVStore
 
 #: The settings ``--configs`` chooses from, by name. ``cb<ratio>[L<check layer>]`` is CacheBlend
 #: value deviation at that ratio and check layer (1 when not named), ``cbk``: key deviation,

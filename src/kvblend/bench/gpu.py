@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from ..engine import BlendEngine
-from .ingest import ingest_table, run_ingest
-from .random_models import MODEL_SHAPES
-from .strategies import parse_strategies
-from .ttft import QUESTION, SYSTEM, build_documents, run_ttft
-from .ttft_summary import ttft_table
+from kvblend.bench.ingest import ingest_table, run_ingest
+from kvblend.bench.random_models import MODEL_SHAPES
+from kvblend.bench.strategies import parse_strategies
+from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, run_ttft
+from kvblend.bench.ttft_summary import ttft_table
+from kvblend.engine.engine import BlendEngine
 
 DEFAULT_LENGTHS = "4096,8192,16384,32000"
 DEFAULT_STRATEGIES = "full,default,cacheblend-value-0.15,reuse"
@@ -73,10 +73,10 @@ def shaped_engine(args: argparse.Namespace) -> BlendEngine:
 
     With ``--tokenizer FOLDER`` the tokenizer is read from that folder alone (no model loaded).
     """
-    from ..cli_args import check_device
-    from ..engine.loading import resolve_device, resolve_dtype
-    from ..store import MemoryKVStore
-    from .random_models import random_model
+    from kvblend.bench.random_models import random_model
+    from kvblend.cli.args import check_device
+    from kvblend.models.loading import resolve_device, resolve_dtype
+    from kvblend.store import MemoryKVStore
 
     check_device(args.device)
     device = resolve_device(args.device)
@@ -91,7 +91,7 @@ def shaped_engine(args: argparse.Namespace) -> BlendEngine:
 
 def shape_tokenizer(model: str | None, folder: str | None) -> Any:
     """Return the tokenizer of a random-weight run: ``folder``'s files, else ``model``'s."""
-    from ..engine.loading import load_model, resolve_model
+    from kvblend.models.loading import load_model, resolve_model
 
     if folder is None:
         return load_model(resolve_model(model), torch.device("cpu"), torch.float32)[1]

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..engine import BlendEngine
-from ..store import MemoryKVStore
-from .synthetic import synthetic_text
+from kvblend.bench.synthetic import synthetic_text
+from kvblend.engine.engine import BlendEngine
+from kvblend.store import MemoryKVStore
 
 DEFAULT_BATCH_TOKENS = (2048, 4096, 8192)
 

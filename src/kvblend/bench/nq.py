@@ -26,9 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from ..engine import BlendEngine, Segment
-from ..engine.templates import chat_head_tail
-from .compare import PromptItem
+from kvblend.bench.compare import PromptItem
+from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.segments import Segment
+from kvblend.prompt.templates import chat_head_tail
 
 INSTRUCTION = (
     "Write a high-quality answer for the given question using only the provided search results "
@@ -318,7 +319,7 @@ def run_nq(
 
     ``prompts_file``: write the prompts to that JSONL file (`write_prompts`) and run nothing.
     """
-    from .compare import run_items, summarize_rows
+    from kvblend.bench.compare import run_items, summarize_rows
 
     corpus, all_questions = load_nq(data)
     chosen = all_questions[offset : offset + questions]

@@ -7,7 +7,7 @@ waits for the device to finish. Both are properties of the code, not of the devi
 counted here on the CPU, where no GPU is needed: a `TorchDispatchMode` sees every op, and the
 ops that would synchronise on CUDA are named in `SYNC_OPS`.
 
-Counting covers the device work of a prefill, `kvblend.engine.blend.run_blend` (every pass of
+Counting covers the device work of a prefill, `kvblend.blend.loop.run_blend` (every pass of
 the strategy, stats included); the host-side planning before it builds its tensors from Python
 lists. Syncs are counted before the logits (the host waiting for the prefill's own work) and
 after them (the rows chosen on the device, read for the statistics once the work is queued).
@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..engine import BlendConfig, BlendEngine, Segment
-from ..engine import engine as engine_module
-from ..engine.config import parse_setting
+from kvblend.blend.config import BlendConfig, parse_setting
+from kvblend.engine import engine as engine_module
+from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.segments import Segment
 
 #: Ops whose result (or output size) is read on the host: each one is a sync on CUDA.
 SYNC_OPS = frozenset(
@@ -166,7 +167,7 @@ def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from ..store import MemoryKVStore
+    from kvblend.store import MemoryKVStore
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {"<pad>": 0, "</s>": 1, "<s>": 2} | {c: i + 3 for i, c in enumerate(alphabet)}

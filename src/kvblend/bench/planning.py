@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..engine import BlendEngine
-from ..engine.splice import splice_rules
-from .synthetic import synthetic_text
+from kvblend.bench.synthetic import synthetic_text
+from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.splice import splice_rules
 
 SYSTEM = "You are a helpful assistant. Answer using the documents."
 
@@ -34,7 +34,7 @@ def tokenizer_engine(tokenizer: Any) -> BlendEngine:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..store import MemoryKVStore
+    from kvblend.store import MemoryKVStore
 
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -67,7 +67,7 @@ def nq_prompt(engine: BlendEngine, path: str | Path, prompt_tokens: int) -> list
     The passages are the data file's first ones, labelled ``Document [i](Title: ...)``, under
     its first question (`kvblend.bench.nq.nq_segments`).
     """
-    from .nq import load_nq, nq_segments
+    from kvblend.bench.nq import load_nq, nq_segments
 
     corpus, questions = load_nq(path)
     chosen, tokens = [], 0

@@ -20,9 +20,10 @@ from typing import Any
 
 import torch
 
-from ..engine import BlendEngine, Segment
-from .qa import QUESTION_TYPES, SYSTEM_PROMPT, QAItem, score
-from .strategies import Strategy
+from kvblend.bench.qa import QUESTION_TYPES, SYSTEM_PROMPT, QAItem, score
+from kvblend.bench.strategies import Strategy
+from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.segments import Segment
 
 STOP = ("\n",)
 

@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from ..engine import BlendEngine
-from ..store import MemoryKVStore, RedisKVStore, RemoteTieredKVStore
-from .strategies import strategy
-from .ttft import QUESTION, SYSTEM, ColdDisk, build_documents, time_prefill
+from kvblend.bench.strategies import strategy
+from kvblend.bench.ttft import QUESTION, SYSTEM, ColdDisk, build_documents, time_prefill
+from kvblend.engine.engine import BlendEngine
+from kvblend.store import MemoryKVStore, RedisKVStore, RemoteTieredKVStore
 
 PROCESSES = 4
 

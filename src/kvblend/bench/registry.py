@@ -1,6 +1,6 @@
 """How finding documents in a prompt scales with the number of documents known.
 
-The document registry (`kvblend.engine.registry`) indexes documents by a hash of their first
+The document registry (`kvblend.documents.registry`) indexes documents by a hash of their first
 characters, so a search costs one hash lookup per prompt position whatever the number of known
 documents. This benchmark registers N synthetic documents (paragraph-sized, random words) in a
 registry over a store folder, then times:
@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import Any
 
-from ..engine.registry import DocumentRegistry
+from kvblend.documents.registry import DocumentRegistry
 
 __all__ = ["registry_table", "run_registry"]
 
@@ -44,7 +44,7 @@ def run_registry(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Time searches and loads at each registry size; return a JSON-able result."""
-    from ..store import DiskKVStore
+    from kvblend.store import DiskKVStore
 
     rng = random.Random(seed)
     rows = []

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .quality import quality_report, summarize
-from .ttft_summary import ttft_table
+from kvblend.bench.quality import quality_report, summarize
+from kvblend.bench.ttft_summary import ttft_table
 
 _CORRECTION_SUFFIX = re.compile(r"-c[0-9.]+$")
 

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..engine import BlendEngine
-from .compare import PromptItem, engines_for, run_items, summarize_rows
-from .nq import Retriever, load_nq, nq_items, write_json
-from .qa import SYSTEM_PROMPT, generate_qa, score
-from .quality import prompt_segments
-from .strategies import Strategy
+from kvblend.bench.compare import PromptItem, engines_for, run_items, summarize_rows
+from kvblend.bench.nq import Retriever, load_nq, nq_items, write_json
+from kvblend.bench.qa import SYSTEM_PROMPT, generate_qa, score
+from kvblend.bench.quality import prompt_segments
+from kvblend.bench.strategies import Strategy
+from kvblend.engine.engine import BlendEngine
 
 SHAPES = ("nq-5", "nq-10", "nq-20", "qa", "records", "long")
 #: Answer tokens per shape: the QA task's answers are a word or two after an answer prefix.

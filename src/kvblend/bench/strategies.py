@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine import BlendConfig, Segment
-from ..engine.config import parse_setting
+from kvblend.blend.config import BlendConfig, parse_setting
+from kvblend.prompt.segments import Segment
 
 CACHEBLEND_RATIOS = (0.05, 0.1, 0.15, 0.3)
 CACHEBLEND_METRICS = ("value", "key")

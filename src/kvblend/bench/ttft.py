@@ -27,11 +27,16 @@ from typing import Any
 
 import torch
 
-from ..engine import BlendConfig, BlendEngine, Segment
-from ..store import DiskKVStore, MemoryKVStore, TieredKVStore
-from .strategies import Strategy, strategy
-from .synthetic import synthetic_text
-from .ttft_summary import summarize_ttft, ttft_table  # the summary: importable from here too
+from kvblend.bench.strategies import Strategy, strategy
+from kvblend.bench.synthetic import synthetic_text
+from kvblend.bench.ttft_summary import (  # the summary: importable from here too
+    summarize_ttft,
+    ttft_table,
+)
+from kvblend.blend.config import BlendConfig
+from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.segments import Segment
+from kvblend.store import DiskKVStore, MemoryKVStore, TieredKVStore
 
 __all__ = [
     "DEFAULT_LENGTHS",

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .ttft import QUESTION, SYSTEM, build_documents, length_label
+from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, length_label
 
 __all__ = ["run_vllm_bench", "serving", "vllm_table"]
 
@@ -81,7 +81,7 @@ def time_ttft(
     servers: dict[str, Any], prompts: Sequence[dict[str, Any]], log: Any
 ) -> dict[str, list[dict[str, Any]]]:
     """Time each prompt on both servers, alternating which goes first."""
-    from .vllm_server import first_token
+    from kvblend.bench.vllm_server import first_token
 
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for number, item in enumerate(prompts):
@@ -104,7 +104,7 @@ def time_rate(
     """Requests/s of each batch of concurrent prompts on each server, alternating the order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .vllm_server import complete
+    from kvblend.bench.vllm_server import complete
 
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for number, batch in enumerate(batches):
@@ -165,9 +165,9 @@ def bench_engine(
     The engine (with ``system_prompt``) precomputes the documents the connector then reads, as
     a separate ingestion job would.
     """
-    from ..engine import BlendEngine
-    from ..engine.loading import model_folder
-    from ..store import default_store
+    from kvblend.engine.engine import BlendEngine
+    from kvblend.models.loading import model_folder
+    from kvblend.store import default_store
 
     folder = model_folder(model)
     work = Path(work_dir or tempfile.mkdtemp(prefix="kvblend-bench-vllm-"))
@@ -188,7 +188,7 @@ def serving(
     ``warmup`` once (the connector claims nothing before its parity gate reports); stops both
     on exit. Their logs are ``work / "vanilla.log"`` and ``work / "kvblend.log"``.
     """
-    from .vllm_server import VLLMServer, complete
+    from kvblend.bench.vllm_server import VLLMServer, complete
 
     env = {"KVBLEND_STORE_DIR": str(work / "store"), "TOKENIZERS_PARALLELISM": "false"}
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")

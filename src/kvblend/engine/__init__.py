@@ -1,23 +1,7 @@
-"""The blending engine: pure torch + transformers, no disk and no frameworks."""
+"""The engine: `BlendEngine`, the facade that wires prompts, documents, the blend and decoding.
 
-from .config import BlendConfig
-from .decoder import SUPPORTED_FAMILIES, UnsupportedModelError
-from .engine import BlendEngine, BlendStats, BlendUnavailableError, PrefillResult
-from .generation import GenerationResult
-from .loading import ModelNotFoundError
-from .results import BlendCancelledError
-from .segments import Segment
-
-__all__ = [
-    "SUPPORTED_FAMILIES",
-    "BlendCancelledError",
-    "BlendConfig",
-    "BlendEngine",
-    "BlendStats",
-    "BlendUnavailableError",
-    "GenerationResult",
-    "ModelNotFoundError",
-    "PrefillResult",
-    "Segment",
-    "UnsupportedModelError",
-]
+`kvblend.engine.engine.BlendEngine` builds an engine over one model and store and runs its
+prompts; `results` holds what a prefill returns, `explain` what it would do and why, `parity`
+the self-check against the model's own forward pass, `threads` torch's CPU thread count.
+The engine is pure torch + transformers: no disk and no frameworks (the store is passed in).
+"""

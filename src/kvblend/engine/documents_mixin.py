@@ -2,7 +2,7 @@
 
 ``segment_id``, ``precompute``, ``register``, ``is_known`` and ``segments_for`` are part of
 `BlendEngine`'s API; each checks its input and hands over to the engine's ``library``
-(`kvblend.engine.library`), which holds the documents' KV in the store and the registry that
+(`kvblend.documents.library`), which holds the documents' KV in the store and the registry that
 finds them in prompts. A mixin, as `GenerationMixin` puts ``generate`` on the engine: these
 methods use only the ``library`` `BlendEngine` builds.
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .library import DocumentLibrary
-from .precompute import DEFAULT_BATCH_TOKENS
-from .segments import PromptLike, Segment, check_segments
-from .validation import check_text
+from kvblend.documents.library import DocumentLibrary
+from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
+from kvblend.prompt.segments import PromptLike, Segment, check_segments
+from kvblend.validation import check_text
 
 
 class DocumentsMixin:
@@ -41,7 +41,7 @@ class DocumentsMixin:
         A text whose entry is in the store and reads back intact is skipped (``force``: always
         recomputed); an entry that cannot be read is dropped and recomputed. The others are
         computed in batches of documents of similar length, ``batch_tokens`` (documents x
-        longest document, in tokens) at most per forward pass (`kvblend.engine.precompute`).
+        longest document, in tokens) at most per forward pass (`kvblend.documents.precompute`).
         Every text becomes known to the document registry, so any process sharing the store
         finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
         more texts.

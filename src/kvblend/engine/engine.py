@@ -6,7 +6,7 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 
 This module builds the engine and runs its prompts: `plan`, `explain` and `prefill` (where the
 blend loop, `run_blend`, runs) and the parity self-check. The documents are a `DocumentLibrary`
-(`kvblend.engine.library`), and the engine's document methods (``precompute``, ``register``,
+(`kvblend.documents.library`), and the engine's document methods (``precompute``, ``register``,
 ``is_known``, ``segment_id``, ``segments_for``) are `DocumentsMixin`'s
 (`kvblend.engine.documents_mixin`); ``generate``, ``generate_batch`` and ``stream`` are
 `GenerationMixin`'s (`kvblend.engine.generation_mixin`).
@@ -22,17 +22,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import templates
-from .blend import BlendInput, CachedSpan, run_blend
-from .config import BlendConfig, check_config
-from .decode_cache import check_environment
-from .decoder import Decoder
-from .documents_mixin import DocumentsMixin
-from .explain import Explanation, FallbackLog, forecast_blend
-from .generation import GenerationResult
-from .generation_mixin import GenerationMixin
-from .library import DocumentLibrary
-from .loading import (
+from kvblend.blend.config import BlendConfig, check_config
+from kvblend.blend.loop import BlendInput, CachedSpan, run_blend
+from kvblend.decoding.cache import check_environment
+from kvblend.documents.library import DocumentLibrary
+from kvblend.documents.registry import DEFAULT_CAPACITY
+from kvblend.engine.documents_mixin import DocumentsMixin
+from kvblend.engine.explain import Explanation, FallbackLog, forecast_blend
+from kvblend.engine.generation_mixin import GenerationMixin
+from kvblend.engine.parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
+from kvblend.engine.results import BlendStats, PrefillResult, count_tokens
+from kvblend.engine.threads import use_threads
+from kvblend.models.decoder import Decoder
+from kvblend.models.loading import (
     display_name,
     load_model,
     model_fingerprint,
@@ -40,21 +42,12 @@ from .loading import (
     resolve_dtype,
     resolve_model,
 )
-from .parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
-from .prompt import PrefillPlan, cached_pieces, plan_prefill
-from .registry import DEFAULT_CAPACITY
-from .results import (
-    BlendCancelledError,
-    BlendStats,
-    BlendUnavailableError,
-    PrefillResult,
-    count_tokens,
-)
-from .segments import PromptLike, Segment
-from .splice import splice_rules
-from .threads import use_threads
-from .tokens import encode_in_background, encode_prompt, prompt_tokens
-from .validation import (
+from kvblend.prompt import templates
+from kvblend.prompt.plan import PrefillPlan, cached_pieces, plan_prefill
+from kvblend.prompt.segments import PromptLike, Segment
+from kvblend.prompt.splice import splice_rules
+from kvblend.prompt.tokens import encode_in_background, encode_prompt, prompt_tokens
+from kvblend.validation import (
     ContextWindow,
     check_cancel,
     check_prompt,
@@ -63,18 +56,9 @@ from .validation import (
 )
 
 if TYPE_CHECKING:
-    from ..store import KVStore
+    from kvblend.store import KVStore
 
-__all__ = [
-    "DEFAULT_SYSTEM_PROMPT",
-    "BlendCancelledError",
-    "BlendEngine",
-    "BlendStats",
-    "BlendUnavailableError",
-    "GenerationResult",
-    "PrefillResult",
-    "PromptLike",
-]
+__all__ = ["DEFAULT_SYSTEM_PROMPT", "BlendEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +69,7 @@ DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents."
 
 def _default_store() -> KVStore:
     """Build the store of an engine given none (the default wiring; the engine sees get/put)."""
-    from ..store import default_store
+    from kvblend.store import default_store
 
     return default_store()
 
@@ -163,7 +147,7 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         #: Computes, checks and opens the store entries of segment KV.
         self.segment_kv = self.library.segment_kv
         #: The documents this engine finds in prompt strings, shared with every engine over the
-        #: same store and model, whatever their document context (see `kvblend.engine.registry`).
+        #: same store and model, whatever their document context (see `kvblend.documents.registry`).
         self.documents = self.library.registry
 
     @classmethod
@@ -183,7 +167,7 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
 
         ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
         and fp32 on CPU. ``revision``, ``trust_remote_code`` and ``model_kwargs`` go to
-        transformers' ``from_pretrained`` (see `kvblend.engine.loading.LOADING_OPTIONS`). Other
+        transformers' ``from_pretrained`` (see `kvblend.models.loading.LOADING_OPTIONS`). Other
         keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
         """
         kwargs["threads"] = use_threads(kwargs.get("threads"))

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .config import BlendConfig
-from .prompt import PrefillPlan, SpanReport, TokenKind
-from .registry import DocumentRegistry
-from .results import BlendStats
-from .selectors.attention import attention_budget
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.selectors.attention import attention_budget
+from kvblend.documents.registry import DocumentRegistry
+from kvblend.engine.results import BlendStats
+from kvblend.prompt.plan import PrefillPlan, SpanReport, TokenKind
 
 __all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend", "near_miss"]
 

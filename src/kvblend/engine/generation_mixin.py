@@ -2,7 +2,7 @@
 
 Each prefills its prompt with the engine's blended ``prefill`` (or takes a `PrefillResult`
 already made), then decodes from the fused cache with transformers' ``generate``
-(`kvblend.engine.generation`, `kvblend.engine.batch_decode`). The decoding options are checked
+(`kvblend.decoding.generation`, `kvblend.decoding.batch`). The decoding options are checked
 before any model work. A mixin, as transformers' own ``GenerationMixin`` puts ``generate`` on
 its models: these methods are part of `BlendEngine`'s API and use only its ``model``,
 ``tokenizer``, ``context_window`` and ``prefill``.
@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .batch_decode import decode_batch
-from .config import BlendConfig, check_config
-from .decode_plan import DecodeOptions
-from .generation import GenerationResult, decode, decode_stream
-from .results import BlendCancelledError, PrefillResult
-from .segments import PromptLike, Segment
-from .validation import check_cancel, check_prompt
+from kvblend.blend.config import BlendConfig, check_config
+from kvblend.decoding.batch import decode_batch
+from kvblend.decoding.generation import GenerationResult, decode, decode_stream
+from kvblend.decoding.options import DecodeOptions
+from kvblend.engine.results import PrefillResult
+from kvblend.errors import BlendCancelledError
+from kvblend.prompt.segments import PromptLike, Segment
+from kvblend.validation import check_cancel, check_prompt
 
 
 class GenerationMixin:
@@ -75,7 +76,7 @@ class GenerationMixin:
     ) -> GenerationResult:
         """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
 
-        The decoding options are transformers' (see `kvblend.engine.decode_plan.DecodeOptions`):
+        The decoding options are transformers' (see `kvblend.decoding.options.DecodeOptions`):
         ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
         ``repetition_penalty`` go through transformers' own logits processors, for the first
         token (drawn from the blended logits) as for every later one. ``cancel``: once set,

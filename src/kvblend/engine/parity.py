@@ -13,10 +13,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .blend import COMPUTE, BlendInput, run_blend
-from .config import BlendConfig
-from .decoder import Decoder
-from .results import BlendUnavailableError
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.loop import COMPUTE, BlendInput, run_blend
+from kvblend.errors import BlendUnavailableError
+from kvblend.models.decoder import Decoder
 
 #: The text the self-check runs (any text would do; this one mixes words, digits and symbols).
 PARITY_TEXT = (

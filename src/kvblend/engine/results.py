@@ -10,20 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .blend_io import COMPUTE, MOVED, PREFIX
+from kvblend.blend.io import COMPUTE, MOVED, PREFIX
 
 if TYPE_CHECKING:
-    from .prompt import PrefillPlan
+    from kvblend.prompt.plan import PrefillPlan
 
-__all__ = ["BlendCancelledError", "BlendStats", "BlendUnavailableError", "PrefillResult"]
-
-
-class BlendUnavailableError(RuntimeError):
-    """The model failed kvblend's parity self-check, so blending would produce wrong text."""
-
-
-class BlendCancelledError(RuntimeError):
-    """A prefill was cancelled through its ``cancel`` event (checked between layers)."""
+__all__ = ["BlendStats", "PrefillResult", "count_tokens"]
 
 
 @dataclass

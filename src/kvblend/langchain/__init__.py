@@ -12,8 +12,8 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
         'kvblend.langchain needs langchain-core; install it with: pip install "kvblend[langchain]"'
     ) from error
 
-from .chat_models import ChatBlend
-from .llms import BlendLLM
-from .retrievers import SEGMENT_ID_KEY, BlendRetriever
+from kvblend.langchain.chat_models import ChatBlend
+from kvblend.langchain.llms import BlendLLM
+from kvblend.langchain.retrievers import SEGMENT_ID_KEY, BlendRetriever
 
 __all__ = ["SEGMENT_ID_KEY", "BlendLLM", "BlendRetriever", "ChatBlend"]

@@ -2,7 +2,7 @@
 
 The framework-neutral parts (the per-model engine cache, cutting a prompt into segments over the
 engine's known documents, running and streaming one prompt, the async glue) live in
-`kvblend._adapters` and are shared with the LlamaIndex adapter; this module adds the
+`kvblend.integrations.shared` and are shared with the LlamaIndex adapter; this module adds the
 LangChain settings and LangChain's usage format.
 """
 
@@ -15,21 +15,10 @@ from typing import Any
 from langchain_core.messages.ai import InputTokenDetails, OutputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from .._adapters import (
-    BlendRun,
-    adopt_engine,
-    gather_prompt,
-    iterate_in_thread,
-    lazy_engine,
-    model_name,
-    prompt_segments,
-    run_in_thread,
-    run_prompt,
-    run_prompts,
-    shared_engine,
-    stream_prompt,
-)
-from .._conventions import (
+from kvblend.blend.config import BlendConfig
+from kvblend.engine.engine import BlendEngine
+from kvblend.integrations.background import gather_prompt, iterate_in_thread, run_in_thread
+from kvblend.integrations.conventions import (
     FRAMEWORK_EXTRAS,
     GENERATION_OPTIONS,
     EngineHolder,
@@ -40,7 +29,15 @@ from .._conventions import (
     decode_options,
     load_engine,
 )
-from ..engine import BlendConfig, BlendEngine, Segment
+from kvblend.integrations.runs import BlendRun, run_prompt, run_prompts, stream_prompt
+from kvblend.integrations.shared import (
+    adopt_engine,
+    lazy_engine,
+    model_name,
+    prompt_segments,
+    shared_engine,
+)
+from kvblend.prompt.segments import Segment
 
 __all__ = [
     "BlendRun",

@@ -17,7 +17,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Chat
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
+from kvblend.langchain._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 

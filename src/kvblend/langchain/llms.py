@@ -10,7 +10,13 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from ._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage, run_in_thread
+from kvblend.langchain._shared import (
+    BlendRun,
+    BlendSettings,
+    iterate_in_thread,
+    langchain_usage,
+    run_in_thread,
+)
 
 
 class BlendLLM(BlendSettings, BaseLLM):

@@ -17,9 +17,9 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from .._adapters import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
-from .._conventions import EngineHolder
-from ..engine import BlendEngine
+from kvblend.engine.engine import BlendEngine
+from kvblend.integrations.conventions import EngineHolder
+from kvblend.integrations.shared import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 _EXECUTOR_LOCK = threading.Lock()

@@ -14,10 +14,10 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
         'pip install "kvblend[llamaindex]"'
     ) from error
 
-from .._adapters import SEGMENT_ID_KEY
-from .llms import BlendLLM
-from .postprocessor import BlendNodePostprocessor
-from .synthesizer import BlendSynthesizer, blend_query_engine
+from kvblend.integrations.shared import SEGMENT_ID_KEY
+from kvblend.llamaindex.llms import BlendLLM
+from kvblend.llamaindex.postprocessor import BlendNodePostprocessor
+from kvblend.llamaindex.synthesizer import BlendSynthesizer, blend_query_engine
 
 __all__ = [
     "SEGMENT_ID_KEY",

@@ -3,7 +3,7 @@
 The fields (the engine or model to load, the blend config, decoding options under LlamaIndex's
 and transformers' names, the prompt handling), their checks (unknown constructor arguments get
 one `TypeError` naming the closest field), the engine loaded lazily and shared per model spec
-(`kvblend._adapters`), and one call's decoding options merged over the fields and
+(`kvblend.integrations.shared`), and one call's decoding options merged over the fields and
 ``generate_kwargs``. `kvblend.llamaindex.llms.BlendLLM` adds LlamaIndex's calls on top, as
 `kvblend.langchain._shared.BlendSettings` does for the LangChain models.
 """
@@ -22,8 +22,9 @@ from llama_index.core.bridge.pydantic import (
 )
 from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
 
-from .._adapters import adopt_engine, lazy_engine, model_name
-from .._conventions import (
+from kvblend.blend.config import BlendConfig
+from kvblend.engine.engine import BlendEngine
+from kvblend.integrations.conventions import (
     FRAMEWORK_EXTRAS,
     GENERATION_OPTIONS,
     EngineHolder,
@@ -32,7 +33,7 @@ from .._conventions import (
     check_window_fits,
     decode_options,
 )
-from ..engine import BlendConfig, BlendEngine
+from kvblend.integrations.shared import adopt_engine, lazy_engine, model_name
 
 # Per-call keyword arguments accepted by complete()/chat() and their streaming variants.
 _CALL_OPTIONS = (*GENERATION_OPTIONS, "stop")

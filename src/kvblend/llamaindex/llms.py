@@ -31,17 +31,12 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
 
-from .._adapters import (
-    BlendRun,
-    gather_prompt,
-    iterate_in_thread,
-    prompt_segments,
-    run_prompt,
-    stream_prompt,
-)
-from .._conventions import check_context_window, load_engine
-from ..engine import BlendEngine
-from ._settings import BlendLLMSettings
+from kvblend.engine.engine import BlendEngine
+from kvblend.integrations.background import gather_prompt, iterate_in_thread
+from kvblend.integrations.conventions import check_context_window, load_engine
+from kvblend.integrations.runs import BlendRun, run_prompt, stream_prompt
+from kvblend.integrations.shared import prompt_segments
+from kvblend.llamaindex._settings import BlendLLMSettings
 
 _ROLES = {
     MessageRole.SYSTEM: "system",

@@ -8,9 +8,9 @@ from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, fie
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle
 
-from .._adapters import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
-from .._conventions import EngineHolder
-from ..engine import BlendEngine
+from kvblend.engine.engine import BlendEngine
+from kvblend.integrations.conventions import EngineHolder
+from kvblend.integrations.shared import SEGMENT_ID_KEY, adopt_engine, lazy_engine, precompute_texts
 
 
 class BlendNodePostprocessor(EngineHolder, BaseNodePostprocessor):

@@ -23,8 +23,8 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from .llms import BlendLLM
-from .postprocessor import BlendNodePostprocessor
+from kvblend.llamaindex.llms import BlendLLM
+from kvblend.llamaindex.postprocessor import BlendNodePostprocessor
 
 
 class BlendSynthesizer(BaseSynthesizer):

@@ -3,7 +3,7 @@
 An entry is a standard safetensors file (`safetensors.torch.save`), so any safetensors reader can
 open it. The engine stores one tensor per document, ``kv``: every layer's un-rotated keys and
 values laid out as its prompt buffer holds them, ``[layers, 2, kv_heads, tokens, head_dim]``
-(`kvblend.engine.segment_kv`), so a read is one contiguous run of bytes into one buffer,
+(`kvblend.documents.segment_kv`), so a read is one contiguous run of bytes into one buffer,
 checksummed as it lands. The store itself accepts any names. It adds these `__metadata__`
 items next to the caller's own:
 
@@ -56,7 +56,7 @@ FORMAT_VERSION = "1"
 CHECKSUM_ALGORITHM = "xxh3-64"
 _TORCH_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER_BYTES = 64 << 20
-#: The name of the engine's one tensor per entry (`kvblend.engine.segments.KV_NAME`).
+#: The name of the engine's one tensor per entry (`kvblend.prompt.segments.KV_NAME`).
 KV_BLOB = "kv"
 
 

@@ -117,7 +117,7 @@ class DiskRecordLogs:
     sub-folder and file get the store's `modes` (SQLite gives its ``-wal``/``-shm`` files the
     database file's mode); a damaged file (found when opening it or later) is set aside as
     ``records.db.damaged`` and a new, empty one is started: records only help find documents,
-    and their reader rebuilds them from the store's entries (`kvblend.engine.registry`). A reader
+    and their reader rebuilds them from the store's entries (`kvblend.documents.registry`). A reader
     whose cursor is past every sequence number the file ever gave (the file was replaced) reads
     the log from its start again, and learns so from the cursor going back; a new file numbers
     its records from a random point, so an old cursor never lands inside its sequence.

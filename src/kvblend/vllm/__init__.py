@@ -16,7 +16,7 @@ __all__ = ["KVBlendConnector"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVBlendConnector":
-        from .connector import KVBlendConnector
+        from kvblend.vllm.connector import KVBlendConnector
 
         return KVBlendConnector
     raise AttributeError(f"module 'kvblend.vllm' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """`VLLMAdapter`: the blend loop's model adapter over the modules vLLM loaded.
 
-It implements `kvblend.engine.adapter.ModelAdapter` by calling vLLM's own modules of a Llama,
+It implements `kvblend.blend.adapter.ModelAdapter` by calling vLLM's own modules of a Llama,
 Mistral, Qwen2 or Qwen3 model: the vocabulary-parallel embedding, the RMSNorms, the fused
 ``qkv_proj`` (split as vLLM's attention splits it), q/k norms, the rotary embedding's own
 ``cos_sin_cache``, ``o_proj`` and the MLP (row-parallel layers, so their all-reduce is vLLM's),
@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvblend.engine.decoder import SUPPORTED_FAMILIES, DecoderShape, UnsupportedModelError
+from kvblend.blend.adapter import DecoderShape
+from kvblend.errors import UnsupportedModelError
+from kvblend.models.decoder import SUPPORTED_FAMILIES
 
 __all__ = ["VLLMAdapter", "rank_kv_heads"]
 

@@ -21,8 +21,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from .scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
-from .settings import ConnectorSettings
+from kvblend.vllm.scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
+from kvblend.vllm.settings import ConnectorSettings
 
 logger = logging.getLogger("kvblend.vllm")
 
@@ -70,11 +70,11 @@ class KVBlendConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from .sides import scheduler_side
+            from kvblend.vllm.sides import scheduler_side
 
             self._scheduler = scheduler_side(self.settings, vllm_config)
         else:
-            from .sides import WorkerHooks
+            from kvblend.vllm.sides import WorkerHooks
 
             self._worker = WorkerHooks(self.settings, vllm_config, kv_cache_config)
 
@@ -113,7 +113,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         """Return the counts of the requests finished since the last call (vLLM's metrics)."""
         if self._scheduler is None:
             return None
-        from .metrics import KVBlendStats
+        from kvblend.vllm.metrics import KVBlendStats
 
         counts = self._scheduler.take_counts()
         return KVBlendStats(data=dict(counts)) if counts["requests"] else None
@@ -121,7 +121,7 @@ class KVBlendConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
         """Rebuild kvblend's counts from their dict (vLLM's stats loggers)."""
-        from .metrics import KVBlendStats
+        from kvblend.vllm.metrics import KVBlendStats
 
         return KVBlendStats(data=dict(data or {}))
 
@@ -134,7 +134,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> Any:
         """Register kvblend's Prometheus counters (``vllm:kvblend_*``)."""
-        from .metrics import KVBlendPromMetrics
+        from kvblend.vllm.metrics import KVBlendPromMetrics
 
         return KVBlendPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 

@@ -21,15 +21,14 @@ from typing import Any
 
 import torch
 
-from kvblend.engine.decoder import DecoderShape
-from kvblend.engine.fingerprint import model_fingerprint
-from kvblend.engine.library import DocumentLibrary
-from kvblend.engine.loading import cache_dir, file_digest
-from kvblend.engine.registry import DEFAULT_CAPACITY
-from kvblend.engine.templates import rag_prefix
-from kvblend.engine.validation import ContextWindow, longest_token_chars
-
-from .settings import ConnectorSettings
+from kvblend.blend.adapter import DecoderShape
+from kvblend.documents.library import DocumentLibrary
+from kvblend.documents.registry import DEFAULT_CAPACITY
+from kvblend.models.fingerprint import model_fingerprint
+from kvblend.models.loading import cache_dir, file_digest
+from kvblend.prompt.templates import rag_prefix
+from kvblend.validation import ContextWindow, longest_token_chars
+from kvblend.vllm.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from .scheduler import COUNTS
+from kvblend.vllm.scheduler import COUNTS
 
 __all__ = ["KVBlendPromMetrics", "KVBlendStats"]
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from kvblend.engine.config import BlendConfig
+from kvblend.blend.config import BlendConfig
 from kvblend.engine.explain import forecast_blend
-from kvblend.engine.prompt import (
+from kvblend.prompt.plan import (
     PlannedSpan,
     PrefillPlan,
     SpanReport,
@@ -35,7 +35,7 @@ from kvblend.engine.prompt import (
     encode_prompt,
     plan_prefill,
 )
-from kvblend.engine.segments import segment_key
+from kvblend.prompt.segments import segment_key
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def plan_request(
 ) -> RequestPlan:
     """Plan one request: the rows the connector provides from ``start`` (vLLM's prefix hit) on.
 
-    ``library`` is a `kvblend.engine.library.DocumentLibrary` (its registry finds documents, its
+    ``library`` is a `kvblend.documents.library.DocumentLibrary` (its registry finds documents, its
     `SegmentKV` tokenizes them as cached); only the store's ``contains`` is asked, nothing read.
     """
     total = len(token_ids)

@@ -36,12 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from kvblend.documents.library import DocumentLibrary
 from kvblend.engine.explain import FallbackLog
-from kvblend.engine.library import DocumentLibrary
-
-from .planning import RequestPlan, plan_request
-from .settings import ConnectorSettings, request_config
-from .worker import BlendJob, BlendOutcome
+from kvblend.vllm.planning import RequestPlan, plan_request
+from kvblend.vllm.settings import ConnectorSettings, request_config
+from kvblend.vllm.worker import BlendJob, BlendOutcome
 
 logger = logging.getLogger("kvblend.vllm")
 
@@ -317,8 +316,8 @@ def _set_cached(stats: Any, cached: int) -> None:
 
 def _no_plan(request: Any, start: int, reason: str | None) -> RequestPlan:
     """Return the plan of a request vLLM prefills itself, saying why."""
-    from kvblend.engine.config import BlendConfig
-    from kvblend.engine.prompt import PrefillPlan, TokenKind
+    from kvblend.blend.config import BlendConfig
+    from kvblend.prompt.plan import PrefillPlan, TokenKind
 
     ids = np.asarray(list(getattr(request, "prompt_token_ids", None) or []), dtype=np.int64)
     plan = PrefillPlan(ids, np.full(ids.size, TokenKind.COMPUTE, dtype=np.int8))

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblend.engine.config import BlendConfig
+from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
 __all__ = ["ConnectorSettings", "request_config"]

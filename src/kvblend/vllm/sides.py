@@ -13,10 +13,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .documents import ShapeOnly, config_shape, folder_fingerprint, open_library, open_tokenizer
-from .scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
-from .settings import ConnectorSettings
-from .worker import BlendOutcome, WorkerSide
+from kvblend.vllm.documents import (
+    ShapeOnly,
+    config_shape,
+    folder_fingerprint,
+    open_library,
+    open_tokenizer,
+)
+from kvblend.vllm.scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
+from kvblend.vllm.settings import ConnectorSettings
+from kvblend.vllm.worker import BlendOutcome, WorkerSide
 
 logger = logging.getLogger("kvblend.vllm")
 
@@ -67,7 +73,7 @@ def _logits_on_every_rank() -> None:
     """
     from vllm.platforms import current_platform
 
-    from kvblend.engine.decoder import UnsupportedModelError
+    from kvblend.errors import UnsupportedModelError
 
     if not current_platform.use_all_gather():
         raise UnsupportedModelError(
@@ -99,7 +105,7 @@ class WorkerHooks:
         if not self.settings.parity:
             self._verdict = (True, "parity gate off (kv_connector_extra_config parity=false)")
             return
-        from .reference import vllm_logits
+        from kvblend.vllm.reference import vllm_logits
 
         model = self.side.adapter.model
 
@@ -109,10 +115,9 @@ class WorkerHooks:
         self._verdict = self.side.gate(reference)
 
     def _build(self) -> WorkerSide:
-        from kvblend.engine.decoder import UnsupportedModelError
-
-        from .adapter import VLLMAdapter
-        from .plugin import loaded_model
+        from kvblend.errors import UnsupportedModelError
+        from kvblend.vllm.adapter import VLLMAdapter
+        from kvblend.vllm.plugin import loaded_model
 
         reason = _unsupported(self.vllm_config)
         if reason is not None:

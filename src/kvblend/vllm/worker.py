@@ -1,7 +1,7 @@
 """The connector's worker side: blend each claimed request before vLLM's forward, write its KV.
 
 For every request the scheduler side claimed (`BlendJob`), ``start_load_kv`` runs the engine's
-own blend loop (`kvblend.engine.blend.run_blend`) over the whole prompt, with the request's
+own blend loop (`kvblend.blend.loop.run_blend`) over the whole prompt, with the request's
 `BlendConfig`, through `VLLMAdapter` (vLLM's loaded modules), and writes the rows vLLM did not
 compute itself (``[start, stop)``) into its paged cache through the attention backend's own
 cache-write op (`paged.write_rows`), layer by layer. vLLM's forward then computes the last
@@ -30,16 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvblend.engine.blend import COMPUTE, BlendInput, CachedSpan, run_blend
-from kvblend.engine.config import BlendConfig
-from kvblend.engine.library import DocumentLibrary
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.loop import COMPUTE, BlendInput, CachedSpan, run_blend
+from kvblend.documents.library import DocumentLibrary
+from kvblend.documents.stored_rows import StoredRows
 from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
-from kvblend.engine.prompt import PrefillPlan, TokenKind, encode_prompt
-from kvblend.engine.segments import KV_NAME, segment_key
-from kvblend.engine.stored_rows import StoredRows
-
-from .adapter import VLLMAdapter
-from .paged import slot_mapping, write_rows
+from kvblend.prompt.plan import PrefillPlan, TokenKind, encode_prompt
+from kvblend.prompt.segments import KV_NAME, segment_key
+from kvblend.vllm.adapter import VLLMAdapter
+from kvblend.vllm.paged import slot_mapping, write_rows
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,362 @@
+"""Attention of a pass's computed rows over a layer's whole K/V: the loop's job, not the model's.
+
+A blended prefill computes a subset of the prompt's rows (sorted positions), yet each of them
+must attend to every key at or before its own position, cached or fresh. The ways, by how many
+rows are computed and where the loop runs:
+
+- every row (and no sliding window): plain causal attention;
+- most rows (a reused prefix, then computed text): queries scattered into a zero
+  ``[heads, total, head_dim]`` tensor, plain causal attention, the computed rows kept. On the
+  kernels that skip the upper triangle this beats a mask;
+- sparse rows, on CUDA and in the compiled loop: one FlexAttention call per layer (`FlexRows`),
+  its block mask built on the device from the rows once per pass, KV heads grouped (no copies);
+- sparse rows, in the eager loop on the CPU: query chunks of `QUERY_CHUNK` rows, each over the
+  keys up to its last row (from its first row's window start on sliding-window layers) with an
+  additive mask of exactly that key range, so a chunk skips the causal upper triangle beyond
+  it. FlexAttention runs eagerly there only by materialising every score (several times
+  slower), and compiled it costs seconds per shape, more than it saves on one prefill
+  (docs/benchmarks.md). The key ranges come from host bounds of the rows' positions
+  (`RowSet.bounds`: exact when the host chose them, order-statistic bounds when a probe chose
+  them on the device), so no row is read back; a row set with no bounds is read back once.
+
+``KVBLEND_ATTENTION=flex`` (or ``chunks``) forces one of the last two. Masks of the chunks are
+kept for the whole pass while they fit in ``mask_budget`` bytes and built per call beyond it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvblend.blend.flex import FlexRows
+from kvblend.blend.io import RowSet
+
+# Query rows per attention call when the computed rows are sparse: smaller chunks skip more of
+# the causal upper triangle but keep SDPA's kernels from running at full speed; on a CPU, 256
+# selected rows of a 4K prompt took about half the time of 64.
+QUERY_CHUNK = 256
+
+# Masks kept for a pass, in bytes, before they are rebuilt at every call instead.
+MASK_BUDGET = 64 << 20
+
+#: Environment variable choosing the masked attention: ``flex`` or ``chunks``.
+ATTENTION_ENV = "KVBLEND_ATTENTION"
+
+
+def sdpa_takes_gqa(masked: bool, device: torch.device) -> bool:
+    """Whether SDPA should get grouped KV heads (``enable_gqa``) rather than expanded ones.
+
+    Unmasked: always. With a mask, only on the CPU: on CUDA that combination falls back to the
+    math kernel, so the KV heads are expanded instead, as transformers' sdpa_attention does;
+    the CPU's flash kernel takes both at once, and expanding there only adds copies.
+    """
+    return not masked or device.type == "cpu"
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Repeat each KV head ``groups`` times: ``[kv_heads, tokens, d] -> [heads, tokens, d]``.
+
+    Query head ``h`` reads KV head ``h // groups``, as transformers' ``repeat_kv``.
+    """
+    kv_heads, tokens, head_dim = x.shape
+    return x[:, None].expand(kv_heads, groups, tokens, head_dim).reshape(-1, tokens, head_dim)
+
+
+def sdpa(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """Attention ``[queries, heads * head_dim]`` of rotated inputs (before ``o_proj``).
+
+    ``mask`` is an additive ``[queries, keys]`` mask (0 = may attend, -inf = may not), or
+    None for plain causal attention over aligned queries and keys (``causal=False``: every
+    key). Keys and values may hold the KV heads only (GQA).
+    """
+    groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
+    if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
+        keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
+    out = F.scaled_dot_product_attention(
+        queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+        attn_mask=None if mask is None else mask[None, None], is_causal=mask is None and causal,
+        scale=scale, enable_gqa=queries.shape[0] != keys.shape[0],
+    )  # fmt: skip
+    return out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+
+
+class Masks:
+    """Additive masks of query rows over key ranges, made with two device ops each (float32).
+
+    A mask is 0 where a query at position p may attend (keys <= p and, with a sliding
+    ``window``, keys > p - window) and -inf elsewhere.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, length: int) -> None:
+        self.keys = torch.arange(length, device=device)
+        self.dtype = dtype
+
+    def __call__(
+        self, positions: torch.Tensor, key_begin: int, key_end: int, window: int | None
+    ) -> torch.Tensor:
+        """Mask ``[queries, key_end - key_begin]`` of queries at ``positions``."""
+        keys = self.keys[key_begin:key_end]
+        queries = positions.unsqueeze(1)
+        blocked = keys > queries
+        if window is not None:
+            blocked |= keys <= queries - window
+        mask = torch.where(blocked, float("-inf"), 0.0)  # the default dtype
+        return mask if mask.dtype == self.dtype else mask.to(self.dtype)
+
+
+def attention_mask(
+    query_positions: torch.Tensor,
+    key_begin: int,
+    key_end: int,
+    window: int | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Additive mask ``[queries, key_end - key_begin]``: 0 where a query may attend, -inf not.
+
+    Keys ``key_begin..key_end-1``; a query at position p may attend to keys <= p and, with a
+    sliding ``window``, to keys > p - window.
+    """
+    masks = Masks(query_positions.device, dtype, key_end)
+    return masks(query_positions, key_begin, key_end, window)
+
+
+def last_row_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    position: torch.Tensor | None,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention ``[1, heads * head_dim]`` of one row (``query`` ``[heads, 1, d]``).
+
+    ``position`` None: the row is the last of the keys, and attends to them all (from its
+    window's start). Otherwise ``position`` (a one-element tensor: no host value needed) masks
+    the keys after it and before its window; KV heads stay grouped (no copies): one product
+    of the grouped queries with the keys, a softmax in float32, one with the values.
+    """
+    kv_heads, length, head_dim = keys.shape
+    if position is None:
+        if window is not None and window < length:
+            keys, values = keys[:, length - window :], values[:, length - window :]
+        return sdpa(query, keys, values, scale, causal=False)
+    indices = torch.arange(length, device=keys.device)
+    blocked = indices > position
+    if window is not None:
+        blocked |= indices <= position - window
+    mask = torch.where(blocked, float("-inf"), 0.0).to(keys.dtype)
+    grouped = query.reshape(kv_heads, -1, head_dim)  # query head h reads KV head h // groups
+    scores = torch.baddbmm(mask.expand(kv_heads, grouped.shape[1], length), grouped,
+                           keys.transpose(1, 2), alpha=scale)  # fmt: skip
+    weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
+    return torch.bmm(weights, values).reshape(1, -1)
+
+
+class QueryChunk(NamedTuple):
+    """One query chunk: computed rows ``[begin, end)`` over keys ``[key_begin, key_end)``.
+
+    ``begin`` and ``end`` index the computed rows; the keys are prompt positions.
+    """
+
+    begin: int
+    end: int
+    key_begin: int
+    key_end: int
+
+
+#: Chunk boundaries fall on multiples of this many rows.
+CHUNK_STEP = 32
+
+#: What one SDPA call costs on the CPU beside its query-key pairs, in pairs: per pair about 26
+#: ns from 32 to 512 rows a call, and about 80 us more per call (SmolLM2's shape, one thread).
+CALL_PAIRS = 4096
+
+
+def query_chunks(lower: np.ndarray, upper: np.ndarray, window: int | None) -> list[QueryChunk]:
+    """Query chunks and the keys each reads, from host bounds of the rows' positions.
+
+    The boundaries are chosen to read the fewest query-key pairs (plus `CALL_PAIRS` a call)
+    with at most as many calls as chunks of `QUERY_CHUNK` rows would make, none over twice
+    that: where bounds are loose (rows a probe chose, early in the prompt) a short chunk ends
+    before them, and rows bunched at the end share one call.
+    """
+    count = lower.size
+    points = np.unique(np.concatenate(([0], np.arange(CHUNK_STEP, count, CHUNK_STEP), [count])))
+    key_end = upper[points[1:] - 1].astype(np.int64) + 1  # per chunk ending at points[e]
+    key_begin = np.zeros(points.size - 1, dtype=np.int64)  # per chunk starting at points[s]
+    if window is not None:
+        key_begin = np.maximum(0, lower[points[:-1]].astype(np.int64) - window + 1)
+    reach = 2 * QUERY_CHUNK // CHUNK_STEP
+    best = np.full(points.size, np.inf)
+    best[0] = 0.0
+    starts = []  # per number of calls: the best start of a chunk ending at each point
+    totals = []
+    for _ in range(-(-count // QUERY_CHUNK)):
+        cost, start = np.full(points.size, np.inf), np.zeros(points.size, dtype=np.int64)
+        for back in range(1, min(reach, points.size - 1) + 1):
+            ends = np.arange(back, points.size)
+            rows = points[ends] - points[ends - back]
+            keys = key_end[ends - 1] - key_begin[ends - back]
+            candidate = best[ends - back] + rows * keys + CALL_PAIRS
+            better = candidate < cost[ends]
+            cost[ends[better]], start[ends[better]] = candidate[better], ends[better] - back
+        best = cost
+        starts.append(start)
+        totals.append(cost[-1])
+    calls = int(np.argmin(totals))
+    chunks, end = [], points.size - 1
+    for call in range(calls, -1, -1):
+        begin = int(starts[call][end])
+        chunks.append(QueryChunk(int(points[begin]), int(points[end]), int(key_begin[begin]),
+                                 int(key_end[end - 1])))  # fmt: skip
+        end = begin
+    return chunks[::-1]
+
+
+def use_flex(device: torch.device, compiled: bool) -> bool:
+    """Whether sparse rows attend with FlexAttention (CUDA, the compiled loop) or chunks."""
+    forced = os.environ.get(ATTENTION_ENV, "").strip()
+    if forced and forced not in ("flex", "chunks"):
+        raise ValueError(f"{ATTENTION_ENV} must be flex or chunks, got {forced!r}")
+    if forced:
+        return forced == "flex"
+    return compiled or device.type == "cuda"
+
+
+class RowAttention:
+    """Attention output ``[rows, heads * head_dim]`` of the computed rows at any layer of a pass."""
+
+    def __init__(
+        self,
+        rows: RowSet,
+        total: int,
+        windows: list[int | None],
+        scaling: float,
+        dtype: torch.dtype,
+        *,
+        flex: bool = False,
+        length: int | None = None,
+        padded: torch.Tensor | None = None,
+        mask_budget: int = MASK_BUDGET,
+    ) -> None:
+        """Attention of the computed ``rows`` over ``total`` keys; ``windows``: per layer.
+
+        ``dtype``: the queries' (the chunks' masks are made in it). ``flex``: sparse rows in
+        one FlexAttention call (else query chunks); ``length``: the rows of the K/V it is
+        given (``total`` and more: a buffer of a size bucket); ``padded``: the rows' positions
+        followed by padding rows' (a compiled loop's row bucket), the queries it is given.
+        """
+        self.rows = rows
+        self.positions = rows.positions if padded is None else padded
+        # decided here, not in a call: a compiled step sees booleans, never the prompt's length
+        self.exact = (length or total) == total  # the keys end with the prompt
+        self.aligned = rows.count == total and self.positions.numel() == total  # rows 0, 1, ...
+        self.total = total
+        self.windows = windows
+        self.scaling = scaling
+        count = rows.count
+        self.dense = count == total
+        self.scatter = not self.dense and 2 * count >= total
+        self.chunks: dict[int | None, list[QueryChunk]] = {}
+        self.masks: dict[int | None, list[torch.Tensor]] = {}
+        self.mask_bytes = 0
+        self.flex: FlexRows | None = None
+        masked = {w for w in windows if w is not None or not (self.dense or self.scatter)}
+        if not masked:
+            return  # no masks: plain causal attention at every layer
+        if flex:
+            self.flex = FlexRows(self.positions, length or total, masked, scaling)
+            return
+        bounds = rows.bounds()
+        if bounds is None:  # chosen on the device with nothing known on the host: read back
+            self.rows = rows = RowSet(rows.positions, rows.host_positions())
+            bounds = rows.bounds()
+            assert bounds is not None
+        element = torch.empty((), dtype=dtype).element_size()
+        self.make_mask = Masks(rows.positions.device, dtype, total)
+        kept = 0
+        for window in masked:
+            self.chunks[window] = chunks = query_chunks(*bounds, window)
+            size = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks) * element
+            if kept + size <= mask_budget:
+                self.masks[window] = [self._mask(chunk, window) for chunk in chunks]
+                kept += size
+        self.mask_bytes = kept
+
+    def _mask(self, chunk: QueryChunk, window: int | None) -> torch.Tensor:
+        positions = self.rows.positions[chunk.begin : chunk.end]
+        return self.make_mask(positions, chunk.key_begin, chunk.key_end, window)
+
+    def __call__(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Return the attention output of the computed rows at ``layer``.
+
+        ``queries`` are rotated ``[heads, rows, head_dim]``; ``keys``/``values`` the layer's
+        whole K/V ``[kv_heads, keys, head_dim]`` (keys rotated; a row past the prompt is only
+        read by padding rows). Every size used here is a tensor's, none the prompt's length,
+        so a compiled loop serves every prompt of its size bucket.
+        """
+        window = self.windows[layer]
+        if window is None and (self.dense or self.scatter):
+            if self.aligned:  # rows 0, 1, ...: causal attention aligned at the first key
+                return sdpa(queries, keys, values, self.scaling)
+            heads, _, head_dim = queries.shape
+            scattered = queries.new_zeros(heads, keys.shape[1], head_dim)
+            scattered.index_copy_(1, self.positions, queries)
+            out = sdpa(scattered, keys, values, self.scaling)
+            return out.index_select(0, self.positions)
+        if self.flex is not None:
+            return self.flex(window, queries, keys, values)
+        return self._chunked(window, queries, keys, values)
+
+    def last_row(
+        self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention ``[1, heads * head_dim]`` of the last computed row (the prompt's last token).
+
+        Over the prompt's keys as they are (from the window's start on a sliding-window
+        layer); over a longer buffer (a size bucket) with a mask made from the row's position.
+        """
+        window = self.windows[layer]
+        if self.exact:
+            return last_row_attention(query, keys, values, None, window, self.scaling)
+        position = self.positions[-1:]
+        return last_row_attention(query, keys, values, position, window, self.scaling)
+
+    def _chunked(
+        self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        kept = self.masks.get(window)
+        chunks = self.chunks[window]
+        groups = queries.shape[0] // keys.shape[0]
+        if groups > 1 and not sdpa_takes_gqa(True, keys.device) and window is None:
+            # Masked calls need the KV heads expanded (see `sdpa`): once per layer, not once
+            # per chunk (sliding-window chunks read short, disjoint-ish key ranges).
+            key_end = chunks[-1].key_end
+            keys, values = (
+                repeat_kv(keys[:, :key_end], groups),
+                repeat_kv(values[:, :key_end], groups),
+            )
+        outputs = [
+            sdpa(
+                queries[:, chunk.begin : chunk.end],
+                keys[:, chunk.key_begin : chunk.key_end],
+                values[:, chunk.key_begin : chunk.key_end],
+                self.scaling,
+                kept[number] if kept is not None else self._mask(chunk, window),
+            )
+            for number, chunk in enumerate(chunks)
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

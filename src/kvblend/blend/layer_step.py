@@ -1,0 +1,104 @@
+"""One layer of a blend pass, as the named steps of a model file: the loop's body.
+
+`layer_step` is a pure function of its tensors (the model adapter's steps, RoPE, the
+correction, attention), so the same function runs eagerly or compiled (`compiled_loop.py`):
+
+1. `write_fresh`: project the computed rows (keys and values in one product), rotate their
+   queries and keys to their positions, move the stale cached rows by the correction
+   (`correction.py`) and write the fresh K/V over their rows (one op);
+2. `attend_and_mlp`: the computed rows attend over the layer's whole K/V (`row_attention.py`),
+   then ``o_proj``, the residual and the MLP; on the last layer, when only the logits are
+   needed, the last row alone (`last_row`).
+
+A pass's first layers may stop after step 1 (``WRITE``: a probe's last layer, whose K/V is
+all that is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.correction import CorrectionTensors, apply_correction
+from kvblend.blend.rope import rotate, rotate_
+
+#: What a step does after writing the layer's K/V: attention and MLP of every computed row
+#: (``FULL``), of the last row only (``LAST``, for the logits), or nothing (``WRITE``).
+FULL, LAST, WRITE = "full", "last", "write"
+
+
+def write_fresh(
+    adapter: ModelAdapter,
+    layer: int,
+    hidden: torch.Tensor,
+    layer_kv: torch.Tensor,
+    rows: torch.Tensor,
+    row_table: torch.Tensor,
+    correction: CorrectionTensors | None,
+) -> torch.Tensor:
+    """Step 1: write the computed rows' fresh K/V (keys rotated); return their rotated queries.
+
+    ``layer_kv``: the layer's ``[2, kv_heads, length, head_dim]`` K/V (written in place).
+    """
+    queries, fresh = adapter.project_rows(layer, hidden)
+    queries = rotate(queries, row_table)
+    rotate_(fresh[:, 0], row_table.unsqueeze(1))
+    if correction is not None:  # before the fresh K/V overwrite the cached ones
+        apply_correction(correction, layer_kv, fresh)
+    layer_kv.index_copy_(2, rows, fresh.permute(1, 2, 0, 3))
+    return queries
+
+
+def attend_and_mlp(
+    adapter: ModelAdapter,
+    layer: int,
+    hidden: torch.Tensor,
+    queries: torch.Tensor,
+    layer_kv: torch.Tensor,
+    attention: Any,
+) -> torch.Tensor:
+    """Step 2: the computed rows attend over the whole patched K/V, then the MLP."""
+    attended = attention(layer, queries, layer_kv[0], layer_kv[1])
+    hidden = hidden + adapter.attention_output(layer, attended)
+    return adapter.feed_forward(layer, hidden)
+
+
+def last_row(
+    adapter: ModelAdapter,
+    layer: int,
+    hidden: torch.Tensor,
+    queries: torch.Tensor,
+    layer_kv: torch.Tensor,
+    attention: Any,
+) -> torch.Tensor:
+    """Step 2 of the last layer for the logits: the last computed row (the last token) only.
+
+    The other rows' K/V are written already and only this row's output feeds the logits.
+    """
+    attended = attention.last_row(layer, queries[:, -1:], layer_kv[0], layer_kv[1])
+    return adapter.feed_forward(layer, hidden[-1:] + adapter.attention_output(layer, attended))
+
+
+def layer_step(
+    adapter: ModelAdapter,
+    layer: int,
+    mode: str,
+    hidden: torch.Tensor,
+    layer_kv: torch.Tensor,
+    rows: torch.Tensor,
+    row_table: torch.Tensor,
+    correction: CorrectionTensors | None,
+    attention: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run one layer over the computed ``rows``; return the new hidden states and the queries.
+
+    ``mode``: `FULL`, `LAST` or `WRITE`. The last of ``rows`` is the prompt's last token.
+    """
+    queries = write_fresh(adapter, layer, hidden, layer_kv, rows, row_table, correction)
+    if mode == FULL:
+        hidden = attend_and_mlp(adapter, layer, hidden, queries, layer_kv, attention)
+    elif mode == LAST:
+        hidden = last_row(adapter, layer, hidden, queries, layer_kv, attention)
+    return hidden, queries

@@ -1,0 +1,388 @@
+"""The blended prefill: one plain loop over the model's layers, through its adapter.
+
+A selector (`kvblend.blend.selectors`) picks the rows computed from layer 0 on: the uncached
+tokens always, and the reused tokens its strategy recomputes. Rows a selector chose by value on
+the device (the default's probe, CacheBlend's check layer) stay there: their count is known on
+the host, the sorted rows, their RoPE table, attention masks and the correction are built from
+them with device ops, and the host learns which rows they were only after the logits (for the
+statistics). The prompt's K/V of every layer lives in one preallocated buffer (`PromptKV`,
+`prompt_kv.py`), keys rotated to their positions. At every layer the loop
+
+1. waits for the layer's cached K/V: the first layer that reads cached K/V issues its copies, a
+   group of layers per copy (every document's keys and values at once, straight from the
+   stored tensors, in host memory or on the device), each group's keys rotated once as they
+   land, with one event per group, for every layer from it on when the pass computes only some
+   rows; on CUDA they run on a side stream, so later groups load while earlier layers compute
+   (one group of every layer on the CPU; a second pass takes over the first pass's buffer and
+   waits on its copies),
+2. lets the selector narrow the computed rows, at its refine layers,
+3. runs the layer (`layer_step.py`): projects the computed rows, rotates their queries and
+   keys, moves the stale cached rows by the correction, writes the fresh K/V (one op), attends
+   the computed rows over the whole layer (`row_attention.py`) and runs the MLP. The step is
+   a pure function, run eagerly or compiled (`compiled_loop.py`, ``KVBLEND_COMPILE``).
+
+The loop calls the model only through the `ModelAdapter` protocol (`decoder.py`). Keys are
+stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
+segment is exact. Read `blend_io.py` for the token kinds. A prefill can be cancelled between
+layers (``cancel``, a `threading.Event`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.attention import RowAttention
+from kvblend.blend.compiled import StepRunner, step_runner
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.correction import CorrectionTensors, stale_correction
+from kvblend.blend.io import (
+    COMPUTE,
+    MOVED,
+    PREFIX,
+    BlendInput,
+    BlendOutput,
+    CachedSpan,
+    LayerKV,
+    RowSet,
+    as_rows,
+    moved_span_index,
+    on_host,
+    rows_read,
+    to_device,
+)
+from kvblend.blend.kv_buffer import LayerLoads, PromptKV
+from kvblend.blend.layer_step import FULL, LAST, WRITE
+from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
+from kvblend.blend.selectors import Selection, SelectionContext, Selector, selector_class
+from kvblend.blend.selectors.base import Narrowing, PassObserver
+from kvblend.errors import BlendCancelledError
+
+__all__ = [
+    "COMPUTE",
+    "MOVED",
+    "PREFIX",
+    "BlendInput",
+    "BlendOutput",
+    "CachedSpan",
+    "LayerKV",
+    "run_blend",
+    "run_pass",
+    "selection_context",
+]
+
+
+@dataclass
+class PassState:
+    """One pass over one prompt: the rows it computes and their hidden states, as layers go.
+
+    ``rows`` are the computed rows; the layer step gets ``padded``, the same positions
+    followed by the padding rows of a compiled loop's row bucket (copies of the last row; none
+    in the eager loop), and ``hidden`` holds a row for each.
+    """
+
+    adapter: ModelAdapter
+    prompt: BlendInput
+    host_kinds: np.ndarray
+    tables: RopeTables
+    kv: PromptKV
+    share: float  # the stale-KV correction's share (0: off)
+    runner: StepRunner
+    loads: LayerLoads = field(init=False)  # the cached K/V's copies, a group of layers each
+    rows: RowSet = field(init=False)
+    padded: torch.Tensor = field(init=False)  # the positions the step computes
+    hidden: torch.Tensor = field(init=False)  # [padded rows, hidden]
+    row_table: torch.Tensor = field(init=False)  # the RoPE table of ``padded``
+    attention: RowAttention = field(init=False)
+    correction: CorrectionTensors | None = field(init=False)
+    load_s: float = 0.0
+    token_layers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.prompt.token_ids.numel()
+
+    @property
+    def every_row(self) -> bool:
+        return self.rows.count == self.total
+
+    def set_rows(self, rows: RowSet, hidden: torch.Tensor) -> None:
+        """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
+        adapter, total = self.adapter, self.total
+        self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
+        self.attention = RowAttention(
+            rows, total, adapter.windows, adapter.scaling, adapter.dtype,
+            flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
+        )  # fmt: skip
+        self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
+        self.row_table = self.tables.table.index_select(0, self.padded)
+        self.correction = None
+        if self.share > 0 and not self.every_row:
+            host = rows.host
+            if host is not None and self.padded.numel() > rows.count:  # padding: the last row
+                host = np.pad(host, (0, self.padded.numel() - rows.count), mode="edge")
+            spans = moved_span_index(self.host_kinds, self.prompt.spans)
+            self.correction = stale_correction(
+                self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
+                self.row_table, self.runner.bucket,
+            )  # fmt: skip
+
+    def narrow(self, narrowing: Narrowing) -> None:
+        """Keep only the computed rows ``narrowing.keep`` (indices into the computed rows)."""
+        keep = narrowing.keep
+        if isinstance(keep, np.ndarray):
+            keep = to_device(keep, self.adapter.device)
+        self.set_rows(narrowing.rows, self.hidden[: self.rows.count].index_select(0, keep))
+
+
+def begin_pass(
+    adapter: ModelAdapter, prompt: BlendInput, tables: RopeTables, rows: RowSet, share: float,
+    start: BlendOutput | None, runner: StepRunner, corrected: bool,
+) -> PassState:  # fmt: skip
+    """Embed the computed rows and prepare their attention and correction.
+
+    From ``start`` (a first pass), the pass takes over its K/V buffer and its copies, some of
+    which may still be under way. ``corrected``: a correction will read this buffer (this
+    pass's or a later one's), so its uncached rows start as zeros.
+    """
+    assert prompt.host_kinds is not None
+    total = prompt.token_ids.numel()
+    if start is not None and start.kv is not None:
+        kv = start.kv
+    else:  # uncached rows zeroed: the correction reads every computed row's K/V
+        zeroed = None
+        if corrected and (prompt.host_kinds == MOVED).any():
+            zeroed = to_device(np.flatnonzero(prompt.host_kinds == COMPUTE), adapter.device)
+        kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed, runner.compiled)
+    state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
+    state.loads = start.loads if start is not None and start.loads is not None else (
+        LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
+    )  # fmt: skip
+    state.set_rows(rows, adapter.embed(prompt.token_ids.index_select(0, rows.positions)))
+    return state
+
+
+def check_cancel(cancel: threading.Event | None) -> None:
+    """Raise `BlendCancelledError` once ``cancel`` is set (a host flag: no device sync)."""
+    if cancel is not None and cancel.is_set():
+        raise BlendCancelledError("the prefill was cancelled")
+
+
+def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> None:
+    """Step 1: have the cached K/V that ``layer`` reads placed, then wait for it.
+
+    A layer reads cached K/V when the pass computes only some rows, or at a refine layer (which
+    reads it to choose rows). The first such layer issues the copies (`LayerLoads`, a group of
+    layers each): of every layer from it on when the pass computes only some rows (they all
+    read it), else of that layer alone (a pass computing every row until a refine layer). Each
+    layer then waits for its own group only, so on CUDA later groups load while it computes.
+    """
+    loads = state.loads
+    if not loads.issued(layer) and (not state.every_row or layer in refine_layers):
+        loaded = time.perf_counter()
+        stop = state.adapter.shape.num_layers if not state.every_row else layer + 1
+        loads.issue(range(layer, stop))
+        state.load_s += time.perf_counter() - loaded
+    loads.wait(layer)
+
+
+def refine(state: PassState, selector: Selector, layer: int) -> None:
+    """Step 2: the selector narrows the computed rows (from the cached K/V it may compare)."""
+    count = state.rows.count  # the computed rows, padding left out
+    cached: tuple[torch.Tensor, ...] = ()
+    if selector.refine_reads_cache:  # the computed rows' cached K/V, keys before RoPE
+        layer_kv = state.kv.data[layer].index_select(2, state.rows.positions)
+        keys = rotate(layer_kv[0], inverse_table(state.row_table[:count]))
+        cached = (keys, layer_kv[1])
+    hidden = state.hidden[:count]
+    kinds = state.prompt.kinds
+    narrowing = selector.refine(state.adapter, layer, hidden, state.rows, kinds, cached)  # type: ignore[arg-type]
+    state.narrow(narrowing)
+
+
+def compute_layer(state: PassState, layer: int, mode: str, observer: PassObserver | None) -> None:
+    """Step 3: run the layer over the computed rows (`layer_step`), then show it to ``observer``."""
+    layer_kv = state.kv.layers[layer]
+    state.hidden, queries = state.runner.step(
+        state.adapter, layer, mode, state.hidden, layer_kv, state.padded, state.row_table,
+        state.correction, state.attention,
+    )  # fmt: skip
+    state.token_layers += state.rows.count
+    if observer is not None:
+        total = state.total
+        observer.observe(layer, queries, layer_kv[0, :, :total], layer_kv[1, :, :total])
+
+
+def run_layers(
+    state: PassState,
+    selector: Selector | None,
+    observer: PassObserver | None,
+    need_logits: bool,
+    cancel: threading.Event | None = None,
+    stop: int | None = None,
+) -> torch.Tensor | None:
+    """Run the layer loop of a pass; return its logits (None when not needed).
+
+    Nothing in it reads a value back from the device (no host sync on CUDA). ``stop``: run
+    the first ``stop`` layers only (a probe; the copies of every layer are issued all the same).
+    """
+    refine_layers = selector.refine_layers if selector is not None else frozenset()
+    last = (state.adapter.shape.num_layers if stop is None else stop) - 1
+    for layer in range(last + 1):
+        check_cancel(cancel)
+        load_cached(state, layer, refine_layers)  # step 1
+        if layer in refine_layers:  # step 2
+            assert selector is not None
+            refine(state, selector, layer)
+        mode = FULL if layer < last else (LAST if need_logits else WRITE)
+        compute_layer(state, layer, mode, observer)  # step 3
+    return state.adapter.logits(state.hidden) if need_logits else None
+
+
+def run_pass(
+    adapter: ModelAdapter,
+    blend_input: BlendInput,
+    selection: Selection,
+    *,
+    selector: Selector | None = None,
+    observer: PassObserver | None = None,
+    need_logits: bool = True,
+    cancel: threading.Event | None = None,
+    tables: RopeTables | None = None,
+    layers: int | None = None,
+    corrected: bool | None = None,
+) -> BlendOutput:
+    """One pass over the layers: compute ``selection.computed``, read the other rows' KV.
+
+    ``layers``: run the first ``layers`` layers only (a probe: no logits). ``corrected``:
+    whether a stale-KV correction reads the pass's buffer (default: the selector's).
+    """
+    share = selector.correction if selector is not None else 0.0
+    start = selection.start
+    if start is not None and selector is not None and selector.refine_reads_cache:
+        if selector.refine_layers:
+            raise ValueError(
+                "a start pass cannot be combined with refine layers that read the cache"
+            )
+    blend_input = on_host(blend_input)
+    total = blend_input.token_ids.numel()
+    rows = as_rows(selection.computed, adapter.device)
+    bounds = rows.bounds()
+    if need_logits and (layers is not None or (bounds is not None and bounds[0][-1] != total - 1)):
+        raise RuntimeError("logits need the last prompt token computed through every layer")
+    tables = tables if tables is not None else prompt_tables(adapter, total)
+    runner = step_runner(adapter, total)
+    corrected = share > 0 if corrected is None else corrected
+    runner.begin(adapter.device)
+    state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
+    try:
+        logits = run_layers(state, selector, observer, need_logits, cancel, layers)
+    except BaseException:
+        state.kv.copied()  # a static buffer is handed back
+        raise
+    out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
+    out.stats = pass_stats(state, blend_input)
+    return with_kv(out, state.kv)
+
+
+def with_kv(out: BlendOutput, kv: PromptKV) -> BlendOutput:
+    """``out`` over ``kv``: its per-layer keys and values (views of the prompt's rows)."""
+    rows = kv.prompt_rows()
+    out.kv = kv
+    out.keys, out.values = (
+        [rows[i, 0] for i in range(len(rows))],
+        [rows[i, 1] for i in range(len(rows))],
+    )
+    return out
+
+
+def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
+    """Return what a pass did, counted on the host after its last layer.
+
+    Rows chosen on the device are read back here, after the logits: the host learns which
+    rows were recomputed only once the prefill's work is queued.
+    """
+    computed = state.rows.host_positions()
+    layers = state.adapter.shape.num_layers
+    stats = rows_read(state.host_kinds, blend_input.spans, computed)
+    return {"load_s": state.load_s, "token_layers": state.token_layers,
+            "token_layers_full": state.total * layers, **stats}  # fmt: skip
+
+
+def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
+    """Return the RoPE tables of a prompt's buffer rows (made once per prefill)."""
+    length = step_runner(adapter, total).length
+    return rope_tables(adapter.rotary, total, length, adapter.device)
+
+
+def selection_context(
+    adapter: ModelAdapter,
+    blend_input: BlendInput,
+    cancel: threading.Event | None = None,
+    tables: RopeTables | None = None,
+    correction: float = 0.0,
+) -> SelectionContext:
+    """Return what a selector sees of a prompt (``blend_input`` on the adapter's device).
+
+    Its kinds are on the host; its first passes compute the rows a selector names and read the
+    rest from the cache (``correction``: the selector's share, whose prefill may continue
+    from a first pass's buffer).
+    """
+    blend_input = on_host(blend_input)
+    assert blend_input.host_kinds is not None
+
+    def first_pass(
+        computed: torch.Tensor, observer: PassObserver, layers: int | None = None
+    ) -> BlendOutput:
+        selection = Selection(computed)
+        return run_pass(
+            adapter, blend_input, selection, observer=observer, need_logits=False,
+            cancel=cancel, tables=tables, layers=layers, corrected=correction > 0,
+        )  # fmt: skip
+
+    kinds = torch.from_numpy(blend_input.host_kinds)
+    return SelectionContext(adapter, kinds, blend_input.spans, first_pass)
+
+
+@torch.inference_mode()
+def run_blend(
+    adapter: ModelAdapter,
+    blend_input: BlendInput,
+    config: BlendConfig,
+    *,
+    need_logits: bool = True,
+    cancel: threading.Event | None = None,
+) -> BlendOutput:
+    """Run the blended prefill of one prompt and return logits and the fused KV cache.
+
+    ``cancel``: checked between layers; once set, `BlendCancelledError` is raised.
+    """
+    blend_input = on_host(blend_input)
+    device = adapter.device
+    blend_input = BlendInput(
+        to_device(blend_input.token_ids, device), to_device(blend_input.kinds, device),
+        blend_input.spans,
+        blend_input.host_kinds,
+    )  # fmt: skip
+    selector = selector_class(config.strategy)(config.settings)
+    tables = prompt_tables(adapter, blend_input.token_ids.numel())
+    started = time.perf_counter()
+    context = selection_context(adapter, blend_input, cancel, tables, selector.correction)
+    selection = selector.select(context)
+    select_s = time.perf_counter() - started
+    out = run_pass(
+        adapter, blend_input, selection, selector=selector, need_logits=need_logits,
+        cancel=cancel, tables=tables,
+    )  # fmt: skip
+    out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
+    out.stats["probe_s"] = 0.0
+    if selection.start is not None:  # the first pass's work and reads count too
+        out.stats["probe_s"] = select_s
+        out.stats["load_s"] += selection.start.stats["load_s"]
+        out.stats["token_layers"] += selection.start.stats["token_layers"]
+    return out

@@ -1,0 +1,321 @@
+"""``attention``: recompute the reused tokens the question draws most from.
+
+A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and measures,
+at every layer, how much each token contributes to the attention output of the prompt's uncached
+tail (the question and the template text after it: `tail_attention`), summed over heads and queries,
+over the first ``probe_layers`` of the layers (all by default; fewer let the prefill start before
+every layer's cached KV has arrived). The top ``recompute_ratio`` of the moved tokens by that score
+are recomputed at every layer; with ``early_layers``, a funnel recomputes the top ``early_ratio`` in
+the first layers and narrows to ``recompute_ratio`` after them (the rows that leave are read from
+the cache again). The probe's KV (reused rows in place, already rotated) is the prefill's starting
+point, so the cached KV is loaded and rotated once. The chosen rows stay on the device (a ``topk``
+of a count the host knows, sorted there): the prefill starts without reading them back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.io import COMPUTE, MOVED, RowSet, to_device
+from kvblend.blend.selectors.base import (
+    CORRECTION,
+    Narrowing,
+    Selection,
+    SelectionContext,
+    Selector,
+    Setting,
+    chosen_rows,
+    non_negative_int,
+    ratio,
+)
+from kvblend.blend.selectors.tail_attention import TailAttention, tail_attention, tail_rows
+
+__all__ = ["AttentionSelector", "TailAttention", "attention_budget", "tail_attention", "tail_rows"]
+
+
+def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.ndarray:
+    """Boolean ``[tokens]`` (host): the first ``count`` rows of every moved span.
+
+    Every row of a moved span of at most ``short`` rows.
+    """
+    lead = np.zeros(context.kinds.numel(), dtype=bool)
+    for span in context.spans:
+        if span.kind == MOVED:
+            rows = span.end - span.start if span.end - span.start <= short else count
+            lead[span.start : min(span.end, span.start + rows)] = True
+    return lead
+
+
+#: Cost of a row read from a cache relative to a computed row (loading, rotating and attending
+#: over it) and the blend loop's fixed cost in rows, fitted to the TTFTs of the shapes
+#: benchmark on CPU (docs/configuration.md, "When a blend computes the whole prompt").
+REUSED_ROW_COST = 0.23
+BLEND_OVERHEAD_ROWS = 27
+
+
+class SpanRows(Protocol):
+    """A planned or cached span: prompt rows ``[start, end)`` and their kind."""
+
+    @property
+    def start(self) -> int:
+        """First prompt row."""
+        ...
+
+    @property
+    def end(self) -> int:
+        """Prompt row past the last."""
+        ...
+
+    @property
+    def kind(self) -> int:
+        """`MOVED` or `PREFIX`."""
+        ...
+
+
+@dataclass(frozen=True)
+class AttentionBudget:
+    """The attention strategy's decision for one prompt, from its token kinds alone.
+
+    ``lead``: moved rows recomputed as leading rows (whole short documents included);
+    ``keep``: moved rows the probe picks on top, recomputed at every layer; ``early``: moved
+    rows the probe picks for the early layers (``keep`` and more: the funnel's top);
+    ``probe``: rows the probe pass computes (0: none); ``recompute_all``: every moved row is
+    recomputed (the blend reads no moved row); ``cost``: the blend's estimated cost as a share
+    of a full prefill's; ``fallback``: why every moved row is recomputed, None when the blend
+    runs as asked.
+    """
+
+    lead: int
+    keep: int
+    early: int
+    probe: int
+    recompute_all: bool
+    cost: float
+    fallback: str | None
+
+    @property
+    def recomputed(self) -> int:
+        """Moved rows recomputed at every layer (every one when ``recompute_all``)."""
+        return self.lead + self.keep
+
+
+def attention_budget(
+    kinds: Sequence[int] | np.ndarray, spans: Iterable[SpanRows], options: dict[str, Any]
+) -> AttentionBudget:
+    """Decide how many moved rows the attention strategy recomputes, and whether to blend.
+
+    A pure function of the prompt's token kinds and cached spans: `AttentionSelector.select` and
+    `kvblend.engine.explain` both call it, so what ``explain`` reports is what runs. The blend's
+    cost is its computed rows (uncached, leading, chosen, the funnel's extra rows for its share of
+    the layers, and the probe's for its share of them) plus `REUSED_ROW_COST` per row read from a
+    cache and `BLEND_OVERHEAD_ROWS`, over a full prefill's rows (a prediction of the blend's TTFT as
+    a share of full prefill's); above ``full_above`` every moved row is recomputed (the prompt head
+    stays reused in place).
+    """
+    is_moved = np.asarray(kinds) == MOVED  # counted in numpy: no loop over tokens
+    moved = int(np.count_nonzero(is_moved))
+    uncached = int(np.count_nonzero(np.asarray(kinds) == COMPUTE))
+    lead_count, short = options["lead_tokens"], options["short_document"]
+    lead = 0
+    for span in spans:
+        if span.kind == MOVED:
+            rows = span.end - span.start if span.end - span.start <= short else lead_count
+            lead += int(np.count_nonzero(is_moved[span.start : span.start + rows]))
+    candidates = moved - lead
+    share = round(options["recompute_ratio"] * moved)
+    keep = min(max(share, options["min_recompute"] - lead), candidates)
+    early = keep
+    if options["early_layers"] > 0:
+        early = min(max(round(options["early_ratio"] * moved), keep), candidates)
+    probe = uncached if 0 < keep < candidates or 0 < early < candidates else 0
+    cached = len(kinds) - uncached - lead - keep
+    funnel = (early - keep) * options["early_layers"]
+    probed = probe * options["probe_layers"]
+    rows = uncached + lead + keep + funnel + probed + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
+    cost = rows / max(len(kinds), 1)
+    reason = None
+    if moved and keep == candidates and options["recompute_ratio"] < 1:
+        reason = (
+            f"short_document: every moved document has at most {short} tokens"
+            if lead == moved
+            else f"min_recompute: the floor of {options['min_recompute']} tokens covers all "
+            f"{moved} moved tokens"
+        )
+    elif moved and options["full_above"] < 1 and cost > options["full_above"]:
+        limit = options["full_above"]
+        reason = (
+            f"full_above: blend would cost {share_above(cost, limit)} of full prefill "
+            f"(limit {limit:g})"
+        )
+    recompute_all = keep == candidates or reason is not None
+    if recompute_all:
+        keep, early, probe = candidates, candidates, 0
+    return AttentionBudget(lead, keep, early, probe, recompute_all, cost, reason)
+
+
+def share_above(cost: float, limit: float) -> str:
+    """Write ``cost`` (above ``limit``) with as many digits as it takes to read as above it.
+
+    Never ``0.80`` for a limit of 0.8: 2 to 6 decimals, else ``just above 0.8``.
+    """
+    for digits in range(2, 7):
+        text = f"{cost:.{digits}f}"
+        if float(text) > limit:
+            return text
+    return f"just above {limit:g}"
+
+
+def early_layer_count(share: float, num_layers: int) -> int:
+    """How many first layers compute the funnel's top (``early_layers`` of ``num_layers``).
+
+    At least one when ``share`` > 0, and never every layer.
+    """
+    if share <= 0:
+        return 0
+    return min(max(1, round(share * num_layers)), num_layers - 1)
+
+
+def probe_layer_count(share: float, num_layers: int) -> int:
+    """How many first layers the probe runs (``probe_layers`` of ``num_layers``, at least one)."""
+    return min(max(1, round(share * num_layers)), num_layers)
+
+
+def _layer_share(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a share of the model's layers in [0, 1), got {value!r}")
+    return float(value)
+
+
+def _probe_share(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{name} must be a share of the model's layers in (0, 1], got {value!r}")
+    return float(value)
+
+
+def ranked_candidates(score: torch.Tensor, candidates: np.ndarray, count: int) -> torch.Tensor:
+    """Return the ``count`` entries of ``candidates`` scoring most, best first (on device)."""
+    rows = to_device(candidates, score.device)
+    if count <= 0:
+        return rows[:0]
+    return rows[torch.topk(score[rows], min(count, rows.numel()), sorted=True).indices]
+
+
+class AttentionSelector(Selector):
+    """Recompute the moved tokens the probe's tail attention ranks first.
+
+    The top ``recompute_ratio`` of moved tokens are recomputed at every layer. With
+    ``early_layers`` (a share of the model's layers, 0 by default), the first layers recompute
+    the top ``early_ratio`` instead, a funnel narrowing to ``recompute_ratio`` after them: the
+    early layers are where a document's tokens most need the text they were cached without,
+    and rows leaving the funnel keep what those layers gave the rows that stay.
+
+    ``min_recompute`` sets a floor under ``recompute_ratio``'s budget, the leading rows below
+    included: a prompt of few moved tokens (five retrieved passages) gets a larger share of them
+    recomputed, while a long prompt, whose share is larger than the floor, keeps the ratio.
+
+    With ``lead_tokens``, the first tokens of every moved document are recomputed too (they
+    saw only the document head when cached and act as the document's attention sink; a short
+    document's answer depends on them most), on top of the ratio's budget.
+
+    ``probe_layers`` (a share of the model's layers, all by default) runs the probe over the
+    first layers only: it costs less, and on a GPU the prefill starts while the later layers'
+    cached KV is still being copied (the copies of every layer are issued as the probe starts).
+
+    When the blend's estimated cost (`attention_budget`: its computed rows, probe included,
+    plus the rows it reads from caches at `REUSED_ROW_COST` each) is above ``full_above`` of a
+    full prefill's, every moved token is recomputed instead: such a blend is barely faster
+    than full prefill, and the rows it leaves stale still cost quality.
+    """
+
+    name = "attention"
+    settings = {
+        "recompute_ratio": Setting(
+            0.2, ratio, "share of the moved tokens recomputed at every layer, in [0, 1]"
+        ),
+        "early_ratio": Setting(
+            0.4, ratio, "share of the moved tokens recomputed in the early layers, in [0, 1]"
+        ),
+        "early_layers": Setting(
+            0.0, _layer_share, "share of the model's layers that recompute early_ratio (0: none)"
+        ),
+        "probe_layers": Setting(
+            1.0, _probe_share, "share of the model's layers (the first ones) the probe runs"
+        ),
+        "min_recompute": Setting(
+            256, non_negative_int, "moved tokens recomputed at least, leading ones included"
+        ),
+        "lead_tokens": Setting(8, non_negative_int, "leading tokens of each moved document"),
+        "short_document": Setting(
+            32, non_negative_int, "moved documents of at most this many tokens are recomputed whole"
+        ),
+        "full_above": Setting(
+            0.8,
+            ratio,
+            "estimated cost (of full prefill) above which every moved token is "
+            "recomputed (1: never)",
+        ),
+        "correction": CORRECTION,
+    }
+    refine_reads_cache = False  # the funnel narrows to rows chosen before the loop
+
+    def __init__(self, settings: Mapping[str, Any]) -> None:
+        super().__init__(settings)
+        self.later: Narrowing | None = None  # the rows kept after the early layers
+
+    def select(self, context: SelectionContext) -> Selection:
+        """Run the probe and pick the moved rows scoring most (`attention_budget` says how many)."""
+        # Every count here is on the host (numpy): the decision costs no device sync.
+        kinds = context.kinds.numpy()
+        budget = attention_budget(kinds.tolist(), context.spans, self.options)
+        self.budget = budget
+        self.refine_layers = frozenset()
+        uncached = context.uncached.numpy()
+        lead = leading_rows(context, self.options["lead_tokens"], self.options["short_document"])
+        computed = uncached | lead
+        moved = context.moved.numpy()
+        if budget.recompute_all:  # every moved row: no probe
+            computed[moved] = True
+            return Selection(torch.from_numpy(np.flatnonzero(computed)))
+        candidates = moved[~lead[moved]]  # moved rows not recomputed already
+        if not budget.probe:  # nothing to rank (no row, or every row, early; none later)
+            computed[candidates[: budget.early]] = True
+            return Selection(torch.from_numpy(np.flatnonzero(computed)))
+        probe_rows = np.flatnonzero(uncached)
+        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
+        num_layers = context.decoder.shape.num_layers
+        layers = probe_layer_count(self.options["probe_layers"], num_layers)
+        start = context.run_pass(
+            torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None
+        )
+        # summed over every tensor-parallel rank's heads, so every rank picks the same rows
+        self.scores = scores = context.decoder.reduce_scores(observer.scores)
+        # the chosen rows, best first, stay on the device: no read-back
+        ranked = ranked_candidates(scores, candidates, budget.early)
+        base = np.flatnonzero(computed)
+        rows = chosen_rows(base, ranked, candidates, context.decoder.device)
+        layers = early_layer_count(self.options["early_layers"], num_layers)
+        if budget.early > budget.keep and layers:  # the funnel narrows after the early layers
+            later = chosen_rows(base, ranked[: budget.keep], candidates, rows.positions.device)
+            keep = torch.searchsorted(rows.positions, later.positions)
+            self.later = Narrowing(keep, later)
+            self.refine_layers = frozenset([layers])
+        return Selection(rows, start=start)
+
+    def refine(
+        self,
+        decoder: ModelAdapter,
+        layer: int,
+        hidden: torch.Tensor,
+        rows: RowSet,
+        kinds: torch.Tensor,
+        cached: tuple[torch.Tensor, torch.Tensor],
+    ) -> Narrowing:
+        """After the early layers, keep the rows of ``recompute_ratio`` (chosen in `select`)."""
+        assert self.later is not None
+        return self.later

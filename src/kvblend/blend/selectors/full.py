@@ -1,0 +1,19 @@
+"""``full``: every token computed over the prompt's token ids, the exact baseline."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvblend.blend.selectors.base import Selection, SelectionContext, Selector
+
+
+class FullSelector(Selector):
+    """Compute every row at every layer; no cached KV is read."""
+
+    name = "full"
+    reads_cache = False
+
+    def select(self, context: SelectionContext) -> Selection:
+        """Compute every row."""
+        return Selection(torch.from_numpy(np.arange(context.kinds.numel())))

@@ -1,0 +1,1 @@
+"""The ``kvblend`` command line: demo, precompute, ask, explain, store, bench (`main`)."""

@@ -1,0 +1,393 @@
+"""The ``kvblend`` command line: demo, precompute, ask, explain, store, bench.
+
+Every user mistake (a bad option, a missing file, an unknown device or model) is one line on
+stderr and exit status 2, found before the model loads wherever it can be: a traceback is for
+bugs, not for typos. The engine (and torch) is imported only by the command that runs, so
+``kvblend --help`` answers at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvblend.cli.args import (
+    CLIError,
+    OneLineParser,
+    add_blend_options,
+    add_chunk_option,
+    add_model_options,
+    check_device,
+    positive_int,
+    printable,
+)
+from kvblend.cli.precompute import DocumentFiles, fitting_documents, list_files, precompute_each
+from kvblend.cli.store import add_store_parser
+
+if TYPE_CHECKING:
+    from kvblend.blend.config import BlendConfig
+    from kvblend.engine.engine import BlendEngine
+
+logger = logging.getLogger("kvblend")
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad settings, text arguments and environment settings before the model loads."""
+    if hasattr(args, "strategy"):
+        _config(args)  # a bad setting fails before the model loads
+    if hasattr(args, "device"):
+        check_device(args.device)
+        from kvblend.decoding.cache import check_environment
+
+        check_environment()  # KVBLEND_DECODE_CACHE, KVBLEND_DECODE_COMPILE
+    from kvblend.validation import check_text
+
+    for name in ("question", "system", "prompt"):
+        value = getattr(args, name, None)
+        if value is not None:
+            try:
+                check_text(value, f"the {name} argument")
+            except ValueError as error:
+                raise CLIError(str(error)) from None
+            if name != "system" and not value.strip():
+                raise CLIError(f"the {name} is empty")
+
+
+def load_sample_corpus() -> dict[str, Any]:
+    """Load the demo corpus shipped inside the package (`kvblend.samples.sample_corpus`)."""
+    from kvblend.samples import sample_corpus
+
+    return sample_corpus()
+
+
+def _quiet_transformers() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _config(args: argparse.Namespace) -> BlendConfig:
+    """Return the blend settings given on the command line.
+
+    A setting the strategy does not use is an error (one line), never silently ignored.
+    """
+    from kvblend.blend.config import BlendConfig, parse_setting
+
+    options = {"recompute_ratio": args.ratio, "deviation": args.deviation,
+               "correction": args.correction}  # fmt: skip
+    given = {name: value for name, value in options.items() if value is not None}
+    for text in getattr(args, "set", None) or []:
+        name, value = parse_setting(text)
+        if name in given:
+            raise ValueError(f"setting {name} is given twice")
+        given[name] = value
+    try:
+        return BlendConfig(args.strategy, **given)
+    except ValueError as error:
+        flags = {"recompute_ratio": "--ratio", "deviation": "--deviation",
+                 "correction": "--correction"}  # fmt: skip
+        message = str(error)
+        for name, flag in flags.items():
+            message = message.replace(repr(name), flag)
+        raise ValueError(message) from None
+
+
+def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
+    import torch
+
+    from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT, BlendEngine
+
+    _quiet_transformers()
+    store = _store(args)
+    print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
+    started = time.perf_counter()
+    if args.system is not None:
+        system = args.system
+    engine = BlendEngine.from_pretrained(
+        args.model, store=store, device=args.device,
+        system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system, threads=args.threads,
+    )  # fmt: skip
+    print(
+        f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
+        f"(parity self-check error {engine.parity_error:.1e}; {torch.get_num_threads()} CPU "
+        "thread(s))",
+        file=sys.stderr,
+    )
+    budget = getattr(args, "max_new_tokens", None)
+    if budget is not None and budget >= engine.context_window:
+        raise CLIError(
+            f"--max-new-tokens {budget} leaves no room for a prompt in {engine.name}'s context "
+            f"window of {engine.context_window} tokens"
+        )
+    return engine
+
+
+def _store(args: argparse.Namespace):  # noqa: ANN202
+    from kvblend.store import MemoryKVStore, default_store
+
+    if getattr(args, "memory_only", False):
+        return MemoryKVStore()
+    return default_store(getattr(args, "store_dir", None))
+
+
+def _read(paths: Sequence[str], files: DocumentFiles) -> list[tuple[str, str]]:
+    """Return the ``(name, text)`` of every document file of ``paths`` (before the model loads)."""
+    from kvblend.cli.precompute import read_files
+
+    return read_files(list_files(paths, files), files)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    """Precompute the sample corpus, then answer its questions with full and blended prefill."""
+    corpus = load_sample_corpus()
+    documents = [d["text"] for d in corpus["documents"]]
+    questions = corpus["questions"][: args.questions]
+    engine = _engine(args, corpus.get("system"))
+    engine.precompute(documents, progress=True)
+    config = _config(args)
+    from kvblend.blend.config import BlendConfig
+
+    setting = f"strategy: {config.strategy}" + "".join(
+        f", {name.replace('_', ' ')} {value}" for name, value in config.settings.items()
+    )
+    print(f"\n{setting}; {len(documents)} documents, shuffled per question\n")
+    speedups, correct_full, correct_blended = [], 0, 0
+    for item in questions:
+        order = documents[:]
+        random.Random(f"{args.seed}:{item['question']}").shuffle(order)  # per question
+        segments = engine.rag_segments(item["question"], order)
+        full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
+        blended = engine.generate(segments, config, max_new_tokens=args.max_new_tokens)
+        full_answer, answer = " ".join(full.text.split()), " ".join(blended.text.split())
+        full_ok = item["answer"].lower() in full_answer.lower()
+        blended_ok = item["answer"].lower() in answer.lower()
+        correct_full += full_ok
+        correct_blended += blended_ok
+        speedups.append(full.ttft_s / blended.ttft_s)
+        print(f"Q: {item['question']}  (expected: {item['answer']})")
+        print(f"  full prefill  TTFT {full.ttft_s:5.2f} s  {'+' if full_ok else '-'} {full_answer}")
+        print(
+            f"  blended       TTFT {blended.ttft_s:5.2f} s  {'+' if blended_ok else '-'} {answer}"
+        )
+        print(f"  speedup {speedups[-1]:.1f}x\n")
+    stats = blended.stats
+    print(
+        f"\nExpected answer found: full prefill {correct_full}/{len(questions)}, blended "
+        f"{correct_blended}/{len(questions)}. Last prompt: {stats.prompt_tokens} tokens, "
+        f"{stats.reused_tokens} reused from cache, {stats.recomputed_tokens} recomputed, "
+        f"{stats.computed_tokens} computed in full. "
+        f"Median TTFT speedup {sorted(speedups)[len(speedups) // 2]:.1f}x."
+    )
+
+
+def cmd_precompute(args: argparse.Namespace) -> None:
+    """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
+    files = DocumentFiles()
+    named = _read(args.paths, files)  # before the model loads
+    engine = _engine(args)
+    started = time.perf_counter()
+    documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
+    stored = precompute_each(engine, documents, files)
+    skipped = len(files.skipped)
+    print(
+        f"precomputed {stored} documents in {time.perf_counter() - started:.1f} s"
+        + (f"; {skipped} file(s) or folder(s) skipped (named above)" if skipped else "")
+    )
+    _print_stats(engine.store.stats())
+
+
+def cmd_ask(args: argparse.Namespace) -> None:
+    """Answer a question over documents with blended prefill."""
+    files = DocumentFiles()
+    read = _read(args.docs, files)  # before the model loads
+    engine = _engine(args)
+    named = fitting_documents(engine, read, chunk=args.chunk, files=files)
+    precompute_each(engine, named, files)
+    documents = [text for _, text in named]
+    if not documents:
+        raise CLIError("no document fits the model (named above)")
+    segments = engine.rag_segments(args.question, documents)
+    try:
+        engine.plan(segments)  # one prompt holds every document: it must fit the window
+    except ValueError as error:
+        raise CLIError(
+            f"{error}: the question and {len(documents)} document(s) are one prompt; pass fewer "
+            "or shorter documents"
+        ) from None
+    from kvblend.blend.config import BlendConfig
+
+    if args.compare:
+        full = engine.generate(segments, BlendConfig("full"), max_new_tokens=args.max_new_tokens)
+        print(f"full prefill  ({full.ttft_s:.2f} s to first token): {full.text.strip()}")
+    out = engine.generate(segments, _config(args), max_new_tokens=args.max_new_tokens)
+    if args.compare:
+        print(f"blended       ({out.ttft_s:.2f} s to first token): {out.text.strip()}")
+    else:
+        print(out.text.strip())
+    stats = out.stats
+    fallback = f"; ran as full prefill: {stats.fallback}" if stats.fallback else ""
+    print(
+        f"[{stats.prompt_tokens} prompt tokens: {stats.reused_tokens} reused, "
+        f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed; "
+        f"TTFT {out.ttft_s:.2f} s{fallback}]",
+        file=sys.stderr,
+    )
+
+
+def cmd_explain(args: argparse.Namespace) -> None:
+    """Show which parts of a prompt would be reused, recomputed or computed, and why."""
+    if args.file is not None:
+        try:
+            prompt = Path(args.file).read_text("utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise CLIError(f"cannot read prompt file {args.file}: {error}") from error
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise CLIError("give the prompt text, or --file PATH")
+    if not prompt.strip():
+        raise CLIError(f"the prompt{' file ' + args.file if args.file else ''} is empty")
+    files = DocumentFiles()
+    named = _read(args.docs, files) if args.docs else []  # before the model loads
+    engine = _engine(args)
+    if named:
+        fitting = fitting_documents(engine, named, chunk=args.chunk, files=files)
+        precompute_each(engine, fitting, files)
+    print(engine.explain(prompt, _config(args)))
+
+
+def _print_stats(stats: Any, indent: str = "") -> None:
+    print(f"{indent}entries: {stats.entries}")
+    print(f"{indent}bytes: {stats.bytes:,} ({stats.bytes / 2**20:.1f} MiB)")
+    print(f"{indent}hit rate: {stats.hit_rate:.0%} ({stats.hits} hits, {stats.misses} misses)")
+    print(f"{indent}evictions: {stats.evictions}, corrupt entries dropped: {stats.corrupt_dropped}")
+    for name, tier in stats.tiers.items():
+        print(f"{indent}{name} tier:")
+        _print_stats(tier, indent + "  ")
+
+
+def cmd_model_folder(args: argparse.Namespace) -> None:
+    """Print the local folder of the model (a GGUF file is converted once), e.g. for vLLM."""
+    from kvblend.models.loading import model_folder
+
+    print(model_folder(args.model))
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Run the TTFT benchmark script."""
+    from kvblend.bench import main as bench_main
+
+    code = bench_main(args.bench_args)
+    if code:
+        raise SystemExit(code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of the ``kvblend`` command."""
+    parser = OneLineParser(
+        prog="kvblend",
+        description="Reuse the KV cache of documents wherever they land in a RAG prompt.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser(
+        "demo", help="answer the bundled sample corpus's questions, full vs blended"
+    )
+    add_model_options(demo)
+    add_blend_options(demo)
+    demo.add_argument(
+        "--questions", type=positive_int, default=6, help="how many questions (default 6)"
+    )
+    demo.add_argument("--seed", type=int, default=0, help="seed of the document shuffles")
+    demo.set_defaults(func=cmd_demo)
+
+    pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
+    add_model_options(pre)
+    pre.add_argument("paths", nargs="+", help="text files or folders (one document per file; "
+                                              "hidden files and folders are skipped)")  # fmt: skip
+    add_chunk_option(pre)
+    pre.set_defaults(func=cmd_precompute)
+
+    ask = sub.add_parser("ask", help="answer a question over documents with blended prefill")
+    add_model_options(ask)
+    add_blend_options(ask)
+    ask.add_argument("question")
+    ask.add_argument("--docs", nargs="+", required=True,
+                     help="text files or folders, all put in one prompt")  # fmt: skip
+    add_chunk_option(ask)
+    ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
+    ask.set_defaults(func=cmd_ask)
+
+    explain = sub.add_parser(
+        "explain", help="show what a prompt would reuse from the store, and why (computes nothing)"
+    )
+    add_model_options(explain)
+    add_blend_options(explain, decodes=False)
+    explain.add_argument("prompt", nargs="?", help="the final prompt text")
+    explain.add_argument("--file", help="read the prompt from this file instead")
+    explain.add_argument("--docs", nargs="+", help="precompute these text files or folders first")
+    add_chunk_option(explain)
+    explain.set_defaults(func=cmd_explain)
+
+    add_store_parser(sub)
+
+    folder = sub.add_parser(
+        "model-folder",
+        help="print the model's local folder, a GGUF file converted once (e.g. for vllm serve)",
+    )
+    folder.add_argument("--model", help="model folder or GGUF file (default: bundled)")
+    folder.set_defaults(func=cmd_model_folder)
+
+    # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
+    sub.add_parser(
+        "bench",
+        help="benchmarks: ttft, quality, ingest, gpu, doc-context, redis-ttft ... "
+        "(see docs/benchmarks.md)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvblend`` command."""
+    logging.basicConfig(level=logging.WARNING, format="kvblend: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv[:1] == ["bench"]:  # its own parser: `kvblend bench --help` is the bench's help
+            args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
+        else:
+            args = build_parser().parse_args(argv)
+        _check_arguments(args)
+        args.func(args)
+    except (CLIError, FileNotFoundError, ValueError) as error:
+        if isinstance(error, FileNotFoundError) and not _is_model_not_found(error):
+            raise
+        message = " ".join(str(error).split())  # one line, whatever the error holds
+        print(printable(f"kvblend: error: {message}"), file=sys.stderr)
+        return 2
+    except SystemExit as exit_:  # argparse: --help (0) or a one-line usage error (2)
+        return exit_.code if isinstance(exit_.code, int) else 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _is_model_not_found(error: Exception) -> bool:
+    """Whether ``error`` is the engine's `ModelNotFoundError` (a user mistake, one line)."""
+    if "kvblend.engine" not in sys.modules:  # no model was looked for
+        return False
+    from kvblend.errors import ModelNotFoundError
+
+    return isinstance(error, ModelNotFoundError)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

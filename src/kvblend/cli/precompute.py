@@ -1,0 +1,242 @@
+"""Document files for ``kvblend precompute`` and ``ask``: which files, which fit, stored.
+
+`list_files` finds the files of the paths given and `read_files` reads them, before the model
+loads: inside a folder, hidden files and dot-folders are skipped (named in one line) and so is
+every file that is not text; an empty, blank, undecodable or unreadable file is named, and a
+file over `MAX_FILE_BYTES` is named without being read. Once the model is loaded,
+`fitting_documents` skips a file longer than its context window (with the document context it
+is precomputed behind) without tokenizing it whole: by its characters when no window could hold
+them (a 10 MiB file costs nothing), else by tokenizing about a window of it; with ``--chunk``
+it splits such a file at token boundaries into documents that fit. `precompute_each` stores
+them; a file the engine refuses for another reason is named and skipped too: one bad file never
+costs the rest of the batch. Every skipped file is named on its own line and counted in
+`DocumentFiles.skipped`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvblend.cli.args import CLIError, printable
+
+if TYPE_CHECKING:
+    from kvblend.engine.engine import BlendEngine
+
+logger = logging.getLogger("kvblend")
+
+#: Suffixes of the files read inside a folder (a file named on the command line is always read).
+TEXT_SUFFIXES = (".md", ".rst", ".text", ".txt")
+#: Characters of the pieces a text is tokenized in when ``--chunk`` splits it.
+CHUNK_BLOCK_CHARS = 1 << 18
+#: Bytes of the largest file read as a document (a larger one is named and skipped unread).
+MAX_FILE_BYTES = 256 << 20
+
+
+class DocumentFiles:
+    """The files of a command's paths, and the ones skipped (each named on its own line)."""
+
+    def __init__(self) -> None:
+        self.skipped: list[str] = []
+
+    def skip(self, name: str, reason: str) -> None:
+        """Name a skipped file (or folder) and why, in one line."""
+        logger.warning(printable(f"skipping {name}: {reason}"))
+        self.skipped.append(name)
+
+
+def _walk(folder: Path, files: DocumentFiles) -> Iterator[Path]:
+    """Yield the text files under ``folder``, sorted; name hidden entries and other files."""
+    hidden: list[str] = []
+    for root, folders, names in os.walk(folder):
+        here = Path(root)
+        hidden += [str(here / name) + "/" for name in folders if name.startswith(".")]
+        folders[:] = sorted(name for name in folders if not name.startswith("."))
+        for name in sorted(names):
+            path = here / name
+            if name.startswith("."):
+                hidden.append(str(path))
+            elif path.suffix.lower() not in TEXT_SUFFIXES:
+                files.skip(str(path), f"not a text file ({', '.join(TEXT_SUFFIXES)})")
+            else:
+                yield path
+    if hidden:
+        logger.warning(printable(f"skipping hidden files and folders: {', '.join(hidden)}"))
+        files.skipped += hidden
+
+
+def list_files(paths: Sequence[str], files: DocumentFiles) -> list[Path]:
+    """Return the document files of ``paths`` (files or folders); name the empty and skipped.
+
+    A path that does not exist is a `CLIError`, and so is finding no file to read.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw).expanduser()
+        if path.is_dir():
+            found += _walk(path, files)
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise CLIError(f"no such file or folder: {raw}")
+    listed = []
+    for path in found:
+        try:
+            empty = path.stat().st_size == 0
+        except OSError as error:
+            files.skip(str(path), error.strerror or str(error))
+            continue
+        if empty:
+            files.skip(str(path), "empty file")
+        else:
+            listed.append(path)
+    if not listed:
+        raise CLIError(f"no documents found (text files: {', '.join(TEXT_SUFFIXES)})")
+    return listed
+
+
+def read_files(paths: Sequence[Path], files: DocumentFiles) -> list[tuple[str, str]]:
+    """Read each file as UTF-8 ``(name, text)``; name the unreadable, blank and too large."""
+    named = []
+    for path in paths:
+        name = str(path)
+        try:
+            size = path.stat().st_size
+            if size > MAX_FILE_BYTES:
+                files.skip(name, f"{size / 2**20:,.0f} MiB, larger than a document file may be "
+                                 f"({MAX_FILE_BYTES >> 20} MiB)")  # fmt: skip
+                continue
+            text = path.read_text("utf-8").strip()
+        except UnicodeDecodeError as error:
+            files.skip(name, f"not UTF-8 text ({error.reason} at byte {error.start})")
+            continue
+        except OSError as error:
+            files.skip(name, error.strerror or str(error))
+            continue
+        if text:
+            named.append((name, text))
+        else:
+            files.skip(name, "blank file (only whitespace)")
+    if not named:
+        raise CLIError("no documents found (named above)")
+    return named
+
+
+def _too_long(engine: BlendEngine, chars: int) -> str | None:
+    """Why a text of ``chars`` characters cannot fit the window in any case (None: it may)."""
+    window = engine.library.window
+    if not window.tokens or chars <= window.tokens * window.max_token_chars:
+        return None
+    return (
+        f"{chars:,} characters, longer than {engine.name}'s context window of {window.tokens} "
+        f"tokens can hold (at most {window.max_token_chars} characters a token); --chunk splits it"
+    )
+
+
+def document_room(engine: BlendEngine) -> int:
+    """Tokens a document may have: the context window less its document context (and BOS)."""
+    context = len(engine.encode(engine.doc_prefix)) if engine.doc_prefix else 1
+    return max(1, engine.context_window - context - 1)
+
+
+def _blocks(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of about ``size`` characters, each cut before a whitespace."""
+    start = 0
+    while len(text) - start > size:
+        cut = max(text.rfind(" ", start + size // 2, start + size),
+                  text.rfind("\n", start + size // 2, start + size))  # fmt: skip
+        cut = cut if cut > start else start + size
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def chunks(engine: BlendEngine, text: str, room: int) -> list[str]:
+    """Split ``text`` at token boundaries into pieces of at most ``room`` tokens.
+
+    The text is tokenized in blocks of `CHUNK_BLOCK_CHARS` characters, so a file of megabytes
+    never becomes one tokenizer call.
+    """
+    pieces = []
+    for block in _blocks(text, CHUNK_BLOCK_CHARS):
+        encoded = engine.tokenizer(block, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = encoded["offset_mapping"]
+        start = 0
+        for first in range(room, len(offsets), room):
+            cut = offsets[first][0]
+            pieces.append(block[start:cut])
+            start = cut
+        pieces.append(block[start:])
+    return [piece.strip() for piece in pieces if piece.strip()]
+
+
+def fitting_documents(
+    engine: BlendEngine,
+    named: Sequence[tuple[str, str]],
+    *,
+    chunk: bool,
+    files: DocumentFiles | None = None,
+) -> list[tuple[str, str]]:
+    """Return the ``(name, text)`` documents that fit; name each other file in one line.
+
+    A text no context window could hold (by its characters) is skipped untokenized; another is
+    tokenized only as far as it takes to know it does not fit (about a context window of it,
+    `kvblend.validation.tokens_beyond`), unless ``chunk`` splits it.
+    """
+    from kvblend.validation import tokens_beyond
+
+    files = files or DocumentFiles()
+    room = document_room(engine)
+    fitting = []
+    for name, text in named:
+        too_long = None if chunk else _too_long(engine, len(text))
+        if too_long is not None:
+            files.skip(name, too_long)
+            continue
+        beyond = tokens_beyond(engine.tokenize, text, room)
+        if beyond is None:
+            fitting.append((name, text))
+            continue
+        tokens, exact = beyond
+        count = f"{tokens:,} tokens" if exact else f"more than {room} tokens"
+        if chunk:
+            pieces = chunks(engine, text, room)
+            logger.warning(printable(f"{name}: {count}, split into {len(pieces)} chunks"))
+            fitting += [(f"{name} [chunk {i + 1}]", piece) for i, piece in enumerate(pieces)]
+        else:
+            files.skip(
+                name,
+                f"{count}, longer than {engine.name}'s context window leaves a document "
+                f"({room}); --chunk splits it",
+            )
+    return fitting
+
+
+def precompute_each(
+    engine: BlendEngine,
+    documents: Sequence[tuple[str, str]],
+    files: DocumentFiles | None = None,
+) -> int:
+    """Precompute ``documents`` in batches; on a refusal, one by one, naming each failure.
+
+    Returns how many documents are stored.
+    """
+    if not documents:
+        return 0
+    try:
+        return len(engine.precompute([text for _, text in documents], progress=True))
+    except ValueError:
+        pass  # find the file at fault; the others are kept
+    files = files or DocumentFiles()
+    stored = 0
+    for name, text in documents:
+        try:
+            engine.precompute([text], progress=False)
+        except ValueError as error:
+            files.skip(name, " ".join(str(error).split()))
+        else:
+            stored += 1
+    return stored

@@ -1,0 +1,371 @@
+"""Segment KV in the store: computing, checking and opening the entries a prefill reads.
+
+`SegmentKV` is the engine's only path to stored KV. It knows how a document is tokenized for
+its cache (behind the document context, memoized), computes an entry with the engine's own
+layer loop and writes it, checks that an entry reads back, and opens the entries a prefill plan
+needs. A store that fails never fails an answer: a missing or unreadable entry is computed,
+and one that fails while it is being read (a damaged tensor, a remote tier gone mid-prompt) is
+recomputed in place (`StoredRows`).
+
+An entry is one tensor, ``kv``: every layer's un-rotated keys and values of the document,
+``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values), laid out as the prompt buffer
+of the blend loop (`kvblend.blend.kv_buffer.PromptKV`) holds them, so a document's rows of a
+group of layers are placed with one copy. What a store hands out is read in place:
+`StoredRows` gives views into it, and the blend loop only ever copies out of them, never writes
+into them.
+
+Nothing read is trusted: every entry is opened with the tensor the model needs (``kv``,
+``kv_dtype``, the shape above with the document's token count) and finite values, which the
+store checks in the same pass as the checksum (`kvblend.store.base.EntrySpec`); an entry that
+differs is corrupt: dropped, counted and recomputed, never used. `StoredRows` checks the shape
+again as it is used, so a store that ignores the expectation still never feeds a wrong-shaped
+tensor to the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.loop import COMPUTE, BlendInput, CachedSpan, run_blend
+from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
+from kvblend.documents.records import document_metadata
+from kvblend.documents.stored_rows import StoredRows
+from kvblend.models.decoder import Decoder
+from kvblend.prompt.plan import DocumentLayout, PrefillPlan, document_layout
+from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SegmentKV", "StoredRows"]
+
+_LAYOUT_CACHE = 4096  # tokenized documents kept, by text
+
+
+class SegmentKV:
+    """Compute, store, check and open segment KV for one model, store and document context."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        tokenizer: Any,
+        store: Any,
+        *,
+        fingerprint: str,
+        doc_prefix: str | None,
+        kv_dtype: torch.dtype,
+        model_name: str,
+        check_length: Callable[[int], None],
+        context_of: Callable[[str], str] | None = None,
+        known: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.store = store
+        self.fingerprint = fingerprint
+        self.doc_prefix = doc_prefix
+        self.kv_dtype = kv_dtype
+        self.model_name = model_name
+        self._check_length = check_length
+        #: Which document context a document's KV is read from (default: `doc_prefix`).
+        self.context_of = context_of
+        #: Whether a text is a known document (registered): only those entries name it.
+        self.known = known
+        self._layouts: OrderedDict[tuple[str, str], DocumentLayout] = OrderedDict()
+        #: segment id -> (text, context) of each document whose layout is memoized, so an
+        #: entry computed during a prefill or recomputed after a damaged read names its
+        #: document as `ensure_many`'s entries do (the registry is rebuilt from those names)
+        self._documents: dict[str, tuple[str, str]] = {}
+        self._lock = threading.Lock()
+        self._takes_expect = _accepts_keyword(store.get, "expect")
+        #: entries found damaged or not fitting the model since this object was built
+        self.dropped = 0
+
+    def entry_shape(self, tokens: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        """Return the dtype and shape of the stored tensor of a ``tokens``-token document."""
+        shape = self.decoder.shape
+        return self.kv_dtype, (shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim)
+
+    def expectation(self, tokens: int) -> Any:
+        """Return the `EntrySpec` a ``tokens``-token document's entry is checked against."""
+        from kvblend.store.base import (
+            EntrySpec,  # the store's contract type; no store is built here
+        )
+
+        return EntrySpec({KV_NAME: self.entry_shape(tokens)})
+
+    def open_entry(
+        self, key: str, tokens: int, device: torch.device | None = None
+    ) -> Mapping[str, torch.Tensor] | None:
+        """Open ``key``'s entry, checked against a ``tokens``-token document (None: a miss)."""
+        if self._takes_expect:
+            return self.store.get(key, device=device, expect=self.expectation(tokens))
+        return self.store.get(key, device=device)
+
+    def layout(self, text: str, context: str | None = None) -> DocumentLayout:
+        """How ``text`` is tokenized for its cache: behind its document context (memoized).
+
+        ``context=None``: the one ``context_of(text)`` names (the store may hold the document
+        behind another engine's context), else this engine's `doc_prefix`.
+        """
+        if context is None:
+            context = self.context_of(text) if self.context_of else (self.doc_prefix or "")
+        memo = (context, text)
+        with self._lock:
+            found = self._layouts.get(memo)
+            if found is not None:
+                self._layouts.move_to_end(memo)
+                return found
+        layout = document_layout(self.tokenizer, context, text)
+        key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
+        with self._lock:
+            self._layouts[memo] = layout
+            self._documents[key] = (text, context)
+            if len(self._layouts) > _LAYOUT_CACHE:
+                (old_context, old_text), old = self._layouts.popitem(last=False)
+                old_key = segment_key(self.fingerprint, old.context_ids, old.ids)
+                if self._documents.get(old_key) == (old_text, old_context):
+                    del self._documents[old_key]
+        return layout
+
+    def described(self, key: str) -> dict[str, str]:
+        """Entry metadata naming the known document stored under ``key`` (tokenized here).
+
+        Empty for a segment that is no known document (a prompt head, a segment passed in a
+        list and never registered) or one whose layout is no longer memoized.
+        """
+        with self._lock:
+            found = self._documents.get(key)
+        if found is None or (self.known is not None and not self.known(found[0])):
+            return {}
+        return document_metadata(*found)
+
+    def key(self, text: str, context: str | None = None) -> str:
+        """Return the segment id of a document text (``context`` as in `layout`)."""
+        layout = self.layout(text, context)
+        return segment_key(self.fingerprint, layout.context_ids, layout.ids)
+
+    def ensure_many(
+        self,
+        texts: Sequence[str],
+        *,
+        force: bool = False,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        done: Callable[[list[str]], None] | None = None,
+    ) -> list[str]:
+        """Store the KV of each text unless an intact entry is there; return their segment ids.
+
+        The missing entries (``force``: all) are computed in length-sorted batches;
+        ``batch_tokens`` bounds ``documents x longest`` of a batch (`length_batches`).
+        ``done(texts)`` is called with the texts already stored, then after each batch.
+        Returns the segment ids, in the order of ``texts``. Entries are computed behind this
+        engine's own `doc_prefix` and carry what the registry needs to find them again
+        (`kvblend.documents.records.document_metadata`).
+        """
+        context = self.doc_prefix or ""
+        layouts = [self.layout(text, context) for text in texts]
+        keys = [segment_key(self.fingerprint, lay.context_ids, lay.ids) for lay in layouts]
+        missing: dict[str, int] = {}  # segment id -> index of its first text
+        for index, key in enumerate(keys):
+            tokens = len(layouts[index].ids)
+            if key not in missing and (force or not self.intact(key, tokens)):
+                missing[key] = index
+        if done is not None:
+            done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
+        todo = [(key, layouts[index]) for key, index in missing.items()]
+        described = {key: document_metadata(texts[i], context) for key, i in missing.items()}
+        lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
+        for length in lengths:  # a text too long fails the call before anything is computed
+            self._check_length(length)
+        for batch in length_batches(lengths, batch_tokens):
+            self.compute_batch([todo[index] for index in batch], described)
+            if done is not None:
+                computed = {todo[index][0] for index in batch}
+                done([text for text, key in zip(texts, keys, strict=True) if key in computed])
+        return keys
+
+    def intact(self, key: str, tokens: int | None = None) -> bool:
+        """Whether the store holds ``key`` and every tensor reads back fitting the model.
+
+        ``tokens`` is the document's token count (None: the count the entry's own metadata
+        gives). An entry that is damaged, of another shape or dtype, or not finite is dropped.
+        """
+        try:
+            if tokens is None:
+                tokens = int((self.store.metadata(key) or {}).get("tokens", -1))
+            entry = self.open_entry(key, tokens)
+            if entry is None:
+                return False
+            self._check_read(entry, tokens)
+            return True
+        except Exception as error:  # noqa: BLE001 - any unreadable entry is recomputed
+            logger.warning("dropping unreadable KV entry %s: %s", key, error)
+            self.drop(key)
+            return False
+
+    def _check_read(self, entry: Mapping[str, torch.Tensor], tokens: int) -> None:
+        """Read every tensor of ``entry``; raise ValueError if one does not fit the model."""
+        fits = self.entry_shape(tokens)
+        if set(entry) != {KV_NAME}:
+            raise ValueError(f"holds tensors {sorted(entry)[:3]}, the model needs [{KV_NAME!r}]")
+        for name in entry:
+            tensor = entry[name]
+            if (tensor.dtype, tuple(tensor.shape)) != fits:
+                raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}")
+            if _non_finite(tensor):
+                raise ValueError(f"tensor {name!r} holds NaN or infinity")
+
+    def drop(self, key: str) -> None:
+        """Delete ``key`` from the store, if the store can, and count it as dropped."""
+        with self._lock:
+            self.dropped += 1
+        try:
+            self.store.delete(key)
+        except Exception as error:  # noqa: BLE001 - recomputing overwrites it anyway
+            logger.debug("could not delete KV entry %s: %s", key, error)
+
+    def compute(
+        self, key: str, context: list[int], token_ids: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """KV of ``token_ids`` computed behind ``context``; stored under ``key`` and returned.
+
+        The entry names its document (`described`) when ``key`` is a document tokenized here.
+        """
+        self._check_length(len(context) + len(token_ids))
+        ids = torch.tensor(context + token_ids, dtype=torch.long)
+        kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
+        out = run_blend(
+            self.decoder,
+            BlendInput(ids, kinds, []),
+            BlendConfig("full"),
+            need_logits=False,
+        )
+        raw = out.raw_kv  # keys before RoPE, a tensor of its own
+        assert raw is not None
+        rows = raw[:, :, :, len(context) :]
+        tensors = {KV_NAME: rows.to(self.kv_dtype, memory_format=torch.contiguous_format)}
+        self._put(key, tensors, len(context), len(token_ids))
+        return tensors
+
+    def compute_batch(
+        self,
+        entries: Sequence[tuple[str, DocumentLayout]],
+        described: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> None:
+        """Compute the KV of several documents in one batched forward pass and store each.
+
+        ``entries`` are (segment id, layout) pairs; the stored entries are those `compute`
+        would store (`kvblend.documents.precompute` says why the batched rows are exact).
+        ``described``: metadata to store with each segment id's entry.
+        """
+        for _, layout in entries:
+            self._check_length(len(layout.context_ids) + len(layout.ids))
+        sequences = [layout.context_ids + layout.ids for _, layout in entries]
+        keys, values = forward_batch(self.decoder, sequences)
+        for row, (key, layout) in enumerate(entries):
+            start, end = len(layout.context_ids), len(sequences[row])
+            tensors = {KV_NAME: self._blob(keys, values, row, slice(start, end))}
+            self._put(key, tensors, start, end - start, (described or {}).get(key))
+
+    def _blob(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], row: int, rows: slice
+    ) -> torch.Tensor:
+        """Batch row ``row``'s ``rows`` of per-layer K/V as one new entry tensor (one copy)."""
+        tokens = rows.stop - rows.start
+        dtype, shape = self.entry_shape(tokens)
+        blob = torch.empty(shape, dtype=dtype, device=keys[0].device)
+        targets = [blob[layer, kind] for layer in range(shape[0]) for kind in (0, 1)]
+        sources = [kv[layer][row, :, rows] for layer in range(shape[0]) for kv in (keys, values)]
+        torch._foreach_copy_(targets, sources)
+        return blob
+
+    def _put(
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        context: int,
+        tokens: int,
+        described: Mapping[str, str] | None = None,
+    ) -> None:
+        if described is None:
+            described = self.described(key)
+        metadata = {
+            **described,
+            "format": KV_LAYOUT,
+            "model": self.model_name,
+            "fingerprint": self.fingerprint,
+            "layers": str(self.decoder.shape.num_layers),
+            "tokens": str(tokens),
+            "context_tokens": str(context),
+        }
+        try:
+            self.store.put(key, tensors, metadata)
+        except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer
+            logger.warning("could not store segment %s: %s", key, error)
+
+    def open_spans(self, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
+        """Open each planned span's entry, computing missing or unreadable ones.
+
+        Entries are opened where the store keeps them (host memory, pinned when CUDA is
+        available, or a device): the blend loop copies each layer group's rows straight into
+        its buffer on the device, on a side stream while earlier layers compute, instead of
+        the whole entry being copied before the first layer. Returns the spans for the blend
+        loop and how many entries were computed now.
+        """
+        spans, computed = [], 0
+        for span in plan.spans:
+            key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+            tokens = len(span.cached_ids)
+            try:
+                entry = self.open_entry(key, tokens)
+            except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
+                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
+                self.drop(key)
+                entry = None
+            if entry is None:
+                entry = self.compute(key, span.context_ids, span.cached_ids)
+                computed += 1
+            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
+            recompute = functools.partial(self._recompute, key, span.context_ids, span.cached_ids)
+            stored = StoredRows(entry, rows, recompute, self.entry_shape(tokens))
+            spans.append(CachedSpan(span.start, span.end, stored, span.kind))
+        return spans, computed
+
+    def _recompute(
+        self, key: str, context: list[int], token_ids: list[int]
+    ) -> dict[str, torch.Tensor]:
+        """Replace an entry that failed while being read: counted, computed and stored again.
+
+        A corrupt entry was already dropped by the store; storing the new one overwrites
+        whatever is left, so other readers never see the key missing meanwhile.
+        """
+        with self._lock:
+            self.dropped += 1
+        return self.compute(key, context, token_ids)
+
+
+def _accepts_keyword(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` takes the keyword argument ``name`` (or any keyword)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+def _non_finite(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds NaN or infinity: one sum (they propagate), exact if it overflows."""
+    if tensor.is_floating_point() and tensor.dtype.itemsize == 1:  # float8: no sum kernel
+        tensor = tensor.to(torch.float16)
+    if not tensor.is_floating_point() or math.isfinite(float(tensor.sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())

@@ -1,0 +1,75 @@
+"""Rows of one stored segment's KV, read a layer at a time, recomputed if the read fails.
+
+`StoredRows` is what the blend loop reads a cached span from (`SegmentKV.open_spans` makes
+them): views into the tensor a store handed out, which the loop only ever copies out of. The
+shape is checked again as it is used, so a store that ignores the expected shape still never
+feeds a wrong-shaped tensor to the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+
+from kvblend.prompt.segments import KV_NAME
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StoredRows"]
+
+
+class StoredRows:
+    """Rows of a store entry (one tensor ``kv``, `SegmentKV.entry_shape`), read a layer at a time.
+
+    ``layer(i)`` is a view into the stored tensor, never a copy: the caller only reads it. A
+    lazy entry reads its tensor when the blend loop first asks for a layer (on CUDA, the tensor
+    is handed out once the current stream is ordered after its copy: `kvblend.store.transfer`);
+    if that read fails, whatever the store raised, ``recompute`` produces the segment's KV
+    instead (and stores it again).
+    """
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        rows: slice,
+        recompute: Callable[[], Mapping[str, torch.Tensor]],
+        expected: tuple[torch.dtype, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.tensors = tensors
+        self.rows = rows
+        self.expected = expected  # dtype and shape of the stored ``kv``, when known
+        self.recomputed = False  # True once a failed read made this segment be computed anew
+        self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
+        self._kv: torch.Tensor | None = None
+
+    def layer(self, index: int) -> torch.Tensor:
+        """Return a view of layer ``index``'s un-rotated K/V ``[2, kv_heads, rows, head_dim]``."""
+        return self.layers()[index]
+
+    def layers(self) -> torch.Tensor:
+        """Return a view of every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``."""
+        if self._kv is None:
+            self._kv = self._open()
+        return self._kv[:, :, :, self.rows]
+
+    def _open(self) -> torch.Tensor:
+        try:
+            return self._read()
+        except Exception as error:  # noqa: BLE001 - any failure to read stored KV is recomputed
+            if self._recompute is None:
+                raise
+            logger.warning("stored KV unreadable mid-prompt, recomputing the segment: %s", error)
+            self.tensors, self._recompute = self._recompute(), None
+            self.recomputed = True
+            return self._read()
+
+    def _read(self) -> torch.Tensor:
+        kv = self.tensors[KV_NAME]
+        if self.expected is not None and (kv.dtype, tuple(kv.shape)) != self.expected:
+            raise ValueError(
+                f"stored tensor {KV_NAME!r} is {kv.dtype} {list(kv.shape)}, the model needs "
+                f"{self.expected[0]} {list(self.expected[1])}"
+            )
+        return kv

@@ -1,0 +1,167 @@
+"""The compiled layer loop (``KVBLEND_COMPILE=1``) and FlexAttention's block mask.
+
+The compiled loop is the eager loop's step under ``torch.compile(fullgraph=True)`` (a graph
+break raises), over size buckets: prompts of one bucket reuse its graphs (dynamo's counters
+say so) and give the eager loop's logits, which the exactness tests hold to transformers'
+forward. The block mask FlexAttention reads (built on the device from the sorted rows, never
+evaluated element by element) is checked block by block against the dense mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import TOY_BLEND_SETTINGS, make_tiny_engine
+from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.blend import compiled as compiled_loop
+from kvblend.blend.attention import attention_mask, sdpa
+from kvblend.blend.flex import BLOCK, FlexRows, block_mask_data, size_bucket
+
+DOCS = [
+    "Doc one: Marta Quill lives in Lisbon and keeps bees on the roof of her old house.",
+    "Doc two: the orange cat sleeps all day by the kitchen window, then eats at night.",
+    "Doc three: a meeting at 9:30 in room 12 on Monday; bring the slides and the notes.",
+]
+QUESTIONS = ["Where does Marta live?", "Who keeps bees?", "When is the meeting?", "Which cat?"]
+CONFIGS = [
+    BlendConfig("reuse"),
+    BlendConfig(**TOY_BLEND_SETTINGS),  # the default: a probe, then the chosen rows
+    BlendConfig("cacheblend", recompute_ratio=0.3),  # narrowed on the device at layer 1
+    BlendConfig("epic", epic_tokens=4),
+    BlendConfig("full"),
+]
+
+
+def _prompt(order: tuple[int, ...], question: str) -> list[Segment]:
+    return [
+        Segment("System: answer from the documents.\n", role="prefix"),
+        *(Segment(DOCS[index]) for index in order),
+        Segment(f"\nQuestion: {question}\nAnswer:", cache=False),
+    ]
+
+
+def _dense_allowed(rows: torch.Tensor, keys: int, window: int | None) -> torch.Tensor:
+    key = torch.arange(keys)[None]
+    allowed = key <= rows[:, None]
+    if window is not None:
+        allowed &= key > rows[:, None] - window
+    return allowed
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_block_mask_visits_every_allowed_key_and_calls_full_only_full_blocks(
+    window: int | None, seed: int
+) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    total = int(torch.randint(300, 1100, (1,), generator=generator))
+    count = int(torch.randint(1, total // 2, (1,), generator=generator))
+    rows = torch.randperm(total - 1, generator=generator)[: count - 1].sort().values
+    rows = torch.cat([rows, torch.tensor([total - 1])])  # the last row is always computed
+    padded = torch.cat([rows, rows[-1:].expand(size_bucket(count) - count)])
+    keys = size_bucket(total + 1)
+    partial, indices, full, full_indices = (
+        x[0, 0] for x in block_mask_data(padded, keys // BLOCK, window)
+    )
+    allowed = _dense_allowed(padded, keys, window)
+    for block in range(padded.numel() // BLOCK):
+        tile = allowed[block * BLOCK : (block + 1) * BLOCK].view(BLOCK, keys // BLOCK, BLOCK)
+        visited = set(indices[block, : partial[block]].tolist())
+        whole = set(full_indices[block, : full[block]].tolist())
+        assert not visited & whole
+        needed = {int(j) for j in tile.any(dim=2).any(dim=0).nonzero()}
+        assert needed <= visited | whole  # every allowed key is read
+        assert all(bool(tile[:, j].all()) for j in whole)  # a full block masks nothing
+
+
+def test_compiled_flex_attention_equals_dense_attention() -> None:
+    """One FlexAttention call over the device-built block mask (compiled, as on CUDA) equals
+    SDPA with the dense mask, with rows starting in the first key block and padding rows."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    heads, kv_heads, dim, keys = 4, 2, 16, 640
+    rows = torch.tensor([36, 37, 38, 159, 160, 321, 322, *range(480, 521)])
+    padded = torch.cat([rows, torch.full((128 - rows.numel(),), 521)])
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(heads, 128, dim, generator=generator)
+    k = torch.randn(kv_heads, keys, dim, generator=generator)
+    v = torch.randn(kv_heads, keys, dim, generator=generator)
+    flex = FlexRows(padded, keys, {None}, 0.25)
+    kernel = torch.compile(flex_attention, dynamic=False)
+    got = kernel(q[None], k[None], v[None], block_mask=flex.block_mask(None), scale=0.25,
+                 enable_gqa=True)[0].transpose(0, 1).reshape(128, -1)  # fmt: skip
+    scattered = torch.zeros(heads, keys, dim)
+    scattered[:, padded] = q
+    mask = attention_mask(torch.arange(keys), 0, keys, None, q.dtype)
+    expected = sdpa(scattered, k, v, 0.25, mask)[padded]
+    torch.testing.assert_close(got[: rows.numel()], expected[: rows.numel()], atol=1e-5, rtol=0)
+
+
+def test_size_buckets_are_few_and_tight() -> None:
+    sizes = {size_bucket(n) for n in range(1, 70_000)}
+    assert all(size % BLOCK == 0 for size in sizes) and len(sizes) < 60
+    assert all(n <= size_bucket(n) <= max(n + BLOCK, 1.25 * n) for n in range(1, 70_000, 7))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+def test_the_compiled_loop_equals_the_eager_one_without_recompiling(
+    family: str, compute_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ten prompts of one size bucket, every strategy: the compiled loop gives the eager loop's
+    logits and K/V, and after the first prompt no new graph is made (no graph break either:
+    ``fullgraph=True`` raises on one). On CUDA the graphs are CUDA graphs, none skipped."""
+    from torch._dynamo.utils import counters
+
+    engine = make_tiny_engine(family, compute_device)
+    engine.precompute(DOCS, progress=False)
+    orders = [(2, 0, 1), (1, 2, 0), (0, 1, 2)]
+    prompts = [_prompt(orders[i % 3], QUESTIONS[i % 4] + " " * (i // 4)) for i in range(10)]
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "0")
+    eager = [[engine.prefill(prompt, config) for config in CONFIGS] for prompt in prompts]
+    lengths = {len(result[0].token_ids) + 1 for result in eager}
+    assert len({size_bucket(n) for n in lengths}) == 1 and len(lengths) > 1  # one bucket
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "1")
+    tolerance = 1e-5 if compute_device.type == "cpu" else 1e-4  # generated kernels' sum order
+    for index, prompt in enumerate(prompts):
+        if index == 1:
+            graphs = counters["stats"]["unique_graphs"]
+            assert graphs > 0
+        for config, expected in zip(CONFIGS, eager[index], strict=True):
+            got = engine.prefill(prompt, config)
+            assert got.stats.computed_tokens == expected.stats.computed_tokens
+            assert got.stats.recomputed_tokens == expected.stats.recomputed_tokens
+            torch.testing.assert_close(got.logits, expected.logits, atol=tolerance, rtol=0)
+            for a, b in zip(got.keys + got.values, expected.keys + expected.values, strict=True):
+                torch.testing.assert_close(a, b, atol=tolerance, rtol=0)
+    assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
+    assert not counters["graph_break"]
+    if compute_device.type == "cuda":  # every step replayed as a CUDA graph
+        assert not counters["inductor"]["cudagraph_skips"]
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3-scaled", "qwen3"])
+def test_the_compiled_full_prefill_equals_transformers_forward(
+    family: str, compute_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "1")
+    engine: BlendEngine = make_tiny_engine(family, compute_device)
+    pre = engine.prefill(_prompt((0, 1, 2), QUESTIONS[0]), BlendConfig("full"))
+    with torch.inference_mode():
+        ids = torch.tensor([pre.token_ids], device=compute_device)
+        expected = engine.model(ids).logits[0, -1].float()
+    torch.testing.assert_close(pre.logits, expected, atol=1e-4, rtol=0)
+    assert np.isfinite(pre.logits.cpu().numpy()).all()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("KVBLEND_COMPILE", "yes"), ("KVBLEND_ATTENTION", "dense")]
+)
+def test_a_loop_setting_out_of_its_choices_is_one_clear_error(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_tiny_engine("qwen2")
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"^{name} must be .*, got '{value}'$"):
+        engine.prefill(_prompt((0, 1, 2), QUESTIONS[0]), BlendConfig("reuse"))
