@@ -360,3 +360,53 @@ class RowAttention:
             for number, chunk in enumerate(chunks)
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+class SequenceAttention:
+    """Attention of every row of equal-length sequences laid one after another (a batch).
+
+    Each sequence (a right-padded document, `BlendInput.sequences`) attends causally to its
+    own rows only, all of them at positions ``0..length-1``: one SDPA call over a batch
+    dimension, grouped KV heads, on the fused kernels. A sliding window adds the same
+    ``[length, length]`` mask for every sequence (KV heads expanded on CUDA, as in `sdpa`).
+    """
+
+    def __init__(self, rows: RowSet, sequences: int, windows: list[int | None], scaling: float):
+        self.rows = rows
+        self.sequences = sequences
+        self.windows = windows
+        self.scaling = scaling
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def _mask(self, window: int, length: int, device: torch.device) -> torch.Tensor:
+        if window not in self.masks:
+            positions = torch.arange(length, device=device)
+            offset = positions.unsqueeze(0) - positions.unsqueeze(1)  # key - query
+            self.masks[window] = (offset <= 0) & (offset > -window)
+        return self.masks[window]
+
+    def __call__(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Return the attention output ``[rows, heads * head_dim]`` of every row at ``layer``.
+
+        ``queries`` are rotated ``[heads, rows, head_dim]``; ``keys``/``values`` the layer's K/V
+        ``[kv_heads, rows, head_dim]`` (keys rotated).
+        """
+        heads, rows, head_dim = queries.shape
+        length = rows // self.sequences
+        q, k, v = (
+            x[:, :rows].unflatten(1, (self.sequences, length)).transpose(0, 1)
+            for x in (queries, keys, values)
+        )  # [sequences, heads, length, head_dim]
+        window, mask = self.windows[layer], None
+        if window is not None and length > window:
+            mask = self._mask(window, length, queries.device)
+            groups = heads // k.shape[1]
+            if groups > 1 and not sdpa_takes_gqa(True, k.device):
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+            enable_gqa=heads != k.shape[1],
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(rows, heads * head_dim)

@@ -25,19 +25,23 @@ The loop calls the model only through the `ModelAdapter` protocol (`decoder.py`)
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
 segment is exact. Read `blend_io.py` for the token kinds. A prefill can be cancelled between
 layers (``cancel``, a `threading.Event`).
+
+Precompute runs documents through the same loop: strategy ``full`` over a batch of right-padded
+sequences laid one after another (`BlendInput.sequences`), each at positions ``0..n-1`` (its
+RoPE table repeated) and attending to its own rows only (`SequenceAttention`), eagerly.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.attention import RowAttention
+from kvblend.blend.attention import RowAttention, SequenceAttention
 from kvblend.blend.compiled import StepRunner, step_runner
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.correction import CorrectionTensors, stale_correction
@@ -57,7 +61,7 @@ from kvblend.blend.io import (
     to_device,
 )
 from kvblend.blend.kv_buffer import LayerLoads, PromptKV
-from kvblend.blend.layer_step import FULL, LAST, WRITE
+from kvblend.blend.layer_step import FULL, LAST, WRITE, layer_step
 from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
 from kvblend.blend.selectors import Selection, SelectionContext, Selector, selector_class
 from kvblend.blend.selectors.base import Narrowing, PassObserver
@@ -98,7 +102,7 @@ class PassState:
     padded: torch.Tensor = field(init=False)  # the positions the step computes
     hidden: torch.Tensor = field(init=False)  # [padded rows, hidden]
     row_table: torch.Tensor = field(init=False)  # the RoPE table of ``padded``
-    attention: RowAttention = field(init=False)
+    attention: RowAttention | SequenceAttention = field(init=False)
     correction: CorrectionTensors | None = field(init=False)
     load_s: float = 0.0
     token_layers: int = 0
@@ -115,10 +119,15 @@ class PassState:
         """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
         adapter, total = self.adapter, self.total
         self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
-        self.attention = RowAttention(
-            rows, total, adapter.windows, adapter.scaling, adapter.dtype,
-            flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
-        )  # fmt: skip
+        if self.prompt.sequences > 1:  # a batch of sequences, every row computed
+            self.attention = SequenceAttention(
+                rows, self.prompt.sequences, adapter.windows, adapter.scaling
+            )
+        else:
+            self.attention = RowAttention(
+                rows, total, adapter.windows, adapter.scaling, adapter.dtype,
+                flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
+            )  # fmt: skip
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
         self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
@@ -275,8 +284,11 @@ def run_pass(
     bounds = rows.bounds()
     if need_logits and (layers is not None or (bounds is not None and bounds[0][-1] != total - 1)):
         raise RuntimeError("logits need the last prompt token computed through every layer")
-    tables = tables if tables is not None else prompt_tables(adapter, total)
-    runner = step_runner(adapter, total)
+    batch = blend_input.sequences
+    if batch > 1 and (need_logits or blend_input.spans or rows.count != total or total % batch):
+        raise ValueError("a batch of equal-length sequences is computed whole, without logits")
+    tables = tables if tables is not None else prompt_tables(adapter, blend_input)
+    runner = pass_runner(adapter, blend_input)
     corrected = share > 0 if corrected is None else corrected
     runner.begin(adapter.device)
     state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
@@ -314,9 +326,25 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
             "token_layers_full": state.total * layers, **stats}  # fmt: skip
 
 
-def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
-    """Return the RoPE tables of a prompt's buffer rows (made once per prefill)."""
-    length = step_runner(adapter, total).length
+def pass_runner(adapter: ModelAdapter, blend_input: BlendInput) -> StepRunner:
+    """How a prompt's passes run (`step_runner`); a batch of sequences: eagerly, unpadded."""
+    total = blend_input.token_ids.numel()
+    if blend_input.sequences > 1:
+        return StepRunner(layer_step, flex=False, length=total)
+    return step_runner(adapter, total)
+
+
+def prompt_tables(adapter: ModelAdapter, blend_input: BlendInput) -> RopeTables:
+    """Return the RoPE tables of a prompt's buffer rows (made once per prefill).
+
+    A batch of sequences: one sequence's positions, repeated for each.
+    """
+    total, sequences = blend_input.token_ids.numel(), blend_input.sequences
+    if sequences > 1:
+        length = total // sequences
+        table = rope_tables(adapter.rotary, length, length, adapter.device).table
+        return RopeTables(table.repeat(sequences, 1, 1, 1))
+    length = pass_runner(adapter, blend_input).length
     return rope_tables(adapter.rotary, total, length, adapter.device)
 
 
@@ -364,13 +392,12 @@ def run_blend(
     """
     blend_input = on_host(blend_input)
     device = adapter.device
-    blend_input = BlendInput(
-        to_device(blend_input.token_ids, device), to_device(blend_input.kinds, device),
-        blend_input.spans,
-        blend_input.host_kinds,
+    blend_input = replace(
+        blend_input, token_ids=to_device(blend_input.token_ids, device),
+        kinds=to_device(blend_input.kinds, device),
     )  # fmt: skip
     selector = selector_class(config.strategy)(config.settings)
-    tables = prompt_tables(adapter, blend_input.token_ids.numel())
+    tables = prompt_tables(adapter, blend_input)
     started = time.perf_counter()
     context = selection_context(adapter, blend_input, cancel, tables, selector.correction)
     selection = selector.select(context)

@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 
-from kvblend.blend.config import BlendConfig
-from kvblend.blend.loop import COMPUTE, BlendInput, CachedSpan, run_blend
-from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
+from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.loop import CachedSpan
+from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
 from kvblend.documents.records import document_metadata
 from kvblend.documents.stored_rows import StoredRows
-from kvblend.models.decoder import Decoder
 from kvblend.prompt.plan import DocumentLayout, PrefillPlan, document_layout
 from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
 
@@ -56,7 +55,7 @@ class SegmentKV:
 
     def __init__(
         self,
-        decoder: Decoder,
+        decoder: ModelAdapter,
         tokenizer: Any,
         store: Any,
         *,
@@ -241,18 +240,8 @@ class SegmentKV:
         The entry names its document (`described`) when ``key`` is a document tokenized here.
         """
         self._check_length(len(context) + len(token_ids))
-        ids = torch.tensor(context + token_ids, dtype=torch.long)
-        kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
-        out = run_blend(
-            self.decoder,
-            BlendInput(ids, kinds, []),
-            BlendConfig("full"),
-            need_logits=False,
-        )
-        raw = out.raw_kv  # keys before RoPE, a tensor of its own
-        assert raw is not None
-        rows = raw[:, :, :, len(context) :]
-        tensors = {KV_NAME: rows.to(self.kv_dtype, memory_format=torch.contiguous_format)}
+        kv = document_kv(self.decoder, [context + token_ids], [len(context)], self.kv_dtype)
+        tensors = {KV_NAME: kv[0]}
         self._put(key, tensors, len(context), len(token_ids))
         return tensors
 
@@ -261,7 +250,7 @@ class SegmentKV:
         entries: Sequence[tuple[str, DocumentLayout]],
         described: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
-        """Compute the KV of several documents in one batched forward pass and store each.
+        """Compute the KV of several documents in one batched pass of the loop and store each.
 
         ``entries`` are (segment id, layout) pairs; the stored entries are those `compute`
         would store (`kvblend.documents.precompute` says why the batched rows are exact).
@@ -270,23 +259,10 @@ class SegmentKV:
         for _, layout in entries:
             self._check_length(len(layout.context_ids) + len(layout.ids))
         sequences = [layout.context_ids + layout.ids for _, layout in entries]
-        keys, values = forward_batch(self.decoder, sequences)
-        for row, (key, layout) in enumerate(entries):
-            start, end = len(layout.context_ids), len(sequences[row])
-            tensors = {KV_NAME: self._blob(keys, values, row, slice(start, end))}
-            self._put(key, tensors, start, end - start, (described or {}).get(key))
-
-    def _blob(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], row: int, rows: slice
-    ) -> torch.Tensor:
-        """Batch row ``row``'s ``rows`` of per-layer K/V as one new entry tensor (one copy)."""
-        tokens = rows.stop - rows.start
-        dtype, shape = self.entry_shape(tokens)
-        blob = torch.empty(shape, dtype=dtype, device=keys[0].device)
-        targets = [blob[layer, kind] for layer in range(shape[0]) for kind in (0, 1)]
-        sources = [kv[layer][row, :, rows] for layer in range(shape[0]) for kv in (keys, values)]
-        torch._foreach_copy_(targets, sources)
-        return blob
+        starts = [len(layout.context_ids) for _, layout in entries]
+        kvs = document_kv(self.decoder, sequences, starts, self.kv_dtype)
+        for (key, layout), kv, start in zip(entries, kvs, starts, strict=True):
+            self._put(key, {KV_NAME: kv}, start, len(layout.ids), (described or {}).get(key))
 
     def _put(
         self,

@@ -136,26 +136,6 @@ class Decoder:
         cos, sin = self.inner.rotary_emb(probe, positions.unsqueeze(0))
         return cos[0], sin[0]
 
-    def project(
-        self, layer: int, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return queries, un-rotated keys and values of ``hidden`` at ``layer``.
-
-        ``hidden`` is ``[tokens, hidden]``; the outputs are ``[heads, tokens, head_dim]``.
-        """
-        block = self.layers[layer]
-        attention = block.self_attn
-        x = norm(block.input_layernorm, hidden)
-        tokens = x.shape[0]
-        head_dim = self.shape.head_dim
-        q = attention.q_proj(x).view(tokens, -1, head_dim)
-        k = attention.k_proj(x).view(tokens, -1, head_dim)
-        v = attention.v_proj(x).view(tokens, -1, head_dim)
-        if self.has_qk_norm:
-            q = norm(attention.q_norm, q)
-            k = norm(attention.k_norm, k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-
     def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return queries ``[heads, tokens, head_dim]`` and K/V ``[tokens, 2, kv_heads, head_dim]``.
 
@@ -192,7 +172,7 @@ class Decoder:
     def project_kv(self, layer: int, hidden: torch.Tensor, *, keys: bool) -> torch.Tensor:
         """Return only the un-rotated keys (``keys=True``) or the values of ``hidden`` at ``layer``.
 
-        The same arithmetic as `project`, for the check layer's deviation, which needs one
+        The same arithmetic as `project_rows`, for the check layer's deviation, which needs one
         projection of every row and the rest only for the rows it keeps.
         """
         block = self.layers[layer]
