@@ -254,9 +254,9 @@ def test_no_strategy_syncs_with_the_host_before_the_logits(
     device stay there; attention is FlexAttention over a block mask built there): torch raises
     on a sync in ``set_sync_debug_mode("error")``. The statistics read rows after the logits."""
     from kvblend.blend import loop as blend
-    from kvblend.engine import engine as engine_module
+    from kvblend.documents import blend_plan as blend_plan_module
 
-    real_run, real_stats = engine_module.run_blend, blend.pass_stats
+    real_run, real_stats = blend_plan_module.run_blend, blend.pass_stats
 
     def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
         torch.cuda.synchronize()
@@ -276,7 +276,7 @@ def test_no_strategy_syncs_with_the_host_before_the_logits(
     model = tiny_model("qwen2").to("cuda")
     engine = BlendEngine(model, byte_tokenizer(), store=MemoryKVStore())
     _blend_every_strategy(engine)  # stores every segment: the prefills below read them
-    monkeypatch.setattr(engine_module, "run_blend", checked)
+    monkeypatch.setattr(blend_plan_module, "run_blend", checked)
     monkeypatch.setattr(blend, "pass_stats", stats_may_sync)
     _blend_every_strategy(engine)
 
@@ -542,9 +542,9 @@ def test_a_whole_blend_syncs_at_most_once_on_cuda(
     ``set_sync_debug_mode("warn")``)."""
     import warnings
 
-    from kvblend.engine import engine as engine_module
+    from kvblend.documents import blend_plan as blend_plan_module
 
-    real = engine_module.run_blend
+    real = blend_plan_module.run_blend
     counted: list[int] = []
 
     def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -561,7 +561,7 @@ def test_a_whole_blend_syncs_at_most_once_on_cuda(
 
     engine = BlendEngine(tiny_model("qwen2").to("cuda"), byte_tokenizer(), store=MemoryKVStore())
     _blend_every_strategy(engine)  # stores every segment: the prefill below reads them
-    monkeypatch.setattr(engine_module, "run_blend", checked)
+    monkeypatch.setattr(blend_plan_module, "run_blend", checked)
     documents = ["Doc one: Marta Quill lives in Lisbon. " * 3, "Doc two: a meeting at 9:30. " * 4]
     prompt = [Segment("System:\n", role="prefix"), *map(Segment, reversed(documents)),
               Segment("\nQuestion: where?\nAnswer:", cache=False)]  # fmt: skip

@@ -17,7 +17,7 @@ from kvblend.blend.loop import (
     selection_context,
 )
 from kvblend.blend.selectors.attention import AttentionSelector, tail_rows
-from kvblend.engine import engine as engine_module
+from kvblend.documents import blend_plan as blend_plan_module
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"
@@ -413,7 +413,7 @@ def test_attention_probe_equals_transformers_attention_weights(
         seen.append(blend_input)
         return run_blend(decoder, blend_input, config, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
+    monkeypatch.setattr(blend_plan_module, "run_blend", recording_run_blend)
     config = BlendConfig(
         "attention", recompute_ratio=0.25, early_layers=0, lead_tokens=0, min_recompute=0
     )
@@ -483,7 +483,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
         seen.append(blend_input)
         return run_blend(decoder, blend_input, config, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
+    monkeypatch.setattr(blend_plan_module, "run_blend", recording_run_blend)
     config = BlendConfig(
         "attention", recompute_ratio=0.3, early_layers=0, min_recompute=0, full_above=1.0,
         correction=share,

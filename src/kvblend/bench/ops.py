@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvblend.blend.config import BlendConfig, parse_setting
-from kvblend.engine import engine as engine_module
+from kvblend.documents import blend_plan as blend_plan_module
 from kvblend.engine.engine import BlendEngine
 from kvblend.prompt.segments import Segment
 
@@ -122,7 +122,7 @@ def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tupl
     ``syncs_before_logits``: the syncs counted when the model adapter's ``logits`` was called.
     """
     counter = OpCounter()
-    real = engine_module.run_blend
+    real = blend_plan_module.run_blend
     decoder = engine.decoder
     real_logits = decoder.logits
 
@@ -139,13 +139,13 @@ def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tupl
         return real_logits(hidden)
 
     counter.active = False
-    engine_module.run_blend = counted
+    blend_plan_module.run_blend = counted
     decoder.logits = logits  # type: ignore[method-assign]
     try:
         with counter, _tolist_counted(counter):
             result = engine.prefill(prompt, config)
     finally:
-        engine_module.run_blend = real
+        blend_plan_module.run_blend = real
         del decoder.logits
     return counter.count, result
 

@@ -2,10 +2,11 @@
 
 `SegmentKV` is the engine's only path to stored KV. It knows how a document is tokenized for
 its cache (behind the document context, memoized), computes an entry with the engine's own
-layer loop and writes it, checks that an entry reads back, and opens the entries a prefill plan
-needs. A store that fails never fails an answer: a missing or unreadable entry is computed,
-and one that fails while it is being read (a damaged tensor, a remote tier gone mid-prompt) is
-recomputed in place (`StoredRows`).
+layer loop (`kvblend.documents.precompute`) and writes it, checks that an entry reads back, and
+opens an entry (`kvblend.documents.blend_plan` opens those a prefill plan needs). A store that
+fails never fails an answer: a missing or unreadable entry is computed, and one that fails while
+it is being read (a damaged tensor, a remote tier gone mid-prompt) is recomputed in place
+(`StoredRows`, `recompute`).
 
 An entry is one tensor, ``kv``: every layer's un-rotated keys and values of the document,
 ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values), laid out as the prompt buffer
@@ -24,7 +25,6 @@ tensor to the model.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
@@ -36,11 +36,10 @@ from typing import Any
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.loop import CachedSpan
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
 from kvblend.documents.records import document_metadata
 from kvblend.documents.stored_rows import StoredRows
-from kvblend.prompt.plan import DocumentLayout, PrefillPlan, document_layout
+from kvblend.prompt.plan import DocumentLayout, document_layout
 from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
 
 logger = logging.getLogger(__name__)
@@ -288,35 +287,7 @@ class SegmentKV:
         except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer
             logger.warning("could not store segment %s: %s", key, error)
 
-    def open_spans(self, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
-        """Open each planned span's entry, computing missing or unreadable ones.
-
-        Entries are opened where the store keeps them (host memory, pinned when CUDA is
-        available, or a device): the blend loop copies each layer group's rows straight into
-        its buffer on the device, on a side stream while earlier layers compute, instead of
-        the whole entry being copied before the first layer. Returns the spans for the blend
-        loop and how many entries were computed now.
-        """
-        spans, computed = [], 0
-        for span in plan.spans:
-            key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
-            tokens = len(span.cached_ids)
-            try:
-                entry = self.open_entry(key, tokens)
-            except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
-                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
-                self.drop(key)
-                entry = None
-            if entry is None:
-                entry = self.compute(key, span.context_ids, span.cached_ids)
-                computed += 1
-            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            recompute = functools.partial(self._recompute, key, span.context_ids, span.cached_ids)
-            stored = StoredRows(entry, rows, recompute, self.entry_shape(tokens))
-            spans.append(CachedSpan(span.start, span.end, stored, span.kind))
-        return spans, computed
-
-    def _recompute(
+    def recompute(
         self, key: str, context: list[int], token_ids: list[int]
     ) -> dict[str, torch.Tensor]:
         """Replace an entry that failed while being read: counted, computed and stored again.

@@ -1,9 +1,9 @@
 """Rows of one stored segment's KV, read a layer at a time, recomputed if the read fails.
 
-`StoredRows` is what the blend loop reads a cached span from (`SegmentKV.open_spans` makes
-them): views into the tensor a store handed out, which the loop only ever copies out of. The
-shape is checked again as it is used, so a store that ignores the expected shape still never
-feeds a wrong-shaped tensor to the model.
+`StoredRows` is what the blend loop reads a cached span from (`kvblend.documents.blend_plan`
+makes them): views into the tensor a store handed out, which the loop only ever copies out of.
+The shape is checked again as it is used, so a store that ignores the expected shape still
+never feeds a wrong-shaped tensor to the model.
 """
 
 from __future__ import annotations

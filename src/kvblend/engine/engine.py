@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvblend.blend.config import BlendConfig, check_config
-from kvblend.blend.loop import BlendInput, CachedSpan, run_blend
 from kvblend.decoding.cache import check_environment
+from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.registry import DEFAULT_CAPACITY
 from kvblend.engine.documents_mixin import DocumentsMixin
@@ -324,26 +324,15 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
-        kinds = torch.from_numpy(plan.kinds.copy())  # the loop's own: the plan stays as planned
-        token_ids = torch.from_numpy(plan.token_ids.copy())
-        lookup_started = time.perf_counter()
-        spans: list[CachedSpan] = []
-        if config.reads_cache:
-            spans, stats.segments_precomputed = self.segment_kv.open_spans(plan)
-            stats.segments_cached = len(spans)
-        stats.timings["lookup_s"] = time.perf_counter() - lookup_started
-        compute_started = time.perf_counter()
-        blend_input = BlendInput(token_ids, kinds, spans, kinds.numpy())
-        out = run_blend(self.decoder, blend_input, config, cancel=cancel)
+        # entries opened lazily; a missing, unreadable or failing one computed (and stored)
+        blended = blend_plan(self.decoder, self.segment_kv, plan, config, cancel=cancel)
+        out = blended.out
         assert out.logits is not None
-        # entries that failed while their layers were read, recomputed in place
-        stats.segments_precomputed += sum(
-            bool(getattr(s.source, "recomputed", False)) for s in spans
-        )
-        stats.timings["blend_s"] = time.perf_counter() - compute_started
+        stats.segments_cached, stats.segments_precomputed = len(blended.spans), blended.computed
+        stats.timings["lookup_s"], stats.timings["blend_s"] = blended.open_s, blended.loop_s
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.timings["prefill_s"] = time.perf_counter() - started
-        count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
+        count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
