@@ -18,11 +18,11 @@ import numpy as np
 
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.selectors.attention import attention_budget
-from kvblend.documents.registry import DocumentRegistry
 from kvblend.engine.results import BlendStats
 from kvblend.prompt.plan import PrefillPlan, SpanReport, TokenKind
+from kvblend.validation import snippet
 
-__all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend", "near_miss"]
+__all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend"]
 
 
 @dataclass(frozen=True)
@@ -157,13 +157,6 @@ class FallbackLog:
             )  # fmt: skip
 
 
-def _snippet(text: str, width: int = 48) -> str:
-    """Return the text's repr, cut to about ``width`` characters."""
-    if len(text) <= width:
-        return repr(text)
-    return repr(text[: width - 3]) + "..."
-
-
 @dataclass(frozen=True)
 class Explanation:
     """The plan of one prompt and its forecast: per segment, the tokens reused and why.
@@ -236,35 +229,14 @@ class Explanation:
         for row in sorted(self.plan.report, key=lambda row: row.char_start):
             if row.char_start > covered:
                 gap = self.text[covered : row.char_start]
-                lines.append(f"  text      {_snippet(gap)}: uncached, computed")
+                lines.append(f"  text      {snippet(gap)}: uncached, computed")
             missing = row.span is not None and not self.stored.get(row.span, True)
             note = "; not in the store yet: computed and stored on first use" if missing else ""
             lines.append(
-                f"  {row.role:<9} {_snippet(self.text[row.char_start : row.char_end])}: "
+                f"  {row.role:<9} {snippet(self.text[row.char_start : row.char_end])}: "
                 f"{row.reused} of {row.tokens} tokens cached; {row.reason}{note}"
             )
             covered = row.char_end
         if covered < len(self.text):
-            lines.append(f"  text      {_snippet(self.text[covered:])}: uncached, computed")
+            lines.append(f"  text      {snippet(self.text[covered:])}: uncached, computed")
         return "\n".join(lines)
-
-
-def near_miss(
-    registry: DocumentRegistry, prompt: str, matched: list[tuple[int, int]]
-) -> str | None:
-    """Describe a known document whose start occurs in ``prompt`` outside ``matched`` spans.
-
-    The registry finds a document by its first `ANCHOR_CHARS` characters and then its whole
-    text; a prompt that holds those first characters but not the whole text holds a truncated
-    or rewritten copy, which is computed in full. None when there is no such start (a prompt
-    without documents, such as a greeting): `DocumentRegistry.anchor_in`.
-    """
-    found = registry.anchor_in(prompt, matched)
-    if found is None:
-        return None
-    start, length = found
-    return (
-        f"a known document of {length} characters starts at character {start} "
-        f"({_snippet(prompt[start : start + 40], 44)}) but the prompt does not "
-        "hold its whole text (truncated, rewritten or re-joined): computed in full"
-    )
