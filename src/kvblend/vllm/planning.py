@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kvblend.blend.config import BlendConfig
-from kvblend.engine.explain import forecast_blend
+from kvblend.blend.forecast import forecast_blend
 from kvblend.prompt.plan import (
     PlannedSpan,
     PrefillPlan,
