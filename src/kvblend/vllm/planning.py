@@ -32,10 +32,10 @@ from kvblend.prompt.plan import (
     SpanReport,
     TokenKind,
     cached_pieces,
-    encode_prompt,
     plan_prefill,
 )
 from kvblend.prompt.segments import segment_key
+from kvblend.prompt.tokens import encode_prompt
 
 logger = logging.getLogger(__name__)
 
