@@ -38,13 +38,12 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
 from kvblend.documents.records import document_metadata
-from kvblend.documents.stored_rows import StoredRows
-from kvblend.prompt.plan import DocumentLayout, document_layout
 from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
+from kvblend.prompt.tokens import DocumentLayout, document_layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SegmentKV", "StoredRows"]
+__all__ = ["SegmentKV"]
 
 _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 

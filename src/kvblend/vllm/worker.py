@@ -29,12 +29,14 @@ from typing import Any
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.loop import COMPUTE, BlendInput, run_blend
+from kvblend.blend.io import COMPUTE, BlendInput
+from kvblend.blend.loop import run_blend
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
 from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
-from kvblend.prompt.plan import PrefillPlan, TokenKind, encode_prompt
+from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.prompt.segments import segment_key
+from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.adapter import VLLMAdapter
 from kvblend.vllm.paged import slot_mapping, write_rows
 
