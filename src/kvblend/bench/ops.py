@@ -162,8 +162,13 @@ def random_documents(count: int, tokens: int, seed: int = 0) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(tokens)) for _ in range(count)]
 
 
-def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> BlendEngine:
-    """Build an engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer."""
+def byte_engine(
+    layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2, device: str = "cpu"
+) -> BlendEngine:
+    """Build an engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer.
+
+    ``device``: where the model runs (its documents' KV is kept there too).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -186,7 +191,7 @@ def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2
         max_position_embeddings=65536, bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
+    model = Qwen2ForCausalLM(config).eval().to(device)
     return BlendEngine(model, fast, store=MemoryKVStore(8 << 30), name=f"qwen2-{layers}-layers")
 
 

@@ -61,12 +61,14 @@ class PromptKV:
         length: int,
         zeroed: torch.Tensor | None = None,
         static: bool = False,
+        zero_to: int | None = None,
     ) -> PromptKV:
         """Return a buffer of ``length`` rows for ``total`` tokens, its rows from ``total`` zero.
 
         ``zeroed``: rows (on the device) that are read before they are written (the
         correction gathers every computed row's K/V), set to zero too. ``static``: a buffer at
-        a fixed address (`StaticBuffers`), for a compiled loop's CUDA graphs.
+        a fixed address (`StaticBuffers`), for a compiled loop's CUDA graphs. ``zero_to``:
+        only the rows from ``total`` to this one are zeroed (the rest is never read).
         """
         shape = adapter.shape
         size = (shape.num_layers, 2, shape.num_kv_heads, length, shape.head_dim)
@@ -74,8 +76,9 @@ class PromptKV:
             kv = STATIC_BUFFERS.take(size, adapter.dtype, adapter.device, total)
         else:
             kv = cls(torch.empty(size, device=adapter.device, dtype=adapter.dtype), total)
-        if length > total:
-            kv.data[:, :, :, total:].zero_()
+        end = length if zero_to is None else min(zero_to, length)
+        if end > total:
+            kv.data[:, :, :, total:end].zero_()
         if zeroed is not None and zeroed.numel():
             kv.data.index_fill_(3, zeroed, 0)
         return kv

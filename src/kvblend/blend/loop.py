@@ -6,7 +6,7 @@ the device (the default's probe, CacheBlend's check layer) stay there: their cou
 the host, the sorted rows, their RoPE table, attention masks and the correction are built from
 them with device ops, and the host learns which rows they were only after the logits (for the
 statistics). The prompt's K/V of every layer lives in one preallocated buffer (`PromptKV`,
-`prompt_kv.py`), keys rotated to their positions. At every layer the loop
+`kv_buffer.py`), keys rotated to their positions. At every layer the loop
 
 1. waits for the layer's cached K/V: the first layer that reads cached K/V issues its copies, a
    group of layers per copy (every document's keys and values at once, straight from the
@@ -18,13 +18,14 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 2. lets the selector narrow the computed rows, at its refine layers,
 3. runs the layer (`layer_step.py`): projects the computed rows, rotates their queries and
    keys, moves the stale cached rows by the correction, writes the fresh K/V (one op), attends
-   the computed rows over the whole layer (`row_attention.py`) and runs the MLP. The step is
-   a pure function, run eagerly or compiled (`compiled_loop.py`, ``KVBLEND_COMPILE``).
+   the computed rows over the whole layer (`attention.py`) and runs the MLP. The step is a
+   pure function, run eagerly or compiled (`compiled.py`, ``KVBLEND_COMPILE``: one graph per
+   size bucket for every layer).
 
-The loop calls the model only through the `ModelAdapter` protocol (`decoder.py`). Keys are
+The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
-segment is exact. Read `blend_io.py` for the token kinds. A prefill can be cancelled between
-layers (``cancel``, a `threading.Event`).
+segment is exact. Read `io.py` for the token kinds. A prefill can be cancelled between layers
+(``cancel``, a `threading.Event`).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ class PassState:
     correction: CorrectionTensors | None = field(init=False)
     load_s: float = 0.0
     token_layers: int = 0
+    uncompiled: int = 0  # attention calls of earlier rows run uncompiled (a refused compile)
 
     @property
     def total(self) -> int:
@@ -115,9 +117,12 @@ class PassState:
         """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
         adapter, total = self.adapter, self.total
         self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
+        if hasattr(self, "attention"):  # the rows before narrowing: their refused compiles
+            self.uncompiled += self.attention.uncompiled
+        padded = self.padded if self.runner.compiled else None
         self.attention = RowAttention(
             rows, total, adapter.windows, adapter.scaling, adapter.dtype,
-            flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
+            flex=self.runner.flex, length=self.kv.data.shape[3], padded=padded,
         )  # fmt: skip
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
         self.row_table = self.tables.table.index_select(0, self.padded)
@@ -158,7 +163,9 @@ def begin_pass(
         zeroed = None
         if corrected and (prompt.host_kinds == MOVED).any():
             zeroed = to_device(np.flatnonzero(prompt.host_kinds == COMPUTE), adapter.device)
-        kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed, runner.compiled)
+        kv = PromptKV.empty(
+            adapter, total, tables.table.shape[0], zeroed, runner.compiled, runner.zero_to
+        )
     state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
     state.loads = start.loads if start is not None and start.loads is not None else (
         LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
@@ -310,8 +317,10 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
     computed = state.rows.host_positions()
     layers = state.adapter.shape.num_layers
     stats = rows_read(state.host_kinds, blend_input.spans, computed)
+    uncompiled = state.uncompiled + state.attention.uncompiled + state.runner.uncompiled
     return {"load_s": state.load_s, "token_layers": state.token_layers,
-            "token_layers_full": state.total * layers, **stats}  # fmt: skip
+            "token_layers_full": state.total * layers, "uncompiled_calls": uncompiled,
+            **stats}  # fmt: skip
 
 
 def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
@@ -385,4 +394,5 @@ def run_blend(
         out.stats["probe_s"] = select_s
         out.stats["load_s"] += selection.start.stats["load_s"]
         out.stats["token_layers"] += selection.start.stats["token_layers"]
+        out.stats["uncompiled_calls"] += selection.start.stats["uncompiled_calls"]
     return out

@@ -343,6 +343,7 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         stats.timings["blend_s"] = time.perf_counter() - compute_started
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
+        stats.uncompiled_calls = int(out.stats["uncompiled_calls"])
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))
