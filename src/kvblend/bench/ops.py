@@ -116,10 +116,14 @@ def _tolist_counted(counter: OpCounter) -> Iterator[None]:
         torch.Tensor.tolist = original  # type: ignore[method-assign]
 
 
-def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tuple[OpCount, Any]:
+def count_prefill(
+    engine: BlendEngine, prompt: Any, config: BlendConfig, whole: bool = False
+) -> tuple[OpCount, Any]:
     """Run ``engine.prefill(prompt, config)`` and count the ops and syncs of its blend.
 
     ``syncs_before_logits``: the syncs counted when the model adapter's ``logits`` was called.
+    ``whole``: count the whole prefill, from the prompt's planning and the store's reads of
+    its entries on (the blend alone otherwise).
     """
     counter = OpCounter()
     real = engine_module.run_blend
@@ -131,14 +135,14 @@ def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tupl
         try:
             return real(*args, **kwargs)
         finally:
-            counter.active = False
+            counter.active = whole
 
     def logits(hidden: Any) -> Any:
         if counter.active and counter.count.syncs_before_logits is None:
             counter.count.syncs_before_logits = counter.count.syncs
         return real_logits(hidden)
 
-    counter.active = False
+    counter.active = whole
     engine_module.run_blend = counted
     decoder.logits = logits  # type: ignore[method-assign]
     try:

@@ -91,6 +91,14 @@ class PromptKV:
         STATIC_BUFFERS.give(self)
         return copy
 
+    def release(self) -> None:
+        """Hand a static buffer back unread (a pass that stopped): the next prompt reuses it.
+
+        The caller first orders the compute stream after every copy into it (`LayerLoads.fence`).
+        """
+        if self.static:
+            STATIC_BUFFERS.give(self)
+
     def load(
         self,
         layers: range,
@@ -173,6 +181,8 @@ class CopyStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.started: Any = None  # events (timed) of the first copy's start, the last's end
+        self.ended: Any = None
 
     def copy(self, place: Callable[..., None], *args: Any) -> Any:
         """Run ``place(*args, non_blocking=...)`` on the copy stream; return its end event.
@@ -186,10 +196,23 @@ class CopyStream:
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            if self.started is None:
+                self.started = torch.cuda.Event(enable_timing=True)
+                self.started.record(self.stream)
             place(*args, non_blocking=True)
-            event = torch.cuda.Event()
+            self.ended = event = torch.cuda.Event(enable_timing=True)
             event.record(self.stream)
         return event
+
+    def seconds(self) -> float | None:
+        """Device seconds from the first copy's start to the last copy's end (None: no events).
+
+        Waits for the last copy (read after the logits, for the statistics).
+        """
+        if self.started is None or self.ended is None:
+            return None
+        self.ended.synchronize()
+        return float(self.started.elapsed_time(self.ended)) / 1000
 
     def guard(self, kv: PromptKV, spans: list[CachedSpan], table: torch.Tensor) -> None:
         """Mark the buffer, the RoPE table and the spans' tensors on the device as in use.
@@ -253,3 +276,13 @@ class LayerLoads:
         """Order the compute stream after the copy of ``layer``'s group (when one was issued)."""
         if layer in self.events:
             self.stream.wait(self.events[layer])
+
+    def fence(self) -> None:
+        """Order the compute stream after every copy issued (none waited for may still run).
+
+        A pass that stops midway calls it before its buffer is handed back: whatever the
+        compute stream does with the buffer next (another prompt's writes; the copy stream
+        waits for the compute stream before its own copies) comes after these copies.
+        """
+        for event in dict.fromkeys(self.events.values()):
+            self.stream.wait(event)

@@ -25,7 +25,9 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
 segment is exact. Read `io.py` for the token kinds. A prefill can be cancelled between layers
-(``cancel``, a `threading.Event`).
+(``cancel``, a `threading.Event`); a pass that stops orders the compute stream after every copy
+it issued before its buffer is handed back (`LayerLoads.fence`). On CUDA, `device_times` reads
+the device's own time of a blend (CUDA events) once its logits are queued.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ __all__ = [
     "BlendOutput",
     "CachedSpan",
     "LayerKV",
+    "device_clock",
+    "device_times",
     "run_blend",
     "run_pass",
     "selection_context",
@@ -290,7 +294,8 @@ def run_pass(
     try:
         logits = run_layers(state, selector, observer, need_logits, cancel, layers)
     except BaseException:
-        state.kv.copied()  # a static buffer is handed back
+        state.loads.fence()  # copies into the buffer may still run: the next user waits
+        state.kv.release()  # a static buffer is handed back, not copied out
         raise
     out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
     out.stats = pass_stats(state, blend_input)
@@ -321,6 +326,34 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
     return {"load_s": state.load_s, "token_layers": state.token_layers,
             "token_layers_full": state.total * layers, "uncompiled_calls": uncompiled,
             **stats}  # fmt: skip
+
+
+def device_clock(device: torch.device) -> torch.cuda.Event | None:
+    """Return a timed event recorded now on ``device``'s compute stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def device_times(start: torch.cuda.Event | None, out: BlendOutput) -> dict[str, float]:
+    """Device seconds of a blend begun at ``start`` (`device_clock`): ``{}`` off CUDA.
+
+    ``blend_device_s``: the compute stream's, from ``start`` to now (the logits queued);
+    ``load_device_s``: the copy stream's, from the first copy of cached K/V to the last. Waits
+    for the device to get there: read once the logits are queued, for the statistics.
+    """
+    if start is None:
+        return {}
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    times = {"blend_device_s": float(start.elapsed_time(end)) / 1000}
+    load = out.loads.stream.seconds() if out.loads is not None else None
+    if load is not None:
+        times["load_device_s"] = load
+    return times
 
 
 def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:

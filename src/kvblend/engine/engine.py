@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvblend.blend.config import BlendConfig, check_config
-from kvblend.blend.loop import BlendInput, CachedSpan, run_blend
+from kvblend.blend.loop import BlendInput, CachedSpan, device_clock, device_times, run_blend
 from kvblend.decoding.cache import check_environment
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.registry import DEFAULT_CAPACITY
@@ -334,6 +334,7 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         stats.timings["lookup_s"] = time.perf_counter() - lookup_started
         compute_started = time.perf_counter()
         blend_input = BlendInput(token_ids, kinds, spans, kinds.numpy())
+        clock = device_clock(self.decoder.device)
         out = run_blend(self.decoder, blend_input, config, cancel=cancel)
         assert out.logits is not None
         # entries that failed while their layers were read, recomputed in place
@@ -344,6 +345,7 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
         stats.uncompiled_calls = int(out.stats["uncompiled_calls"])
+        stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))
