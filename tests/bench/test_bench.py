@@ -14,7 +14,8 @@ from kvblend.bench.qa import QUESTION_TYPES, generate_qa, normalize, score
 from kvblend.bench.quality import kl_divergence, run_quality, summarize
 from kvblend.bench.strategies import all_strategy_names, parse_strategies, strategy
 from kvblend.bench.synthetic import synthetic_text
-from kvblend.bench.ttft import run_ttft, summarize_ttft
+from kvblend.bench.ttft import run_ttft
+from kvblend.bench.ttft_summary import summarize_ttft
 from kvblend.store import MemoryKVStore
 
 

@@ -25,17 +25,17 @@ from typing import Any
 import numpy as np
 
 from kvblend.blend.config import BlendConfig
-from kvblend.engine.explain import forecast_blend
+from kvblend.blend.forecast import forecast_blend
 from kvblend.prompt.plan import (
     PlannedSpan,
     PrefillPlan,
     SpanReport,
     TokenKind,
     cached_pieces,
-    encode_prompt,
     plan_prefill,
 )
 from kvblend.prompt.segments import segment_key
+from kvblend.prompt.tokens import encode_prompt
 
 logger = logging.getLogger(__name__)
 
