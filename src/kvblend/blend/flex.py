@@ -14,7 +14,7 @@ same sizes reuses a compiled kernel.
 
 Outside a compiled step (the eager loop on CUDA) the kernel is compiled per shape, so shapes
 are made few, whatever the prompts: the K/V buffer is a `key_bucket` long (a power of two) and
-the queries are padded to a `query_bucket` (an eighth, a quarter or half of it) by blocks that
+the queries are padded to a `query_bucket` (an eighth, a quarter, half or all of it) by blocks that
 visit no key and are written nowhere. Prompts from 512 to 16K tokens then need at most 20
 kernels (5 key buckets x 4), about 10 in practice (the probe's rows and the main pass's).
 Dynamo's refusal of a compile (its recompile limit) is never silent: the call returns None,
