@@ -209,12 +209,12 @@ def test_row_attention_masks_stay_within_their_budget() -> None:
     q = torch.randn(shape.num_heads, rows.numel(), shape.head_dim, generator=generator)
     k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
-    assert torch.equal(kept(0, q, k, v), rebuilt(0, q, k, v))
+    assert torch.equal(kept(window, q, k, v), rebuilt(window, q, k, v))
     full_q = torch.zeros(shape.num_heads, total, shape.head_dim)
     full_q[:, rows] = q
     mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
     expected = sdpa(full_q, k, v, decoder.scaling, mask)[rows]
-    assert torch.allclose(kept(0, q, k, v), expected, atol=1e-5, rtol=0)
+    assert torch.allclose(kept(window, q, k, v), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("window", [None, 300])
@@ -569,13 +569,13 @@ def test_flex_attention_rows_equal_the_chunked_ones(
     k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     with torch.inference_mode():
-        chunked = _row_attention(decoder, rows, total)(0, q, k, v)
+        chunked = _row_attention(decoder, rows, total)(decoder.windows[0], q, k, v)
         monkeypatch.setenv(ATTENTION_ENV, "flex")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex attention warns that it is slow
             flex = _row_attention(decoder, rows, total, flex=use_flex(decoder.device, False))
             assert flex.flex is not None
-            got = flex(0, q, k, v)
+            got = flex(decoder.windows[0], q, k, v)
     torch.testing.assert_close(got, chunked, atol=1e-5, rtol=1e-5)
 
 

@@ -334,9 +334,9 @@ def test_attention_of_active_rows_matches_dense_causal(
     attention = RowAttention(rows, total, decoder.windows, decoder.scaling, q.dtype)
     assert attention.scatter == (pattern == "prefix-then-block")
     assert attention.rows.host is None or pattern != "device-chosen"  # never read back
-    for layer, window in enumerate(decoder.windows):
+    for window in decoder.windows:
         expected = dense_reference(decoder, q, k, v, window)[positions]
-        got = attention(layer, q[:, positions], k, v)
+        got = attention(window, q[:, positions], k, v)
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), report(got, expected)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from kvblend.blend.config import BlendConfig, check_config
 from kvblend.blend.forecast import forecast_blend
+from kvblend.blend.loop import device_clock, device_times
 from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
 from kvblend.decoding.generation import GenerationResult, decode, decode_stream
@@ -383,6 +384,7 @@ class BlendEngine:
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
+        clock = device_clock(self.decoder.device)
         # entries opened lazily; a missing, unreadable or failing one computed (and stored)
         blended = blend_plan(self.decoder, self.segment_kv, plan, config, cancel=cancel)
         out = blended.out
@@ -391,6 +393,8 @@ class BlendEngine:
         stats.timings["lookup_s"], stats.timings["blend_s"] = blended.open_s, blended.loop_s
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
+        stats.uncompiled_calls = int(out.stats["uncompiled_calls"])
+        stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))

@@ -14,6 +14,7 @@ keys and values ``[kv_heads, tokens, head_dim]`` (only the KV heads are kept: GQ
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, cast
 
 import torch
@@ -149,6 +150,22 @@ class Decoder:
         weight, bias = self.kv_projection(layer)
         kv = F.linear(x, weight, bias).view(tokens, 2, -1, head_dim)
         return queries.transpose(0, 1), kv
+
+    def layer_adapters(self) -> list[Decoder]:
+        """Return, for each layer, this adapter restricted to that layer (as its layer 0).
+
+        What the compiled loop hands its step: the same members, the one layer's modules, window
+        and stacked K/V projection (shared with this adapter, nothing copied), so one compiled
+        graph serves every layer (the weights are its inputs, the layer index is no constant).
+        """
+        views = []
+        for layer in range(self.shape.num_layers):
+            view = copy.copy(self)
+            view.layers = [self.layers[layer]]
+            view.windows = [self.windows[layer]]
+            view._kv_proj = [self.kv_projection(layer)]
+            views.append(view)
+        return views
 
     def kv_projection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k_proj and v_proj of ``layer`` stacked: weight and bias (None: no biases)."""
