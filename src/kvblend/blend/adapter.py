@@ -1,7 +1,7 @@
 """The model adapter protocol: what the blend loop may call on a model, and nothing else.
 
-The blend loop (`blend.py` and the modules it uses: `layer_step.py`, `row_attention.py`,
-`correction.py`, `prompt_kv.py`, `selectors/`) drives a model through these members only, so one
+The blend loop (`loop.py` and the modules it uses: `layer_step.py`, `attention.py`,
+`correction.py`, `kv_buffer.py`, `selectors/`) drives a model through these members only, so one
 loop serves two back-ends: `kvblend.models.decoder.Decoder` over a transformers model, and
 `kvblend.vllm.adapter.VLLMAdapter` over the modules vLLM loaded. Attention itself (SDPA or
 FlexAttention over the loop's own K/V buffer, with the exact causal mask of the computed rows) and

@@ -2,7 +2,7 @@
 
 Each prompt keeps its own blended prefill; decoding is what batches well (one step reads the
 weights once for every row). The fused caches are left-padded to one length, put in one cache
-of the plan's kind (`decode_cache.py`: static unless asked otherwise) and `generate` gets
+of the plan's kind (`cache.py`: static unless asked otherwise) and `generate` gets
 an attention mask, from which it derives each row's positions (``cumsum(mask) - 1``): a row's
 real tokens keep positions ``0..n-1``, exactly those its cached keys were rotated at, so every
 row decodes as it would alone. Padding repeats the row's own first token (masked out), so a

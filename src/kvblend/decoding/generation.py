@@ -5,7 +5,7 @@ after the prompt. The first new token is picked from those logits through the sa
 logits processors `generate` then uses for every later token (repetition penalty; temperature,
 top-k and top-p warpers when sampling), so the time to the first token is the prefill and
 nothing more. Transformers' `generate` then continues from a cache of the whole prompt
-(`decode_cache.py`: a `StaticCache` sized for the answer, written in place) with the first
+(`cache.py`: a `StaticCache` sized for the answer, written in place) with the first
 token as its only new input: stop strings and streaming of every later token are transformers'.
 
 Sampling draws from generators of the call (`kvblend.decoding.options`), never from the

@@ -1,7 +1,8 @@
 """`Decoder`: the model adapter (`kvblend.blend.adapter.ModelAdapter`) of a transformers model.
 
-The blend loop (`blend.py` and the modules it uses) calls the adapter's members and nothing
-else; attention itself (the rows' mask, the kernel) is the loop's job (`row_attention.py`).
+The blend loop (`kvblend.blend.loop` and the modules it uses) calls the adapter's members and
+nothing else; attention itself (the rows' mask, the kernel) is the loop's job
+(`kvblend.blend.attention`).
 
 `Decoder` wraps a transformers causal LM of a supported family (Llama, Mistral, Qwen2, Qwen3) and
 calls the model's own modules (norms, projections, rotary embedding, MLP, head) so that weights,
