@@ -374,7 +374,8 @@ def cmd_vllm(args: argparse.Namespace) -> None:
     result = run_vllm_bench(
         args.model, lengths=lengths, repeats=args.repeats, doc_tokens=args.doc_tokens,
         rate_length=args.rate_length, rate_tokens=args.rate_tokens,
-        work_dir=Path(args.work_dir) if args.work_dir else None,
+        work_dir=Path(args.work_dir) if args.work_dir else None, busy=args.busy_core,
+        stall_repeats=args.stall_repeats, rate=not args.no_rate,
     )  # fmt: skip
     result["machine"] = _vllm_machine()
     _write(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))

@@ -24,14 +24,15 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 The loop calls the model only through the `ModelAdapter` protocol (`decoder.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
 segment is exact. Read `blend_io.py` for the token kinds. A prefill can be cancelled between
-layers (``cancel``, a `threading.Event`).
+layers (``cancel``: a `threading.Event`, or any `CancelFlag`; the vLLM connector's also pauses
+the loop there until the engine's next step).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -70,11 +71,24 @@ __all__ = [
     "BlendInput",
     "BlendOutput",
     "CachedSpan",
+    "CancelFlag",
     "LayerKV",
     "run_blend",
     "run_pass",
     "selection_context",
 ]
+
+
+class CancelFlag(Protocol):
+    """What the loop asks between layers whether to stop (a `threading.Event` is one).
+
+    ``is_set()`` may also block: the vLLM connector's flag pauses the blend there until the
+    engine's next step (`kvblend.vllm.pacing`).
+    """
+
+    def is_set(self) -> bool:
+        """Whether the prefill is cancelled."""
+        ...
 
 
 @dataclass
@@ -167,7 +181,7 @@ def begin_pass(
     return state
 
 
-def check_cancel(cancel: threading.Event | None) -> None:
+def check_cancel(cancel: CancelFlag | None) -> None:
     """Raise `BlendCancelledError` once ``cancel`` is set (a host flag: no device sync)."""
     if cancel is not None and cancel.is_set():
         raise BlendCancelledError("the prefill was cancelled")
@@ -223,7 +237,7 @@ def run_layers(
     selector: Selector | None,
     observer: PassObserver | None,
     need_logits: bool,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     stop: int | None = None,
 ) -> torch.Tensor | None:
     """Run the layer loop of a pass; return its logits (None when not needed).
@@ -252,7 +266,7 @@ def run_pass(
     selector: Selector | None = None,
     observer: PassObserver | None = None,
     need_logits: bool = True,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     tables: RopeTables | None = None,
     layers: int | None = None,
     corrected: bool | None = None,
@@ -323,7 +337,7 @@ def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
 def selection_context(
     adapter: ModelAdapter,
     blend_input: BlendInput,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     tables: RopeTables | None = None,
     correction: float = 0.0,
 ) -> SelectionContext:
@@ -356,7 +370,7 @@ def run_blend(
     config: BlendConfig,
     *,
     need_logits: bool = True,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
 ) -> BlendOutput:
     """Run the blended prefill of one prompt and return logits and the fused KV cache.
 

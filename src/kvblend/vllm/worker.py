@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from kvblend.blend.loop import COMPUTE, BlendInput, CachedSpan, run_blend
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
+from kvblend.errors import BlendCancelledError
 from kvblend.prompt.plan import PrefillPlan, TokenKind, encode_prompt
 from kvblend.prompt.segments import KV_NAME, segment_key
 from kvblend.vllm.adapter import VLLMAdapter
@@ -67,9 +69,50 @@ class BlendOutcome:
     lost: list[str] = field(default_factory=list)  # entries that could not be used, and why
     error: str | None = None  # why the blend ran as ``full`` (or failed)
     failed: bool = False  # nothing written: the blocks were reported as failed loads
-    blend_s: float = 0.0
+    cancelled: bool = False  # the request was cancelled while its blend was under way
+    blend_s: float = 0.0  # from the job's arrival to its end (slices and the steps between)
+    compute_s: float = 0.0  # the blend's own time (its slices only)
+    rows: int = 0  # rows computed, summed over the passes (the cost model's input)
+    total: int = 0  # prompt tokens
     #: where the time went: reading entries, the blend loop (its probe pass apart), writing KV
     timings: dict[str, float] = field(default_factory=dict)
+
+
+class Checkpoints:
+    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause."""
+
+    def __init__(self, checkpoint: Callable[[], None]) -> None:
+        self.checkpoint = checkpoint
+
+    def is_set(self) -> bool:
+        """Pause here if the slice is spent (raises `BlendCancelledError` once cancelled)."""
+        self.checkpoint()
+        return False
+
+
+def _no_pause() -> None:
+    """Never pause (the checkpoint of a blend run in one go)."""
+
+
+class _Tensors:
+    """A cached span's KV held in memory (the calibration's synthetic documents)."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    def layer(self, index: int) -> torch.Tensor:
+        """One layer's keys and values."""
+        return self.kv[index]
+
+    def layers(self) -> torch.Tensor:
+        """Every layer's keys and values."""
+        return self.kv
+
+
+#: Prompt lengths of vLLM's forward the calibration times (about 5 s on 2 CPU cores)...
+CALIBRATION_TOKENS = (256, 1024, 2048)
+#: ... and of the blends, with their strategies (None: the server's; about 4 s).
+CALIBRATION_BLENDS = ((384, "full"), (1024, None), (2048, None))
 
 
 def parity_verdict(adapter: VLLMAdapter, reference: torch.Tensor, ids: list[int]) -> float:
@@ -119,24 +162,87 @@ class WorkerSide:
             )
         return True, f"parity gate passed (relative logit error {worst:.3g})"
 
-    def run(self, job: BlendJob) -> BlendOutcome:
-        """Blend one job and write its rows; never raises.
+    @torch.inference_mode()
+    def calibrate(
+        self, vllm_forward: Callable[[list[int]], Any], config: BlendConfig
+    ) -> dict[str, list[tuple[list[float], float]]]:
+        """Time vLLM's forward and the blend loop on synthetic prompts (the cost model's prior).
+
+        vLLM's own forward (``vllm_forward(ids)``, the parity gate's) at `CALIBRATION_TOKENS`
+        tokens; the blend loop with ``config`` (the server's strategy) over prompts of moved
+        documents at `CALIBRATION_BLENDS` tokens, and with ``full``, its KV written into the
+        same free blocks the gate uses. A few seconds, once, at start-up; the values are random
+        (only the time counts).
+        """
+        from kvblend.vllm.costs import blend_features, vllm_features
+
+        generator = torch.Generator().manual_seed(0)
+        vocab = int(self.library.segment_kv.tokenizer.vocab_size)
+
+        def ids(count: int) -> list[int]:
+            return torch.randint(0, vocab, (count,), generator=generator).tolist()
+
+        vllm_points, blend_points = [], []
+        for count, (total, strategy) in zip(CALIBRATION_TOKENS, CALIBRATION_BLENDS, strict=True):
+            # one of each in turn, so a change of load on a shared machine touches both alike
+            token_ids = ids(count)
+            began = time.perf_counter()
+            vllm_forward(token_ids)
+            vllm_points.append((vllm_features(count, 0).tolist(), time.perf_counter() - began))
+            chosen = config if strategy is None else BlendConfig(strategy)
+            job = self._synthetic_job(ids(total), chosen, generator)
+            outcome = BlendOutcome(job.request_id, total=total)
+            began = time.perf_counter()
+            self._blend(job, chosen, outcome, spans=job.spans)
+            seconds = time.perf_counter() - began
+            blend_points.append((blend_features(outcome.rows, total).tolist(), seconds))
+        return {"vllm": vllm_points, "blend": blend_points}
+
+    def _synthetic_job(
+        self, token_ids: list[int], config: BlendConfig, generator: torch.Generator
+    ) -> Any:
+        """Return a job over ``token_ids``: head and question computed, moved documents between."""
+        total = len(token_ids)
+        kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
+        spans: list[CachedSpan] = []
+        shape = self.adapter.shape
+        for start in range(32, total - 32 - 255, 256):
+            kinds[start : start + 256] = int(TokenKind.MOVED)
+            kv = torch.randn(
+                shape.num_layers, 2, shape.num_kv_heads, 256, shape.head_dim, generator=generator
+            ).to(self.adapter.dtype)
+            spans.append(CachedSpan(start, start + 256, _Tensors(kv), int(TokenKind.MOVED)))
+        plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds)
+        blocks = list(range(1, 2 + total // self.block_size))  # free at start-up (the gate's)
+        job = BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks)
+        job.spans = spans  # type: ignore[attr-defined]
+        return job
+
+    def run(self, job: BlendJob, checkpoint: Callable[[], None] = _no_pause) -> BlendOutcome:
+        """Blend one job and write its rows; never raises, except when cancelled.
+
+        ``checkpoint`` is called between the blend's steps (`pacing`): it may pause the blend
+        until the next engine step, or raise `BlendCancelledError` (the job then ends there).
 
         A blend that fails runs again as ``full``; under tensor parallelism it does not (a
         rank running a pass the others do not would mismatch their collectives): its blocks
         are reported as failed loads at once, and vLLM computes them on every rank.
         """
-        outcome = BlendOutcome(job.request_id)
+        outcome = BlendOutcome(job.request_id, total=len(job.plan.token_ids))
         started = time.perf_counter()
         try:
-            self._blend(job, job.config, outcome)
+            self._blend(job, job.config, outcome, checkpoint)
+        except BlendCancelledError:
+            raise
         except Exception as error:  # noqa: BLE001 - the exact computation takes over
             outcome.error = f"{type(error).__name__}: {error}"
             outcome.reused = outcome.recomputed = 0
             try:
                 if self.adapter.tp_size > 1:
                     raise RuntimeError("not run again under tensor parallelism") from error
-                self._blend(job, BlendConfig("full"), outcome)
+                self._blend(job, BlendConfig("full"), outcome, checkpoint)
+            except BlendCancelledError:
+                raise
             except Exception as again:  # noqa: BLE001 - vLLM recomputes the claimed blocks
                 outcome.failed = True
                 outcome.error += f"; computing in full failed too: {again}"
@@ -149,15 +255,30 @@ class WorkerSide:
         return job.block_ids[first : last + 1]
 
     @torch.inference_mode()
-    def _blend(self, job: BlendJob, config: BlendConfig, outcome: BlendOutcome) -> None:
+    def _blend(
+        self,
+        job: BlendJob,
+        config: BlendConfig,
+        outcome: BlendOutcome,
+        checkpoint: Callable[[], None] = _no_pause,
+        spans: list[CachedSpan] | None = None,
+    ) -> None:
         plan, began = job.plan, time.perf_counter()
         kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: lost entries change it
-        spans = self._open(plan, kinds, outcome) if config.reads_cache else []
+        if spans is None:
+            spans = self._open(plan, kinds, outcome, checkpoint) if config.reads_cache else []
+        elif not config.reads_cache:
+            kinds[:] = int(TokenKind.COMPUTE)
+            spans = []
         token_ids = torch.as_tensor(np.asarray(plan.token_ids, dtype=np.int64))
         blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
         opened = time.perf_counter()
-        out = run_blend(self.adapter, blend_input, config, need_logits=False)
+        out = run_blend(
+            self.adapter, blend_input, config, need_logits=False,
+            cancel=Checkpoints(checkpoint),
+        )  # fmt: skip
         blended = time.perf_counter()
+        outcome.rows = round(out.stats.get("token_layers", 0) / self.adapter.shape.num_layers)
         outcome.timings = {
             "open_s": opened - began, "loop_s": blended - opened,
             "probe_s": float(out.stats.get("probe_s", 0.0)),
@@ -169,11 +290,16 @@ class WorkerSide:
         device = self.adapter.device
         slots = slot_mapping(job.block_ids, self.block_size, job.start, job.stop, device)
         for layer, attention in enumerate(self.adapter.attention_layers):
+            checkpoint()
             write_rows(attention, out.keys[layer], out.values[layer], job.start, job.stop, slots)
         outcome.timings["write_s"] = time.perf_counter() - blended
 
     def _open(
-        self, plan: PrefillPlan, kinds: np.ndarray, outcome: BlendOutcome
+        self,
+        plan: PrefillPlan,
+        kinds: np.ndarray,
+        outcome: BlendOutcome,
+        checkpoint: Callable[[], None] = _no_pause,
     ) -> list[CachedSpan]:
         """Open and read the plan's entries; rows of one that cannot be used are computed.
 
@@ -184,7 +310,10 @@ class WorkerSide:
         not read is computed on every rank) and each rank reads its own KV heads.
         """
         segment_kv, adapter = self.library.segment_kv, self.adapter
-        opened = [self._entry(span, outcome) for span in plan.spans]
+        opened = []
+        for span in plan.spans:
+            checkpoint()
+            opened.append(self._entry(span, outcome))
         usable = torch.tensor([entry is not None for _, entry in opened], dtype=torch.float32)
         agreed = adapter.gather_ranks(usable).min(dim=0).values if opened else usable
         spans = []
@@ -230,7 +359,9 @@ class WorkerSide:
             return refuse
         return functools.partial(segment_kv.compute, key, span.context_ids, span.cached_ids)
 
-    def fill(self, documents: list[tuple[str, str]]) -> int:
+    def fill(
+        self, documents: list[tuple[str, str]], checkpoint: Callable[[], None] = _no_pause
+    ) -> int:
         """Compute and store the KV of documents found but not stored; return how many.
 
         Not under tensor parallelism: a rank computes its own KV heads only, and an entry holds
@@ -249,6 +380,7 @@ class WorkerSide:
             return 0
         segment_kv, done = self.library.segment_kv, 0
         for text, context in dict.fromkeys(documents):
+            checkpoint()
             try:
                 layout = segment_kv.layout(text, context)
                 key = segment_key(segment_kv.fingerprint, layout.context_ids, layout.ids)

@@ -1,0 +1,147 @@
+"""Blends run a slice at a time between vLLM's engine steps, so no other request waits for one.
+
+The connector loads asynchronously: the scheduler side answers ``load_async=True``, the request
+waits (``WAITING_FOR_REMOTE_KVS``) and every other request keeps stepping. The worker side must
+still compute the blend somewhere, and on the CPU there is nowhere else than the cores vLLM's
+forward runs on. So a blend runs in slices: `SliceRunner.run` lets the queued blends run for
+about ``budget_s`` seconds at the end of each engine step (``start_load_kv``, which vLLM calls
+after the step's forward when no load is synchronous), and a blend stops at its next checkpoint
+(one layer of the blend loop, one entry read, one layer of KV written) once the budget is spent,
+to resume there in the next step. A step lasts its forward plus at most one slice, however long
+the queued blends are.
+
+Each blend is a greenlet: a coroutine with a stack of its own, run in the engine's own thread.
+A thread would do the same switching, but on the CPU it runs its torch ops in an OpenMP team of
+its own, whose threads vLLM never bound to cores (vLLM binds its forward's threads, one per
+core): measured on this project's 2-core machine, a blend in a separate thread ran 2-3 times
+slower than the same blend in the engine thread. In the engine thread the blend uses vLLM's
+own threads and cores, exactly as a blend inside the step did. The engine thread runs slices
+inside vLLM's ``execute_model`` only (under ``torch.inference_mode``, like the blend itself),
+so the thread-local torch state the two share is the same on both sides of a switch; the one
+that differs, a GPU blend's side stream, is set and unset at every switch (`Task.on_switch`).
+
+A task whose request was cancelled stops at its next checkpoint (`BlendCancelledError`) and is
+reported done, so that vLLM frees its blocks only once nothing writes them any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import greenlet
+
+from kvblend.errors import BlendCancelledError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SliceRunner", "Task"]
+
+
+@dataclass(eq=False)
+class Task:
+    """One piece of work of the worker side: ``work(checkpoint)``, run in slices.
+
+    ``work`` calls ``checkpoint()`` between its steps; it raises `BlendCancelledError` once the
+    task is cancelled. ``compute_s`` is the time the task ran (its slices, not the pauses).
+    ``on_switch(running)`` is called as the task is resumed (True) or paused (False).
+    """
+
+    key: str
+    work: Callable[[Callable[[], None]], Any]
+    on_switch: Callable[[bool], None] | None = None
+    result: Any = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    compute_s: float = 0.0
+    done: bool = field(default=False, init=False)
+    _coroutine: Any = field(default=None, init=False, repr=False)
+
+
+class SliceRunner:
+    """Runs `Task` objects as coroutines of the calling thread, in slices of time.
+
+    The engine thread calls `submit`, then `run(budget_s)` once per step: it returns when the
+    running task reached a checkpoint after ``budget_s`` seconds, or when no task is left; the
+    finished tasks are then in `take_done`. ``whole``: every task runs to its end in the first
+    `run` (tensor parallelism: every rank must reach the same collectives in the same order,
+    which slices of a time budget would not guarantee).
+    """
+
+    def __init__(self, *, whole: bool = False) -> None:
+        self.whole = whole
+        self._tasks: deque[Task] = deque()
+        self._done: list[Task] = []
+        self._deadline = 0.0
+
+    def submit(self, task: Task) -> None:
+        """Queue ``task`` (run in a later `run`)."""
+        self._tasks.append(task)
+
+    def cancel(self, key: str) -> None:
+        """Cancel the tasks of ``key``: a queued one is dropped, a running one stops soon."""
+        for task in self._tasks:
+            if task.key == key:
+                task.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        """Whether a task is queued or under way."""
+        return bool(self._tasks)
+
+    def run(self, budget_s: float) -> float:
+        """Let the tasks run for about ``budget_s`` seconds; return how long they ran."""
+        began = time.perf_counter()
+        self._deadline = float("inf") if self.whole else began + budget_s
+        while self._tasks:
+            task = self._tasks[0]
+            if task.cancelled and task._coroutine is None:  # never started: nothing to stop
+                self._finish(task)
+                continue
+            if task._coroutine is None:
+                task._coroutine = greenlet.greenlet(self._body)
+            resumed = time.perf_counter()
+            if task.on_switch is not None:
+                task.on_switch(True)
+            task._coroutine.switch(task)
+            if task.on_switch is not None:
+                task.on_switch(False)
+            task.compute_s += time.perf_counter() - resumed
+            if task._coroutine.dead:
+                self._finish(task)
+            if time.perf_counter() >= self._deadline:
+                break
+        return time.perf_counter() - began
+
+    def take_done(self) -> list[Task]:
+        """Return the tasks finished (or cancelled) since the last call."""
+        done, self._done = self._done, []
+        return done
+
+    def _finish(self, task: Task) -> None:
+        self._tasks.popleft()
+        task.done, task._coroutine = True, None
+        self._done.append(task)
+
+    def _body(self, task: Task) -> None:
+        """Run the task's work as its coroutine, keeping what it returned or raised."""
+
+        def checkpoint() -> None:
+            if time.perf_counter() >= self._deadline:
+                parent = greenlet.getcurrent().parent
+                assert parent is not None
+                parent.switch()  # paused here until the next slice
+            if task.cancelled:
+                raise BlendCancelledError(f"the request {task.key} was cancelled")
+
+        try:
+            task.result = task.work(checkpoint)
+        except BlendCancelledError:
+            task.cancelled = True
+        except BaseException as error:  # noqa: BLE001 - reported with the task
+            task.error = error
+            logger.debug("kvblend task %s failed: %s", task.key, error)
