@@ -13,11 +13,10 @@ work, in seconds:
   plus the step that computes the last prompt token once the blend is done.
 
 The worker side calibrates both at start-up (`calibrate`: vLLM's own forward and the blend loop
-over a few synthetic prompts, on the model and the cores that will serve) and then reports every
-engine step's forward time with its tokens, and every blend's time with its rows; `LinearFit`
-refits each model on what it observed, recent observations counting most, the calibration as
-its prior. A machine that gets slower (another job takes a core) moves both forecasts within a
-few steps.
+over a few synthetic prompts, interleaved, on the model and the cores that will serve) and then
+reports every engine step's forward time with its tokens, and every blend's time with its rows;
+each `LinearFit` keeps its calibrated weights and corrects its scale by what it observed lately.
+A machine that gets slower (another job takes a core) moves both forecasts within a few steps.
 """
 
 from __future__ import annotations
@@ -52,69 +51,54 @@ def blend_features(rows: float, total: float) -> np.ndarray:
 
 
 class LinearFit:
-    """Least squares of ``seconds ~ w . features`` with forgetting and a prior.
+    """A linear model of seconds, ``w . features``, and how far off it has lately been.
 
-    Each observation is weighted by its relative error (``1 / seconds**2``), so short and long
-    requests count alike; older observations fade by ``forget`` per new one; the prior (the
-    start-up calibration, as ``prior_weight`` observations) keeps the fit defined while the
-    observations span few shapes. Weights are kept non-negative.
+    The weights come from the start-up calibration (`fit_points`: non-negative least squares,
+    each point weighted by its relative error, so short and long runs count alike); every
+    observation then updates a correction factor, the ratio of the seconds observed to the
+    seconds forecast over the recent observations (each older one fading by ``forget``), so
+    longer runs count more. A machine that gets slower (another job takes a core) moves the
+    forecasts within a few observations, while the calibration keeps their shape.
     """
 
-    def __init__(self, size: int, forget: float = 0.97, prior_weight: float = 4.0) -> None:
+    def __init__(self, size: int, forget: float = 0.9) -> None:
         self.size = size
         self.forget = forget
-        self.prior_weight = prior_weight
-        self.prior = np.zeros(size)
-        self._gram = np.zeros((size, size))
-        self._moment = np.zeros(size)
         self.weights = np.zeros(size)
+        self._observed = 1.0  # seconds observed, fading
+        self._forecast = 1.0  # seconds forecast for the same observations, fading
         self.observed = 0
 
+    @property
+    def correction(self) -> float:
+        """Seconds observed per second forecast, lately."""
+        return self._observed / self._forecast
+
     def set_prior(self, weights: np.ndarray) -> None:
-        """Set the prior weights (the calibration) and refit."""
-        self.prior = np.clip(np.asarray(weights, dtype=float), 0.0, None)
-        self._solve()
+        """Set the weights (the calibration)."""
+        self.weights = np.clip(np.asarray(weights, dtype=float), 0.0, None)
 
     def fit_points(self, points: list[tuple[np.ndarray, float]]) -> np.ndarray:
-        """Return the non-negative least-squares weights of ``points`` alone (calibration)."""
+        """Return the non-negative least-squares weights of ``points`` (the calibration)."""
         features = np.array([x for x, _ in points], dtype=float)
         seconds = np.array([y for _, y in points], dtype=float)
         scale = 1.0 / np.maximum(seconds, 1e-3)
-        weights = _nnls(features * scale[:, None], seconds * scale)
-        return weights
+        return _nnls(features * scale[:, None], seconds * scale)
 
     def observe(self, features: np.ndarray, seconds: float) -> None:
-        """Add one observation and refit."""
-        if not np.isfinite(seconds) or seconds <= 0:
+        """Take one observation into the correction."""
+        forecast = float(self.weights @ features)
+        if not np.isfinite(seconds) or seconds <= 0 or forecast <= 0:
             return
-        scale = 1.0 / max(seconds, 1e-3) ** 2
-        self._gram = self.forget * self._gram + scale * np.outer(features, features)
-        self._moment = self.forget * self._moment + scale * seconds * features
+        if self.observed == 0:  # the first one replaces the neutral start
+            self._observed, self._forecast = 0.0, 0.0
+        self._observed = self.forget * self._observed + seconds
+        self._forecast = self.forget * self._forecast + forecast
         self.observed += 1
-        self._solve()
-
-    def _solve(self) -> None:
-        # the prior acts as observations of each weight at its prior value, relative to it
-        prior = np.where(self.prior > 0, self.prior, 1.0)
-        ridge = np.diag(self.prior_weight / prior**2)
-        gram = self._gram + ridge
-        moment = self._moment + ridge @ self.prior
-        try:
-            weights = np.linalg.solve(gram, moment)
-        except np.linalg.LinAlgError:
-            weights = self.prior.copy()
-        if (weights < 0).any():  # keep each weight non-negative: refit without the negatives
-            keep = weights > 0
-            weights = np.zeros(self.size)
-            if keep.any():
-                sub = np.ix_(keep, keep)
-                weights[keep] = np.linalg.lstsq(gram[sub], moment[keep], rcond=None)[0]
-            weights = np.clip(weights, 0.0, None)
-        self.weights = np.asarray(weights, dtype=float)
 
     def predict(self, features: np.ndarray) -> float:
         """Forecast seconds for ``features``."""
-        return float(self.weights @ features)
+        return float(self.weights @ features) * self.correction
 
 
 def _nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:

@@ -15,16 +15,9 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from kvblend.vllm.settings import ConnectorSettings, request_config
+from kvblend.vllm.settings import check_options
 
-__all__ = ["KVBlendOptions", "check_options"]
-
-
-def check_options(kv_transfer_params: Any) -> None:
-    """Raise ValueError when ``kv_transfer_params`` holds kvblend options in another form."""
-    if not isinstance(kv_transfer_params, dict) or "kvblend" not in kv_transfer_params:
-        return
-    request_config(ConnectorSettings().config, kv_transfer_params)
+__all__ = ["KVBlendOptions"]
 
 
 class KVBlendOptions(LogitsProcessor):

@@ -86,6 +86,7 @@ class RequestPlan:
     #: the blend's and vLLM's prefill's forecast times (None: not forecast)
     forecast: Forecast | None = None
     refused: bool = False  # a request option was refused (the reason is ``fallback``)
+    unreachable: str | None = None  # why the store could not be asked (an outage), if so
 
     @property
     def claimed(self) -> int:
@@ -188,10 +189,12 @@ def plan_request(
     if config.reads_cache and not plan.spans:
         request.fallback = NO_DOCUMENT
         return request
-    missing = _missing_spans(library, plan) if config.reads_cache else set()
-    request.missing = _missing_documents(library, text, plan, missing)
-    request.not_stored = _document_numbers(plan, missing)
-    request.plan = restrict(plan, start, missing, "not in the store yet: computed")
+    missing, failed = _missing_spans(library, plan) if config.reads_cache else (set(), None)
+    request.missing = [] if failed else _missing_documents(library, text, plan, missing)
+    request.not_stored = [] if failed else _document_numbers(plan, missing)
+    request.unreachable = failed
+    why = f"the store could not be asked: {failed}" if failed else "not in the store yet"
+    request.plan = restrict(plan, start, missing, f"{why}: computed")
     request.layers = int(library.segment_kv.decoder.shape.num_layers)
     _decide(request)
     return request
@@ -202,9 +205,12 @@ def plan_request(
 NO_DOCUMENT = "no stored document in the prompt"
 
 
-def _missing_spans(library: Any, plan: PrefillPlan) -> set[int]:
-    """Return the spans whose entry the store does not hold, or cannot say it holds."""
-    missing = set()
+def _missing_spans(library: Any, plan: PrefillPlan) -> tuple[set[int], str | None]:
+    """Return the spans whose entry the store does not hold, or cannot say it holds.
+
+    The second value says why a lookup failed (a store outage), if one did.
+    """
+    missing, failed = set(), None
     for index, span in enumerate(plan.spans):
         key = segment_key(library.fingerprint, span.context_ids, span.cached_ids)
         try:
@@ -213,7 +219,8 @@ def _missing_spans(library: Any, plan: PrefillPlan) -> set[int]:
         except Exception as error:  # noqa: BLE001 - a store outage: those rows are computed
             logger.debug("store lookup of %s failed: %s", key, error)
             missing.add(index)
-    return missing
+            failed = failed or f"{type(error).__name__}: {error}"
+    return missing, failed
 
 
 def _document_numbers(plan: PrefillPlan, spans: set[int]) -> list[int]:
@@ -278,12 +285,15 @@ def _decide(request: RequestPlan) -> None:
     cached = int(np.count_nonzero(plan.kinds != TokenKind.COMPUTE))
     if config.reads_cache and not cached:
         numbers = ", ".join(map(str, request.not_stored))
-        request.fallback = (
-            f"not stored: the prompt's documents ({numbers}) are known but their KV is not in "
-            "the store yet (the connector stores them after this request)"
-            if request.not_stored
-            else "no stored document left to reuse"
-        )
+        if request.unreachable:
+            request.fallback = f"store unreachable: {request.unreachable}"
+        elif request.not_stored:
+            request.fallback = (
+                f"not stored: the prompt's documents ({numbers}) are known but their KV is not "
+                "in the store yet (the connector stores them after this request)"
+            )
+        else:
+            request.fallback = "no stored document left to reuse"
         return
     forecast = forecast_blend(plan, config)
     if forecast.fallback is not None:

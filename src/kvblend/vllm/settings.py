@@ -34,7 +34,7 @@ from typing import Any
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
-__all__ = ["ConnectorSettings", "request_config"]
+__all__ = ["ConnectorSettings", "RequestChoice", "check_options", "request_config"]
 
 _KEYS = frozenset(
     {
@@ -154,3 +154,13 @@ def request_config(
     else:
         config = default.replace(**settings) if settings else default
     return RequestChoice(config, _when(chosen.get("when", when), "kv_transfer_params['kvblend']"))
+
+
+def check_options(kv_transfer_params: Any) -> None:
+    """Raise ValueError when ``kv_transfer_params`` holds kvblend options in another form.
+
+    What vLLM's frontend runs on each request as it arrives (`kvblend.vllm.options`); a request
+    without kvblend options passes.
+    """
+    if isinstance(kv_transfer_params, dict) and "kvblend" in kv_transfer_params:
+        request_config(BlendConfig(), kv_transfer_params)
