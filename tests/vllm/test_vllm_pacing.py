@@ -21,7 +21,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.errors import BlendCancelledError
 from kvblend.store import MemoryKVStore
-from kvblend.vllm.costs import CostModel, LinearFit, blend_features, step_features, vllm_features
+from kvblend.vllm.costs import CostModel, blend_features, step_features, vllm_features
 from kvblend.vllm.pacing import SliceRunner, Task
 from kvblend.vllm.planning import plan_request
 from kvblend.vllm.scheduler import KVBlendMetadata
@@ -105,22 +105,51 @@ def test_a_paused_task_leaves_the_engine_threads_torch_state_alone() -> None:
     assert task.result is True and not torch.is_inference_mode_enabled()
 
 
-def test_the_fit_finds_linear_costs_and_follows_a_slower_machine() -> None:
-    fit = LinearFit(3)
-    truth = np.array([0.01, 2e-3, 0.5])
-    points = [(vllm_features(n, p), float(truth @ vllm_features(n, p))) for n, p in
-              [(128, 0), (512, 0), (1024, 512), (2048, 0), (64, 4000)]]  # fmt: skip
-    fit.set_prior(fit.fit_points(points))
-    for features, seconds in points:
-        assert fit.predict(features) == pytest.approx(seconds, rel=0.02)
-    for _ in range(6):  # another job takes a core: every forward twice as long
-        for features, seconds in points:
-            fit.observe(features, 2 * seconds)
-    assert fit.correction == pytest.approx(2.0, rel=0.01)
-    for features, seconds in points:
-        assert fit.predict(features) == pytest.approx(2 * seconds, rel=0.03)
-    fit.observe(points[0][0], 0.0)  # a step too short to time says nothing
-    assert fit.correction == pytest.approx(2.0, rel=0.01) and (fit.weights >= 0).all()
+def _calibrated(truth_vllm: np.ndarray, truth_blend: np.ndarray) -> tuple[CostModel, list, list]:
+    model = CostModel()
+    vllm_points = [(vllm_features(n, p), float(truth_vllm @ vllm_features(n, p))) for n, p in
+                   [(128, 0), (512, 0), (1024, 512), (2048, 0), (64, 4000)]]  # fmt: skip
+    blend_points = [(blend_features(r, n), float(truth_blend @ blend_features(r, n))) for r, n in
+                    [(384, 384), (300, 1024), (600, 2048), (1100, 4096)]]  # fmt: skip
+    model.calibrate(vllm_points, blend_points)
+    return model, vllm_points, blend_points
+
+
+def test_the_fit_finds_the_calibrations_costs_and_follows_a_slower_machine() -> None:
+    model, vllm_points, blend_points = _calibrated(
+        np.array([0.01, 2e-3, 0.5]), np.array([0.05, 2e-3, 1.0, 1e-4])
+    )
+    for features, seconds in vllm_points:
+        assert model.predict(model.vllm, features) == pytest.approx(seconds, rel=0.02)
+    for features, seconds in blend_points:
+        assert model.predict(model.blend, features) == pytest.approx(seconds, rel=0.02)
+    for _ in range(4):  # another job takes a core: every run twice as long, either path
+        for (x, y), (u, v) in zip(vllm_points[:4], blend_points, strict=True):
+            model.observe(model.vllm, x, 2 * y)
+            model.observe(model.blend, u, 2 * v)
+    assert model.machine == pytest.approx(2.0, rel=0.05)
+    assert model.vllm.residual == pytest.approx(1.0, rel=0.2)
+    for features, seconds in blend_points:
+        assert model.predict(model.blend, features) == pytest.approx(2 * seconds, rel=0.2)
+    model.observe(model.vllm, vllm_features(1, 3000), 5.0)  # a decode step says nothing
+    model.observe(model.vllm, vllm_features(512, 0), 0.0)  # nor a step too short to time
+    assert model.machine == pytest.approx(2.0, rel=0.05)
+
+
+def test_a_path_the_calibration_misjudged_is_corrected_on_its_own() -> None:
+    """Blends observed 3x the calibration's forecast while vLLM's steps match it."""
+    model, vllm_points, blend_points = _calibrated(
+        np.array([0.01, 2e-3, 0.5]), np.array([0.05, 2e-3, 1.0, 1e-4])
+    )
+    for _ in range(30):
+        for (x, y), (u, v) in zip(vllm_points[:4], blend_points, strict=True):
+            model.observe(model.vllm, x, y)
+            model.observe(model.blend, u, 3 * v)
+    blend = [model.predict(model.blend, u) / v for u, v in blend_points]
+    vllm = [model.predict(model.vllm, x) / y for x, y in vllm_points]
+    assert all(2.4 < ratio < 3.6 for ratio in blend), blend
+    assert all(0.6 < ratio < 1.4 for ratio in vllm), vllm
+    assert (model.vllm.weights >= 0).all() and (model.blend.weights >= 0).all()
 
 
 def test_a_forecast_counts_the_last_tokens_step_and_the_prefix_hit() -> None:

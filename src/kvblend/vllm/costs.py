@@ -15,8 +15,9 @@ work, in seconds:
 The worker side calibrates both at start-up (`calibrate`: vLLM's own forward and the blend loop
 over a few synthetic prompts, interleaved, on the model and the cores that will serve) and then
 reports every engine step's forward time with its tokens, and every blend's time with its rows;
-each `LinearFit` keeps its calibrated weights and corrects its scale by what it observed lately.
-A machine that gets slower (another job takes a core) moves both forecasts within a few steps.
+`CostModel` keeps the calibrated shapes and learns two factors from those: the machine's speed
+now (a machine that gets slower, another job taking a core, moves both forecasts within a few
+runs) and, per path, what the calibration got wrong about it.
 """
 
 from __future__ import annotations
@@ -51,27 +52,27 @@ def blend_features(rows: float, total: float) -> np.ndarray:
 
 
 class LinearFit:
-    """A linear model of seconds, ``w . features``, and how far off it has lately been.
+    """A linear model of seconds, ``w . features``, and how far off its own runs have been.
 
     The weights come from the start-up calibration (`fit_points`: non-negative least squares,
-    each point weighted by its relative error, so short and long runs count alike); every
-    observation then updates a correction factor, the ratio of the seconds observed to the
-    seconds forecast over the recent observations (each older one fading by ``forget``), so
-    longer runs count more. A machine that gets slower (another job takes a core) moves the
-    forecasts within a few observations, while the calibration keeps their shape.
+    each point weighted by its relative error, so short and long runs count alike). `residual`
+    is the ratio of the seconds observed to those forecast (with the machine's current speed,
+    `CostModel.machine`) over this model's own recent runs, older ones fading by ``forget``,
+    longer ones counting more; it starts at 1 as if `PRIOR_S` seconds had agreed.
     """
 
-    def __init__(self, size: int, forget: float = 0.9) -> None:
+    PRIOR_S = 2.0
+
+    def __init__(self, size: int, forget: float = 0.95) -> None:
         self.size = size
         self.forget = forget
         self.weights = np.zeros(size)
-        self._observed = 1.0  # seconds observed, fading
-        self._forecast = 1.0  # seconds forecast for the same observations, fading
+        self._observed = self._forecast = self.PRIOR_S
         self.observed = 0
 
     @property
-    def correction(self) -> float:
-        """Seconds observed per second forecast, lately."""
+    def residual(self) -> float:
+        """Seconds observed per second forecast, over this model's own recent runs."""
         return self._observed / self._forecast
 
     def set_prior(self, weights: np.ndarray) -> None:
@@ -85,20 +86,15 @@ class LinearFit:
         scale = 1.0 / np.maximum(seconds, 1e-3)
         return _nnls(features * scale[:, None], seconds * scale)
 
-    def observe(self, features: np.ndarray, seconds: float) -> None:
-        """Take one observation into the correction."""
-        forecast = float(self.weights @ features)
-        if not np.isfinite(seconds) or seconds <= 0 or forecast <= 0:
-            return
-        if self.observed == 0:  # the first one replaces the neutral start
-            self._observed, self._forecast = 0.0, 0.0
+    def base(self, features: np.ndarray) -> float:
+        """Seconds the calibration alone forecasts for ``features``."""
+        return float(self.weights @ features)
+
+    def take(self, forecast: float, seconds: float) -> None:
+        """Take one run into the residual: ``seconds`` observed, ``forecast`` expected."""
         self._observed = self.forget * self._observed + seconds
         self._forecast = self.forget * self._forecast + forecast
         self.observed += 1
-
-    def predict(self, features: np.ndarray) -> float:
-        """Forecast seconds for ``features``."""
-        return float(self.weights @ features) * self.correction
 
 
 def _nnls(matrix: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -139,22 +135,58 @@ class Forecast:
 
 
 class CostModel:
-    """The scheduler side's forecasts: one `LinearFit` for vLLM's forward, one for the blend."""
+    """The scheduler side's forecasts: one `LinearFit` each for vLLM's forward and the blend.
+
+    A forecast is a model's calibrated seconds times two factors learnt from what the worker
+    observes: `machine`, the machine's speed now against the calibration's (every run of either
+    kind, quickly forgotten: another job taking a core slows vLLM's forward and the blend alike),
+    and the model's own `LinearFit.residual` (its runs only, slowly forgotten: what the
+    calibration got wrong about that path). Steps of fewer than `MIN_TOKENS` tokens (decodes,
+    the last prompt token after a blend) or shorter than `MIN_S` say too little and are left
+    out.
+    """
+
+    MIN_TOKENS = 32
+    MIN_S = 0.02
+    FORGET = 0.7
 
     def __init__(self) -> None:
         self.vllm = LinearFit(3)
         self.blend = LinearFit(4)
         self.calibrated = False
+        self._observed = self._forecast = 1.0
+
+    @property
+    def machine(self) -> float:
+        """The machine's speed factor: recent runs' seconds per second the models forecast."""
+        return self._observed / self._forecast
 
     def calibrate(
         self,
         vllm_points: list[tuple[np.ndarray, float]],
         blend_points: list[tuple[np.ndarray, float]],
     ) -> None:
-        """Set both priors from the start-up measurements."""
+        """Set both models' weights from the start-up measurements."""
         self.vllm.set_prior(self.vllm.fit_points(vllm_points))
         self.blend.set_prior(self.blend.fit_points(blend_points))
         self.calibrated = True
+
+    def predict(self, model: LinearFit, features: np.ndarray) -> float:
+        """Forecast seconds of ``features`` on ``model``'s path, at the machine's speed now."""
+        return model.base(features) * model.residual * self.machine
+
+    def observe(self, model: LinearFit, features: np.ndarray, seconds: float) -> None:
+        """Take one observed run of ``model``'s path into both factors."""
+        base = model.base(features)
+        too_small = model is self.vllm and features[1] < self.MIN_TOKENS
+        if too_small or not np.isfinite(seconds) or seconds < self.MIN_S or base <= 0:
+            return
+        machine = self.machine
+        if not model.observed and not self.vllm.observed + self.blend.observed:
+            self._observed = self._forecast = 0.0  # the first run replaces the neutral start
+        self._observed = self.FORGET * self._observed + seconds
+        self._forecast = self.FORGET * self._forecast + base * model.residual
+        model.take(base * machine, seconds)
 
     def forecast(self, total: int, start: int, rows: int) -> Forecast:
         """Forecast a ``total``-token prompt with a prefix-cache hit of ``start`` tokens.
@@ -162,7 +194,7 @@ class CostModel:
         vLLM computes ``total - start`` tokens; the blend computes ``rows`` rows over its
         passes, then vLLM's forward computes the last prompt token.
         """
-        own = self.vllm.predict(vllm_features(total - start, start))
-        last = self.vllm.predict(vllm_features(1, total - 1))
-        blend = self.blend.predict(blend_features(rows, total)) + last
+        own = self.predict(self.vllm, vllm_features(total - start, start))
+        last = self.predict(self.vllm, vllm_features(1, total - 1))
+        blend = self.predict(self.blend, blend_features(rows, total)) + last
         return Forecast(blend, own)

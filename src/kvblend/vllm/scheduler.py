@@ -54,9 +54,10 @@ logger = logging.getLogger("kvblend.vllm")
 __all__ = ["COUNTS", "GATE_WAIT_S", "KVBlendMetadata", "KVBlendWorkerMeta", "SchedulerSide"]
 
 #: What the scheduler side counts over finished requests (vLLM's metrics: `metrics.py`):
-#: requests planned, blended, prefilled by vLLM itself, refused (a request option), their prompt
-#: tokens, the tokens nobody computed (the usage's ``cached_tokens``), the recomputed tokens,
-#: and the forecasts of both paths summed over the requests that had both.
+#: requests planned, then each once as blended, prefilled by vLLM itself, or refused (a request
+#: option; vLLM prefills it too), their prompt tokens, the tokens nobody computed (the usage's
+#: ``cached_tokens``), the recomputed tokens, and both forecasts (milliseconds) summed over the
+#: requests that had both.
 COUNTS = (
     "requests", "blended", "vllm", "refused", "prompt_tokens", "cached_tokens",
     "recomputed_tokens", "forecast_blend_ms", "forecast_vllm_ms",
@@ -351,7 +352,7 @@ class SchedulerSide:
         if meta.verdict is not None and self.gate is None:
             self._set_gate(meta.verdict)
         for features, seconds in meta.steps:
-            self.costs.vllm.observe(np.asarray(features), seconds)
+            self.costs.observe(self.costs.vllm, np.asarray(features), seconds)
         for outcome in meta.outcomes:
             self._outcome(outcome)
 
@@ -387,7 +388,7 @@ class SchedulerSide:
         self._pending.discard(request_id)
         if outcome.rows and outcome.compute_s > 0 and not outcome.cancelled:
             features = blend_features(outcome.rows, outcome.total)
-            self.costs.blend.observe(features, outcome.compute_s)
+            self.costs.observe(self.costs.blend, features, outcome.compute_s)
         stats = self._stats.pop(request_id, None)
         done = self._done.pop(request_id, None)
         record = done if done is not None else self._records.get(request_id)
@@ -467,8 +468,8 @@ class SchedulerSide:
     def _count(self, record: dict[str, Any]) -> None:
         counts = self._counts
         counts["requests"] += 1
-        counts["vllm" if record.get("fallback") else "blended"] += 1
-        counts["refused"] += int(bool(record.get("refused")))
+        outcome = "blended" if not record.get("fallback") else "vllm"
+        counts["refused" if record.get("refused") else outcome] += 1
         for name in ("prompt_tokens", "cached_tokens", "recomputed_tokens"):
             counts[name] += int(record.get(name, 0))
         if "forecast_blend_s" in record:
