@@ -60,13 +60,16 @@ def test_without_ci_they_skip(tmp_path: Path) -> None:
     assert code == 0 and "1 passed, 3 skipped" in summary, summary
 
 
-def test_ci_script_lints_type_checks_then_runs_the_readme_tests() -> None:
+def test_ci_script_lints_type_checks_checks_layers_then_runs_the_readme_tests() -> None:
     script = (ROOT / ".ci" / "run").read_text()
     lines = [line.strip() for line in script.splitlines()]
     assert "export CI=true" in lines
     assert ".venv/bin/ruff check src tests benchmarks scripts" in lines
     assert ".venv/bin/ruff format --check src tests benchmarks scripts" in lines
     assert ".venv/bin/mypy" in lines  # files and settings: [tool.mypy] in pyproject.toml
+    commands = [line.split("#")[0].strip() for line in lines]
+    assert ".venv/bin/lint-imports" in commands  # [tool.importlinter] in pyproject.toml
+    assert ".venv/bin/deptry src" in commands  # [tool.deptry] in pyproject.toml
 
 
 def _readme_commands() -> list[str]:

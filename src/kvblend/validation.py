@@ -227,6 +227,13 @@ def short(value: object, chars: int = 40) -> str:
     return text if len(text) <= chars + 2 else f"{text[:chars]}...{text[-1]}"
 
 
+def snippet(text: str, width: int = 48) -> str:
+    """Return the text's repr, cut to about ``width`` characters."""
+    if len(text) <= width:
+        return repr(text)
+    return repr(text[: width - 3]) + "..."
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 

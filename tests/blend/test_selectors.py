@@ -4,6 +4,7 @@ registry open to a new selector, and the row attention's mask memory bounded."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterable
 
 import numpy as np
 import pytest
@@ -14,7 +15,15 @@ from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend import selectors
 from kvblend.blend.attention import QUERY_CHUNK, RowAttention, attention_mask, sdpa
 from kvblend.blend.io import MOVED, RowSet
-from kvblend.blend.selectors.base import Selection, SelectionContext, Selector, Setting, ratio
+from kvblend.blend.selectors.base import (
+    Forecast,
+    Selection,
+    SelectionContext,
+    Selector,
+    Setting,
+    SpanRows,
+    ratio,
+)
 from kvblend.models.decoder import Decoder
 from kvblend.store import MemoryKVStore
 
@@ -111,6 +120,11 @@ class LastTokensSelector(Selector):
                 computed[max(span.start, span.end - self.options["tokens"]) : span.end] = True
         return Selection(computed.nonzero().squeeze(1))
 
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        tokens = self.options["tokens"]
+        moved = np.asarray(kinds) == MOVED
+        return Forecast(sum(int(moved[max(s.start, s.end - tokens) : s.end].sum()) for s in spans))
+
 
 def test_a_new_selector_is_one_class_and_one_registry_line() -> None:
     selectors.register(LastTokensSelector)
@@ -130,6 +144,43 @@ def test_a_new_selector_is_one_class_and_one_registry_line() -> None:
             BlendConfig("last-tokens", recompute_ratio=0.2)
     finally:
         del selectors.SELECTORS["last-tokens"]
+
+
+def test_a_strategy_registered_from_outside_forecasts_what_its_prefill_recomputes() -> None:
+    from kvblend.vllm.planning import plan_request
+
+    selectors.register(LastTokensSelector)
+    try:
+        engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+        documents = ["First document, twenty-nine b.", "Second document is here, ok.",
+                     "A third one, a little longer than the other two."]  # fmt: skip
+        engine.precompute(documents)
+        for tokens, order in ((3, [2, 0, 1]), (5, [1, 2, 0]), (40, [2, 1, 0])):
+            config = BlendConfig("last-tokens", tokens=tokens)
+            prompt = "".join(
+                s.text for s in engine.rag_segments("Which one?", [documents[i] for i in order])
+            )
+            ran = engine.prefill(prompt, config).stats
+            explained = engine.explain(prompt, config)
+            vllm_plan = plan_request(engine.library, engine.encode(prompt), 0, config)
+            assert ran.recomputed_tokens > 0 and ran.fallback is None
+            assert explained.recomputed_tokens == ran.recomputed_tokens
+            assert vllm_plan.recomputed == ran.recomputed_tokens
+            assert explained.reused_tokens == ran.reused_tokens == vllm_plan.reused
+    finally:
+        del selectors.SELECTORS["last-tokens"]
+
+
+def test_a_strategy_without_a_forecast_is_refused_at_registration() -> None:
+    class NoForecast(Selector):
+        name = "no-forecast"
+
+        def select(self, context: SelectionContext) -> Selection:
+            return Selection(context.uncached.nonzero().squeeze(1))
+
+    with pytest.raises(TypeError, match="must implement forecast"):
+        selectors.register(NoForecast)
+    assert "no-forecast" not in selectors.SELECTORS
 
 
 def _row_attention(decoder: Decoder, rows: torch.Tensor, total: int, **kwargs) -> RowAttention:

@@ -13,8 +13,8 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.blend.forecast import NO_DOCUMENTS
 from kvblend.blend.selectors.attention import share_above
-from kvblend.engine.explain import NO_DOCUMENTS
 from kvblend.store import MemoryKVStore
 
 WORDS = "alpha beta gamma delta river stone cloud maple copper violin lisbon harbor".split()

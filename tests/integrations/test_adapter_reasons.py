@@ -9,7 +9,7 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
-from kvblend.engine.explain import NO_DOCUMENTS
+from kvblend.blend.forecast import NO_DOCUMENTS
 from kvblend.store import MemoryKVStore
 
 pytest.importorskip("langchain_core")

@@ -22,7 +22,6 @@ import torch
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DocumentRegistry
 from kvblend.documents.segment_kv import SegmentKV
-from kvblend.engine.explain import near_miss
 from kvblend.models.decoder import Decoder
 from kvblend.prompt.plan import PrefillPlan, cached_pieces
 from kvblend.prompt.segments import KV_LAYOUT, Segment, segment_key
@@ -32,6 +31,7 @@ from kvblend.validation import (
     check_text,
     check_texts,
     short,
+    snippet,
     tokens_beyond,
 )
 
@@ -206,11 +206,24 @@ class DocumentLibrary:
         """Describe a known document whose start, not whole text, is in a prompt.
 
         A prompt string, or the text of a segment list outside its cached segments (the
-        adapters cut the prompt strings they get into segments, `segments_for`).
+        adapters cut the prompt strings they get into segments, `segments_for`). The registry
+        finds a document by its first `ANCHOR_CHARS` characters and then its whole text; a
+        prompt that holds those first characters outside the matched documents but not the
+        whole text holds a truncated or rewritten copy, which is computed in full. None when
+        there is no such start (a prompt without documents, such as a greeting):
+        `DocumentRegistry.anchor_in`.
         """
         text = prompt if isinstance(prompt, str) else "".join(item.text for item in items)
         matched = [(piece.start, piece.end) for piece in cached_pieces(items)]
-        return near_miss(self.registry, text, matched)
+        found = self.registry.anchor_in(text, matched)
+        if found is None:
+            return None
+        start, length = found
+        return (
+            f"a known document of {length} characters starts at character {start} "
+            f"({snippet(text[start : start + 40], 44)}) but the prompt does not "
+            "hold its whole text (truncated, rewritten or re-joined): computed in full"
+        )
 
     def stored_spans(self, plan: PrefillPlan) -> dict[int, bool]:
         """Whether the store holds the KV of each cached span of ``plan`` (by its index)."""

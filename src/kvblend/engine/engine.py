@@ -23,12 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvblend.blend.config import BlendConfig, check_config
+from kvblend.blend.forecast import forecast_blend
 from kvblend.blend.loop import BlendInput, CachedSpan, run_blend
 from kvblend.decoding.cache import check_environment
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.registry import DEFAULT_CAPACITY
 from kvblend.engine.documents_mixin import DocumentsMixin
-from kvblend.engine.explain import Explanation, FallbackLog, forecast_blend
+from kvblend.engine.explain import Explanation, FallbackLog
 from kvblend.engine.generation_mixin import GenerationMixin
 from kvblend.engine.parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
 from kvblend.engine.results import BlendStats, PrefillResult, count_tokens

@@ -1,109 +1,24 @@
-"""What a prefill will do with a prompt, and why: the forecast both `explain` and `prefill` use.
+"""What a prefill will do with a prompt, and why: `Explanation`; and `FallbackLog`.
 
-`forecast_blend` is a pure function of the prefill plan and the config: how many moved tokens
-the strategy recomputes, whether it computes every one of them instead of blending (and why),
-and which found documents end up not reused. `BlendEngine.prefill` reports it in its stats and
-`BlendEngine.explain` prints it, so the two agree by construction; the attention strategy's
-budget rule is `attention_budget`, which its selector runs too. `FallbackLog` warns of the
-reasons a prefill gives for not reusing documents, each cause once a minute.
+`Explanation` shows a prompt's plan and its forecast (`kvblend.blend.forecast.forecast_blend`,
+which `prefill` reports in its stats too, so the two agree by construction). `FallbackLog` warns
+of the reasons a prefill gives for not reusing documents, each cause once a minute.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from kvblend.blend.config import BlendConfig
-from kvblend.blend.selectors.attention import attention_budget
-from kvblend.documents.registry import DocumentRegistry
+from kvblend.blend.forecast import NO_DOCUMENTS, BlendForecast
 from kvblend.engine.results import BlendStats
-from kvblend.prompt.plan import PrefillPlan, SpanReport, TokenKind
+from kvblend.prompt.plan import PrefillPlan, TokenKind
+from kvblend.validation import snippet
 
-__all__ = ["BlendForecast", "Explanation", "FallbackLog", "forecast_blend", "near_miss"]
-
-
-@dataclass(frozen=True)
-class BlendForecast:
-    """What a prefill of one plan with one config does, decided before the model runs."""
-
-    strategy_run: str  # the config's strategy, or "full" when every moved token is recomputed
-    recomputed_tokens: int  # moved tokens recomputed at every layer
-    fallback: str | None = None  # why the blend does not run as asked
-    estimated_cost: float = 0.0  # attention: the budget rule's cost estimate (of full prefill)
-    documents_lost: list[str] = field(default_factory=list)  # found, not reused: why
-
-
-def _count(kinds: np.ndarray, kind: TokenKind) -> int:
-    """How many of ``kinds`` are ``kind``."""
-    return int(np.count_nonzero(kinds == kind))
-
-
-def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
-    if row.span is None:
-        return 0
-    span = plan.spans[row.span]
-    return _count(plan.kinds[span.start : span.end], TokenKind.MOVED)
-
-
-def _lead_rows(config: BlendConfig) -> tuple[int, int]:
-    """Leading rows of each moved document a strategy recomputes, and the 'short' length."""
-    if config.strategy == "attention":
-        return config.lead_tokens, config.short_document
-    if config.strategy == "epic":
-        return config.epic_tokens, 0
-    return 0, 0
-
-
-def _recomputed(
-    plan: PrefillPlan, config: BlendConfig, moved: int
-) -> tuple[int, float, str | None]:
-    """Return the moved tokens recomputed, the cost estimate and the fallback reason."""
-    if config.strategy == "attention":
-        budget = attention_budget(plan.kinds, plan.spans, dict(config.settings))
-        return (moved if budget.recompute_all else budget.recomputed), budget.cost, budget.fallback
-    if config.strategy == "cacheblend":
-        schedule = config.ratio_schedule or ((config.check_layer, config.recompute_ratio),)
-        return min(moved, round(schedule[-1][1] * moved)), 0.0, None
-    if config.strategy == "epic":
-        lead, _ = _lead_rows(config)
-        rows = sum(
-            _count(plan.kinds[span.start : span.start + lead], TokenKind.MOVED)
-            for span in plan.spans
-            if span.kind == TokenKind.MOVED
-        )
-        return rows, 0.0, None
-    return 0, 0.0, None  # reuse, and strategies this module does not know
-
-
-#: `BlendStats.fallback` of a prompt without a cached document: nothing to blend.
-NO_DOCUMENTS = "no_documents: the prompt holds no known document, so it is computed in full"
-
-
-def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
-    """Forecast the prefill of ``plan`` with ``config`` (a pure function: no model runs)."""
-    if not config.reads_cache:
-        return BlendForecast(config.strategy, 0)
-    if not any(row.role == "document" for row in plan.report):  # a prompt head at most
-        return BlendForecast("full", 0, NO_DOCUMENTS, 1.0)
-    moved = _count(plan.kinds, TokenKind.MOVED)
-    recomputed, cost, fallback = _recomputed(plan, config, moved)
-    lead, short = _lead_rows(config)
-    lost = []
-    for number, row in enumerate((row for row in plan.report if row.role == "document"), start=1):
-        moved_rows = _moved_rows(plan, row)
-        if not row.reused:
-            lost.append(f"document {number}: {row.reason}")
-        elif moved_rows and fallback is not None:
-            lost.append(f"document {number}: recomputed whole ({fallback.split(':')[0]})")
-        elif moved_rows and recomputed == moved:
-            lost.append(f"document {number}: recomputed whole (every moved token is)")
-        elif moved_rows and (moved_rows <= lead or row.reused <= short):
-            lost.append(f"document {number}: recomputed whole ({row.reused} tokens, short)")
-    strategy_run = "full" if fallback is not None else config.strategy
-    return BlendForecast(strategy_run, recomputed, fallback, cost, lost)
+__all__ = ["Explanation", "FallbackLog"]
 
 
 class FallbackLog:
@@ -157,13 +72,6 @@ class FallbackLog:
             )  # fmt: skip
 
 
-def _snippet(text: str, width: int = 48) -> str:
-    """Return the text's repr, cut to about ``width`` characters."""
-    if len(text) <= width:
-        return repr(text)
-    return repr(text[: width - 3]) + "..."
-
-
 @dataclass(frozen=True)
 class Explanation:
     """The plan of one prompt and its forecast: per segment, the tokens reused and why.
@@ -182,10 +90,13 @@ class Explanation:
     strategy: str = "attention"
     near_miss: str | None = None
 
+    def _count(self, kind: TokenKind) -> int:
+        return int(np.count_nonzero(self.plan.kinds == kind))
+
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens a cache holds (before any recompute)."""
-        return len(self.plan.kinds) - _count(self.plan.kinds, TokenKind.COMPUTE)
+        return len(self.plan.kinds) - self._count(TokenKind.COMPUTE)
 
     @property
     def reused_tokens(self) -> int:
@@ -204,7 +115,7 @@ class Explanation:
         """Uncached prompt tokens, computed in full (every token for strategy ``full``)."""
         if self.strategy == "full":
             return len(self.plan.token_ids)
-        return _count(self.plan.kinds, TokenKind.COMPUTE)
+        return self._count(TokenKind.COMPUTE)
 
     @property
     def fallback(self) -> str | None:
@@ -236,35 +147,14 @@ class Explanation:
         for row in sorted(self.plan.report, key=lambda row: row.char_start):
             if row.char_start > covered:
                 gap = self.text[covered : row.char_start]
-                lines.append(f"  text      {_snippet(gap)}: uncached, computed")
+                lines.append(f"  text      {snippet(gap)}: uncached, computed")
             missing = row.span is not None and not self.stored.get(row.span, True)
             note = "; not in the store yet: computed and stored on first use" if missing else ""
             lines.append(
-                f"  {row.role:<9} {_snippet(self.text[row.char_start : row.char_end])}: "
+                f"  {row.role:<9} {snippet(self.text[row.char_start : row.char_end])}: "
                 f"{row.reused} of {row.tokens} tokens cached; {row.reason}{note}"
             )
             covered = row.char_end
         if covered < len(self.text):
-            lines.append(f"  text      {_snippet(self.text[covered:])}: uncached, computed")
+            lines.append(f"  text      {snippet(self.text[covered:])}: uncached, computed")
         return "\n".join(lines)
-
-
-def near_miss(
-    registry: DocumentRegistry, prompt: str, matched: list[tuple[int, int]]
-) -> str | None:
-    """Describe a known document whose start occurs in ``prompt`` outside ``matched`` spans.
-
-    The registry finds a document by its first `ANCHOR_CHARS` characters and then its whole
-    text; a prompt that holds those first characters but not the whole text holds a truncated
-    or rewritten copy, which is computed in full. None when there is no such start (a prompt
-    without documents, such as a greeting): `DocumentRegistry.anchor_in`.
-    """
-    found = registry.anchor_in(prompt, matched)
-    if found is None:
-        return None
-    start, length = found
-    return (
-        f"a known document of {length} characters starts at character {start} "
-        f"({_snippet(prompt[start : start + 40], 44)}) but the prompt does not "
-        "hold its whole text (truncated, rewritten or re-joined): computed in full"
-    )

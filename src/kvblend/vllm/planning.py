@@ -25,12 +25,12 @@ from typing import Any
 import numpy as np
 
 from kvblend.blend.config import BlendConfig
+from kvblend.blend.forecast import forecast_blend
 from kvblend.blend.selectors.attention import (
     attention_budget,
     early_layer_count,
     probe_layer_count,
 )
-from kvblend.engine.explain import forecast_blend
 from kvblend.prompt.plan import (
     PlannedSpan,
     PrefillPlan,

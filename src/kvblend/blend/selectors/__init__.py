@@ -8,7 +8,13 @@ validates the settings that class declares.
 from __future__ import annotations
 
 from kvblend.blend.selectors.attention import AttentionSelector
-from kvblend.blend.selectors.base import Selection, SelectionContext, Selector, Setting
+from kvblend.blend.selectors.base import (
+    Forecast,
+    Selection,
+    SelectionContext,
+    Selector,
+    Setting,
+)
 from kvblend.blend.selectors.cacheblend import CacheBlendSelector
 from kvblend.blend.selectors.epic import EpicSelector
 from kvblend.blend.selectors.full import FullSelector
@@ -24,9 +30,16 @@ SELECTORS: dict[str, type[Selector]] = {
 
 
 def register(selector: type[Selector]) -> type[Selector]:
-    """Add ``selector`` under its ``name`` (usable as a class decorator)."""
+    """Add ``selector`` under its ``name`` (usable as a class decorator).
+
+    It must name itself and implement both `Selector.select` and `Selector.forecast` (what
+    ``explain`` and vLLM's cached-token count report must be what the prefill does).
+    """
     if not getattr(selector, "name", None):
         raise ValueError("a selector needs a non-empty class attribute `name`")
+    for hook in ("select", "forecast"):
+        if getattr(selector, hook, None) is getattr(Selector, hook):
+            raise TypeError(f"selector {selector.name!r} must implement {hook}() (see Selector)")
     SELECTORS[selector.name] = selector
     return selector
 
@@ -48,6 +61,7 @@ def strategy_names() -> tuple[str, ...]:
 
 __all__ = [
     "SELECTORS",
+    "Forecast",
     "Selection",
     "SelectionContext",
     "Selector",

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,11 +25,13 @@ from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.io import COMPUTE, MOVED, RowSet, to_device
 from kvblend.blend.selectors.base import (
     CORRECTION,
+    Forecast,
     Narrowing,
     Selection,
     SelectionContext,
     Selector,
     Setting,
+    SpanRows,
     chosen_rows,
     non_negative_int,
     ratio,
@@ -57,25 +59,6 @@ def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.nd
 #: benchmark on CPU (docs/configuration.md, "When a blend computes the whole prompt").
 REUSED_ROW_COST = 0.23
 BLEND_OVERHEAD_ROWS = 27
-
-
-class SpanRows(Protocol):
-    """A planned or cached span: prompt rows ``[start, end)`` and their kind."""
-
-    @property
-    def start(self) -> int:
-        """First prompt row."""
-        ...
-
-    @property
-    def end(self) -> int:
-        """Prompt row past the last."""
-        ...
-
-    @property
-    def kind(self) -> int:
-        """`MOVED` or `PREFIX`."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -111,7 +94,7 @@ def attention_budget(
     """Decide how many moved rows the attention strategy recomputes, and whether to blend.
 
     A pure function of the prompt's token kinds and cached spans: `AttentionSelector.select` and
-    `kvblend.engine.explain` both call it, so what ``explain`` reports is what runs. The blend's
+    `AttentionSelector.forecast` both call it, so what ``explain`` reports is what runs. The blend's
     cost is its computed rows (uncached, leading, chosen, the funnel's extra rows for its share of
     the layers, and the probe's for its share of them) plus `REUSED_ROW_COST` per row read from a
     cache and `BLEND_OVERHEAD_ROWS`, over a full prefill's rows (a prediction of the blend's TTFT as
@@ -267,6 +250,14 @@ class AttentionSelector(Selector):
     def __init__(self, settings: Mapping[str, Any]) -> None:
         super().__init__(settings)
         self.later: Narrowing | None = None  # the rows kept after the early layers
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        """Count the budget rule's rows (`attention_budget`): leading and chosen, or all."""
+        budget = attention_budget(kinds, spans, self.options)
+        moved = int(np.count_nonzero(np.asarray(kinds) == MOVED))
+        recomputed = moved if budget.recompute_all else budget.recomputed
+        lead, short = self.options["lead_tokens"], self.options["short_document"]
+        return Forecast(recomputed, budget.cost, budget.fallback, lead, short)
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most (`attention_budget` says how many)."""

@@ -1,7 +1,9 @@
 """The selector protocol: how a strategy picks the reused tokens a blended prefill recomputes.
 
-A selector is one class that declares its settings (name, default, check) and answers one
-question before the layer loop: which positions are computed from layer 0 on (`select`). It
+A selector is one class that declares its settings (name, default, check) and answers two
+questions: before the model runs, what it will recompute for a prompt of given token kinds
+(`forecast`: what ``explain``, the stats' fallback and vLLM's cached-token count report), and
+before the layer loop, which positions are computed from layer 0 on (`select`). It
 may run a first pass over the prompt to decide (`SelectionContext.run_pass`, with a
 `PassObserver` that sees every layer's queries and KV), and hand that pass's KV to the prefill
 as a starting point. A selector that narrows the computed rows inside the loop, as CacheBlend
@@ -14,7 +16,7 @@ ops (`chosen_rows`), so nothing is read back before the logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -57,6 +59,48 @@ CORRECTION = Setting(
     ratio,
     "share of the mean K/V change of a document's recomputed tokens added to its other tokens",
 )
+
+
+class SpanRows(Protocol):
+    """A planned or cached span: prompt rows ``[start, end)`` and their kind."""
+
+    @property
+    def start(self) -> int:
+        """First prompt row."""
+        ...
+
+    @property
+    def end(self) -> int:
+        """Prompt row past the last."""
+        ...
+
+    @property
+    def kind(self) -> int:
+        """`MOVED` or `PREFIX`."""
+        ...
+
+
+class Forecast(NamedTuple):
+    """What a strategy will recompute for one prompt, decided from its token kinds alone.
+
+    ``recomputed``: moved rows recomputed at every layer (every moved row when the blend falls
+    back); ``cost``: the blend's estimated cost as a share of a full prefill's (0: the strategy
+    makes no estimate); ``fallback``: why every moved row is recomputed instead of blending,
+    None when the blend runs as asked; ``lead_rows``: leading rows of each moved document the
+    strategy recomputes, and ``short_document``: the reused length at or below which a document
+    counts as recomputed whole (both only to say which documents end up not reused).
+    """
+
+    recomputed: int
+    cost: float = 0.0
+    fallback: str | None = None
+    lead_rows: int = 0
+    short_document: int = 0
+
+
+def moved_count(kinds: np.ndarray) -> int:
+    """How many of ``kinds`` are moved rows."""
+    return int(np.count_nonzero(np.asarray(kinds) == MOVED))
 
 
 class PassObserver(Protocol):
@@ -179,6 +223,15 @@ class Selector:
 
     def check_model(self, shape: DecoderShape) -> None:
         """Raise ``ValueError`` if the settings do not fit the model (override)."""
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        """Return what `select` (and `refine`) will recompute for a prompt, without a model.
+
+        ``kinds``: the prompt's token kinds (host); ``spans``: its cached spans. A pure
+        function of its inputs: ``explain`` and vLLM's scheduler report it, and the prefill's
+        stats must agree with it. Every strategy implements it (`register` checks).
+        """
+        raise NotImplementedError(f"strategy {self.name!r} does not implement forecast()")
 
     def select(self, context: SelectionContext) -> Selection:
         """Return the positions computed from layer 0 on (sorted)."""

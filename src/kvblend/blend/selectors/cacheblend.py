@@ -9,7 +9,7 @@ knows) and not read back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -20,11 +20,14 @@ from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     CORRECTION,
     RECOMPUTE_RATIO,
+    Forecast,
     Narrowing,
     Selection,
     SelectionContext,
     Selector,
     Setting,
+    SpanRows,
+    moved_count,
     ratio,
 )
 
@@ -109,6 +112,11 @@ class CacheBlendSelector(Selector):
                     f"check layer {layer} is outside the model, which has {shape.num_layers} "
                     f"layers (valid: 1..{shape.num_layers - 1})"
                 )
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        """Count the last check layer's share of the moved rows (each check keeps at most it)."""
+        moved = moved_count(kinds)
+        return Forecast(min(moved, round(self.schedule[max(self.schedule)] * moved)))
 
     def select(self, context: SelectionContext) -> Selection:
         """Compute every moved row up to the first check layer."""

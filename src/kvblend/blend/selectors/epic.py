@@ -7,16 +7,20 @@ restores most of what the document missed, at a cost set per document rather tha
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
 from kvblend.blend.io import MOVED
 from kvblend.blend.selectors.base import (
     CORRECTION,
+    Forecast,
     Selection,
     SelectionContext,
     Selector,
     Setting,
+    SpanRows,
     non_negative_int,
 )
 
@@ -39,3 +43,14 @@ class EpicSelector(Selector):
                 if span.kind == MOVED:
                     computed[span.start : min(span.end, span.start + lead)] = True
         return Selection(torch.from_numpy(np.flatnonzero(computed)))
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        """Count the moved rows among each moved span's first ``epic_tokens``."""
+        lead = self.options["epic_tokens"]
+        is_moved = np.asarray(kinds) == MOVED
+        rows = sum(
+            int(np.count_nonzero(is_moved[span.start : min(span.end, span.start + lead)]))
+            for span in spans
+            if span.kind == MOVED
+        )
+        return Forecast(rows, lead_rows=lead)

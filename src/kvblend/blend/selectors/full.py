@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
-from kvblend.blend.selectors.base import Selection, SelectionContext, Selector
+from kvblend.blend.selectors.base import Forecast, Selection, SelectionContext, Selector, SpanRows
 
 
 class FullSelector(Selector):
@@ -17,3 +19,7 @@ class FullSelector(Selector):
     def select(self, context: SelectionContext) -> Selection:
         """Compute every row."""
         return Selection(torch.from_numpy(np.arange(context.kinds.numel())))
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        """Nothing reused, so nothing recomputed: every row is computed."""
+        return Forecast(0)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
-from kvblend.blend.selectors.base import Selection, SelectionContext, Selector
+from kvblend.blend.selectors.base import Forecast, Selection, SelectionContext, Selector, SpanRows
 
 
 class ReuseSelector(Selector):
@@ -16,3 +18,7 @@ class ReuseSelector(Selector):
     def select(self, context: SelectionContext) -> Selection:
         """Compute the uncached rows only."""
         return Selection(torch.from_numpy(np.flatnonzero(context.uncached.numpy())))
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        """Nothing recomputed."""
+        return Forecast(0)
