@@ -1,6 +1,6 @@
 """The README's vLLM commands run as written: store, precompute, server, then one RAG request.
 
-The block under "## vLLM" is run line by line with bash, in a fresh folder (``.venv-vllm``
+The block under "## vLLM" is run with bash, in a fresh folder (``.venv-vllm``
 linked there, so the relative paths hold), with two differences only: its first line, the
 install script, is left out when ``.venv-vllm`` exists (CI's ``.ci/run`` has just run it), and
 the server gets a free port (``--port``) instead of 8000, which another server may hold. The
@@ -35,19 +35,13 @@ pytestmark = [
 ]
 
 
-def readme_vllm_commands() -> list[str]:
-    """Return the commands of the README's first bash block under "## vLLM" (lines joined)."""
+def readme_vllm_block() -> list[str]:
+    """Return the lines of the README's first bash block under "## vLLM"."""
     text = (ROOT / "README.md").read_text("utf-8")
     section = text[text.index("\n## vLLM\n") :]
     block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
     assert block is not None, "no bash block in the README's vLLM section"
-    commands, current = [], ""
-    for line in block.group(1).splitlines():
-        current += line[:-1] + " " if line.endswith("\\") else line
-        if not line.endswith("\\"):
-            commands.append(current.strip())
-            current = ""
-    return [command for command in commands if command]
+    return block.group(1).rstrip("\n").splitlines()
 
 
 def _free_port() -> int:
@@ -57,11 +51,12 @@ def _free_port() -> int:
 
 
 def test_the_readme_block_sets_up_a_store_and_a_server() -> None:
-    commands = readme_vllm_commands()
-    assert commands[0] == INSTALL
-    assert any(command.startswith("export KVBLEND_STORE_DIR=") for command in commands)
-    assert any(" precompute " in command for command in commands)
-    assert "VLLM_CPU_KVCACHE_SPACE=" in commands[-1] and "KVBlendConnector" in commands[-1]
+    lines = readme_vllm_block()
+    assert lines[0].split("#")[0].strip() == INSTALL
+    assert any(line.startswith("export KVBLEND_STORE_DIR=") for line in lines)
+    assert any(" precompute " in line for line in lines)
+    server = "\n".join(lines[lines.index(next(x for x in lines if "api_server" in x)) :])
+    assert server.startswith("VLLM_CPU_KVCACHE_SPACE=") and "KVBlendConnector" in server
 
 
 def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
@@ -69,14 +64,14 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
 
     from kvblend.samples import sample_corpus
 
-    commands = readme_vllm_commands()
+    lines = readme_vllm_block()
     if (ROOT / ".venv-vllm").exists():
-        commands = commands[1:]  # the install script: CI has run it
-    (tmp_path / ".venv-vllm").symlink_to(ROOT / ".venv-vllm")
+        lines = lines[1:]  # the install script: CI has run it
+    (tmp_path / ".venv-vllm").symlink_to((ROOT / ".venv-vllm").resolve())
     (tmp_path / "scripts").symlink_to(ROOT / "scripts")
     port = _free_port()
-    commands[-1] = f"exec {commands[-1]} --port {port}"
-    script = "set -euo pipefail\n" + "\n".join(commands) + "\n"
+    lines[-1] += f" --port {port}"  # the server's command ends the block
+    script = "set -euo pipefail\n" + "\n".join(lines) + "\n"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
     env.pop("KVBLEND_STORE_DIR", None)
     env.pop("KVBLEND_REDIS_URL", None)

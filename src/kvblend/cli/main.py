@@ -192,7 +192,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_precompute(args: argparse.Namespace) -> None:
     """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
     files = DocumentFiles()
-    named = _read(args.paths, files)  # before the model loads
+    named = _read(args.paths, files) if args.paths else []  # before the model loads
     if args.samples:
         corpus = load_sample_corpus()["documents"]
         named += [(f"sample: {document['title']}", document["text"]) for document in corpus]
