@@ -365,6 +365,46 @@ def test_blocks_of_approximate_kv_get_salted_hashes_exact_ones_keep_vllms(
     assert side.matched(exact, 0)[0] > 0 and exact.block_hashes == own
 
 
+def test_blocks_filled_after_the_prompt_are_salted_from_the_first_approximate_one(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """The first moved row in the prompt's last, partial block: that block, once generated
+    tokens fill it, and every one after get salted hashes too (vLLM's hasher is wrapped)."""
+    import hashlib
+
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    side = _side(engine, when="always")
+
+    def hasher(request: Any) -> list[bytes]:  # vLLM's: each new full block, chained
+        out, parent = [], (request.block_hashes or [b""])[-1]
+        for index in range(len(request.block_hashes), len(request.tokens) // BLOCK):
+            block = bytes(str(request.tokens[index * BLOCK : (index + 1) * BLOCK]), "ascii")
+            parent = hashlib.sha256(parent + block).digest()
+            out.append(parent)
+        return out
+
+    def grow(request: Any, tokens: list[int]) -> None:
+        request.tokens += tokens
+        request.block_hashes.extend(request._block_hasher(request))
+
+    plain = _request("g0", ids, block_hashes=[], tokens=[], _block_hasher=hasher)
+    grow(plain, ids + [7] * 3 * BLOCK)  # vLLM's own hashes of the prompt and 3 blocks more
+    request = _request("g1", ids, block_hashes=[], tokens=[], _block_hasher=hasher)
+    grow(request, ids)
+    plan = side._plan(request, 0)
+    plan.approximate_from = (len(ids) // BLOCK) * BLOCK + 1  # in the last, partial block
+    side._salt(request, plan)
+    first = len(ids) // BLOCK
+    assert request.block_hashes == plain.block_hashes[:first]  # the prompt's full blocks: exact
+    grow(request, [7] * 3 * BLOCK)  # the answer fills that block, then two more
+    assert request.block_hashes[:first] == plain.block_hashes[:first]
+    assert len(request.block_hashes) == len(plain.block_hashes)
+    salted = request.block_hashes[first:]
+    assert set(salted).isdisjoint(plain.block_hashes)
+    side._unsalt(request)  # vLLM prefills it after all: its own hasher back
+    assert request._block_hasher is hasher
+
+
 @pytest.mark.parametrize(
     "fields, reason",
     [

@@ -350,6 +350,7 @@ def _vllm_machine() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
 
 

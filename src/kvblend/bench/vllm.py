@@ -252,6 +252,7 @@ def run_vllm_bench(
     ``busy``: a second process keeps one core busy for the whole run; ``stall_repeats``: rounds
     of the stall test (0: none); ``rate``: time requests/s too.
     """
+    load = [round(x, 2) for x in os.getloadavg()]
     folder, work, engine = bench_engine(model, work_dir, SYSTEM)
     ttft, batches, documents = build_jobs(engine, lengths, repeats, doc_tokens, rate_length)
     rounds, stall_documents = build_stall_jobs(engine, stall_repeats, STALL_LENGTH, doc_tokens)
@@ -275,7 +276,7 @@ def run_vllm_bench(
     return {
         "model": str(folder), "doc_tokens": doc_tokens, "repeats": repeats,
         "rate_length": rate_length, "rate_tokens": rate_tokens, "work_dir": str(work),
-        "busy_core": busy, "vanilla": vanilla, "kvblend": kvblend,
+        "busy_core": busy, "load_average_at_start": load, "vanilla": vanilla, "kvblend": kvblend,
         "summary": summarize(vanilla, kvblend),
     }  # fmt: skip
 

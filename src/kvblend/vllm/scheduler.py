@@ -167,9 +167,9 @@ class SchedulerSide:
         #: records of requests that finished before their blend's outcome came back (cancelled
         #: while blending): the outcome completes them
         self._done: dict[str, dict[str, Any]] = {}
-        #: requests whose block hashes are salted, with their own hashes (restored if vLLM
-        #: prefills the request after all)
-        self._salted: dict[str, list[Any]] = {}
+        #: requests whose block hashes are salted, with their own hashes and hasher (restored if
+        #: vLLM prefills the request after all)
+        self._salted: dict[str, tuple[list[Any], Any]] = {}
         self._fallbacks = FallbackLog(logger)
         self._counts = dict.fromkeys(COUNTS, 0)
 
@@ -249,24 +249,41 @@ class SchedulerSide:
             )
 
     def _salt(self, request: Any, plan: RequestPlan) -> None:
-        """Salt the hashes of the request's blocks from its first approximate row's block on."""
+        """Salt the hashes of the request's blocks from its first approximate row's block on.
+
+        The blocks hashed already are salted here; vLLM's hasher of the request (which hashes
+        each block as it fills, prompt and generated tokens alike) is wrapped so that those it
+        hashes later from that block on are salted too, even when the first approximate row is
+        in the prompt's last, partial block.
+        """
         hashes = getattr(request, "block_hashes", None)
         if hashes is None or request.request_id in self._salted:
             return
-        first = plan.approximate_from // self.block_size
-        if first >= len(hashes) and plan.approximate_from >= plan.total:
+        if plan.approximate_from >= plan.total:
             return  # every row exact: vLLM's own hashes
-        self._salted[request.request_id] = list(hashes)
+        first = plan.approximate_from // self.block_size
+        self._salted[request.request_id] = (list(hashes), getattr(request, "_block_hasher", None))
         salt = request.request_id.encode()
         for index in range(first, len(hashes)):
             hashes[index] = _salted(hashes[index], salt)
+        hasher = getattr(request, "_block_hasher", None)
+        if hasher is not None:
+
+            def salted_hasher(owner: Any) -> list[Any]:
+                start = len(owner.block_hashes)
+                new = hasher(owner)
+                return [_salted(h, salt) if start + i >= first else h for i, h in enumerate(new)]
+
+            request._block_hasher = salted_hasher
 
     def _unsalt(self, request: Any) -> None:
         """Give back the request's own block hashes (vLLM prefills it after all)."""
         own = self._salted.pop(request.request_id, None)
         hashes = getattr(request, "block_hashes", None)
         if own is not None and hashes is not None:
-            hashes[: len(own)] = own
+            hashes[: len(own[0])] = own[0]
+            if own[1] is not None:
+                request._block_hasher = own[1]
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
         """``update_state_after_alloc``: queue the claimed request's blend for the workers.
