@@ -319,12 +319,11 @@ def test_the_faster_path_is_chosen_and_both_forecasts_reported(
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
     record = side._records["f1"]
     assert record["forecast_blend_s"] < record["forecast_vllm_s"]
-    # blends observed 10x slower per row than vLLM's steps: vLLM prefills the next one
-    from kvblend.vllm.costs import blend_features, vllm_features
+    # blends observed 10x slower per row than calibrated: vLLM prefills the next one
+    from kvblend.vllm.costs import blend_features
 
     for _ in range(40):
         side.costs.observe(side.costs.blend, blend_features(500, 1000), 5.0)
-        side.costs.observe(side.costs.vllm, vllm_features(500, 0), 0.5)
     other = _request("f2", ids)
     assert side.matched(other, 0) == (0, False)
     side.allocated(other, _Blocks([1]), 0)

@@ -15,9 +15,8 @@ work, in seconds:
 The worker side calibrates both at start-up (`calibrate`: vLLM's own forward and the blend loop
 over a few synthetic prompts, interleaved, on the model and the cores that will serve) and then
 reports every engine step's forward time with its tokens, and every blend's time with its rows;
-`CostModel` keeps the calibrated shapes and learns two factors from those: the machine's speed
-now (a machine that gets slower, another job taking a core, moves both forecasts within a few
-runs) and, per path, what the calibration got wrong about it.
+`CostModel` keeps the calibrated shapes and learns, per path, how far its recent runs were from
+them (another job taking a core moves that path's forecasts within a few runs).
 """
 
 from __future__ import annotations
@@ -56,14 +55,14 @@ class LinearFit:
 
     The weights come from the start-up calibration (`fit_points`: non-negative least squares,
     each point weighted by its relative error, so short and long runs count alike). `residual`
-    is the ratio of the seconds observed to those forecast (with the machine's current speed,
-    `CostModel.machine`) over this model's own recent runs, older ones fading by ``forget``,
-    longer ones counting more; it starts at 1 as if `PRIOR_S` seconds had agreed.
+    is the ratio of the seconds observed to those the calibration forecasts over this model's
+    own recent runs, older ones fading by ``forget``, longer ones counting more; it starts at 1
+    as if `PRIOR_S` seconds had agreed.
     """
 
-    PRIOR_S = 2.0
+    PRIOR_S = 1.0
 
-    def __init__(self, size: int, forget: float = 0.95) -> None:
+    def __init__(self, size: int, forget: float = 0.8) -> None:
         self.size = size
         self.forget = forget
         self.weights = np.zeros(size)
@@ -120,11 +119,12 @@ class Forecast:
 
     blend_s: float
     vllm_s: float
+    margin: float = 1.0  # the blend must be forecast at most this share of vLLM's prefill
 
     @property
     def blend_wins(self) -> bool:
-        """Whether the blend is forecast to finish first."""
-        return self.blend_s < self.vllm_s
+        """Whether the blend is forecast to finish first, by the margin."""
+        return self.blend_s < self.margin * self.vllm_s
 
     def as_record(self) -> dict[str, float]:
         """Return the forecasts as a response carries them."""
@@ -137,29 +137,26 @@ class Forecast:
 class CostModel:
     """The scheduler side's forecasts: one `LinearFit` each for vLLM's forward and the blend.
 
-    A forecast is a model's calibrated seconds times two factors learnt from what the worker
-    observes: `machine`, the machine's speed now against the calibration's (every run of either
-    kind, quickly forgotten: another job taking a core slows vLLM's forward and the blend alike),
-    and the model's own `LinearFit.residual` (its runs only, slowly forgotten: what the
-    calibration got wrong about that path). Steps of fewer than `MIN_TOKENS` tokens (decodes,
-    the last prompt token after a blend) or shorter than `MIN_S` say too little and are left
-    out.
+    A forecast is a model's calibrated seconds times that model's own `LinearFit.residual`,
+    learnt from its own runs only. The two paths do not slow down alike on a busy machine: on
+    this project's 2 cores shared with other jobs, vLLM's prefill kept its speed while the
+    blend loop (many small torch ops, each a parallel region whose threads all wait for the
+    slowest) ran up to 2-4 times slower than calibrated; so neither path's runs move the other's
+    forecast. A path that is not chosen is not observed: its forecast stays its last, and a
+    blend must be forecast faster by `MARGIN` before it is chosen, so that an unsure choice is
+    vLLM's prefill, never slower than vLLM itself. Steps of fewer than `MIN_TOKENS` tokens
+    (decodes, the last prompt token after a blend) or shorter than `MIN_S` say too little about
+    a prefill and are left out.
     """
 
     MIN_TOKENS = 32
     MIN_S = 0.02
-    FORGET = 0.7
+    MARGIN = 0.9
 
     def __init__(self) -> None:
         self.vllm = LinearFit(3)
         self.blend = LinearFit(4)
         self.calibrated = False
-        self._observed = self._forecast = 1.0
-
-    @property
-    def machine(self) -> float:
-        """The machine's speed factor: recent runs' seconds per second the models forecast."""
-        return self._observed / self._forecast
 
     def calibrate(
         self,
@@ -172,21 +169,16 @@ class CostModel:
         self.calibrated = True
 
     def predict(self, model: LinearFit, features: np.ndarray) -> float:
-        """Forecast seconds of ``features`` on ``model``'s path, at the machine's speed now."""
-        return model.base(features) * model.residual * self.machine
+        """Forecast seconds of ``features`` on ``model``'s path."""
+        return model.base(features) * model.residual
 
     def observe(self, model: LinearFit, features: np.ndarray, seconds: float) -> None:
-        """Take one observed run of ``model``'s path into both factors."""
+        """Take one observed run of ``model``'s path into its residual."""
         base = model.base(features)
         too_small = model is self.vllm and features[1] < self.MIN_TOKENS
         if too_small or not np.isfinite(seconds) or seconds < self.MIN_S or base <= 0:
             return
-        machine = self.machine
-        if not model.observed and not self.vllm.observed + self.blend.observed:
-            self._observed = self._forecast = 0.0  # the first run replaces the neutral start
-        self._observed = self.FORGET * self._observed + seconds
-        self._forecast = self.FORGET * self._forecast + base * model.residual
-        model.take(base * machine, seconds)
+        model.take(base, seconds)
 
     def forecast(self, total: int, start: int, rows: int) -> Forecast:
         """Forecast a ``total``-token prompt with a prefix-cache hit of ``start`` tokens.
@@ -197,4 +189,4 @@ class CostModel:
         own = self.predict(self.vllm, vllm_features(total - start, start))
         last = self.predict(self.vllm, vllm_features(1, total - 1))
         blend = self.predict(self.blend, blend_features(rows, total)) + last
-        return Forecast(blend, own)
+        return Forecast(blend, own, self.MARGIN)

@@ -245,7 +245,8 @@ class SchedulerSide:
         if when == "faster" and not forecast.blend_wins:
             plan.fallback = (
                 f"vllm_faster: vLLM's prefill is forecast at {forecast.vllm_s:.2f} s, a blend "
-                f"at {forecast.blend_s:.2f} s"
+                f"at {forecast.blend_s:.2f} s (a blend must be forecast under "
+                f"{forecast.margin:g} of vLLM's)"
             )
 
     def _salt(self, request: Any, plan: RequestPlan) -> None:
