@@ -73,8 +73,7 @@ class KVBlendMetadata:
 
     ``jobs``: blends to queue; ``cancel``: requests whose blend stops; ``fill``: documents to
     store; ``step``: the step's ``(tokens, prefix)`` per scheduled request (the forward the
-    worker times for the cost model); ``busy``: whether other requests compute in this step
-    (the blend's slice is ``slice_s`` then, else it may run longer).
+    worker times for the cost model).
     """
 
     jobs: list[BlendJob] = field(default_factory=list)
