@@ -143,7 +143,7 @@ def test_the_fit_finds_the_calibrations_costs_and_each_path_follows_its_own_runs
 def test_a_blend_must_win_by_the_margin() -> None:
     model, _, _ = _calibrated(np.array([0.0, 1e-3, 0.0]), np.array([0.0, 1e-3, 0.0, 0.0]))
     assert model.forecast(2000, 0, 1000).blend_wins  # half the rows: 0.5 of vLLM's time
-    close = model.forecast(2000, 0, 1900)  # 0.95 of vLLM's: not sure enough
+    close = model.forecast(2000, 0, 1700)  # 0.85 of vLLM's: not sure enough
     assert close.blend_s < close.vllm_s and not close.blend_wins
 
 

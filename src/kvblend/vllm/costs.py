@@ -151,7 +151,7 @@ class CostModel:
 
     MIN_TOKENS = 32
     MIN_S = 0.02
-    MARGIN = 0.9
+    MARGIN = 0.8
 
     def __init__(self) -> None:
         self.vllm = LinearFit(3)
