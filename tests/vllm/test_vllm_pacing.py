@@ -22,7 +22,7 @@ from kvblend import BlendConfig, BlendEngine
 from kvblend.errors import BlendCancelledError
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.costs import CostModel, blend_features, step_features, vllm_features
-from kvblend.vllm.pacing import SliceRunner, Task
+from kvblend.vllm.pacing import SliceRunner, Task, ThreadChoice
 from kvblend.vllm.planning import plan_request
 from kvblend.vllm.scheduler import KVBlendMetadata
 from kvblend.vllm.settings import ConnectorSettings
@@ -113,6 +113,22 @@ def _calibrated(truth_vllm: np.ndarray, truth_blend: np.ndarray) -> tuple[CostMo
                     [(384, 384), (300, 1024), (600, 2048), (1100, 4096)]]  # fmt: skip
     model.calibrate(vllm_points, blend_points)
     return model, vllm_points, blend_points
+
+
+def test_each_job_tries_both_thread_counts_then_keeps_the_faster() -> None:
+    choice = ThreadChoice((2, 1))
+    assert choice.choose("a") == 2  # vLLM's own count first
+    assert choice.record(2, 10, 1.0) is None
+    assert choice.choose("a") == 1  # then the other, once
+    said = choice.record(1, 25, 1.0)  # a busy machine: one thread goes 2.5x as fast
+    assert said is not None and "1 CPU thread(s): 2.50x" in said
+    assert choice.choose("a") == 1 and choice.choose("a") == 1
+    assert choice.choose("b") == 1  # the next job starts with the last winner...
+    choice.record(1, 10, 1.0)
+    assert choice.choose("b") == 2  # ...and checks the other again
+    assert choice.record(2, 30, 1.0) is not None and choice.best == 2
+    choice.record(2, 0, 1.0)  # a slice that ran no layer (reading entries) says nothing
+    assert choice.best == 2 and ThreadChoice((1,)).choose("c") == 1
 
 
 def test_the_fit_finds_the_calibrations_costs_and_each_path_follows_its_own_runs() -> None:

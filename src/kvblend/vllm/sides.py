@@ -15,6 +15,9 @@ import logging
 import time
 from typing import Any
 
+import torch
+from torch import _C as torch_c  # set_num_threads: the builtin (vLLM's CPU worker replaces torch's)
+
 from kvblend.vllm.documents import (
     ShapeOnly,
     StoreSummary,
@@ -24,6 +27,7 @@ from kvblend.vllm.documents import (
     open_tokenizer,
     store_location,
 )
+from kvblend.vllm.pacing import ThreadChoice
 from kvblend.vllm.scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings
 from kvblend.vllm.worker import BlendOutcome, WorkerSide
@@ -117,6 +121,7 @@ class WorkerHooks:
         self._started: dict[str, float] = {}  # request -> when its job arrived
         self._runner: Any = None
         self._streams = _SideStream(None)
+        self._threads: ThreadChoice | None = None  # the blends' thread count (CPU, no TP)
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         """Build the worker side over the loaded model; run the parity gate and calibrate."""
@@ -129,6 +134,9 @@ class WorkerHooks:
             return
         self._runner = SliceRunner(whole=self.side.adapter.tp_size > 1)
         self._streams = _SideStream(self.side.adapter.device)
+        own = int(torch.get_num_threads())
+        if self.side.adapter.device.type == "cpu" and self.side.adapter.tp_size == 1 and own > 1:
+            self._threads = ThreadChoice((own, 1))
         from kvblend.vllm.reference import vllm_logits
 
         model = self.side.adapter.model
@@ -218,8 +226,27 @@ class WorkerHooks:
             store = functools.partial(_fill, side, fill, self._streams)
             self._runner.submit(Task("", store, self._streams.switch))
         if self._runner is not None and self._runner.busy:
-            self._runner.run(self.settings.slice_s)
+            self._slice()
             self._collect()
+
+    def _slice(self) -> None:
+        """Run one slice, with the thread count `ThreadChoice` picks (on the CPU)."""
+        from kvblend.vllm.worker import Checkpoints
+
+        choice = self._threads
+        if choice is None:
+            self._runner.run(self.settings.slice_s)
+            return
+        threads = choice.choose(self._runner.current)
+        torch_c.set_num_threads(threads)
+        layers = Checkpoints.layers
+        try:
+            seconds = self._runner.run(self.settings.slice_s)
+        finally:
+            torch_c.set_num_threads(choice.counts[0])  # vLLM's own, for its forward
+        changed = choice.record(threads, Checkpoints.layers - layers, seconds)
+        if changed is not None:
+            logger.info("%s", changed)
 
     def _collect(self) -> None:
         """Take the finished tasks: their outcomes, and their requests' loads as done."""

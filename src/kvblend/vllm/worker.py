@@ -79,13 +79,19 @@ class BlendOutcome:
 
 
 class Checkpoints:
-    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause."""
+    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause.
+
+    ``layers`` counts the checks (one per layer of a pass): the blend's progress.
+    """
+
+    layers = 0  # every blend's layers, counted in the class (the worker runs one at a time)
 
     def __init__(self, checkpoint: Callable[[], None]) -> None:
         self.checkpoint = checkpoint
 
     def is_set(self) -> bool:
         """Pause here if the slice is spent (raises `BlendCancelledError` once cancelled)."""
+        Checkpoints.layers += 1
         self.checkpoint()
         return False
 
