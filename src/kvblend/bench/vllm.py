@@ -396,17 +396,8 @@ def vllm_table(result: dict[str, Any]) -> str:
             f"{row['vanilla_s']:.2f} s | {row['kvblend_s']:.2f} s | {row['ratio']:.2f} | "
             f"{row['cached_tokens']:.0f} |"
         )
-    lines += [
-        "",
-        f"| concurrent requests ({length_label(result['rate_length'])} tokens, "
-        f"{result['rate_tokens']} generated) | vanilla vLLM req/s | vLLM + kvblend req/s | ratio |",
-        "|---|---|---|---|",
-    ]
-    for row in summary["rate"]:
-        lines.append(
-            f"| {row['concurrency']} | {row['vanilla_rps']:.3f} | {row['kvblend_rps']:.3f} | "
-            f"{row['ratio']:.2f}x |"
-        )
+    if summary["rate"]:
+        lines += rate_table(result)
     stall = summary.get("stall")
     if stall:
         lines += [
@@ -423,3 +414,20 @@ def vllm_table(result: dict[str, Any]) -> str:
                 f"{row['ratio']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def rate_table(result: dict[str, Any]) -> list[str]:
+    """The requests/s table's lines."""
+    summary = result["summary"]
+    lines = [
+        "",
+        f"| concurrent requests ({length_label(result['rate_length'])} tokens, "
+        f"{result['rate_tokens']} generated) | vanilla vLLM req/s | vLLM + kvblend req/s | ratio |",
+        "|---|---|---|---|",
+    ]
+    for row in summary["rate"]:
+        lines.append(
+            f"| {row['concurrency']} | {row['vanilla_rps']:.3f} | {row['kvblend_rps']:.3f} | "
+            f"{row['ratio']:.2f}x |"
+        )
+    return lines
