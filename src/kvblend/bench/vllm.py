@@ -417,7 +417,7 @@ def vllm_table(result: dict[str, Any]) -> str:
 
 
 def rate_table(result: dict[str, Any]) -> list[str]:
-    """The requests/s table's lines."""
+    """Return the lines of the requests/s table."""
     summary = result["summary"]
     lines = [
         "",
