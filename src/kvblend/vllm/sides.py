@@ -113,7 +113,6 @@ class WorkerHooks:
         self._calibration: dict[str, Any] | None = None
         self._reported = False
         self._outcomes: list[BlendOutcome] = []
-        self._failed: set[int] = set()
         self._finished: set[str] = set()  # loads done since the last get_finished
         self._failed_loads: set[str] = set()  # of which nothing was written
         self._steps: list[tuple[list[float], float]] = []
@@ -264,24 +263,18 @@ class WorkerHooks:
                     self._failed_loads.add(task.key)
             elif outcome.failed:
                 self._failed_loads.add(task.key)
+            if self.side is not None:
+                self.side.take_failed_blocks()  # reported as the request's failed load instead
             outcome.compute_s = task.compute_s
             outcome.blend_s = time.perf_counter() - began
             self._outcomes.append(outcome)
             self._finished.add(task.key)
-
-    def finish(self, meta: KVBlendMetadata) -> None:
-        """After the forward: nothing left (documents are stored in the blends' slices)."""
 
     def transfers(self, finished: set[str]) -> tuple[set[str], set[str]]:
         """Return the requests whose KV arrived since the last call, and those it failed for."""
         done, failed = self._finished, self._failed_loads
         self._finished, self._failed_loads = set(), set()
         return done, failed
-
-    def take_failed_blocks(self) -> set[int]:
-        """Return the blocks of claimed rows not written since the last call."""
-        failed, self._failed = self._failed, set()
-        return failed | (self.side.take_failed_blocks() if self.side is not None else set())
 
     def report(self) -> KVBlendWorkerMeta | None:
         """Return the verdict and calibration (first report only), outcomes and step times."""
