@@ -21,6 +21,7 @@ them (another job taking a core moves that path's forecasts within a few runs).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,18 +62,24 @@ class LinearFit:
     """
 
     PRIOR_S = 1.0
+    #: Without runs, the residual fades back toward 1 (the calibration) with this half-life:
+    #: a path not chosen for a while is forecast afresh, so an unlucky stretch cannot rule it out
+    #: for good.
+    HALF_LIFE_S = 300.0
 
     def __init__(self, size: int, forget: float = 0.8) -> None:
         self.size = size
         self.forget = forget
         self.weights = np.zeros(size)
         self._observed = self._forecast = self.PRIOR_S
+        self._at = time.monotonic()
         self.observed = 0
 
     @property
     def residual(self) -> float:
         """Seconds observed per second forecast, over this model's own recent runs."""
-        return self._observed / self._forecast
+        fade = 0.5 ** ((time.monotonic() - self._at) / self.HALF_LIFE_S)
+        return 1.0 + (self._observed / self._forecast - 1.0) * fade
 
     def set_prior(self, weights: np.ndarray) -> None:
         """Set the weights (the calibration)."""
@@ -91,8 +98,10 @@ class LinearFit:
 
     def take(self, forecast: float, seconds: float) -> None:
         """Take one run into the residual: ``seconds`` observed, ``forecast`` expected."""
-        self._observed = self.forget * self._observed + seconds
+        residual = self.residual  # faded: the sums restart from it
+        self._observed = self.forget * residual * self._forecast + seconds
         self._forecast = self.forget * self._forecast + forecast
+        self._at = time.monotonic()
         self.observed += 1
 
 

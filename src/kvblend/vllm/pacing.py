@@ -153,50 +153,80 @@ class SliceRunner:
 
 
 class ThreadChoice:
-    """How many CPU threads a blend's slices run with: whichever made the blend go faster.
+    """How many CPU threads a blend runs with: whichever runs the blend loop's ops faster now.
 
     The blend loop runs many small torch ops, each a parallel region whose threads all wait for
     the slowest; on cores shared with other jobs one of vLLM's threads is often descheduled, and
     measured on this project's 2-core machine under such load the loop ran 2-2.5 times faster on
     one thread than on two (4.3 s against 9.4 s for a 2K-token blend), while on idle cores two
-    threads are the faster. So each job's first two slices run with one setting each (the
-    setting that won last first), their progress (the loop's layers per second, `record`) is
-    compared, and the rest of the job runs with the faster; a job done within one slice keeps
-    the last winner. ``counts``: the settings tried (vLLM's own thread count first).
+    threads are the faster. So before each job, and every `REPROBE_S` seconds of a long one,
+    `choose` times a few ops shaped like a layer of the loop's (`layer_ops`: a projection of 128
+    rows, their attention over 2,048 keys, a gather) on each thread count, about 0.1 s in all,
+    and the job runs on the faster. ``counts``: the counts tried (vLLM's own first); ``measure``
+    (tests): the seconds of those ops on ``n`` threads.
     """
 
-    def __init__(self, counts: tuple[int, ...]) -> None:
+    REPROBE_S = 5.0
+
+    def __init__(
+        self,
+        counts: tuple[int, ...],
+        measure: Callable[[int], float],
+    ) -> None:
         self.counts = counts
+        self.measure = measure
         self.best = counts[0]
         self._job: str | None = None
-        self._rates: dict[int, float] = {}
+        self._probed = -float("inf")
 
-    def choose(self, job: str | None) -> int:
-        """Return the thread count of the next slice of ``job`` (the first queued one)."""
-        if job != self._job:
-            self._job, self._rates = job, {}
+    def choose(self, job: str | None) -> tuple[int, str | None]:
+        """Return the thread count of ``job``'s next slice, and a line when the choice changed."""
+        now = time.perf_counter()
         if len(self.counts) < 2 or job is None:
-            return self.best
-        untried = [n for n in (self.best, *self.counts) if n not in self._rates]
-        return untried[0] if untried else self.best
-
-    def record(self, threads: int, layers: int, seconds: float) -> str | None:
-        """Note a slice's progress: ``layers`` of the blend loop in ``seconds``.
-
-        Returns a line saying so when the winner changes (None otherwise).
-        """
-        if layers <= 0 or seconds <= 0:
-            return None
-        self._rates[threads] = layers / seconds
-        if len(self._rates) < len(self.counts):
-            return None
-        best = max(self._rates, key=lambda n: self._rates[n])
+            return self.best, None
+        if job == self._job and now - self._probed < self.REPROBE_S:
+            return self.best, None
+        self._job, self._probed = job, now
+        seconds = {count: self.measure(count) for count in self.counts}
+        best = min(seconds, key=lambda count: seconds[count])
         if best == self.best:
-            return None
-        other = min(self._rates, key=lambda n: self._rates[n])
+            return best, None
+        other = max(seconds, key=lambda count: seconds[count])
         self.best = best
-        speed = self._rates[best] / self._rates[other]
-        return (
-            f"kvblend: blends now run on {best} CPU thread(s): {speed:.2f}x the layers per second "
-            f"of {other}"
+        return best, (
+            f"kvblend: blends now run on {best} CPU thread(s): the loop's ops took "
+            f"{seconds[best] / seconds[other]:.2f} of their time on {other}"
         )
+
+
+def layer_ops(threads: int, heads: int, kv_heads: int, head_dim: int) -> float:
+    """Return the seconds a few ops shaped like a layer of the blend loop take on ``threads``.
+
+    The best of three rounds; run with torch's builtin thread count set, then restored.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch import _C as torch_c
+
+    own = torch.get_num_threads()
+    torch_c.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(128, heads * head_dim, generator=generator)
+        weight = torch.randn(
+            (heads + 2 * kv_heads) * head_dim, heads * head_dim, generator=generator
+        )
+        keys = torch.randn(1, heads, 2048, head_dim, generator=generator)
+        rows = torch.arange(0, 2048, 16)
+        best = float("inf")
+        for _ in range(3):
+            began = time.perf_counter()
+            for _ in range(4):
+                projected = hidden @ weight.T
+                query = projected[:, : heads * head_dim].reshape(1, heads, 128, head_dim)
+                F.scaled_dot_product_attention(query, keys, keys)
+                keys.index_select(2, rows)
+            best = min(best, time.perf_counter() - began)
+        return best
+    finally:
+        torch_c.set_num_threads(own)

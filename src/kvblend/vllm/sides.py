@@ -27,7 +27,7 @@ from kvblend.vllm.documents import (
     open_tokenizer,
     store_location,
 )
-from kvblend.vllm.pacing import ThreadChoice
+from kvblend.vllm.pacing import ThreadChoice, layer_ops
 from kvblend.vllm.scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings
 from kvblend.vllm.worker import BlendOutcome, WorkerSide
@@ -135,7 +135,12 @@ class WorkerHooks:
         self._streams = _SideStream(self.side.adapter.device)
         own = int(torch.get_num_threads())
         if self.side.adapter.device.type == "cpu" and self.side.adapter.tp_size == 1 and own > 1:
-            self._threads = ThreadChoice((own, 1))
+            shape = self.side.adapter.shape
+            measure = functools.partial(
+                layer_ops, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+            )  # fmt: skip
+            self._threads = ThreadChoice((own, 1), measure)
         from kvblend.vllm.reference import vllm_logits
 
         model = self.side.adapter.model
@@ -149,9 +154,18 @@ class WorkerHooks:
             self._verdict = self.side.gate(reference)
         if self._verdict[0] and self.settings.when == "faster":
             try:
-                self._calibration = self.side.calibrate(reference, self.settings.config)
+                self._calibration = self.side.calibrate(
+                    reference, self.settings.config, self._blend_threads
+                )
             except Exception as error:  # noqa: BLE001 - no forecast: vLLM prefills everything
                 self._verdict = (False, f"the cost model's calibration failed: {error}")
+
+    def _blend_threads(self, blending: bool) -> None:
+        """Set the thread count for a blend (the one `ThreadChoice` picks now) or vLLM's own."""
+        choice = self._threads
+        if choice is not None:
+            count = choice.choose("kvblend-calibration")[0] if blending else choice.counts[0]
+            torch_c.set_num_threads(count)
 
     def _build(self) -> WorkerSide:
         from kvblend.errors import UnsupportedModelError
@@ -229,23 +243,19 @@ class WorkerHooks:
             self._collect()
 
     def _slice(self) -> None:
-        """Run one slice, with the thread count `ThreadChoice` picks (on the CPU)."""
-        from kvblend.vllm.worker import Checkpoints
-
+        """Run one slice, on the thread count `ThreadChoice` picks (on the CPU)."""
         choice = self._threads
         if choice is None:
             self._runner.run(self.settings.slice_s)
             return
-        threads = choice.choose(self._runner.current)
-        torch_c.set_num_threads(threads)
-        layers = Checkpoints.layers
-        try:
-            seconds = self._runner.run(self.settings.slice_s)
-        finally:
-            torch_c.set_num_threads(choice.counts[0])  # vLLM's own, for its forward
-        changed = choice.record(threads, Checkpoints.layers - layers, seconds)
+        threads, changed = choice.choose(self._runner.current)
         if changed is not None:
             logger.info("%s", changed)
+        torch_c.set_num_threads(threads)
+        try:
+            self._runner.run(self.settings.slice_s)
+        finally:
+            torch_c.set_num_threads(choice.counts[0])  # vLLM's own, for its forward
 
     def _collect(self) -> None:
         """Take the finished tasks: their outcomes, and their requests' loads as done."""

@@ -79,19 +79,13 @@ class BlendOutcome:
 
 
 class Checkpoints:
-    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause.
-
-    ``layers`` counts the checks (one per layer of a pass): the blend's progress.
-    """
-
-    layers = 0  # every blend's layers, counted in the class (the worker runs one at a time)
+    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause."""
 
     def __init__(self, checkpoint: Callable[[], None]) -> None:
         self.checkpoint = checkpoint
 
     def is_set(self) -> bool:
         """Pause here if the slice is spent (raises `BlendCancelledError` once cancelled)."""
-        Checkpoints.layers += 1
         self.checkpoint()
         return False
 
@@ -170,7 +164,10 @@ class WorkerSide:
 
     @torch.inference_mode()
     def calibrate(
-        self, vllm_forward: Callable[[list[int]], Any], config: BlendConfig
+        self,
+        vllm_forward: Callable[[list[int]], Any],
+        config: BlendConfig,
+        threads: Callable[[bool], None] | None = None,
     ) -> dict[str, list[tuple[list[float], float]]]:
         """Time vLLM's forward and the blend loop on synthetic prompts (the cost model's prior).
 
@@ -178,7 +175,8 @@ class WorkerSide:
         tokens; the blend loop with ``config`` (the server's strategy) over prompts of moved
         documents at `CALIBRATION_BLENDS` tokens, and with ``full``, its KV written into the
         same free blocks the gate uses. A few seconds, once, at start-up; the values are random
-        (only the time counts).
+        (only the time counts). ``threads(blending)`` sets the CPU thread count of a blend
+        (True) or of vLLM's forward (False), as the worker's slices do.
         """
         from kvblend.vllm.costs import blend_features, vllm_features
 
@@ -198,9 +196,15 @@ class WorkerSide:
             chosen = config if strategy is None else BlendConfig(strategy)
             job = self._synthetic_job(ids(total), chosen, generator)
             outcome = BlendOutcome(job.request_id, total=total)
-            began = time.perf_counter()
-            self._blend(job, chosen, outcome, spans=job.spans)
-            seconds = time.perf_counter() - began
+            if threads is not None:
+                threads(True)
+            try:
+                began = time.perf_counter()
+                self._blend(job, chosen, outcome, spans=job.spans)
+                seconds = time.perf_counter() - began
+            finally:
+                if threads is not None:
+                    threads(False)
             blend_points.append((blend_features(outcome.rows, total).tolist(), seconds))
         return {"vllm": vllm_points, "blend": blend_points}
 
