@@ -125,11 +125,12 @@ def test_each_job_runs_on_the_thread_count_that_runs_the_loops_ops_faster_now() 
 
     choice = ThreadChoice((2, 1), measure)
     assert choice.choose("a") == (2, None) and measured == [2, 1]
-    assert choice.choose("a") == (2, None) and measured == [2, 1]  # the same job: kept
     seconds.update({2: 0.09, 1: 0.04})  # another job takes a core
-    count, said = choice.choose("b")  # a new job: measured again
+    assert choice.choose("b") == (2, None) and measured == [2, 1]  # not measured again so soon
+    choice._probed -= ThreadChoice.REPROBE_S
+    count, said = choice.choose("b")  # a while later: measured again
     assert count == 1 and said is not None and "1 CPU thread(s)" in said and "0.44" in said
-    choice._probed -= ThreadChoice.REPROBE_S  # a long job: measured again after a while
+    choice._probed -= ThreadChoice.REPROBE_S
     seconds.update({2: 0.02, 1: 0.05})
     assert choice.choose("b")[0] == 2
     assert ThreadChoice((1,), measure).choose("c") == (1, None)

@@ -159,14 +159,15 @@ class ThreadChoice:
     the slowest; on cores shared with other jobs one of vLLM's threads is often descheduled, and
     measured on this project's 2-core machine under such load the loop ran 2-2.5 times faster on
     one thread than on two (4.3 s against 9.4 s for a 2K-token blend), while on idle cores two
-    threads are the faster. So before each job, and every `REPROBE_S` seconds of a long one,
-    `choose` times a few ops shaped like a layer of the loop's (`layer_ops`: a projection of 128
-    rows, their attention over 2,048 keys, a gather) on each thread count, about 0.1 s in all,
-    and the job runs on the faster. ``counts``: the counts tried (vLLM's own first); ``measure``
-    (tests): the seconds of those ops on ``n`` threads.
+    threads are the faster. So at most every `REPROBE_S` seconds, as a slice starts, `choose`
+    times a few ops shaped like a layer of the loop's (`layer_ops`: a projection of 128 rows,
+    their attention over 2,048 keys, a gather) on each thread count, a few tens of
+    milliseconds in all, and the blends run on the faster until the next time.
+    ``counts``: the counts tried (vLLM's own first); ``measure`` (tests): the seconds of those
+    ops on ``n`` threads.
     """
 
-    REPROBE_S = 5.0
+    REPROBE_S = 10.0
 
     def __init__(
         self,
@@ -182,9 +183,7 @@ class ThreadChoice:
     def choose(self, job: str | None) -> tuple[int, str | None]:
         """Return the thread count of ``job``'s next slice, and a line when the choice changed."""
         now = time.perf_counter()
-        if len(self.counts) < 2 or job is None:
-            return self.best, None
-        if job == self._job and now - self._probed < self.REPROBE_S:
+        if len(self.counts) < 2 or job is None or now - self._probed < self.REPROBE_S:
             return self.best, None
         self._job, self._probed = job, now
         seconds = {count: self.measure(count) for count in self.counts}
@@ -202,7 +201,7 @@ class ThreadChoice:
 def layer_ops(threads: int, heads: int, kv_heads: int, head_dim: int) -> float:
     """Return the seconds a few ops shaped like a layer of the blend loop take on ``threads``.
 
-    The best of three rounds; run with torch's builtin thread count set, then restored.
+    The best of two rounds; run with torch's builtin thread count set, then restored.
     """
     import torch
     import torch.nn.functional as F
@@ -219,9 +218,9 @@ def layer_ops(threads: int, heads: int, kv_heads: int, head_dim: int) -> float:
         keys = torch.randn(1, heads, 2048, head_dim, generator=generator)
         rows = torch.arange(0, 2048, 16)
         best = float("inf")
-        for _ in range(3):
+        for _ in range(2):
             began = time.perf_counter()
-            for _ in range(4):
+            for _ in range(3):
                 projected = hidden @ weight.T
                 query = projected[:, : heads * head_dim].reshape(1, heads, 128, head_dim)
                 F.scaled_dot_product_attention(query, keys, keys)
