@@ -171,11 +171,17 @@ def test_the_fit_finds_the_calibrations_costs_and_each_path_follows_its_own_runs
     assert (model.vllm.weights >= 0).all() and (model.blend.weights >= 0).all()
 
 
-def test_a_blend_must_win_by_the_margin() -> None:
+def test_a_blend_must_win_by_the_margin_and_clearly_while_vllm_is_untimed() -> None:
     model, _, _ = _calibrated(np.array([0.0, 1e-3, 0.0]), np.array([0.0, 1e-3, 0.0, 0.0]))
-    assert model.forecast(2000, 0, 1000).blend_wins  # half the rows: 0.5 of vLLM's time
+    win = model.forecast(2000, 0, 1400)  # 0.7 of vLLM's time
+    assert win.blend_wins
     close = model.forecast(2000, 0, 1700)  # 0.85 of vLLM's: not sure enough
     assert close.blend_s < close.vllm_s and not close.blend_wins
+    assert model.check_vllm(win)  # vLLM's prefill never timed: it prefills this one
+    assert not model.check_vllm(model.forecast(2000, 0, 600))  # a clear win: blended anyway
+    model.observe(model.vllm, vllm_features(2000, 0), 1.5)  # now timed (faster than thought)
+    assert not model.check_vllm(win)
+    assert model.forecast(2000, 0, 1400).vllm_s == pytest.approx(1.5, rel=0.3)
 
 
 def test_a_forecast_counts_the_last_tokens_step_and_the_prefix_hit() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -314,6 +315,7 @@ def test_the_faster_path_is_chosen_and_both_forecasts_reported(
     side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
     assert side.matched(request, 0) == (None, False)  # no calibration yet: asked again
     _calibrate_per_row(side)  # rows cost the same: the blend computes fewer, it wins
+    side.costs.vllm.timed_at = time.monotonic()  # vLLM's prefill timed lately
     claimed, _ = side.matched(request, 0)
     assert claimed == len(ids) - 1
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)

@@ -73,6 +73,7 @@ class LinearFit:
         self.weights = np.zeros(size)
         self._observed = self._forecast = self.PRIOR_S
         self._at = time.monotonic()
+        self.timed_at = -float("inf")  # when this path's last run was observed (never: -inf)
         self.observed = 0
 
     @property
@@ -101,7 +102,7 @@ class LinearFit:
         residual = self.residual  # faded: the sums restart from it
         self._observed = self.forget * residual * self._forecast + seconds
         self._forecast = self.forget * self._forecast + forecast
-        self._at = time.monotonic()
+        self._at = self.timed_at = time.monotonic()
         self.observed += 1
 
 
@@ -161,6 +162,8 @@ class CostModel:
     MIN_TOKENS = 32
     MIN_S = 0.02
     MARGIN = 0.8
+    #: A blend forecast under this share of vLLM's prefill needs no check of vLLM's forecast.
+    CLEAR_WIN = 0.5
 
     def __init__(self) -> None:
         self.vllm = LinearFit(3)
@@ -176,6 +179,19 @@ class CostModel:
         self.vllm.set_prior(self.vllm.fit_points(vllm_points))
         self.blend.set_prior(self.blend.fit_points(blend_points))
         self.calibrated = True
+
+    def check_vllm(self, forecast: Forecast) -> bool:
+        """Whether vLLM should prefill a request the blend wins, to time vLLM's prefill.
+
+        Choosing vLLM is never slower than vLLM, and it is the only way to learn how far its
+        calibration is off (measured: 1.4-1.5x high at start-ups on the loaded machine, which
+        made 0.5K prompts blend at vanilla's TTFT or worse). So a blend that is not a clear win
+        (forecast at `CLEAR_WIN` of vLLM's or more) yields to vLLM when vLLM's prefill has not
+        been timed for `LinearFit.HALF_LIFE_S` seconds.
+        """
+        if forecast.blend_s < self.CLEAR_WIN * forecast.vllm_s:
+            return False
+        return time.monotonic() - self.vllm.timed_at > self.vllm.HALF_LIFE_S
 
     def predict(self, model: LinearFit, features: np.ndarray) -> float:
         """Forecast seconds of ``features`` on ``model``'s path."""

@@ -241,11 +241,18 @@ class SchedulerSide:
             return
         forecast = self.costs.forecast(plan.total, plan.start, plan.rows)
         plan.forecast = forecast
-        if when == "faster" and not forecast.blend_wins:
+        if when != "faster":
+            return
+        if not forecast.blend_wins:
             plan.fallback = (
                 f"vllm_faster: vLLM's prefill is forecast at {forecast.vllm_s:.2f} s, a blend "
                 f"at {forecast.blend_s:.2f} s (a blend must be forecast under "
                 f"{forecast.margin:g} of vLLM's)"
+            )
+        elif self.costs.check_vllm(forecast):
+            plan.fallback = (
+                f"vllm_check: vLLM's prefill has not been timed for a while: it prefills this "
+                f"one (forecast {forecast.vllm_s:.2f} s, a blend {forecast.blend_s:.2f} s)"
             )
 
     def _salt(self, request: Any, plan: RequestPlan) -> None:
@@ -341,12 +348,12 @@ class SchedulerSide:
         if plan.fallback is None:
             return
         cause = plan.fallback.split(":")[0]
-        if cause == "vllm_faster":
+        if cause in ("vllm_faster", "vllm_check"):
             if self.settings.log_requests:
                 logger.info(
                     "kvblend: request %s: %d prompt tokens: vLLM prefills it (forecast %.2f s, "
-                    "a blend %.2f s)", request_id, plan.total, record["forecast_vllm_s"],
-                    record["forecast_blend_s"],
+                    "a blend %.2f s%s)", request_id, plan.total, record["forecast_vllm_s"],
+                    record["forecast_blend_s"], "; timing vLLM" if cause == "vllm_check" else "",
                 )  # fmt: skip
         elif not plan.refused:
             self._fallbacks.warn(cause, f"kvblend: vLLM prefills a request itself: {plan.fallback}")
@@ -403,9 +410,10 @@ class SchedulerSide:
         """
         request_id = outcome.request_id
         self._pending.discard(request_id)
-        if outcome.rows and outcome.compute_s > 0 and not outcome.cancelled:
+        if outcome.rows and outcome.blend_s > 0 and not outcome.cancelled:
+            # from the job's arrival to its end: its slices and the steps between them
             features = blend_features(outcome.rows, outcome.total)
-            self.costs.observe(self.costs.blend, features, outcome.compute_s)
+            self.costs.observe(self.costs.blend, features, outcome.blend_s)
         stats = self._stats.pop(request_id, None)
         done = self._done.pop(request_id, None)
         record = done if done is not None else self._records.get(request_id)
