@@ -15,7 +15,7 @@ all optional:
 - ``when`` (``"faster"``): blend a request only when its blend is forecast to reach the first
   token sooner than vLLM's own prefill (`costs.CostModel`); ``"always"``: whenever the
   strategy's rules allow;
-- ``slice_s`` (0.5): the longest a blend holds up an engine step, in seconds (`pacing`).
+- ``slice_s`` (1.0): the longest a blend holds up an engine step, in seconds (`pacing`).
 
 A request chooses for itself through vLLM's ``kv_transfer_params``, in one form:
 ``{"kvblend": false}`` (vLLM's own prefill), or ``{"kvblend": {"strategy": ..., "settings":
@@ -59,7 +59,7 @@ class ConnectorSettings:
     parity: bool = True
     log_requests: bool = True
     when: str = "faster"
-    slice_s: float = 0.5
+    slice_s: float = 1.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -82,7 +82,7 @@ class ConnectorSettings:
             parity=bool(extra.get("parity", True)),
             log_requests=bool(extra.get("log_requests", True)),
             when=_when(extra.get("when", "faster"), "kv_connector_extra_config"),
-            slice_s=_slice(extra.get("slice_s", 0.5)),
+            slice_s=_slice(extra.get("slice_s", 1.0)),
         )
 
 
