@@ -1,18 +1,19 @@
-"""Find known documents inside a finished prompt string and cut it into engine `Segment`s.
+"""Cut a finished prompt string into `Segment`s around given document texts or separators.
 
-Framework integrations only ever see the final prompt (a template filled with retrieved texts).
-`split_prompt` recovers the documents from it so their precomputed KV can be reused:
+An engine finds its own known documents in a prompt string itself (`BlendEngine.segments_for`,
+over the document registry that every engine sharing the store fills); the adapters call it
+for every prompt. This module is for the two other ways a caller may mark documents:
 
-- **matching mode** (default): every known document text that occurs verbatim in the prompt
-  becomes a cached `Segment`; the text around them (template, question, separators the user
-  added) becomes uncached segments computed in full. No special markers are needed.
+- **given texts** (`split_prompt(prompt, documents)`, `find_documents`): every one of the
+  ``documents`` the caller passes that occurs verbatim in the prompt becomes a cached
+  `Segment`; the text around them (template, question, separators) becomes uncached segments
+  computed in full. Longest documents first, never two overlapping matches, left to right; only
+  documents whose first characters occur in the prompt are searched for, so the cost grows with
+  the prompt length plus the number of texts, not their product.
 - **separator mode** (``separator="..."``, like LMCache's ``blend_special_str``): the prompt is
   split on the separator string, which is removed; every piece between two separators is a
-  cached document, the first and last pieces are uncached.
-
-Matching picks the longest documents first, never lets two matches overlap, and returns them
-left to right. Only documents whose first characters occur in the prompt are searched for, so
-the cost grows with the prompt length plus the number of known documents, not their product.
+  cached document, the first and last pieces are uncached. The adapters' ``separator`` option
+  uses it.
 
 This module depends only on `kvblend.prompt.segments`; it imports no framework.
 """
@@ -90,7 +91,7 @@ def split_prompt(
 
     Args:
         prompt: the final prompt text (after any chat template).
-        documents: known document texts (e.g. ``engine.known_documents()``); ignored in
+        documents: document texts the caller knows are (or may be) in the prompt; ignored in
             separator mode.
         separator: if given, split on this string instead of matching: each piece between two
             separators is a cached document; the first and last pieces are uncached.

@@ -14,7 +14,8 @@ from kvblend.bench.qa import QUESTION_TYPES, generate_qa, normalize, score
 from kvblend.bench.quality import kl_divergence, run_quality, summarize
 from kvblend.bench.strategies import all_strategy_names, parse_strategies, strategy
 from kvblend.bench.synthetic import synthetic_text
-from kvblend.bench.ttft import run_ttft, summarize_ttft
+from kvblend.bench.ttft import run_ttft
+from kvblend.bench.ttft_summary import summarize_ttft
 from kvblend.store import MemoryKVStore
 
 
@@ -271,3 +272,24 @@ def test_doc_context_agreement_from_answers_of_older_rows():
 def test_bench_cli_rejects_unknown_subcommand():
     with pytest.raises(SystemExit):
         bench_main(["nope"])
+
+
+def test_benchmarks_with_their_own_options_are_bench_subcommands(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``kvblend bench NAME ...`` runs the module's own parser (every option reaches it), and
+    ``kvblend bench --help`` lists each of them."""
+    from kvblend.bench.cli import SCRIPTS, main
+
+    for name in SCRIPTS:
+        with pytest.raises(SystemExit) as exit_info:
+            main([name, "--help"])
+        assert exit_info.value.code == 0
+        assert f"usage: kvblend bench {name}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in SCRIPTS)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["entry-check", "--layout", "no-such-layout"])
+    assert exit_info.value.code == 2 and "no-such-layout" in capsys.readouterr().err

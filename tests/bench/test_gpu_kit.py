@@ -1,7 +1,7 @@
 """The GPU run imports with only the GPU machine's packages and the kit's: checked on the CPU.
 
 The GPU machine has torch, transformers, triton, safetensors, tokenizers, numpy and xxhash (and
-what they need), no network, and what ``benchmarks/gpu_kit.py`` prepared. Here a Python without
+what they need), no network, and what ``scripts/gpu_kit.py`` prepared. Here a Python without
 site-packages (``-S``) sees exactly those packages of this environment (linked into a folder by
 `gpu_kit.image_site`) plus the kit's (`gpu_kit.kit_packages`, linked likewise) and ``src``; in
 it the engine, the store, ``bench gpu`` and the GPU suite import, the CUDA tests are collected
@@ -20,26 +20,28 @@ import pytest
 from conftest import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_kit  # noqa: E402
-import gpu_suite  # noqa: E402
 
-#: Modules the GPU suite's steps import (the benchmarks' scripts by their file names).
+from kvblend.bench import gpu_suite  # noqa: E402
+
+#: Modules the GPU suite's steps import (``cuda_only``: the pytest plugin in ``tests/``).
 MODULES = (
     "kvblend", "kvblend.engine", "kvblend.store", "kvblend.cli.main", "kvblend.bench.cli",
     "kvblend.bench.gpu", "kvblend.bench.ttft", "kvblend.bench.ingest", "kvblend.cli.args",
     "kvblend.bench.random_models", "kvblend.models.loading", "kvblend.prompt.splice",
-    "gpu_suite", "gpu_suite_summary", "decode", "cuda_only",
+    "kvblend.bench.gpu_suite", "kvblend.bench.gpu_suite_summary", "kvblend.bench.decode",
+    "cuda_only",
 )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
-    """The import path of the GPU machine: ``src``, the benchmarks, the kit, the image."""
+    """The import path of the GPU machine: ``src``, the tests, the kit, the image."""
     folder = tmp_path_factory.mktemp("gpu-machine")
     gpu_kit.image_site(folder / "image")
     gpu_kit.link_distributions(gpu_kit.kit_packages(), folder / "kit")
-    return [str(ROOT / "src"), str(ROOT / "benchmarks"), str(folder / "kit"),
+    return [str(ROOT / "src"), str(ROOT / "tests"), str(folder / "kit"),
             str(folder / "image")]  # fmt: skip
 
 

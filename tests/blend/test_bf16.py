@@ -13,7 +13,8 @@ import torch
 
 from conftest import FAMILIES, byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.loop import COMPUTE, BlendInput, run_blend
+from kvblend.blend.io import COMPUTE, BlendInput
+from kvblend.blend.loop import run_blend
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"

@@ -21,7 +21,7 @@ from kvblend.blend import loop as blend_module
 from kvblend.blend.io import CachedSpan
 from kvblend.blend.kv_buffer import CopyStream, LayerLoads, PromptKV, group_layers
 from kvblend.blend.rope import rope_table, rotate
-from kvblend.documents.segment_kv import StoredRows
+from kvblend.documents.stored_rows import StoredRows
 
 LAYERS, HEADS, DIM = 7, 2, 4
 DOCS = [

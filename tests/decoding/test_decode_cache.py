@@ -17,7 +17,7 @@ from transformers import StaticCache
 from conftest import make_tiny_engine
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.decoding.cache import CACHE_ENV, COMPILE_BUCKET, COMPILE_ENV, DecodeCache
-from kvblend.decoding.generation import DecodeOptions, _plan
+from kvblend.decoding.options import DecodeOptions, decode_plan
 
 DOCS = [
     "Doc one: Marta Quill lives in Lisbon and keeps bees on the roof.",
@@ -130,7 +130,7 @@ def test_the_static_cache_is_the_default_and_sized_for_the_answer(
     monkeypatch.delenv(CACHE_ENV, raising=False)
     monkeypatch.delenv(COMPILE_ENV, raising=False)
     engine = make_tiny_engine("llama")
-    plan = _plan(engine.model, engine.tokenizer, 10, DecodeOptions(max_new_tokens=5))
+    plan = decode_plan(engine.model, engine.tokenizer, 10, DecodeOptions(max_new_tokens=5))
     assert plan.cache == DecodeCache("static", compiled=False)
     assert plan.config.disable_compile  # transformers would compile a static cache on CUDA
     pre = engine.prefill(PROMPT, BlendConfig("full"))
@@ -145,7 +145,7 @@ def test_a_bad_setting_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
         DecodeCache.choose(torch.device("cpu"))
     engine = make_tiny_engine("llama")
     calls: list[object] = []
-    monkeypatch.setattr(engine, "prefill", lambda *args, **kwargs: calls.append(args))
+    monkeypatch.setattr(engine, "_prefill", lambda *args, **kwargs: calls.append(args))
     with pytest.raises(ValueError, match=f"{CACHE_ENV} must be one of"):  # before any model work
         engine.generate(PROMPT, max_new_tokens=4)
     assert calls == []

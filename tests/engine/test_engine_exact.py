@@ -8,16 +8,11 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.io import RowSet
-from kvblend.blend.loop import (
-    COMPUTE,
-    MOVED,
-    BlendInput,
-    run_blend,
-    selection_context,
-)
+from kvblend.blend.io import COMPUTE, MOVED, BlendInput, RowSet
+from kvblend.blend.loop import run_blend, selection_context
 from kvblend.blend.rope import apply_rope, signed_sin
-from kvblend.blend.selectors.attention import AttentionSelector, tail_rows
+from kvblend.blend.selectors.attention import AttentionSelector
+from kvblend.blend.selectors.tail_attention import tail_rows
 from kvblend.engine import engine as engine_module
 from kvblend.store import MemoryKVStore
 
@@ -243,9 +238,9 @@ def test_stop_string_cuts_output(tiny_engine: BlendEngine) -> None:
     assert stop not in cut.text and whole.text.startswith(cut.text)
     assert cut.finish_reason == "stop"
     # transformers' stop-string criterion scans the vocabulary once per tokenizer and stop tuple
-    from kvblend.decoding.generation import _stop_criteria
+    from kvblend.decoding.generation import stop_criteria
 
-    assert _stop_criteria(tiny_engine.tokenizer, (stop,)) is _stop_criteria(
+    assert stop_criteria(tiny_engine.tokenizer, (stop,)) is stop_criteria(
         tiny_engine.tokenizer, (stop,)
     )
     streamed = "".join(
@@ -552,8 +547,8 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
 def test_kv_kept_for_the_store_owns_its_memory() -> None:
     """The loop keeps every layer's K/V in one buffer, keys rotated; the K/V to be stored
     (`raw_kv`, keys before RoPE) is a tensor of its own, so a store never sees the buffer."""
-    from kvblend.blend.io import COMPUTE
-    from kvblend.blend.loop import BlendInput, run_blend
+    from kvblend.blend.io import COMPUTE, BlendInput
+    from kvblend.blend.loop import run_blend
     from kvblend.models.decoder import Decoder
 
     decoder = Decoder(tiny_model("qwen2"))

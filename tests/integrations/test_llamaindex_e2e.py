@@ -159,14 +159,14 @@ def prefills(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """The `BlendStats` of every prefill the session engine runs during the test."""
     engine = session_engine()
     seen: list[Any] = []
-    original = engine.prefill
+    original = engine._prefill  # what prefill, generate and stream run after their checks
 
-    def recording(prompt: Any, config: Any = None, **kwargs: Any) -> Any:
-        result = original(prompt, config, **kwargs)
+    def recording(prompt: Any, config: Any, cancel: Any) -> Any:
+        result = original(prompt, config, cancel)
         seen.append(result.stats)
         return result
 
-    monkeypatch.setattr(engine, "prefill", recording)
+    monkeypatch.setattr(engine, "_prefill", recording)
     return seen
 
 

@@ -53,13 +53,13 @@ def engine() -> BlendEngine:
 def prompts(engine: BlendEngine, monkeypatch: pytest.MonkeyPatch) -> list[list[Segment]]:
     """Records the segments of every prefill the engine runs."""
     seen: list[list[Segment]] = []
-    original = engine.prefill
+    original = engine._prefill  # what prefill, generate and stream run after their checks
 
-    def recording(segments: Any, config: Any = None, **kwargs: Any) -> Any:
+    def recording(segments: Any, config: Any, cancel: Any) -> Any:
         seen.append(list(segments))
-        return original(segments, config, **kwargs)
+        return original(segments, config, cancel)
 
-    monkeypatch.setattr(engine, "prefill", recording)
+    monkeypatch.setattr(engine, "_prefill", recording)
     return seen
 
 

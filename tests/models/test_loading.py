@@ -12,12 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend.models import loading
-from kvblend.models.loading import (
-    converted_gguf_folder,
-    file_digest,
-    model_fingerprint,
-    weights_digest,
-)
+from kvblend.models.fingerprint import model_fingerprint, weights_digest
+from kvblend.models.loading import converted_gguf_folder, file_digest
 
 
 @pytest.fixture(autouse=True)

@@ -347,7 +347,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--nq", help="NQ jsonl(.gz) whose passages are the documents")
     parser.add_argument("--passages", type=int, default=60, help="passages read from --nq")
-    parser.add_argument("--qwen", help="a Qwen2.5 GGUF file (benchmarks/models.py qwen2.5-0.5b)")
+    parser.add_argument("--qwen", help="a Qwen2.5 GGUF file (scripts/bench_models.py qwen2.5-0.5b)")
     parser.add_argument("--only", help="comma list of tokenizer names")
     args = parser.parse_args()
     passages = load_passages(args.nq, args.passages, random.Random(args.seed))

@@ -35,7 +35,8 @@ from transformers import (
 
 from conftest import TINY, byte_tokenizer
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.loop import COMPUTE, BlendInput, run_blend
+from kvblend.blend.io import COMPUTE, BlendInput
+from kvblend.blend.loop import run_blend
 from kvblend.store import MemoryKVStore
 
 DOCS = [

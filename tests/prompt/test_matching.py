@@ -234,7 +234,8 @@ def test_longest_run_matches_the_plain_loop() -> None:
     """Random prompts and layouts: breaks, shifted offsets, repeated ids, no match at all."""
     import random
 
-    from kvblend.prompt.plan import DocumentLayout, PromptTokens, _longest_run
+    from kvblend.prompt.plan import _longest_run
+    from kvblend.prompt.tokens import DocumentLayout, PromptTokens
 
     rng = random.Random(3)
     for _ in range(300):

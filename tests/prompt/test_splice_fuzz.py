@@ -14,7 +14,7 @@ Qwen2.5 tokenizer (one line per tokenizer; a mismatch stops it with the prompt):
 
     PYTHONPATH=src:tests python tests/prompt/splice_fuzz.py --prompts 400 --dense 2000 \\
         --nq nq_open_gold_2000.jsonl.gz \\
-        --qwen "$(python benchmarks/models.py qwen2.5-0.5b)"
+        --qwen "$(python scripts/bench_models.py qwen2.5-0.5b)"
 """
 
 from __future__ import annotations

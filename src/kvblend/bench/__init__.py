@@ -1,7 +1,8 @@
 """Benchmarks: TTFT of every strategy and answer quality on generated QA and on NQ retrieval.
 
-``kvblend bench <command>`` (``kvblend bench --help`` lists them; the scripts in ``benchmarks/``
-are thin wrappers over them); see docs/benchmarks.md. `main(argv)` is the entry point of both.
+``kvblend bench <command>`` (``kvblend bench --help`` lists them; ``python -m kvblend.bench``
+runs the same); see docs/benchmarks.md. `main(argv)` is the entry point. The results go to
+``benchmarks/results/`` of the working folder (the repository's, run from its root).
 """
 
 from kvblend.bench.cli import main

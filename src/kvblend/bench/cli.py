@@ -1,8 +1,13 @@
-"""``kvblend bench`` subcommands, one per benchmark; the scripts in ``benchmarks/`` call them."""
+"""``kvblend bench`` subcommands, one per benchmark.
+
+The benchmarks with options of their own (`SCRIPTS`) are their modules' ``main``:
+``kvblend bench decode ARGS`` is ``python -m kvblend.bench.decode ARGS``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Sequence
 
 from kvblend.bench.commands import (
@@ -22,6 +27,22 @@ from kvblend.bench.commands import (
     cmd_ttft,
     cmd_vllm,
 )
+
+#: Benchmarks that parse their own options: the subcommand, its module and what it measures.
+SCRIPTS = {
+    "batch": ("kvblend.bench.batch", "requests/s of batched requests vs one by one"),
+    "decode": ("kvblend.bench.decode", "decode tokens/s from the static vs the dynamic cache"),
+    "entry-check": ("kvblend.bench.entry_check", "what checking a stored entry costs (no model)"),
+    "threads": ("kvblend.bench.threads", "TTFT by torch thread count on a busy CPU"),
+    "gpu-tier": ("kvblend.bench.gpu_tier", "TTFT from a host vs a GPU memory tier (CUDA)"),
+    "gpu-suite": ("kvblend.bench.gpu_suite", "every GPU figure owed, a process per step (CUDA)"),
+}
+
+
+def run_script(name: str, argv: Sequence[str]) -> int:
+    """Run the `SCRIPTS` benchmark ``name`` with its own options ``argv``."""
+    code = importlib.import_module(SCRIPTS[name][0]).main(list(argv))
+    return int(code or 0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,11 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", default=None, help="default: benchmarks/results/vllm.json (--nq: vllm_nq.json)"
     )
     vllm.set_defaults(func=cmd_vllm)
+    for name, (_, what) in SCRIPTS.items():  # listed here; `main` hands them their options
+        script = sub.add_parser(name, help=f"{what} (options: kvblend bench {name} --help)",
+                                add_help=False)  # fmt: skip
+        script.add_argument("args", nargs=argparse.REMAINDER)
+        script.set_defaults(func=lambda args, name=name: run_script(name, args.args))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kvblend bench`` and of the scripts in ``benchmarks/``."""
+    """Entry point of ``kvblend bench``."""
+    if argv and argv[0] in SCRIPTS:  # their own parsers read every option
+        return run_script(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "quick", False):
         args.lengths, args.strategies, args.repeats = (

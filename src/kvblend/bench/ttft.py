@@ -31,7 +31,6 @@ from kvblend.bench.strategies import Strategy, strategy
 from kvblend.bench.synthetic import synthetic_text
 from kvblend.bench.ttft_summary import (  # the summary: importable from here too
     summarize_ttft,
-    ttft_table,
 )
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
@@ -48,10 +47,8 @@ __all__ = [
     "drop_page_cache",
     "length_label",
     "run_ttft",
-    "summarize_ttft",
     "time_decode",
     "time_prefill",
-    "ttft_table",
 ]
 
 QUESTION = "Summarize the documents above in a few sentences."

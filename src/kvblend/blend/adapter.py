@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["DecoderShape", "ModelAdapter"]
+__all__ = ["DecoderShape", "ModelAdapter", "rms_norm"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,16 @@ class ModelAdapter(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Return float32 next-token logits ``[vocab]`` of the last row of ``hidden``."""
         ...
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as the supported families compute it, in as few ops as torch allows.
+
+    ``weight * (x * rsqrt(mean(x^2) + eps))`` in float32, cast back to ``x``'s dtype before the
+    weight: transformers' Llama/Mistral/Qwen RMSNorm in five ops, and vLLM's native one when the
+    weight has ``x``'s dtype. ``F.rms_norm`` is one op with the same arithmetic; in float32 the
+    weight is fused into it too. Both adapters call it for a plain RMSNorm module.
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)

@@ -45,11 +45,8 @@ from kvblend.blend.correction import CorrectionTensors, stale_correction
 from kvblend.blend.io import (
     COMPUTE,
     MOVED,
-    PREFIX,
     BlendInput,
     BlendOutput,
-    CachedSpan,
-    LayerKV,
     RowSet,
     as_rows,
     moved_span_index,
@@ -64,19 +61,7 @@ from kvblend.blend.selectors import Selection, SelectionContext, Selector, selec
 from kvblend.blend.selectors.base import Narrowing, PassObserver
 from kvblend.errors import BlendCancelledError
 
-__all__ = [
-    "COMPUTE",
-    "MOVED",
-    "PREFIX",
-    "BlendInput",
-    "BlendOutput",
-    "CachedSpan",
-    "CancelFlag",
-    "LayerKV",
-    "run_blend",
-    "run_pass",
-    "selection_context",
-]
+__all__ = ["CancelFlag", "run_blend", "run_pass", "selection_context"]
 
 
 class CancelFlag(Protocol):
@@ -181,7 +166,7 @@ def begin_pass(
     return state
 
 
-def check_cancel(cancel: CancelFlag | None) -> None:
+def stop_if_cancelled(cancel: CancelFlag | None) -> None:
     """Raise `BlendCancelledError` once ``cancel`` is set (a host flag: no device sync)."""
     if cancel is not None and cancel.is_set():
         raise BlendCancelledError("the prefill was cancelled")
@@ -248,7 +233,7 @@ def run_layers(
     refine_layers = selector.refine_layers if selector is not None else frozenset()
     last = (state.adapter.shape.num_layers if stop is None else stop) - 1
     for layer in range(last + 1):
-        check_cancel(cancel)
+        stop_if_cancelled(cancel)
         load_cached(state, layer, refine_layers)  # step 1
         if layer in refine_layers:  # step 2
             assert selector is not None

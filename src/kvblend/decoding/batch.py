@@ -22,8 +22,15 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.cache_utils import Cache
 
-from kvblend.decoding.generation import GenerationResult, _cut_at_stop, _generate, _stop_criteria
-from kvblend.decoding.options import DecodeOptions, _Plan, _plan, _SeededSampler
+from kvblend.decoding.generation import (
+    GenerationResult,
+    cut_at_stop,
+    generate_from_cache,
+    stop_criteria,
+)
+from kvblend.decoding.options import DecodeOptions, DecodePlan, SeededSampler, decode_plan
+
+__all__ = ["decode_batch"]
 
 
 class _RowEnds(StoppingCriteria):
@@ -54,7 +61,7 @@ def _padded(rows: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _padded_cache(model: Any, prefills: Sequence[Any], width: int, plan: _Plan) -> Cache:
+def _padded_cache(model: Any, prefills: Sequence[Any], width: int, plan: DecodePlan) -> Cache:
     """Build one cache of every row's keys and values, left-padded with zeros to ``width``."""
 
     def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -67,7 +74,7 @@ def _padded_cache(model: Any, prefills: Sequence[Any], width: int, plan: _Plan) 
     return plan.cache.build(model, keys, values, plan.config.max_new_tokens)
 
 
-def _first_tokens(prefills: Sequence[Any], plan: _Plan) -> list[int]:
+def _first_tokens(prefills: Sequence[Any], plan: DecodePlan) -> list[int]:
     """Each row's first new token from its own prefill logits, through the plan's processors."""
     scores = torch.stack([p.logits.float() for p in prefills]).to(plan.device)
     if plan.processors:
@@ -76,7 +83,7 @@ def _first_tokens(prefills: Sequence[Any], plan: _Plan) -> list[int]:
     return [int(t) for t in scores.argmax(dim=-1)]
 
 
-def _continuing(first: list[int], plan: _Plan, tokenizer: Any) -> list[int]:
+def _continuing(first: list[int], plan: DecodePlan, tokenizer: Any) -> list[int]:
     """Rows whose answer goes on after the first token."""
     if plan.config.max_new_tokens <= 1:
         return []
@@ -84,27 +91,27 @@ def _continuing(first: list[int], plan: _Plan, tokenizer: Any) -> list[int]:
     for row, token in enumerate(first):
         if token in plan.eos_ids:
             continue
-        if plan.stop and _cut_at_stop(tokenizer.decode([token]), plan.stop)[1]:
+        if plan.stop and cut_at_stop(tokenizer.decode([token]), plan.stop)[1]:
             continue
         rows.append(row)
     return rows
 
 
 def _decode_rows(
-    model: Any, tokenizer: Any, prefills: Sequence[Any], first: list[int], plan: _Plan
+    model: Any, tokenizer: Any, prefills: Sequence[Any], first: list[int], plan: DecodePlan
 ) -> list[list[int]]:
     """Decode the given rows after their first tokens in one batched `generate`."""
     rows = [[*p.token_ids, token] for p, token in zip(prefills, first, strict=True)]
     input_ids, mask = _padded(rows)
     device = prefills[0].keys[0].device
-    ends = _RowEnds(_stop_criteria(tokenizer, plan.stop) if plan.stop else None, len(rows))
+    ends = _RowEnds(stop_criteria(tokenizer, plan.stop) if plan.stop else None, len(rows))
     config = copy.deepcopy(plan.config)
     config.max_new_tokens -= 1
     eos = sorted(plan.eos_ids)
     if eos:
         config.pad_token_id = eos[0]  # a finished row is padded with EOS: cut at the first one
     with torch.inference_mode():
-        output = _generate(
+        output = generate_from_cache(
             model,
             {
                 "input_ids": input_ids.to(device),
@@ -135,8 +142,8 @@ def decode_batch(
     """
     options_ = DecodeOptions(**options)
     longest = max(len(p.token_ids) for p in prefills)
-    plan = _plan(model, tokenizer, longest, options_, rows=len(prefills))
-    sampler = next((p for p in plan.processors if isinstance(p, _SeededSampler)), None)
+    plan = decode_plan(model, tokenizer, longest, options_, rows=len(prefills))
+    sampler = next((p for p in plan.processors if isinstance(p, SeededSampler)), None)
     first = _first_tokens(prefills, plan)
     first_at = time.perf_counter()
     news: list[list[int]] = [[token] for token in first]
@@ -154,7 +161,7 @@ def decode_batch(
     end = time.perf_counter()
     results = []
     for prefill, new_ids in zip(prefills, news, strict=True):
-        text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
+        text, stopped = cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
         finished = stopped or new_ids[-1] in plan.eos_ids
         results.append(
             GenerationResult(

@@ -35,6 +35,8 @@ import torch
 from transformers import CompileConfig, DynamicCache, GenerationConfig, StaticCache
 from transformers.cache_utils import Cache
 
+__all__ = ["DecodeCache", "check_environment"]
+
 #: ``static`` (the default) or ``dynamic``.
 CACHE_ENV = "KVBLEND_DECODE_CACHE"
 #: ``1``: compile the decode step on CUDA (static cache only).

@@ -33,8 +33,17 @@ from transformers import (
     TextIteratorStreamer,
 )
 
-from kvblend.decoding.options import DecodeOptions, _Plan, _plan
+from kvblend.decoding.options import DecodeOptions, DecodePlan, decode_plan
 from kvblend.errors import BlendCancelledError
+
+__all__ = [
+    "GenerationResult",
+    "cut_at_stop",
+    "decode",
+    "decode_stream",
+    "generate_from_cache",
+    "stop_criteria",
+]
 
 # transformers' StopStringCriteria scans the whole vocabulary when it is built (0.75 s for a
 # 151K-token Qwen2.5 vocabulary), and `generate(stop_strings=...)` builds one per call. It is
@@ -45,7 +54,7 @@ _STOP_CRITERIA: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], StopStringC
 _STOP_LOCK = threading.Lock()
 
 
-def _stop_criteria(tokenizer: Any, stop: tuple[str, ...]) -> StopStringCriteria:
+def stop_criteria(tokenizer: Any, stop: tuple[str, ...]) -> StopStringCriteria:
     """Return the (cached) transformers stopping criterion for ``stop`` over ``tokenizer``."""
     with _STOP_LOCK:
         per_tokenizer = _STOP_CRITERIA.setdefault(tokenizer, {})
@@ -94,7 +103,7 @@ class _Cancelled(StoppingCriteria):
         )
 
 
-def _first_token(logits: torch.Tensor, token_ids: Sequence[int], plan: _Plan) -> int:
+def _first_token(logits: torch.Tensor, token_ids: Sequence[int], plan: DecodePlan) -> int:
     """Pick the first new token from the prefill's logits as `generate` would."""
     scores = logits.float()[None].to(plan.device)
     if plan.processors:
@@ -110,18 +119,18 @@ def _continue_kwargs(
     first: int,
     keys: Sequence[torch.Tensor],
     values: Sequence[torch.Tensor],
-    plan: _Plan,
+    plan: DecodePlan,
     cancel: threading.Event | None = None,
 ) -> dict[str, Any] | None:
     """`generate` arguments that decode after ``first``, or None when ``first`` ends it."""
     config = plan.config
     if first in plan.eos_ids or config.max_new_tokens <= 1:
         return None
-    if plan.stop and _cut_at_stop(tokenizer.decode([first]), plan.stop)[1]:
+    if plan.stop and cut_at_stop(tokenizer.decode([first]), plan.stop)[1]:
         return None
     config = copy.deepcopy(config)
     config.max_new_tokens -= 1
-    criteria: list[StoppingCriteria] = [_stop_criteria(tokenizer, plan.stop)] if plan.stop else []
+    criteria: list[StoppingCriteria] = [stop_criteria(tokenizer, plan.stop)] if plan.stop else []
     if cancel is not None:
         criteria.append(_Cancelled(cancel))
     input_ids = torch.tensor([[*token_ids, first]], dtype=torch.long, device=keys[0].device)
@@ -137,7 +146,7 @@ def _continue_kwargs(
     }
 
 
-def _generate(model: Any, kwargs: dict[str, Any]) -> Any:
+def generate_from_cache(model: Any, kwargs: dict[str, Any]) -> Any:
     """Call ``model.generate`` with the fused cache as ``past_key_values``.
 
     transformers 5.x renamed that argument ``cache`` and warns about the old name on every call;
@@ -151,7 +160,7 @@ def _generate(model: Any, kwargs: dict[str, Any]) -> Any:
         return model.generate(**kwargs)
 
 
-def _cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     """``text`` up to the first stop string, and whether one was found."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
     return (text[:cut], True) if cut >= 0 else (text, False)
@@ -176,18 +185,18 @@ def decode(
     ``seed`` seeds this call's own sampler. ``cancel``, once set, stops decoding after the
     current token (`BlendCancelledError`).
     """
-    plan = _plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
+    plan = decode_plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
     first = _first_token(logits, token_ids, plan)
     first_at = time.perf_counter()
     new_ids = [first]
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
     if kwargs is not None:
         with torch.inference_mode():
-            output = _generate(model, kwargs)
+            output = generate_from_cache(model, kwargs)
         new_ids = output[0, len(token_ids) :].tolist()
     if cancel is not None and cancel.is_set():
         raise BlendCancelledError("the generation was cancelled")
-    text, stopped = _cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
+    text, stopped = cut_at_stop(tokenizer.decode(new_ids, skip_special_tokens=True), plan.stop)
     finished = stopped or new_ids[-1] in plan.eos_ids
     end = time.perf_counter()
     return GenerationResult(
@@ -224,7 +233,7 @@ def decode_stream(
     Closing the iterator early (``close()``, ``break`` in a for loop, garbage collection) stops
     decoding within one token and waits for the decoding thread to finish.
     """
-    plan = _plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
+    plan = decode_plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
     first = _first_token(logits, token_ids, plan)
     cancel = threading.Event()
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
@@ -238,7 +247,7 @@ def decode_stream(
                 streamer.end()
                 return
             with torch.inference_mode():
-                _generate(model, {**kwargs, "streamer": streamer})
+                generate_from_cache(model, {**kwargs, "streamer": streamer})
         except BaseException as error:  # noqa: BLE001 - re-raised in the consumer
             failure.append(error)
             streamer.end()
@@ -260,7 +269,7 @@ def _pieces(streamer: Iterator[str], stop: tuple[str, ...]) -> Iterator[str]:
     longest_stop = max((len(s) for s in stop), default=0)
     for piece in streamer:
         held += piece
-        text, stopped = _cut_at_stop(held, stop)
+        text, stopped = cut_at_stop(held, stop)
         if stopped:
             if text:
                 yield text

@@ -1,13 +1,13 @@
 """Decoding options turned into transformers' settings: a greedy config over its processors.
 
 `DecodeOptions` are the keyword arguments of `BlendEngine.generate` and `BlendEngine.stream`;
-`_plan` checks them and makes the `_Plan` that single-prompt decoding (`generation.py`) and
-batched decoding (`batch_decode.py`) share: a `GenerationConfig`, the logits processors, the
-end-of-sequence ids, the stop strings and the decode cache's kind.
+`decode_plan` checks them and makes the `DecodePlan` that single-prompt decoding
+(`generation.py`) and batched decoding (`batch.py`) share: a `GenerationConfig`, the logits
+processors, the end-of-sequence ids, the stop strings and the decode cache's kind.
 
 Sampling draws from a `torch.Generator` of the call (seeded by ``seed``), never from the
 process-wide RNG, so seeded calls on several threads each get their own reproducible text:
-`generate` runs greedy over scores where `_SeededSampler` has already kept only the token it
+`generate` runs greedy over scores where `SeededSampler` has already kept only the token it
 drew.
 """
 
@@ -30,6 +30,8 @@ from transformers import (
 
 from kvblend.decoding.cache import DecodeCache, check_environment
 from kvblend.validation import check_generation, check_hf_options, check_sampling, check_stop
+
+__all__ = ["DecodeOptions", "DecodePlan", "SeededSampler", "decode_plan"]
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,10 @@ class DecodeOptions:
 
 
 @dataclass
-class _Plan:
+class DecodePlan:
     """The decoding settings shared by `decode`, `decode_stream` and `decode_batch`."""
 
-    config: GenerationConfig  # greedy over the processed scores (see `_SeededSampler`)
+    config: GenerationConfig  # greedy over the processed scores (see `SeededSampler`)
     eos_ids: frozenset[int]
     stop: tuple[str, ...]
     processors: LogitsProcessorList  # repetition penalty, then the sampler when sampling
@@ -75,7 +77,7 @@ class _Plan:
     cache: DecodeCache  # the cache kind decoding continues from
 
 
-class _SeededSampler(LogitsProcessor):
+class SeededSampler(LogitsProcessor):
     """Draw the next token with the call's own generators; leave only that token possible.
 
     Applies transformers' temperature, top-k and top-p warpers, samples one token per row (row
@@ -105,6 +107,7 @@ class _SeededSampler(LogitsProcessor):
         return torch.cat(rows)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Keep only the drawn token of each row (greedy decoding then takes it)."""
         chosen = self.draw(scores)
         out = torch.full_like(scores, float("-inf"))
         out.scatter_(1, chosen[:, None], 0.0)
@@ -121,9 +124,9 @@ def _generator(device: torch.device, seed: int | None) -> torch.Generator:
     return generator
 
 
-def _plan(
+def decode_plan(
     model: Any, tokenizer: Any, prompt_tokens: int, options: DecodeOptions, rows: int = 1
-) -> _Plan:
+) -> DecodePlan:
     """Check ``options`` and turn them into a greedy config over transformers' processors.
 
     ``rows > 1`` (batched decoding) gives each row a generator seeded like a call of its own.
@@ -146,7 +149,7 @@ def _plan(
         temperature = float(options.temperature) or 1.0  # do_sample=True at temperature 0
         generators = [_generator(device, options.seed) for _ in range(rows)]
         processors.append(
-            _SeededSampler(temperature, int(options.top_k), float(options.top_p), generators)
+            SeededSampler(temperature, int(options.top_k), float(options.top_p), generators)
         )
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -160,4 +163,4 @@ def _plan(
     cache = DecodeCache.choose(device)
     cache.configure(config)
     eos_ids = frozenset(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return _Plan(config, eos_ids, stops, processors, device, cache)
+    return DecodePlan(config, eos_ids, stops, processors, device, cache)

@@ -41,7 +41,6 @@ from kvblend.documents.records import (
     REBUILT,
     anchor_hash,
     context_records,
-    document_metadata,
     head_hash,
     parse_document_metadata,
     parse_head,
@@ -50,7 +49,7 @@ from kvblend.documents.records import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match", "document_metadata", "text_digest"]
+__all__ = ["DEFAULT_CAPACITY", "DocumentRegistry", "Match"]
 
 #: Documents a registry keeps before dropping the least recently matched.
 DEFAULT_CAPACITY = 200_000

@@ -36,17 +36,19 @@ from typing import Any
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.loop import COMPUTE, BlendInput, CachedSpan, run_blend
+from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
+from kvblend.blend.loop import run_blend
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
 from kvblend.documents.records import document_metadata
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.models.decoder import Decoder
-from kvblend.prompt.plan import DocumentLayout, PrefillPlan, document_layout
+from kvblend.prompt.plan import PrefillPlan
 from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
+from kvblend.prompt.tokens import DocumentLayout, document_layout
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SegmentKV", "StoredRows"]
+__all__ = ["SegmentKV"]
 
 _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 

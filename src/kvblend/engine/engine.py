@@ -4,12 +4,11 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 (anything with ``get(key, device=None)`` returning a mapping of tensors or None,
 ``put(key, tensors, metadata)`` and ``contains(key)``); it never touches disk itself.
 
-This module builds the engine and runs its prompts: `plan`, `explain` and `prefill` (where the
-blend loop, `run_blend`, runs) and the parity self-check. The documents are a `DocumentLibrary`
-(`kvblend.documents.library`), and the engine's document methods (``precompute``, ``register``,
-``is_known``, ``segment_id``, ``segments_for``) are `DocumentsMixin`'s
-(`kvblend.engine.documents_mixin`); ``generate``, ``generate_batch`` and ``stream`` are
-`GenerationMixin`'s (`kvblend.engine.generation_mixin`).
+`BlendEngine` is the facade users call; each method checks its input once and hands over to the
+package that does the work: prompts (`kvblend.prompt`: segments, templates, token ids, the
+plan), documents (`kvblend.documents.library.DocumentLibrary`: precompute, the registry that
+finds them in prompts, their entries in the store), the blend (`kvblend.blend.loop.run_blend`)
+and decoding from the fused cache (`kvblend.decoding`), plus the parity self-check.
 """
 
 from __future__ import annotations
@@ -17,35 +16,39 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvblend.blend.config import BlendConfig, check_config
 from kvblend.blend.forecast import forecast_blend
-from kvblend.blend.loop import BlendInput, CachedSpan, run_blend
+from kvblend.blend.io import BlendInput, CachedSpan
+from kvblend.blend.loop import run_blend
+from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
+from kvblend.decoding.generation import GenerationResult, decode, decode_stream
+from kvblend.decoding.options import DecodeOptions
 from kvblend.documents.library import DocumentLibrary
+from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DEFAULT_CAPACITY
-from kvblend.engine.documents_mixin import DocumentsMixin
 from kvblend.engine.explain import Explanation, FallbackLog
-from kvblend.engine.generation_mixin import GenerationMixin
 from kvblend.engine.parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
 from kvblend.engine.results import BlendStats, PrefillResult, count_tokens
 from kvblend.engine.threads import use_threads
+from kvblend.errors import BlendCancelledError
 from kvblend.models.decoder import Decoder
+from kvblend.models.fingerprint import model_fingerprint
 from kvblend.models.loading import (
     display_name,
     load_model,
-    model_fingerprint,
     resolve_device,
     resolve_dtype,
     resolve_model,
 )
 from kvblend.prompt import templates
 from kvblend.prompt.plan import PrefillPlan, cached_pieces, plan_prefill
-from kvblend.prompt.segments import PromptLike, Segment
+from kvblend.prompt.segments import PromptLike, Segment, check_segments
 from kvblend.prompt.splice import splice_rules
 from kvblend.prompt.tokens import encode_in_background, encode_prompt, prompt_tokens
 from kvblend.validation import (
@@ -75,7 +78,7 @@ def _default_store() -> KVStore:
     return default_store()
 
 
-class BlendEngine(DocumentsMixin, GenerationMixin):
+class BlendEngine:
     """Blended prefill and generation over one Hugging Face decoder model."""
 
     def __init__(
@@ -242,6 +245,58 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
             separator=separator,
         )
 
+    # ------------------------------------------------------------------ documents
+    def segment_id(self, text: str) -> str:
+        """Content id under which a document's KV is stored (no computation)."""
+        check_text(text, "text")
+        return self.library.segment_kv.key(text)
+
+    def precompute(
+        self,
+        texts: Iterable[str],
+        *,
+        progress: bool | None = None,
+        force: bool = False,
+        batch_tokens: int = DEFAULT_BATCH_TOKENS,
+    ) -> list[str]:
+        """Compute and store the KV of each document text once; return their segment ids.
+
+        A text whose entry is in the store and reads back intact is skipped (``force``: always
+        recomputed); an entry that cannot be read is dropped and recomputed. The others are
+        computed in batches of documents of similar length, ``batch_tokens`` (documents x
+        longest document, in tokens) at most per forward pass (`kvblend.documents.precompute`).
+        Every text becomes known to the document registry, so any process sharing the store
+        finds it in prompts. ``progress=None`` shows a progress bar on a terminal for four or
+        more texts.
+        """
+        return self.library.precompute(
+            texts, progress=progress, force=force, batch_tokens=batch_tokens
+        )
+
+    def register(self, texts: Iterable[str]) -> None:
+        """Make document texts known without computing anything (their KV is computed on use).
+
+        Rarely needed: documents precomputed by any process sharing the store are known.
+        """
+        self.library.register(texts)
+
+    def is_known(self, text: str) -> bool:
+        """Whether ``text`` is in the document registry (found when it occurs in a prompt)."""
+        return self.library.is_known(text)
+
+    def segments_for(self, prompt: str, *, cache_prefix: bool = False) -> list[Segment]:
+        """Cut a prompt string into segments: the known documents in it and the text between.
+
+        ``cache_prefix``: the text before the first document is cached as a prefix.
+        """
+        return self.library.segments_for(prompt, cache_prefix=cache_prefix)
+
+    def _segments(self, prompt: PromptLike) -> list[Segment]:
+        """Return a prompt as segments: a string cut by `segments_for`, a segment list checked."""
+        if isinstance(prompt, str):
+            return self.segments_for(prompt)
+        return check_segments(prompt)
+
     # ------------------------------------------------------------------ parity
     def check_parity(self) -> float:
         """Compare the blend loop (strategy ``full``) with the model's forward; store the error."""
@@ -308,10 +363,13 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         logged once a minute. ``cancel``: once set, the prefill stops before its next layer and
         raises `BlendCancelledError`.
         """
-        check_config(config)
-        check_prompt(prompt)
-        check_cancel(cancel)
-        config = config or BlendConfig()
+        _check_call(prompt, config, cancel)
+        return self._prefill(prompt, config or BlendConfig(), cancel)
+
+    def _prefill(
+        self, prompt: PromptLike, config: BlendConfig, cancel: threading.Event | None
+    ) -> PrefillResult:
+        """`prefill` of arguments already checked (`_check_call`)."""
         config.check_model(self.decoder.shape)
         if config.reads_cache:
             require_parity(self.parity_error, self.decoder.dtype, str(self.name))
@@ -348,3 +406,129 @@ class BlendEngine(DocumentsMixin, GenerationMixin):
         count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
+
+    # ------------------------------------------------------------------ generation
+    def _prefilled(
+        self,
+        prompt: PromptLike | PrefillResult,
+        config: BlendConfig | None,
+        cancel: threading.Event | None = None,
+    ) -> PrefillResult:
+        """``prompt`` itself when it is a prefill result already, else its prefill.
+
+        The caller checked the arguments (`_check_call`), so the prefill does not again.
+        """
+        if isinstance(prompt, PrefillResult):
+            return prompt
+        return self._prefill(prompt, config or BlendConfig(), cancel)
+
+    def generate(
+        self,
+        segments: Sequence[Segment | str] | PrefillResult,
+        config: BlendConfig | None = None,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        cancel: threading.Event | None = None,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool | None = None,
+    ) -> GenerationResult:
+        """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
+
+        The decoding options are transformers' (see `kvblend.decoding.options.DecodeOptions`):
+        ``temperature=0`` decodes greedily unless ``do_sample=True``; ``top_k``, ``top_p`` and
+        ``repetition_penalty`` go through transformers' own logits processors, for the first
+        token (drawn from the blended logits) as for every later one. ``cancel``: once set,
+        prefill stops before its next layer and decoding after its next token; either raises
+        `BlendCancelledError`.
+        """
+        started = time.perf_counter()
+        options: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
+        )  # fmt: skip
+        DecodeOptions(**options).check()  # before any model work
+        _check_call(segments, config, cancel)
+        pre = self._prefilled(segments, config, cancel)
+        return decode(
+            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
+            started=started, cancel=cancel, **options,
+        )  # fmt: skip
+
+    def generate_batch(
+        self,
+        prompts: Sequence[PromptLike | PrefillResult],
+        config: BlendConfig | None = None,
+        **options: Any,
+    ) -> list[GenerationResult]:
+        """`generate` for several prompts: each prefilled on its own, then decoded together.
+
+        ``options`` are `generate`'s decoding keywords, common to every prompt. One batched
+        decode reads the weights once per step for every prompt; each result equals that
+        prompt's own `generate` (positions stay exact under the padding), up to floating-point
+        rounding of the batched kernels. A prompt whose output budget the context window clips
+        is decoded alone. Each result's ``ttft_s`` is the time from the call to the first tokens
+        of the whole batch (every prompt prefilled), and its ``stats.timings["prefill_s"]`` that
+        prompt's own prefill.
+        """
+        started = time.perf_counter()
+        DecodeOptions(**options).check()  # an unknown keyword is a TypeError here
+        if isinstance(prompts, (str, PrefillResult)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+        for prompt in prompts:  # every one, before the first prefill
+            _check_call(prompt, config, None)
+        pres = [self._prefilled(prompt, config) for prompt in prompts]
+        budget = int(options.get("max_new_tokens", 64))
+        limit = self.context_window
+        fits = [i for i, p in enumerate(pres) if not limit or len(p.token_ids) + budget <= limit]
+        results: dict[int, GenerationResult] = {}
+        if len(fits) > 1:
+            batch = [pres[i] for i in fits]
+            decoded = decode_batch(self.model, self.tokenizer, batch, started=started, **options)
+            results.update(zip(fits, decoded, strict=True))
+        for index, pre in enumerate(pres):
+            if index not in results:
+                results[index] = self.generate(pre, **options)
+        return [results[index] for index in range(len(pres))]
+
+    def stream(
+        self,
+        segments: Sequence[Segment | str] | PrefillResult,
+        config: BlendConfig | None = None,
+        *,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: Sequence[str] | None = None,
+        seed: int | None = None,
+        cancel: threading.Event | None = None,
+        top_k: int = 0,
+        repetition_penalty: float = 1.0,
+        do_sample: bool | None = None,
+    ) -> Iterator[str]:
+        """Like `generate`, yielding text pieces as they are decoded."""
+        options: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
+        )  # fmt: skip
+        DecodeOptions(**options).check()  # before any model work
+        _check_call(segments, config, cancel)
+        pre = self._prefilled(segments, config, cancel)
+        for piece in decode_stream(
+            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, **options
+        ):
+            if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
+                raise BlendCancelledError("the generation was cancelled")
+            yield piece
+
+
+def _check_call(prompt: object, config: object, cancel: object) -> None:
+    """Refuse a prompt, config or cancel event of the wrong type, before any model work."""
+    if not isinstance(prompt, PrefillResult):
+        check_prompt(prompt)
+    check_config(config)
+    check_cancel(cancel)

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.loop import COMPUTE, BlendInput, run_blend
+from kvblend.blend.io import COMPUTE, BlendInput
+from kvblend.blend.loop import run_blend
 from kvblend.errors import BlendUnavailableError
 from kvblend.models.decoder import Decoder
 

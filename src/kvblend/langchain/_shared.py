@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
-from kvblend.integrations.background import gather_prompt, iterate_in_thread, run_in_thread
+from kvblend.integrations.background import gather_prompt
 from kvblend.integrations.conventions import (
     FRAMEWORK_EXTRAS,
     GENERATION_OPTIONS,
@@ -35,18 +35,10 @@ from kvblend.integrations.shared import (
     lazy_engine,
     model_name,
     prompt_segments,
-    shared_engine,
 )
 from kvblend.prompt.segments import Segment
 
-__all__ = [
-    "BlendRun",
-    "BlendSettings",
-    "iterate_in_thread",
-    "run_in_thread",
-    "langchain_usage",
-    "shared_engine",
-]
+__all__ = ["BlendSettings", "langchain_usage"]
 
 # Per-call keyword arguments accepted by invoke()/stream() besides the generation options:
 # LangChain passes ``stream``, and ``model`` is checked against the instance's model.

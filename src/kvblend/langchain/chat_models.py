@@ -17,7 +17,9 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, Chat
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import RunnableConfig
 
-from kvblend.langchain._shared import BlendRun, BlendSettings, iterate_in_thread, langchain_usage
+from kvblend.integrations.background import iterate_in_thread
+from kvblend.integrations.runs import BlendRun
+from kvblend.langchain._shared import BlendSettings, langchain_usage
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 

@@ -10,13 +10,9 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from kvblend.langchain._shared import (
-    BlendRun,
-    BlendSettings,
-    iterate_in_thread,
-    langchain_usage,
-    run_in_thread,
-)
+from kvblend.integrations.background import iterate_in_thread, run_in_thread
+from kvblend.integrations.runs import BlendRun
+from kvblend.langchain._shared import BlendSettings, langchain_usage
 
 
 class BlendLLM(BlendSettings, BaseLLM):

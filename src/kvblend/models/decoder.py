@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvblend.blend.adapter import DecoderShape
+from kvblend.blend.adapter import DecoderShape, rms_norm
 from kvblend.errors import UnsupportedModelError
 
 SUPPORTED_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
@@ -70,18 +70,11 @@ _PLAIN_RMS_NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", 
 
 
 def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Apply a norm module of the model: a plain RMSNorm as torch's one fused op, else as is.
-
-    The supported families' RMSNorm computes ``weight * (x * rsqrt(mean(x^2) + eps))`` in
-    float32 in five ops; ``F.rms_norm`` is one (and gives the same values).
-    """
+    """Apply a norm module of the model: a plain RMSNorm as `rms_norm` (one op), else as is."""
     if type(module).__name__ not in _PLAIN_RMS_NORMS:
         return module(x)
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
-    eps = float(module.variance_epsilon)  # type: ignore[arg-type]
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    return rms_norm(x, weight, float(module.variance_epsilon))  # type: ignore[arg-type]
 
 
 class Decoder:

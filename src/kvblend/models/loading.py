@@ -28,12 +28,6 @@ import safetensors.torch
 import torch
 
 from kvblend.errors import ModelNotFoundError
-from kvblend.models.fingerprint import (
-    config_identity,
-    model_fingerprint,
-    tokenizer_identity,
-    weights_digest,
-)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -48,21 +42,16 @@ __all__ = [
     "CONVERSION_FORMAT",
     "LOADING_OPTIONS",
     "MODEL_ENV",
-    "ModelNotFoundError",
     "bundled_model_path",
     "cache_dir",
-    "config_identity",
     "converted_gguf_folder",
     "display_name",
     "file_digest",
     "load_model",
-    "model_fingerprint",
     "model_folder",
     "resolve_device",
     "resolve_dtype",
     "resolve_model",
-    "tokenizer_identity",
-    "weights_digest",
 ]
 
 MODEL_ENV = "KVBLEND_MODEL"

@@ -22,10 +22,6 @@ import numpy as np
 from kvblend.prompt.tokens import (
     DocumentLayout,
     PromptTokens,
-    document_layout,
-    encode_in_background,
-    encode_prompt,
-    prompt_tokens,
     token_keys,
 )
 
@@ -33,19 +29,13 @@ if TYPE_CHECKING:
     from kvblend.prompt.segments import Segment
 
 __all__ = [
-    "DocumentLayout",
+    "CachedPiece",
     "PlannedSpan",
     "PrefillPlan",
-    "PromptTokens",
     "SpanReport",
     "TokenKind",
-    "document_layout",
-    "encode_in_background",
-    "encode_prompt",
-    "plan_prefill",
-    "prompt_tokens",
-    "CachedPiece",
     "cached_pieces",
+    "plan_prefill",
 ]
 
 

@@ -41,7 +41,7 @@ from kvblend.store.base import (
 )
 from kvblend.store.entry_format import Payload, check_expected, encode_entry, read_header
 from kvblend.store.entry_mac import load_store_key
-from kvblend.store.files import ForeignValueError, file_modes, prepare_folder
+from kvblend.store.files import ForeignValueError, file_modes, looks_read_only, prepare_folder
 from kvblend.store.index import (
     ORPHAN_GRACE_S,
     RepairReport,
@@ -54,7 +54,7 @@ from kvblend.store.index import (
     set_aside_damaged_index,
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
-from kvblend.store.readonly import ReadOnlyIndex, looks_read_only, record_logs
+from kvblend.store.readonly import ReadOnlyIndex, record_logs
 from kvblend.store.rebuild import adopt_files, delete_unless_replaced, survey, sweep_if_due
 from kvblend.store.records import DiskRecordLogs
 

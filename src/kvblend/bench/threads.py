@@ -11,7 +11,7 @@ interleave every setting. ``--busy N`` starts N processes that each burn a CPU f
 waits ``--settle`` seconds first, so the load average sees them); they are stopped at the end.
 Appends the run to ``benchmarks/results/threads.json`` and prints a table.
 
-    python benchmarks/threads.py [--busy 1] [--repeats 5] [--settle 60] [--label busy]
+    kvblend bench threads [--busy 1] [--repeats 5] [--settle 60] [--label busy]
 """
 
 from __future__ import annotations
@@ -23,17 +23,17 @@ import os
 import random
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvblend import BlendConfig, BlendEngine
+from kvblend.bench.commands import RESULTS_DIR
 from kvblend.engine.threads import default_threads, physical_cores
 from kvblend.samples import sample_corpus
 from kvblend.store import MemoryKVStore
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = RESULTS_DIR
 TEMPLATE = "Answer from the documents.\n\nDocuments:\n{context}\n\nQuestion: {question}"
 
 
@@ -44,6 +44,7 @@ def burn() -> None:
 
 
 def prompts(engine: BlendEngine, count: int, documents: int) -> list[str]:
+    """Return ``count`` chat RAG prompts over ``documents`` sample documents each."""
     corpus = sample_corpus()
     texts = [d["text"] for d in corpus["documents"]]
     questions = [q["question"] for q in corpus["questions"]]
@@ -59,10 +60,12 @@ def prompts(engine: BlendEngine, count: int, documents: int) -> list[str]:
 
 
 def ttft(engine: BlendEngine, prompt: str, config: BlendConfig) -> float:
+    """Return the TTFT of ``prompt`` (one new token)."""
     return engine.generate(prompt, config, max_new_tokens=1).ttft_s
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Return the run: TTFT at each thread count, with ``--busy`` processes burning CPUs."""
     torch_default = torch.get_num_threads()
     burners = [multiprocessing.Process(target=burn, daemon=True) for _ in range(args.busy)]
     for process in burners:
@@ -118,6 +121,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(run: dict[str, Any]) -> str:
+    """Return the markdown table of a run."""
     lines = [
         f"{run['label']}: {run['burners']} burner(s), {run['cpus']} CPUs, load average "
         f"{run['load_average_1m'][0]} -> {run['load_average_1m'][1]}, "
@@ -133,15 +137,18 @@ def table(run: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark: ``kvblend bench threads [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench threads", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--busy", type=int, default=0, help="processes burning a CPU each")
     parser.add_argument("--settle", type=float, default=60.0, help="seconds before measuring")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--documents", type=int, default=6)
     parser.add_argument("--label", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     run = measure(args)
     print(table(run))
     path = RESULTS / "threads.json"

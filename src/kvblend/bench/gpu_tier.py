@@ -1,7 +1,9 @@
-"""TTFT of full prefill, `reuse` and the default with the documents' KV in a host memory tier
-and in a GPU memory tier (`MemoryKVStore(device="cuda")`), at 4K and 16K tokens.
+"""TTFT with the documents' KV in a host memory tier and in a GPU memory tier, on a GPU.
 
-Usage: python benchmarks/gpu_tier.py MODEL_FOLDER [--random-weights]
+Full prefill, `reuse` and the default with the documents' KV in a host memory tier and in a
+GPU memory tier (`MemoryKVStore(device="cuda")`), at 4K and 16K tokens.
+
+Usage: kvblend bench gpu-tier MODEL_FOLDER [--random-weights]
 
 Speed only: ``--random-weights`` builds the model from the folder's ``config.json`` with random
 weights (same shapes, same kernels, same time), so only the config and tokenizer files are
@@ -26,13 +28,15 @@ STRATEGIES = (("full", BlendConfig("full")), ("reuse", BlendConfig("reuse")),
               ("default", BlendConfig()))  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """Time every strategy at every length, documents in a host tier then in a GPU tier."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench gpu-tier", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("model")
     parser.add_argument("--random-weights", action="store_true")
     parser.add_argument("--lengths", default="4096,16384")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     torch.manual_seed(0)

@@ -1,7 +1,7 @@
 """Prepare, where there is a network, what the GPU suite needs on a GPU machine without one.
 
 The GPU machine's image has torch, transformers, triton, safetensors, tokenizers, numpy and
-xxhash (and what those need), and no network. ``python benchmarks/gpu_kit.py --out gpu_kit``
+xxhash (and what those need), and no network. ``python scripts/gpu_kit.py --out gpu_kit``
 writes into one folder (inside the repository and gitignored, so it travels with the working
 tree):
 
@@ -9,7 +9,7 @@ tree):
   the dependency closure of `NEEDED` less that of `IMAGE`), downloaded at exactly the installed
   versions as pure-Python wheels (``pip download --no-deps``) and unpacked;
 - ``tokenizer/``: the bundled model's tokenizer files (the random-weight runs' tokenizer);
-- ``RUN.md``: the commands to run there (``python benchmarks/gpu_suite.py --kit gpu_kit ...``).
+- ``RUN.md``: the commands to run there (``kvblend bench gpu-suite --kit gpu_kit ...``).
 
 `image_site` links exactly the image's packages (and their dependencies) of this environment
 into a folder: with ``python -S`` and that folder, the kit's and ``src`` on the path, a CPU test
@@ -31,9 +31,8 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
 #: The packages installed on the GPU machine's image.
 IMAGE = ("torch", "transformers", "triton", "safetensors", "tokenizers", "numpy", "xxhash")
 #: What any transformers since 4.56 needs: sure to be on the image. The rest of this
@@ -43,7 +42,8 @@ TRANSFORMERS_CORE = ("huggingface-hub", "packaging", "pyyaml", "regex", "tqdm", 
 #: What the GPU suite imports beyond the image: the store (diskcache, platformdirs) and pytest.
 NEEDED = ("diskcache", "platformdirs", "pytest")
 #: The command a GPU machine runs, in the repository, once the kit is there.
-QUICK = 'python benchmarks/gpu_suite.py --kit {kit} --quick --out "$OUT/quick"'
+SUITE = "PYTHONPATH=src python3 -m kvblend.bench gpu-suite --kit {kit}"
+QUICK = SUITE + ' --quick --out "$OUT/quick"'
 
 
 def _distribution(name: str) -> metadata.Distribution | None:
@@ -74,7 +74,7 @@ def closure(names: Iterable[str]) -> set[str]:
 
 
 def kit_packages() -> list[str]:
-    """The distributions the kit ships: what `NEEDED` needs that the image surely lacks.
+    """Return the distributions the kit ships: what `NEEDED` needs that the image surely lacks.
 
     The image is taken to hold its packages but transformers with only `TRANSFORMERS_CORE`.
     """
@@ -95,7 +95,7 @@ def is_pure(name: str) -> bool:
 
 
 def _top_level(dist: metadata.Distribution) -> set[str]:
-    """The names a distribution puts at the top of site-packages (packages, modules, its info)."""
+    """Return the names a distribution puts at the top of site-packages (packages, modules)."""
     names = set()
     for file in dist.files or []:
         first = file.parts[0]
@@ -154,7 +154,6 @@ def save_tokenizer(folder: Path) -> list[str]:
     """Write the bundled model's tokenizer files into ``folder``."""
     import torch
 
-    sys.path.insert(0, str(ROOT / "src"))
     from kvblend.models.loading import load_model, resolve_model
 
     tokenizer = load_model(resolve_model(None), torch.device("cpu"), torch.float32)[1]
@@ -168,10 +167,10 @@ def size_mib(folder: Path) -> float:
 
 def run_notes(kit: str) -> str:
     """``RUN.md``: what to run on the GPU machine, in order, within its 10-minute commands."""
-    from gpu_suite import PARTS
+    from kvblend.bench.gpu_suite import PARTS
 
     full = "\n".join(
-        f'    python benchmarks/gpu_suite.py --kit {kit} --steps {steps} --out "$OUT/full{part}"'
+        f'    {SUITE.format(kit=kit)} --steps {steps} --out "$OUT/full{part}"'
         for part, steps in enumerate(PARTS, start=1)
     )
     return f"""# The GPU suite on a machine without network
@@ -185,7 +184,7 @@ then, as time allows, the full suite in three commands of under 10 minutes each:
 
 {full}
 
-Copy back every ``$OUT`` folder; ``python benchmarks/gpu_suite.py --summarize DIR ...`` merges
+Copy back every ``$OUT`` folder; ``kvblend bench gpu-suite --summarize DIR ...`` merges
 them. docs/benchmarks.md ("A GPU run") says what each measures.
 """
 

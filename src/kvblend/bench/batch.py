@@ -7,7 +7,7 @@ run the same blended prefills; the batch decodes the four answers in one transfo
 outputs are checked equal. Repeats alternate the ways. Writes ``benchmarks/results/batch.json``
 and ``batch.md``.
 
-    python benchmarks/batch.py [--repeats 3] [--max-new-tokens 48] [--threads 1]
+    kvblend bench batch [--repeats 3] [--max-new-tokens 48] [--threads 1]
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvblend import BlendConfig, BlendEngine
+from kvblend.bench.commands import RESULTS_DIR
 from kvblend.store import MemoryKVStore
 
 CORPUS = [
@@ -41,10 +41,11 @@ QUESTIONS = [
     "What is the Orion Cafe's most popular dish?",
     "What does Lena Park ride to school?",
 ]
-RESULTS = Path(__file__).parent / "results"
+RESULTS = RESULTS_DIR
 
 
 def prompts(engine: BlendEngine) -> list[str]:
+    """Return the chat RAG prompts: three of the corpus documents each, in turn, and a question."""
     out = []
     for i, question in enumerate(QUESTIONS):
         docs = [CORPUS[(i + j) % len(CORPUS)] for j in range(3)][::-1]
@@ -67,13 +68,16 @@ def langchain_chat(engine: BlendEngine, config: BlendConfig, max_new_tokens: int
     return chat, questions
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark: ``kvblend bench batch [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench batch", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     engine = BlendEngine.from_pretrained(args.model, store=MemoryKVStore())
     engine.precompute(CORPUS, progress=False)

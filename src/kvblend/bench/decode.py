@@ -6,7 +6,7 @@ Decode tokens/s is the tokens after the first over the time after the first (the
 construction included); greedy outputs are checked equal. Writes
 ``benchmarks/results/decode.json`` and ``decode.md``.
 
-    python benchmarks/decode.py [--lengths 512,2048,4096] [--tokens 32] [--repeats 5] [--threads 1]
+    kvblend bench decode [--lengths 512,2048,4096] [--tokens 32] [--repeats 5] [--threads 1]
         [--device cuda] [--output-dir DIR]
 
 With ``KVBLEND_DECODE_COMPILE=1`` on CUDA the static cache's decode step is compiled (the
@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kvblend import BlendConfig, BlendEngine
+from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.gpu import shape_tokenizer
 from kvblend.bench.random_models import MODEL_SHAPES, random_model
 from kvblend.bench.synthetic import synthetic_text
@@ -36,7 +37,7 @@ from kvblend.decoding.cache import CACHE_ENV, COMPILE_ENV, KINDS
 from kvblend.models.loading import resolve_device, resolve_dtype
 from kvblend.store import MemoryKVStore
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = RESULTS_DIR
 
 
 def decode_rate(engine: BlendEngine, pre: Any, kind: str, tokens: int) -> tuple[float, list[int]]:
@@ -78,6 +79,7 @@ def run(
 
 
 def table(rows: list[dict]) -> str:
+    """Return the markdown table of the rows."""
     lines = [
         "| prompt | tokens decoded | dynamic tok/s | static tok/s | static / dynamic |",
         "|---|---|---|---|---|",
@@ -91,7 +93,7 @@ def table(rows: list[dict]) -> str:
 
 
 def shaped_engine(shape: str, model: str | None, tokenizer: str | None, device: str) -> Any:
-    """An engine over random weights of ``shape`` on ``device`` (bf16 on CUDA, else fp32)."""
+    """Return an engine over random weights of ``shape`` on ``device`` (bf16 on CUDA, else fp32)."""
     chosen = resolve_device(device)
     words = shape_tokenizer(model, tokenizer)
     weights = random_model(shape, words, chosen, resolve_dtype(None, chosen))
@@ -99,7 +101,7 @@ def shaped_engine(shape: str, model: str | None, tokenizer: str | None, device: 
 
 
 def results(engine: BlendEngine, args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
-    """The JSON written: the run's settings (``meta``; ``compiled`` as decoding ran) and rows."""
+    """Return the JSON written: the settings (``meta``; ``compiled`` as decoding ran), rows."""
     compiled = os.environ.get(COMPILE_ENV, "0").strip() == "1"
     meta = {"model": engine.name, "device": str(engine.decoder.device), "threads": args.threads,
             "repeats": args.repeats, "tokens": args.tokens,
@@ -108,8 +110,11 @@ def results(engine: BlendEngine, args: argparse.Namespace, rows: list[dict]) -> 
     return {"meta": meta, "rows": rows}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    """Run the benchmark: ``kvblend bench decode [options]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench decode", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--lengths", default="512,2048,4096")
     parser.add_argument("--tokens", type=int, default=32, help="new tokens per answer")
     parser.add_argument("--repeats", type=int, default=5)
@@ -121,7 +126,7 @@ def main() -> None:
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                         help="random weights of this shape instead of --model")  # fmt: skip
     parser.add_argument("--tokenizer", default=None, help="with --model-shape: tokenizer folder")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.model_shape:
         engine = shaped_engine(args.model_shape, args.model, args.tokenizer, args.device)

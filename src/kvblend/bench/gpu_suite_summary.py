@@ -14,9 +14,9 @@ and a cold disk.
 
 The field names are those of their writers: ``kvblend bench gpu`` (`kvblend.bench.gpu.run_gpu`,
 its ``ttft.summary`` from `kvblend.bench.ttft_summary.summarize_ttft` and its ``transformers``
-rows) and ``benchmarks/decode.py`` (``meta``, ``rows``). Usage, without running anything::
+rows) and ``kvblend bench decode`` (``meta``, ``rows``). Usage, without running anything::
 
-    python benchmarks/gpu_suite.py --summarize DIR [DIR ...] [--out DIR]
+    kvblend bench gpu-suite --summarize DIR [DIR ...] [--out DIR]
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Check:
     detail: str = ""
 
     def line(self) -> str:
+        """Return the check as one line of the summary."""
         value = "-" if self.measured is None else f"{self.measured:.3f}"
         extra = f" ({self.detail})" if self.detail else ""
         return f"{self.target}, measured {value}, {self.status}{extra}"
@@ -64,7 +65,7 @@ class Check:
 def check(
     target: str, measured: float | None, limit: float, at_most: bool, why: str, label: str = ""
 ) -> Check:
-    """A `Check` of ``measured`` against ``limit`` (``why``: what is missing when it is None)."""
+    """Return a `Check` of ``measured`` against ``limit`` (``why``: why it may be None)."""
     if measured is None:
         return Check(target, None, "missing", why)
     met = measured <= limit if at_most else measured >= limit
@@ -114,12 +115,14 @@ class Run:
         self.baseline = {(r["target_tokens"], r["run"]): r for r in data["transformers"]}
 
     def label(self) -> str:
+        """Return what the run measured: the model, the device, the dtype."""
         machine = self.data.get("machine", {})
         model = self.data.get("model_shape")
         model = f"{model} random weights" if model else machine.get("model", "?")
         return f"{model}, {machine.get('device', '?')}, {machine.get('dtype', '?')}"
 
     def forward(self, length: int, run: str = FORWARD) -> float | None:
+        """Return transformers' median TTFT of ``run`` at ``length`` (None: not measured)."""
         row = self.baseline.get((length, run))
         return row["ttft_median_s"] if row else None
 
@@ -212,7 +215,7 @@ def run_figures(runs: dict[str, Run | None], lengths: dict[str, Sequence[int]]) 
 
 
 def _baseline_figures(name: str, run: Run, length: int) -> list[str]:
-    """The TTFT ratios from token ids, and against ``generate`` from text, at ``length``."""
+    """Return the TTFT ratios from token ids, and against ``generate`` from text, at ``length``."""
     text, ids = run.forward(length), run.forward(length, "transformers-forward")
     if text is None or ids is None:
         return [f"{name} {_k(length)}: no transformers rows from text and from ids"]
@@ -233,7 +236,7 @@ def _baseline_figures(name: str, run: Run, length: int) -> list[str]:
 
 
 def decode_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
-    """``benchmarks/decode.py``: static vs dynamic cache, and the compiled step vs not."""
+    """``kvblend bench decode``: static vs dynamic cache, and the compiled step vs not."""
     plain, compiled = results.get("decode.json"), results.get("decode_compiled.json")
     lines = []
     kinds = (("eager", plain, "decode"), ("compiled", compiled, "decode-compiled"))
@@ -258,7 +261,7 @@ def decode_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) ->
 
 
 def attention_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
-    """The default's TTFT with ``KVBLEND_ATTENTION=flex`` vs the query chunks."""
+    """Return the default's TTFT with ``KVBLEND_ATTENTION=flex`` vs the query chunks."""
     found = {}
     for kind in ("chunks", "flex"):
         data = results.get(f"gpu_attention_{kind}.json")
@@ -281,7 +284,7 @@ def attention_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]])
 
 
 def junit_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
-    """Counts of the junit report of the tests step, and its failures' names."""
+    """Return the counts of the junit report of the tests step, and its failures' names."""
     path = results.get("tests.xml")
     if path is None:
         return [f"tests: {_why_missing(steps, 'tests', 'tests.xml')}"]
@@ -303,7 +306,7 @@ def junit_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> 
 def summarize(
     folders: Sequence[Path], lengths: dict[str, Sequence[int]] | None = None
 ) -> dict[str, Any]:
-    """The summary of the suite's results in ``folders`` (see the module's docstring)."""
+    """Return the summary of the suite's results in ``folders`` (see the module's docstring)."""
     results, steps = load_folders(folders)
     lengths = dict(lengths or results.get("target_lengths") or TARGET_LENGTHS)
     runs = {name: Run(results[file]) if file in results else None for name, file in RUNS.items()}
