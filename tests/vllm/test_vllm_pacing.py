@@ -124,8 +124,10 @@ def test_each_job_runs_on_the_thread_count_that_runs_the_loops_ops_faster_now() 
         return seconds[count]
 
     choice = ThreadChoice((2, 1), measure)
+    assert choice.choose("a") == (2, None) and measured == []  # a job's first slice: not held up
     assert choice.choose("a") == (2, None) and measured == [2, 1]
     seconds.update({2: 0.09, 1: 0.04})  # another job takes a core
+    choice.choose("b")
     assert choice.choose("b") == (2, None) and measured == [2, 1]  # not measured again so soon
     choice._probed -= ThreadChoice.REPROBE_S
     count, said = choice.choose("b")  # a while later: measured again

@@ -159,15 +159,16 @@ class ThreadChoice:
     the slowest; on cores shared with other jobs one of vLLM's threads is often descheduled, and
     measured on this project's 2-core machine under such load the loop ran 2-2.5 times faster on
     one thread than on two (4.3 s against 9.4 s for a 2K-token blend), while on idle cores two
-    threads are the faster. So at most every `REPROBE_S` seconds, as a slice starts, `choose`
-    times a few ops shaped like a layer of the loop's (`layer_ops`: a projection of 128 rows,
+    threads are the faster. So at most every `REPROBE_S` seconds, as a slice starts (never a
+    job's first: a short job is done in one), `choose` times a few ops shaped like a layer of
+    the loop's (`layer_ops`: a projection of 128 rows,
     their attention over 2,048 keys, a gather) on each thread count, a few tens of
     milliseconds in all, and the blends run on the faster until the next time.
     ``counts``: the counts tried (vLLM's own first); ``measure`` (tests): the seconds of those
     ops on ``n`` threads.
     """
 
-    REPROBE_S = 10.0
+    REPROBE_S = 30.0
 
     def __init__(
         self,
@@ -183,9 +184,11 @@ class ThreadChoice:
     def choose(self, job: str | None) -> tuple[int, str | None]:
         """Return the thread count of ``job``'s next slice, and a line when the choice changed."""
         now = time.perf_counter()
-        if len(self.counts) < 2 or job is None or now - self._probed < self.REPROBE_S:
+        first = job != self._job  # a job's first slice: not held up (a short job is one slice)
+        self._job = job
+        if len(self.counts) < 2 or job is None or first or now - self._probed < self.REPROBE_S:
             return self.best, None
-        self._job, self._probed = job, now
+        self._probed = now
         seconds = {count: self.measure(count) for count in self.counts}
         best = min(seconds, key=lambda count: seconds[count])
         if best == self.best:

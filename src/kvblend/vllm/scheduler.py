@@ -389,10 +389,14 @@ class SchedulerSide:
             return
         self.costs.calibrate(points["vllm"], points["blend"])
         example = self.costs.forecast(4096, 0, 1100)
+        measured = "; ".join(
+            f"{name} " + ", ".join(f"{int(x[1])} rows {y:.2f} s" for x, y in points[name])
+            for name in ("vllm", "blend")
+        )
         logger.info(
-            "kvblend: cost model calibrated on this machine: a 4096-token prompt, vLLM's "
+            "kvblend: cost model calibrated on this machine (%s): a 4096-token prompt, vLLM's "
             "prefill %.2f s, a blend computing 1100 rows %.2f s",
-            example.vllm_s, example.blend_s,
+            measured, example.vllm_s, example.blend_s,
         )  # fmt: skip
 
     def _set_gate(self, verdict: tuple[bool, str]) -> None:
