@@ -9,7 +9,7 @@ tree):
   the dependency closure of `NEEDED` less that of `IMAGE`), downloaded at exactly the installed
   versions as pure-Python wheels (``pip download --no-deps``) and unpacked;
 - ``tokenizer/``: the bundled model's tokenizer files (the random-weight runs' tokenizer);
-- ``RUN.md``: the commands to run there (``kvblend bench gpu-suite --kit gpu_kit ...``).
+- ``RUN.md``: the commands to run there (``bash scripts/gpu_run.sh``, the 15-minute run).
 
 `image_site` links exactly the image's packages (and their dependencies) of this environment
 into a folder: with ``python -S`` and that folder, the kit's and ``src`` on the path, a CPU test
@@ -43,7 +43,7 @@ TRANSFORMERS_CORE = ("huggingface-hub", "packaging", "pyyaml", "regex", "tqdm", 
 NEEDED = ("diskcache", "platformdirs", "pytest")
 #: The command a GPU machine runs, in the repository, once the kit is there.
 SUITE = "PYTHONPATH=src python3 -m kvblend.bench gpu-suite --kit {kit}"
-QUICK = SUITE + ' --quick --out "$OUT/quick"'
+QUICK = "bash scripts/gpu_run.sh"
 
 
 def _distribution(name: str) -> metadata.Distribution | None:
@@ -173,14 +173,16 @@ def run_notes(kit: str) -> str:
         f'    {SUITE.format(kit=kit)} --steps {steps} --out "$OUT/full{part}"'
         for part, steps in enumerate(PARTS, start=1)
     )
-    return f"""# The GPU suite on a machine without network
+    run = QUICK if kit == "gpu_kit" else f"K={kit} {QUICK}"
+    return f"""# The GPU run on a machine without network
 
 Copy this folder along with the repository (it is gitignored: name it in what carries ignored
-paths). In the repository root, the quick run (the figures owed first, under 10 minutes):
+paths). In the repository root, the one command of a 15-minute GPU run (under 9 minutes of
+phases, each with its own limit; `$OUT` gets `kvr.tgz` and `summary.md`):
 
-    {QUICK.format(kit=kit)}
+    {run}
 
-then, as time allows, the full suite in three commands of under 10 minutes each:
+With more time, the full suite in three commands of under 10 minutes each:
 
 {full}
 
@@ -210,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"packages: {', '.join(names)}")
     print(f"tokenizer: {len(files)} files")
     print(f"{out}: {size_mib(out):.1f} MiB")
-    print(f"on the GPU machine, in the repository:\n  {QUICK.format(kit=kit)}")
+    print(f"on the GPU machine, in the repository:\n  {QUICK}")
     return 0
 
 

@@ -137,6 +137,18 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return FAMILIES[family]().eval()
 
 
+def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[heads, tokens, head_dim]`` with transformers' own RoPE formula.
+
+    ``cos``/``sin`` ``[tokens, head_dim]`` as a model's rotary embedding gives them; ``-sin``
+    undoes the rotation (RoPE is orthogonal: its inverse is the rotation by minus the angle).
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    rotated, _ = apply_rotary_pos_emb(x[None], x[None], cos[None], sin[None])
+    return rotated[0]
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family(request: pytest.FixtureRequest) -> str:
     return request.param

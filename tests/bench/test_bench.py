@@ -293,3 +293,26 @@ def test_benchmarks_with_their_own_options_are_bench_subcommands(
     with pytest.raises(SystemExit) as exit_info:
         main(["entry-check", "--layout", "no-such-layout"])
     assert exit_info.value.code == 2 and "no-such-layout" in capsys.readouterr().err
+
+
+def test_a_compiled_strategy_runs_its_prefills_through_the_compiled_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from kvblend.bench.strategies import strategy
+    from kvblend.blend.compiled import COMPILE_ENV, compile_loop
+
+    plain, compiled = strategy("default"), strategy("default@compiled")
+    assert compiled.compiled and not plain.compiled and compiled.config == plain.config
+    assert strategy("cacheblend-value-0.15@compiled").config.strategy == "cacheblend"
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    with compiled.loop():
+        assert compile_loop()
+    assert COMPILE_ENV not in os.environ  # as it was
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    with plain.loop():
+        assert not compile_loop()  # a plain strategy follows the environment
+    with compiled.loop():
+        assert compile_loop()
+    assert os.environ[COMPILE_ENV] == "0"

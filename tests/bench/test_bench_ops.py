@@ -28,6 +28,7 @@ from kvblend.bench.ops import (
 from kvblend.blend import loop as blend_module
 from kvblend.blend.config import BlendConfig
 from kvblend.errors import BlendCancelledError
+from kvblend.prompt.segments import Segment
 
 DOCUMENTS = random_documents(6, 96, seed=1)
 
@@ -183,3 +184,19 @@ def test_bench_plan_times_the_tokenizer_and_the_plan() -> None:
     assert result["documents"] == 4 and result["documents_found"] == 4
     assert result["tokenizer_s"] > 0 and result["plan_s"] > 0
     assert "x the tokenizer" in planning_line(result)
+
+
+@pytest.mark.parametrize("config", [BlendConfig("reuse"), BlendConfig()], ids=["reuse", "default"])
+def test_no_host_sync_before_the_logits_from_the_memory_tier_first_read_included(
+    config: BlendConfig,
+) -> None:
+    """The whole prefill counted, from the first read of every document's entry on: the memory
+    tier checked their values as they were written, so reading them waits on nothing."""
+    engine = byte_engine(2, hidden=32)
+    engine.precompute([text + "\n" for text in DOCUMENTS], progress=False)
+    head = Segment("Answer from the documents.\n", role="prefix")  # stored, not the documents
+    engine.prefill([head, Segment("Question: none?", cache=False)], BlendConfig("reuse"))
+    count, result = count_prefill(engine, rag_prompt(DOCUMENTS), config, whole=True)
+    assert result.stats.segments_cached == len(DOCUMENTS) + 1
+    assert result.stats.segments_precomputed == 0  # every entry served by the memory tier
+    assert count.syncs_before_logits == 0, count.sync_ops

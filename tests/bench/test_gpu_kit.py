@@ -31,6 +31,7 @@ MODULES = (
     "kvblend.bench.gpu", "kvblend.bench.ttft", "kvblend.bench.ingest", "kvblend.cli.args",
     "kvblend.bench.random_models", "kvblend.models.loading", "kvblend.prompt.splice",
     "kvblend.bench.gpu_suite", "kvblend.bench.gpu_suite_summary", "kvblend.bench.decode",
+    "kvblend.bench.gpu_run",
     "cuda_only",
 )  # fmt: skip
 

@@ -15,7 +15,9 @@ import torch
 
 from conftest import TOY_BLEND_SETTINGS, make_tiny_engine
 from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.bench.ops import byte_engine, rag_prompt, random_documents
 from kvblend.blend import compiled as compiled_loop
+from kvblend.blend import flex
 from kvblend.blend.attention import attention_mask, sdpa
 from kvblend.blend.flex import BLOCK, FlexRows, block_mask_data, size_bucket
 
@@ -165,3 +167,64 @@ def test_a_loop_setting_out_of_its_choices_is_one_clear_error(
     monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=f"^{name} must be .*, got '{value}'$"):
         engine.prefill(_prompt((0, 1, 2), QUESTIONS[0]), BlendConfig("reuse"))
+
+
+@pytest.mark.slow
+def test_the_compiled_step_is_one_graph_per_bucket_for_all_24_layers(
+    compute_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """24 layers, one graph: the layer's weights are the graph's inputs, not its constants.
+
+    ``reuse`` (one pass) makes one graph; the default (a probe, then the chosen rows with the
+    stale-KV correction) one more for its main pass (the probe's rows are ``reuse``'s bucket);
+    a second prompt of the same buckets none. The logits are the eager loop's. On CUDA every
+    step of both passes replays as a CUDA graph (none skipped).
+    """
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    engine = byte_engine(24, hidden=32, device=str(compute_device))
+    documents = random_documents(8, 200, seed=5)
+    engine.precompute([text + "\n" for text in documents], progress=False)
+    prompts = [rag_prompt(documents), rag_prompt(documents[::-1])]
+    configs = [BlendConfig("reuse"), BlendConfig()]
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "0")
+    eager = [[engine.prefill(p, c).logits for c in configs] for p in prompts]
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "1")
+    graphs = []
+    tolerance = 1e-5 if compute_device.type == "cpu" else 1e-4  # generated kernels' sum order
+    for index, prompt in enumerate(prompts):
+        for config, expected in zip(configs, eager[index], strict=True):
+            got = engine.prefill(prompt, config)
+            torch.testing.assert_close(got.logits, expected, atol=tolerance, rtol=0)
+            assert got.stats.uncompiled_calls == 0
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 2, 2, 2]
+    assert not counters["graph_break"]
+    if compute_device.type == "cuda":
+        assert not counters["inductor"]["cudagraph_skips"]
+
+
+def test_a_refused_step_compile_runs_the_step_eagerly_counted(
+    compute_device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past dynamo's recompile limit the step runs eagerly, counted, with the same logits."""
+    monkeypatch.setattr(compiled_loop, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(flex, "COMPILE_LIMIT", flex.CompileLimit())
+    monkeypatch.setattr(compiled_loop, "COMPILE_LIMIT", flex.COMPILE_LIMIT)
+    torch._dynamo.reset()
+    engine = byte_engine(3, hidden=32, device=str(compute_device))
+    documents = random_documents(4, 150, seed=6)
+    engine.precompute([text + "\n" for text in documents], progress=False)
+    prompt = rag_prompt(documents)
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "0")
+    expected = [engine.prefill(prompt, c).logits for c in (BlendConfig("reuse"), BlendConfig())]
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "1")
+    reuse = engine.prefill(prompt, BlendConfig("reuse"))  # its one graph
+    default = engine.prefill(prompt, BlendConfig())  # its main pass's graph is refused
+    assert reuse.stats.uncompiled_calls == 0 and default.stats.uncompiled_calls == 2
+    assert flex.COMPILE_LIMIT.refused == 2
+    tolerance = 1e-5 if compute_device.type == "cpu" else 1e-4
+    torch.testing.assert_close(reuse.logits, expected[0], atol=tolerance, rtol=0)
+    torch.testing.assert_close(default.logits, expected[1], atol=tolerance, rtol=0)

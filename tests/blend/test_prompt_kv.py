@@ -9,6 +9,7 @@ every layer.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from kvblend.blend.io import CachedSpan
 from kvblend.blend.kv_buffer import CopyStream, LayerLoads, PromptKV, group_layers
 from kvblend.blend.rope import rope_table, rotate
 from kvblend.documents.stored_rows import StoredRows
+from kvblend.errors import BlendCancelledError
 
 LAYERS, HEADS, DIM = 7, 2, 4
 DOCS = [
@@ -184,3 +186,38 @@ def test_every_strategy_is_the_same_whatever_the_groups(
             assert torch.equal(other.logits, first.logits), config
             assert all(torch.equal(a, b) for a, b in zip(other.keys, first.keys, strict=True))
             assert all(torch.equal(a, b) for a, b in zip(other.values, first.values, strict=True))
+
+
+def test_a_cancelled_pass_fences_every_copy_before_its_buffer_is_handed_back(
+    recorded: list[tuple[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass stopped after layer 0 orders the compute stream after every copy it issued, the
+    one of layers it never waited for included, before its buffer (a compiled loop's static
+    one) can be handed to the next prompt."""
+    monkeypatch.setattr(PromptKV, "release", lambda self: recorded.append(("release", None)))
+    engine = make_tiny_engine("llama")  # 3 layers: copies of layers [0, 1] and [2]
+    engine.precompute(DOCS, progress=False)
+    engine.prefill(PROMPT, BlendConfig("reuse"))
+    cancel = threading.Event()
+    logged = blend_module.compute_layer  # the fixture's: logs each layer
+
+    def stopping(state: Any, layer: int, *args: Any) -> Any:
+        cancel.set()  # checked before the next layer
+        return logged(state, layer, *args)
+
+    monkeypatch.setattr(blend_module, "compute_layer", stopping)
+    recorded.clear()
+    with pytest.raises(BlendCancelledError):
+        engine.prefill(PROMPT, BlendConfig("reuse"), cancel=cancel)
+    assert recorded == [("copy", (0, [0, 1])), ("copy", (1, [2])), ("wait", 0), ("compute", 0),
+                        ("wait", 0), ("wait", 1), ("release", None)]  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_part_of_a_pinned_entry_is_read_from_a_contiguous_pinned_copy() -> None:
+    kv = torch.randn(3, 2, 2, 10, 4).pin_memory()
+    rows = StoredRows({"kv": kv}, slice(2, 7), recompute=lambda: {"kv": kv})
+    part = rows.layers()
+    assert part.is_contiguous() and part.is_pinned() and torch.equal(part, kv[:, :, :, 2:7])
+    whole = StoredRows({"kv": kv}, slice(0, 10), recompute=lambda: {"kv": kv}).layers()
+    assert whole.data_ptr() == kv.data_ptr()  # a whole entry is read in place

@@ -209,12 +209,12 @@ def test_row_attention_masks_stay_within_their_budget() -> None:
     q = torch.randn(shape.num_heads, rows.numel(), shape.head_dim, generator=generator)
     k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
-    assert torch.equal(kept(0, q, k, v), rebuilt(0, q, k, v))
+    assert torch.equal(kept(window, q, k, v), rebuilt(window, q, k, v))
     full_q = torch.zeros(shape.num_heads, total, shape.head_dim)
     full_q[:, rows] = q
     mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
     expected = sdpa(full_q, k, v, decoder.scaling, mask)[rows]
-    assert torch.allclose(kept(0, q, k, v), expected, atol=1e-5, rtol=0)
+    assert torch.allclose(kept(window, q, k, v), expected, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("window", [None, 300])
@@ -305,9 +305,9 @@ def test_no_strategy_syncs_with_the_host_before_the_logits(
     device stay there; attention is FlexAttention over a block mask built there): torch raises
     on a sync in ``set_sync_debug_mode("error")``. The statistics read rows after the logits."""
     from kvblend.blend import loop as blend
-    from kvblend.engine import engine as engine_module
+    from kvblend.documents import blend_plan as blend_plan_module
 
-    real_run, real_stats = engine_module.run_blend, blend.pass_stats
+    real_run, real_stats = blend_plan_module.run_blend, blend.pass_stats
 
     def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
         torch.cuda.synchronize()
@@ -327,7 +327,7 @@ def test_no_strategy_syncs_with_the_host_before_the_logits(
     model = tiny_model("qwen2").to("cuda")
     engine = BlendEngine(model, byte_tokenizer(), store=MemoryKVStore())
     _blend_every_strategy(engine)  # stores every segment: the prefills below read them
-    monkeypatch.setattr(engine_module, "run_blend", checked)
+    monkeypatch.setattr(blend_plan_module, "run_blend", checked)
     monkeypatch.setattr(blend, "pass_stats", stats_may_sync)
     _blend_every_strategy(engine)
 
@@ -569,13 +569,13 @@ def test_flex_attention_rows_equal_the_chunked_ones(
     k = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     v = torch.randn(shape.num_kv_heads, total, shape.head_dim, generator=generator)
     with torch.inference_mode():
-        chunked = _row_attention(decoder, rows, total)(0, q, k, v)
+        chunked = _row_attention(decoder, rows, total)(decoder.windows[0], q, k, v)
         monkeypatch.setenv(ATTENTION_ENV, "flex")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # eager flex attention warns that it is slow
             flex = _row_attention(decoder, rows, total, flex=use_flex(decoder.device, False))
             assert flex.flex is not None
-            got = flex(0, q, k, v)
+            got = flex(decoder.windows[0], q, k, v)
     torch.testing.assert_close(got, chunked, atol=1e-5, rtol=1e-5)
 
 
@@ -593,9 +593,9 @@ def test_a_whole_blend_syncs_at_most_once_on_cuda(
     ``set_sync_debug_mode("warn")``)."""
     import warnings
 
-    from kvblend.engine import engine as engine_module
+    from kvblend.documents import blend_plan as blend_plan_module
 
-    real = engine_module.run_blend
+    real = blend_plan_module.run_blend
     counted: list[int] = []
 
     def checked(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -612,7 +612,7 @@ def test_a_whole_blend_syncs_at_most_once_on_cuda(
 
     engine = BlendEngine(tiny_model("qwen2").to("cuda"), byte_tokenizer(), store=MemoryKVStore())
     _blend_every_strategy(engine)  # stores every segment: the prefill below reads them
-    monkeypatch.setattr(engine_module, "run_blend", checked)
+    monkeypatch.setattr(blend_plan_module, "run_blend", checked)
     documents = ["Doc one: Marta Quill lives in Lisbon. " * 3, "Doc two: a meeting at 9:30. " * 4]
     prompt = [Segment("System:\n", role="prefix"), *map(Segment, reversed(documents)),
               Segment("\nQuestion: where?\nAnswer:", cache=False)]  # fmt: skip

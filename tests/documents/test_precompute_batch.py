@@ -18,7 +18,7 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.documents.precompute import forward_batch, length_batches
+from kvblend.documents.precompute import document_kv, length_batches
 from kvblend.store import MemoryKVStore
 
 # Mixed lengths: shorter and longer than the sliding window (48) of the tiny Mistral.
@@ -87,10 +87,12 @@ def test_length_batches_sort_by_length_and_keep_the_budget() -> None:
         length_batches(lengths, 0)
 
 
-def test_forward_batch_rejects_empty_sequences(compute_device: torch.device) -> None:
+def test_document_kv_rejects_empty_sequences(compute_device: torch.device) -> None:
     engine = engine_for(tiny_model("llama").to(compute_device), "llama")
-    with pytest.raises(ValueError):
-        forward_batch(engine.decoder, [[1, 2], []])
+    with pytest.raises(ValueError, match="no empty one"):
+        document_kv(engine.decoder, [[1, 2], []], [0, 0], torch.float32)
+    with pytest.raises(ValueError, match="no empty one"):
+        document_kv(engine.decoder, [], [], torch.float32)
 
 
 def test_batched_kv_equals_one_by_one(family: str, compute_device: torch.device) -> None:

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import byte_tokenizer, tiny_model
+from conftest import byte_tokenizer, tiny_model, transformers_rope
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.io import COMPUTE, MOVED, BlendInput, RowSet
 from kvblend.blend.loop import run_blend, selection_context
-from kvblend.blend.rope import apply_rope, signed_sin
 from kvblend.blend.selectors.attention import AttentionSelector
 from kvblend.blend.selectors.tail_attention import tail_rows
-from kvblend.engine import engine as engine_module
+from kvblend.documents import blend_plan as blend_plan_module
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"
@@ -293,23 +292,6 @@ def test_no_bos_tokenizer_and_single_segment() -> None:
     assert only_doc.stats.computed_tokens == 1  # the last token always produces the logits
 
 
-def test_apply_rope_matches_transformers_rotary_formula():
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    from kvblend.blend.rope import apply_rope, signed_sin
-
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(4, 37, 16, generator=generator)
-    k = torch.randn(2, 37, 16, generator=generator)
-    angles = torch.rand(37, 8, generator=generator) * 50
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
-    sin = torch.cat([angles.sin(), angles.sin()], dim=-1)
-    expected_q, expected_k = apply_rotary_pos_emb(q[None], k[None], cos[None], sin[None])
-    sin_signed = signed_sin(sin)
-    torch.testing.assert_close(apply_rope(q, cos, sin_signed), expected_q[0])
-    torch.testing.assert_close(apply_rope(k, cos, sin_signed), expected_k[0])
-
-
 def dense_reference(decoder, q, k, v, window):
     """Every row's attention with transformers' rule (key <= query, within the window)."""
     from kvblend.blend.attention import attention_mask, sdpa
@@ -352,9 +334,9 @@ def test_attention_of_active_rows_matches_dense_causal(
     attention = RowAttention(rows, total, decoder.windows, decoder.scaling, q.dtype)
     assert attention.scatter == (pattern == "prefix-then-block")
     assert attention.rows.host is None or pattern != "device-chosen"  # never read back
-    for layer, window in enumerate(decoder.windows):
+    for window in decoder.windows:
         expected = dense_reference(decoder, q, k, v, window)[positions]
-        got = attention(layer, q[:, positions], k, v)
+        got = attention(window, q[:, positions], k, v)
         assert torch.allclose(got, expected, atol=1e-5, rtol=0), report(got, expected)
 
 
@@ -426,7 +408,7 @@ def test_attention_probe_equals_transformers_attention_weights(
         seen.append(blend_input)
         return run_blend(decoder, blend_input, config, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
+    monkeypatch.setattr(blend_plan_module, "run_blend", recording_run_blend)
     config = BlendConfig(
         "attention", recompute_ratio=0.25, early_layers=0, lead_tokens=0, min_recompute=0
     )
@@ -496,7 +478,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
         seen.append(blend_input)
         return run_blend(decoder, blend_input, config, **kwargs)
 
-    monkeypatch.setattr(engine_module, "run_blend", recording_run_blend)
+    monkeypatch.setattr(blend_plan_module, "run_blend", recording_run_blend)
     config = BlendConfig(
         "attention", recompute_ratio=0.3, early_layers=0, min_recompute=0, full_above=1.0,
         correction=share,
@@ -516,7 +498,7 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
     assert bool((inputs.kinds[torch.cat([rows for rows, _ in documents])] == MOVED).all())
     checked = 0
     for layer in range(decoder.shape.num_layers):
-        raw_keys = apply_rope(pre.keys[layer], cos, -signed_sin(sin))  # undo RoPE
+        raw_keys = transformers_rope(pre.keys[layer], cos, -sin)  # undo RoPE
         changes, fixed = [], []
         for rows, entry in documents:
             cached = {"k": entry["kv"][layer, 0], "v": entry["kv"][layer, 1]}
@@ -561,6 +543,6 @@ def test_kv_kept_for_the_store_owns_its_memory() -> None:
     assert raw.untyped_storage().data_ptr() != buffer
     cos, sin = decoder.rotary(torch.arange(ids.numel()))
     for layer, keys in enumerate(out.keys):  # the stored keys, rotated, are the loop's keys
-        rotated = apply_rope(raw[layer, 0], cos, signed_sin(sin))
+        rotated = transformers_rope(raw[layer, 0], cos, sin)
         assert torch.allclose(rotated, keys, atol=1e-6, rtol=0)
         assert torch.equal(raw[layer, 1], out.values[layer])

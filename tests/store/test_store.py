@@ -19,6 +19,8 @@ from kvblend.store import (
     default_store,
     default_store_dir,
 )
+from kvblend.store import memory as memory_module
+from kvblend.store.base import EntrySpec
 
 STORE_KINDS = ["memory", "disk", "tiered"]
 
@@ -340,3 +342,26 @@ def test_store_package_imports_no_engine_framework_or_pickle():
     for path in package_dir.glob("*.py"):
         for name in _imported_modules(path.read_text(), "kvblend.store"):
             assert not name.startswith(forbidden), f"{path.name} imports {name}"
+
+
+def test_the_memory_tier_checks_values_as_entries_are_written_never_as_they_are_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checked: list[torch.Tensor] = []
+    real = memory_module.non_finite
+    monkeypatch.setattr(memory_module, "non_finite", lambda t: checked.append(t) or real(t))
+    store = MemoryKVStore()
+    good, bad = torch.ones(2, 3), torch.ones(2, 3)
+    bad[1, 2] = float("nan")
+    store.put("good", {"kv": good})
+    store.put("bad", {"kv": bad})
+    assert len(checked) == 2  # at write time
+    spec = EntrySpec({"kv": (torch.float32, (2, 3))})
+    found = store.get("good", expect=spec)
+    assert found is not None and torch.equal(found["kv"], good)
+    assert store.get("bad", expect=spec) is None and store.stats().corrupt_dropped == 1
+    assert len(checked) == 2  # nothing summed as they were read
+    store.insert_owned("owned", {"kv": bad.clone()}, {})  # unchecked: checked here
+    assert len(checked) == 3 and store.get("owned", expect=spec) is None
+    store.insert_owned("known", {"kv": good.clone()}, {}, finite=True)  # read from bytes
+    assert len(checked) == 3 and store.get("known", expect=spec) is not None

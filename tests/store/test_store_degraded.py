@@ -26,6 +26,7 @@ import torch
 from conftest import byte_tokenizer, tiny_model
 from conftest_redis import stalled_redis  # noqa: F401 - the fixture, used by name
 from kvblend import BlendConfig, BlendEngine
+from kvblend.documents.blend_plan import open_spans
 from kvblend.store import (
     CorruptEntryError,
     DiskKVStore,
@@ -188,7 +189,7 @@ def test_an_engine_recomputes_a_redis_entry_replaced_mid_prompt(
         store=default_store(tmp_path / "b", redis_url=redis_server.url),
     )
     reader.register([doc])
-    spans, computed = reader.segment_kv.open_spans(reader.plan(prompt))
+    spans, computed = open_spans(reader.segment_kv, reader.plan(prompt))
     assert computed == 0 and len(spans) == 1
     key = writer.segment_id(doc)
     replaced = {"kv": clean_kv + 1e-7}  # another process's force=True rewrite, other bits

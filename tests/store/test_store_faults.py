@@ -25,6 +25,7 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
+from kvblend.documents.blend_plan import open_spans
 from kvblend.store import DiskKVStore, KVStore, MemoryKVStore, default_store
 
 DOC = "Marta Quill keeps forty hives on the roof of an old printing house. "
@@ -123,7 +124,7 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     reader = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
     reader.register([DOC])
     plan = reader.plan(PROMPT)
-    spans, computed = reader.segment_kv.open_spans(plan)
+    spans, computed = open_spans(reader.segment_kv, plan)
     for index in range(reader.decoder.shape.num_layers):  # as the blend loop reads them
         for span in spans:
             span.source.layer(index)

@@ -9,6 +9,7 @@ store; together they must write, head by head, what one process writes.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import threading
@@ -22,6 +23,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.blend.adapter import DecoderShape
 from kvblend.models.decoder import Decoder
+from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.planning import plan_request
 from kvblend.vllm.scheduler import KVBlendWorkerMeta
@@ -164,14 +166,16 @@ def test_ranks_agree_on_the_entries_they_use(setup: tuple[BlendEngine, list[str]
     engine, documents = setup
     job = _job(engine, documents, BlendConfig(**TOY))
     workers, _ = _ranks(engine)
-    real = workers[1]._entry
-    first = job.plan.spans[0]
+    segment_kv = copy.copy(engine.library.segment_kv)  # rank 1's reads: the first entry missing
+    real, first = segment_kv.open_entry, job.plan.spans[0]
+    first_key = segment_key(segment_kv.fingerprint, first.context_ids, first.cached_ids)
 
-    def missing_first(span: Any, outcome: BlendOutcome) -> tuple[str, Any]:
-        key, entry = real(span, outcome)
-        return (key, None) if span is first else (key, entry)
+    def missing_first(key: str, tokens: int, device: Any = None) -> Any:
+        return None if key == first_key else real(key, tokens, device)
 
-    workers[1]._entry = missing_first  # type: ignore[method-assign]
+    segment_kv.open_entry = missing_first  # type: ignore[method-assign]
+    workers[1].library = copy.copy(engine.library)
+    workers[1].library.segment_kv = segment_kv
     outcomes = _on_ranks(lambda rank: workers[rank].run(job))
     assert outcomes[0].reused == outcomes[1].reused
     assert outcomes[0].recomputed == outcomes[1].recomputed

@@ -5,6 +5,15 @@ runs the same); see docs/benchmarks.md. `main(argv)` is the entry point. The res
 ``benchmarks/results/`` of the working folder (the repository's, run from its root).
 """
 
-from kvblend.bench.cli import main
+from __future__ import annotations
+
+from collections.abc import Sequence
 
 __all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvblend bench`` with ``argv`` (imported here: the package itself stays light)."""
+    from kvblend.bench.cli import main as run
+
+    return run(argv)

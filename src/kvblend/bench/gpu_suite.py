@@ -68,6 +68,7 @@ CUDA_TESTS = (
     "tests/store/test_store_views.py",
     "tests/store/test_store.py",
     "tests/blend/test_compiled_loop.py",
+    "tests/blend/test_flex.py",
 )
 #: The steps of ``--quick``, and the three commands of a full run (``--steps``).
 QUICK_STEPS = ("tests", "qwen", "llama-8b")

@@ -30,6 +30,10 @@ from typing import Any
 
 #: Result files of the bench runs, by the name the summary calls them.
 RUNS = {"llama-8b": "gpu_llama8b.json", "qwen": "gpu_qwen.json"}
+#: The compiled layer loop against the eager one (``STRATEGY@compiled`` rows beside each).
+COMPILED = "gpu_compiled.json"
+#: What ``scripts/gpu_run.sh`` writes of each phase it ran.
+PHASES = "phases.txt"
 #: Prompt lengths each run's targets are checked at.
 TARGET_LENGTHS = {"llama-8b": (8192, 16384), "qwen": (8192,)}
 #: (run, strategy, most TTFT / transformers' forward from text).
@@ -77,22 +81,52 @@ def load_folders(folders: Sequence[Path]) -> tuple[dict[str, Any], dict[str, dic
 
     ``results["target_lengths"]`` is the lengths a smoke run checks the targets at, if any.
     """
-    results: dict[str, Any] = {}
+    results: dict[str, Any] = {"unreadable": []}
     steps: dict[str, dict[str, Any]] = {}
     for folder in folders:
+        steps |= read_phases(folder / PHASES)
         for path in sorted(folder.glob("*.json")):
             if path.name == "summary.json":
                 continue
-            data = json.loads(path.read_text())
+            try:
+                data = json.loads(path.read_text())
+            except ValueError as error:  # cut short by its step's time limit
+                results["unreadable"].append(f"{path.name}: unreadable ({error})")
+                continue
             if path.name == "steps.json":
                 steps |= {step["name"]: step for step in data["steps"]}
                 if data.get("target_lengths"):
                     results["target_lengths"] = data["target_lengths"]
             else:
                 results[path.name] = data
-        if (folder / "tests.xml").exists():
-            results["tests.xml"] = folder / "tests.xml"
+        for path in sorted(folder.glob("*.xml")):  # junit reports: tests.xml, compiled-tests.xml
+            results[path.name] = path
     return results, steps
+
+
+def read_phases(path: Path) -> dict[str, dict[str, Any]]:
+    """Return the steps' records in ``scripts/gpu_run.sh``'s ``phases.txt`` (none: no file).
+
+    One line per phase run: ``NAME rc=CODE SECONDSs limit LIMITs``; exit 124 or 137 is
+    ``timeout``'s (the phase ran out of its limit and was stopped).
+    """
+    steps: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return steps
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 4 or not parts[1].startswith("rc=") or not parts[1][3:].isdigit():
+            continue
+        name, code = parts[0], int(parts[1][3:])
+        seconds, limit = float(parts[2].rstrip("s")), parts[-1].rstrip("s")
+        if code == 0:
+            status = "ok"
+        elif code in (124, 137):
+            status = f"timed out after {limit} s"
+        else:
+            status = f"failed (exit {code}, see {name}.log)"
+        steps[name] = {"name": name, "status": status, "seconds": seconds, "log": f"{name}.log"}
+    return steps
 
 
 def _why_missing(steps: dict[str, dict[str, Any]], step: str, file: str) -> str:
@@ -150,14 +184,17 @@ class Run:
 
 
 def run_checks(
-    runs: dict[str, Run | None], why: dict[str, str], lengths: dict[str, Sequence[int]]
+    runs: dict[str, Run | None],
+    why: dict[str, str],
+    lengths: dict[str, Sequence[int]],
+    tiers: Sequence[str] = TIERS,
 ) -> list[Check]:
-    """Every target that a bench run answers."""
+    """Every target that a bench run answers, in ``tiers``."""
     checks = []
     for name, strategy, limit in RATIO_TARGETS:
+        run = runs[name]
         for length in lengths[name]:
-            for tier in TIERS:
-                run = runs[name]
+            for tier in tiers:
                 where = "" if tier == "memory" else f", documents in the {tier} tier"
                 target = (
                     f"{name} {_k(length)}: {strategy} <= {limit} x transformers' forward{where}"
@@ -210,7 +247,48 @@ def run_figures(runs: dict[str, Run | None], lengths: dict[str, Sequence[int]]) 
                     f"{name} {_k(length)} {strategy}: TTFT {row['ttft_median_s']:.4f} s"
                     + (f" = {ratio:.3f} x forward" if ratio else "")
                     + f", load_s {row['load_s_median']:.4f} s ({share:.0%} of TTFT)"
+                    + _device(row)
                 )
+    return lines
+
+
+def _device(row: dict[str, Any]) -> str:
+    """Return the device's own times of a summary row (CUDA events), and uncompiled calls."""
+    text = ""
+    if row.get("blend_device_s_median") is not None:
+        text += f"; on the device: blend {row['blend_device_s_median']:.4f} s"
+        if row.get("load_device_s_median") is not None:
+            text += f", loads {row['load_device_s_median']:.4f} s"
+    if row.get("uncompiled_calls"):
+        text += f"; {row['uncompiled_calls']} calls uncompiled (a compile refused)"
+    return text
+
+
+def compiled_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
+    """Return the compiled layer loop against the eager one, and its compile time.
+
+    From ``gpu_compiled.json``: each ``NAME@compiled`` row beside its ``NAME`` row of the same
+    run (interleaved), and the compile: the compiled strategy's first (warm-up) TTFT, which
+    compiled its graphs, less its median TTFT.
+    """
+    data = results.get(COMPILED)
+    if data is None:
+        return [f"compiled loop: {_why_missing(steps, 'compiled', COMPILED)}"]
+    run = Run(data)
+    first = {(w["target_tokens"], w["strategy"]): w["ttft_s"]
+             for w in data["ttft"].get("warmup", [])}  # fmt: skip
+    lines = [f"compiled loop ({run.label()}):"]
+    for (length, name), row in sorted(run.rows.items()):
+        if not name.endswith("@compiled"):
+            continue
+        eager = run.rows.get((length, name.removesuffix("@compiled")))
+        line = f"compiled loop {_k(length)} {name}: TTFT {row['ttft_median_s']:.4f} s"
+        if eager is not None:
+            ratio = row["ttft_median_s"] / eager["ttft_median_s"]
+            line += f" vs eager {eager['ttft_median_s']:.4f} s: compiled / eager {ratio:.2f}"
+        if (length, name) in first:
+            line += f"; compiling: {first[(length, name)] - row['ttft_median_s']:.1f} s"
+        lines.append(line + _device(row))
     return lines
 
 
@@ -283,18 +361,23 @@ def attention_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]])
     return lines
 
 
-def junit_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> list[str]:
-    """Return the counts of the junit report of the tests step, and its failures' names."""
-    path = results.get("tests.xml")
+def junit_figures(
+    results: dict[str, Any], steps: dict[str, dict[str, Any]], step: str = "tests"
+) -> list[str]:
+    """Return the counts of the junit report of a tests step, and its failures' names."""
+    path = results.get(f"{step}.xml")
     if path is None:
-        return [f"tests: {_why_missing(steps, 'tests', 'tests.xml')}"]
-    root = ElementTree.parse(path).getroot()
+        return [f"{step}: {_why_missing(steps, step, step + '.xml')}"]
+    try:
+        root = ElementTree.parse(path).getroot()
+    except ElementTree.ParseError as error:  # cut short by the step's time limit
+        return [f"{step}: {path.name} unreadable ({error}); {_why_missing(steps, step, '')}"]
     suites = [root] if root.tag == "testsuite" else list(root)
     counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in
               ("tests", "failures", "errors", "skipped")}  # fmt: skip
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     lines = [
-        f"tests ({steps.get('tests', {}).get('note', 'pytest')}): {passed} passed, "
+        f"{step} ({steps.get(step, {}).get('note', 'pytest')}): {passed} passed, "
         f"{counts['failures']} failed, {counts['errors']} errors, {counts['skipped']} skipped"
     ]
     for case in root.iter("testcase"):
@@ -304,16 +387,31 @@ def junit_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) -> 
 
 
 def summarize(
-    folders: Sequence[Path], lengths: dict[str, Sequence[int]] | None = None
+    folders: Sequence[Path],
+    lengths: dict[str, Sequence[int]] | None = None,
+    tiers: Sequence[str] = TIERS,
 ) -> dict[str, Any]:
-    """Return the summary of the suite's results in ``folders`` (see the module's docstring)."""
+    """Return the summary of the suite's results in ``folders`` (see the module's docstring).
+
+    ``tiers``: where the documents are read from in the targets checked (the GPU run times the
+    GPU's memory and host memory, no disk).
+    """
     results, steps = load_folders(folders)
     lengths = dict(lengths or results.get("target_lengths") or TARGET_LENGTHS)
     runs = {name: Run(results[file]) if file in results else None for name, file in RUNS.items()}
     why = {name: _why_missing(steps, name, file) for name, file in RUNS.items()}
-    checks = run_checks(runs, why, lengths)
-    figures = run_figures(runs, lengths) + decode_figures(results, steps)
-    figures += attention_figures(results, steps) + junit_figures(results, steps)
+    checks = run_checks(runs, why, lengths, tiers)
+    figures = run_figures(runs, lengths)
+    if {"decode.json", "decode_compiled.json"} & results.keys() or "decode" in steps:
+        figures += decode_figures(results, steps)
+    if any(name.startswith("gpu_attention_") for name in results) or "attention-flex" in steps:
+        figures += attention_figures(results, steps)
+    figures += junit_figures(results, steps)
+    if COMPILED in results or "compiled" in steps:
+        figures += compiled_figures(results, steps)
+    if "compiled-tests.xml" in results or "compiled-tests" in steps:
+        figures += junit_figures(results, steps, "compiled-tests")
+    figures += results["unreadable"]
     return {
         "folders": [str(folder) for folder in folders],
         "smoke": {k: list(v) for k, v in lengths.items()}

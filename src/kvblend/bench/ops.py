@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvblend.blend.config import BlendConfig, parse_setting
-from kvblend.engine import engine as engine_module
+from kvblend.documents import blend_plan as blend_plan_module
 from kvblend.engine.engine import BlendEngine
 from kvblend.prompt.segments import Segment
 
@@ -116,13 +116,17 @@ def _tolist_counted(counter: OpCounter) -> Iterator[None]:
         torch.Tensor.tolist = original  # type: ignore[method-assign]
 
 
-def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tuple[OpCount, Any]:
+def count_prefill(
+    engine: BlendEngine, prompt: Any, config: BlendConfig, whole: bool = False
+) -> tuple[OpCount, Any]:
     """Run ``engine.prefill(prompt, config)`` and count the ops and syncs of its blend.
 
     ``syncs_before_logits``: the syncs counted when the model adapter's ``logits`` was called.
+    ``whole``: count the whole prefill, from the prompt's planning and the store's reads of
+    its entries on (the blend alone otherwise).
     """
     counter = OpCounter()
-    real = engine_module.run_blend
+    real = blend_plan_module.run_blend
     decoder = engine.decoder
     real_logits = decoder.logits
 
@@ -131,21 +135,21 @@ def count_prefill(engine: BlendEngine, prompt: Any, config: BlendConfig) -> tupl
         try:
             return real(*args, **kwargs)
         finally:
-            counter.active = False
+            counter.active = whole
 
     def logits(hidden: Any) -> Any:
         if counter.active and counter.count.syncs_before_logits is None:
             counter.count.syncs_before_logits = counter.count.syncs
         return real_logits(hidden)
 
-    counter.active = False
-    engine_module.run_blend = counted
+    counter.active = whole
+    blend_plan_module.run_blend = counted
     decoder.logits = logits  # type: ignore[method-assign]
     try:
         with counter, _tolist_counted(counter):
             result = engine.prefill(prompt, config)
     finally:
-        engine_module.run_blend = real
+        blend_plan_module.run_blend = real
         del decoder.logits
     return counter.count, result
 
@@ -162,8 +166,13 @@ def random_documents(count: int, tokens: int, seed: int = 0) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(tokens)) for _ in range(count)]
 
 
-def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2) -> BlendEngine:
-    """Build an engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer."""
+def byte_engine(
+    layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2, device: str = "cpu"
+) -> BlendEngine:
+    """Build an engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer.
+
+    ``device``: where the model runs (its documents' KV is kept there too).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -186,7 +195,7 @@ def byte_engine(layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2
         max_position_embeddings=65536, bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config).eval()
+    model = Qwen2ForCausalLM(config).eval().to(device)
     return BlendEngine(model, fast, store=MemoryKVStore(8 << 30), name=f"qwen2-{layers}-layers")
 
 

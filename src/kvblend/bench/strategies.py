@@ -6,14 +6,19 @@ caching would), ``attention-<ratio>`` such as ``attention-0.2``, and
 ``cacheblend-<metric>-<ratio>[-L<check layer>]`` such as ``cacheblend-value-0.15`` (check
 layer 1) or ``cacheblend-value-0.15-L2``. ``cacheblend`` names are CacheBlend as published,
 without kvblend's stale-KV correction; the others use `BlendConfig`'s default correction. A
-``-c<share>`` suffix sets it: ``attention-0.2-c0`` (none), ``cacheblend-value-0.2-c0.5``.
+``-c<share>`` suffix sets it: ``attention-0.2-c0`` (none), ``cacheblend-value-0.2-c0.5``. An
+``@compiled`` suffix runs the strategy's prefills through the compiled layer loop
+(``KVBLEND_COMPILE=1``), so one run times both loops: ``default,default@compiled``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvblend.blend.compiled import COMPILE_ENV
 from kvblend.blend.config import BlendConfig, parse_setting
 from kvblend.prompt.segments import Segment
 
@@ -29,6 +34,23 @@ class Strategy:
     name: str
     config: BlendConfig
     cache_documents: bool = True
+    compiled: bool = False  # its prefills run the compiled layer loop (``@compiled``)
+
+    @contextlib.contextmanager
+    def loop(self) -> Iterator[None]:
+        """Run the prefills inside in this strategy's layer loop (``KVBLEND_COMPILE``)."""
+        if not self.compiled:
+            yield
+            return
+        before = os.environ.get(COMPILE_ENV)
+        os.environ[COMPILE_ENV] = "1"
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(COMPILE_ENV, None)
+            else:
+                os.environ[COMPILE_ENV] = before
 
     @property
     def recompute_ratio(self) -> float | None:
@@ -59,6 +81,9 @@ def strategy(name: str) -> Strategy:
     Any name takes ``+setting=value`` suffixes that set one `BlendConfig` setting each, such
     as ``attention-0.2+lead_tokens=8``.
     """
+    if name.endswith("@compiled"):
+        found = strategy(name.removesuffix("@compiled"))
+        return Strategy(name, found.config, found.cache_documents, compiled=True)
     base, *overrides = name.split("+")
     if overrides:
         found = strategy(base)
@@ -104,6 +129,7 @@ def strategy(name: str) -> Strategy:
         f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
+        " and an @compiled one"
     )
 
 

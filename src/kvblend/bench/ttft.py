@@ -174,7 +174,7 @@ def time_prefill(
     prompt: Any = strat.segments(segments)
     if from_text and strat.cache_documents:
         prompt = "".join(segment.text for segment in segments)
-    with PeakMemory(engine.decoder.device) as peak:
+    with PeakMemory(engine.decoder.device) as peak, strat.loop():
         out = engine.generate(prompt, strat.config, max_new_tokens=1)
     stats = out.stats
     return {
@@ -184,6 +184,9 @@ def time_prefill(
         "lookup_s": stats.timings.get("lookup_s"),
         "load_s": stats.timings.get("load_s"),
         "blend_s": stats.timings.get("blend_s"),
+        "blend_device_s": stats.timings.get("blend_device_s"),  # CUDA events: the device's
+        "load_device_s": stats.timings.get("load_device_s"),
+        "uncompiled_calls": stats.uncompiled_calls,
         "prompt_tokens": stats.prompt_tokens,
         "recompute_fraction": stats.recompute_fraction,
         "compute_fraction": stats.compute_fraction,
@@ -257,17 +260,21 @@ def run_ttft(
         if cold is not None:
             cold.engine.precompute(documents, progress=False)
     log(f"precomputed documents in {time.perf_counter() - started:.1f} s")
-    # warm-up: store every prefix segment and touch every code path once
+    # warm-up: store every prefix segment and touch every code path once (compile it, for
+    # the compiled loop: the first run's TTFT is kept in ``warmup``)
+    warmup = []
     for length in lengths[:1]:
         for strat in strategies:
-            time_prefill(memory_engine, prompts[length], strat, from_text)
+            first = time_prefill(memory_engine, prompts[length], strat, from_text)
+            warmup.append({"target_tokens": length, "strategy": strat.name, **first})
     for length in lengths:
         for strat in cached:
-            memory_engine.prefill(strat.segments(prompts[length]), strat.config)
-            if host_engine is not None:
-                host_engine.prefill(strat.segments(prompts[length]), strat.config)
-            if cold is not None and strat in disk_list:
-                cold.engine.prefill(strat.segments(prompts[length]), strat.config)
+            with strat.loop():
+                memory_engine.prefill(strat.segments(prompts[length]), strat.config)
+                if host_engine is not None:
+                    host_engine.prefill(strat.segments(prompts[length]), strat.config)
+                if cold is not None and strat in disk_list:
+                    cold.engine.prefill(strat.segments(prompts[length]), strat.config)
     rows: list[dict[str, Any]] = []
     decode_strategy = strategy(decode_config)
     for repeat in range(repeats):
@@ -322,6 +329,7 @@ def run_ttft(
             ),
         },
         "rows": rows,
+        "warmup": warmup,
     }
     result["summary"] = summarize_ttft(rows)
     if cold is not None:

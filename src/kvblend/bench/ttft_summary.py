@@ -10,7 +10,7 @@ benchmarks and the report print it).
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -57,6 +57,9 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "compute_fraction": group[0]["compute_fraction"],
             "peak_mib_median": statistics.median(r["peak_mib"] for r in group),
             "load_s_median": statistics.median(r["load_s"] or 0.0 for r in group),
+            "blend_device_s_median": _median(r.get("blend_device_s") for r in group),
+            "load_device_s_median": _median(r.get("load_device_s") for r in group),
+            "uncompiled_calls": max(r.get("uncompiled_calls") or 0 for r in group),
             "prompt_s_median": statistics.median(r.get("prompt_s") or 0.0 for r in group),
             "ttft_from_ids_median_s": statistics.median(
                 r["ttft_s"] - (r.get("prompt_s") or 0.0) for r in group
@@ -91,3 +94,9 @@ def ttft_table(summary: Sequence[dict[str, Any]]) -> str:
             f"{f'{decode:.1f}' if decode else ''} |"
         )
     return "\n".join(lines)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """Median of the values measured (None when none was: the CPU has no device times)."""
+    measured = [value for value in values if value is not None]
+    return statistics.median(measured) if measured else None

@@ -10,6 +10,8 @@ rows are computed and where the loop runs:
   kernels that skip the upper triangle this beats a mask;
 - sparse rows, on CUDA and in the compiled loop: one FlexAttention call per layer (`FlexRows`),
   its block mask built on the device from the rows once per pass, KV heads grouped (no copies);
+  outside a compiled step its kernel is compiled per (key, query) bucket (`flex.py`), and a
+  compile dynamo refuses is attended by query chunks instead (logged once, counted);
 - sparse rows, in the eager loop on the CPU: query chunks of `QUERY_CHUNK` rows, each over the
   keys up to its last row (from its first row's window start on sliding-window layers) with an
   additive mask of exactly that key range, so a chunk skips the causal upper triangle beyond
@@ -254,61 +256,91 @@ class RowAttention:
 
         ``dtype``: the queries' (the chunks' masks are made in it). ``flex``: sparse rows in
         one FlexAttention call (else query chunks); ``length``: the rows of the K/V it is
-        given (``total`` and more: a buffer of a size bucket); ``padded``: the rows' positions
+        given (``total`` and more: a bucket's buffer); ``padded``: the rows' positions
         followed by padding rows' (a compiled loop's row bucket), the queries it is given.
+        Without ``padded`` (the eager loop) every path but FlexAttention reads the prompt's
+        keys alone (a view), whatever the buffer's length.
         """
         self.rows = rows
         self.positions = rows.positions if padded is None else padded
         # decided here, not in a call: a compiled step sees booleans, never the prompt's length
-        self.exact = (length or total) == total  # the keys end with the prompt
+        self.exact = padded is None or (length or total) == total  # keys sliced to the prompt's
         self.aligned = rows.count == total and self.positions.numel() == total  # rows 0, 1, ...
         self.total = total
         self.windows = windows
         self.scaling = scaling
+        self.dtype = dtype
+        self.mask_budget = mask_budget
         count = rows.count
         self.dense = count == total
         self.scatter = not self.dense and 2 * count >= total
         self.chunks: dict[int | None, list[QueryChunk]] = {}
         self.masks: dict[int | None, list[torch.Tensor]] = {}
         self.mask_bytes = 0
+        self.uncompiled = 0  # calls attended by chunks because a kernel's compile was refused
         self.flex: FlexRows | None = None
-        masked = {w for w in windows if w is not None or not (self.dense or self.scatter)}
-        if not masked:
+        self.masked = {w for w in windows if w is not None or not (self.dense or self.scatter)}
+        if not self.masked:
             return  # no masks: plain causal attention at every layer
         if flex:
-            self.flex = FlexRows(self.positions, length or total, masked, scaling)
+            keys = length or total
+            self.flex = FlexRows(self.positions, keys, self.masked, scaling, padded is not None)
             return
+        self._plan_chunks()
+
+    def _plan_chunks(self) -> None:
+        """Plan the query chunks of every masked window, and keep their masks within budget.
+
+        Over the queries it is given: a compiled loop's padded rows (read back: this only
+        happens when its kernel's compile was refused) or the computed rows.
+        """
+        rows = self.rows
+        extra = self.positions.numel() - rows.count
+        if extra:
+            host = np.pad(rows.host_positions(), (0, extra), mode="edge")
+            rows = RowSet(self.positions, host)
         bounds = rows.bounds()
         if bounds is None:  # chosen on the device with nothing known on the host: read back
-            self.rows = rows = RowSet(rows.positions, rows.host_positions())
+            rows = RowSet(rows.positions, rows.host_positions())
             bounds = rows.bounds()
             assert bounds is not None
-        element = torch.empty((), dtype=dtype).element_size()
-        self.make_mask = Masks(rows.positions.device, dtype, total)
+        if not extra:
+            self.rows = rows
+        self.chunk_positions = rows.positions
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.make_mask = Masks(rows.positions.device, self.dtype, self.total)
         kept = 0
-        for window in masked:
+        for window in self.masked:
             self.chunks[window] = chunks = query_chunks(*bounds, window)
             size = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks) * element
-            if kept + size <= mask_budget:
+            if kept + size <= self.mask_budget:
                 self.masks[window] = [self._mask(chunk, window) for chunk in chunks]
                 kept += size
         self.mask_bytes = kept
 
     def _mask(self, chunk: QueryChunk, window: int | None) -> torch.Tensor:
-        positions = self.rows.positions[chunk.begin : chunk.end]
+        positions = self.chunk_positions[chunk.begin : chunk.end]
         return self.make_mask(positions, chunk.key_begin, chunk.key_end, window)
 
     def __call__(
-        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
-        """Return the attention output of the computed rows at ``layer``.
+        """Return the attention output of the computed rows at a layer of ``window``.
 
         ``queries`` are rotated ``[heads, rows, head_dim]``; ``keys``/``values`` the layer's
         whole K/V ``[kv_heads, keys, head_dim]`` (keys rotated; a row past the prompt is only
-        read by padding rows). Every size used here is a tensor's, none the prompt's length,
-        so a compiled loop serves every prompt of its size bucket.
+        read by padding rows). In a compiled step every size used here is a tensor's, none the
+        prompt's length, so a compiled loop serves every prompt of its size bucket.
         """
-        window = self.windows[layer]
+        if self.flex is not None:
+            out = self.flex(window, queries, keys, values)
+            if out is not None:
+                return out
+            self.uncompiled += 1  # refused a compile: logged once (`COMPILE_LIMIT`)
+            if not self.chunks:
+                self._plan_chunks()
+        if self.exact:
+            keys, values = keys[:, : self.total], values[:, : self.total]
         if window is None and (self.dense or self.scatter):
             if self.aligned:  # rows 0, 1, ...: causal attention aligned at the first key
                 return sdpa(queries, keys, values, self.scaling)
@@ -317,20 +349,18 @@ class RowAttention:
             scattered.index_copy_(1, self.positions, queries)
             out = sdpa(scattered, keys, values, self.scaling)
             return out.index_select(0, self.positions)
-        if self.flex is not None:
-            return self.flex(window, queries, keys, values)
         return self._chunked(window, queries, keys, values)
 
     def last_row(
-        self, layer: int, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, window: int | None, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
         """Attention ``[1, heads * head_dim]`` of the last computed row (the prompt's last token).
 
-        Over the prompt's keys as they are (from the window's start on a sliding-window
-        layer); over a longer buffer (a size bucket) with a mask made from the row's position.
+        Over the prompt's keys (from the window's start on a sliding-window layer); over a
+        compiled step's longer buffer (a size bucket) with a mask made from the row's position.
         """
-        window = self.windows[layer]
         if self.exact:
+            keys, values = keys[:, : self.total], values[:, : self.total]
             return last_row_attention(query, keys, values, None, window, self.scaling)
         position = self.positions[-1:]
         return last_row_attention(query, keys, values, position, window, self.scaling)
@@ -360,3 +390,53 @@ class RowAttention:
             for number, chunk in enumerate(chunks)
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+
+
+class SequenceAttention:
+    """Attention of every row of equal-length sequences laid one after another (a batch).
+
+    Each sequence (a right-padded document, `BlendInput.sequences`) attends causally to its
+    own rows only, all of them at positions ``0..length-1``: one SDPA call over a batch
+    dimension, grouped KV heads, on the fused kernels. A sliding window adds the same
+    ``[length, length]`` mask for every sequence (KV heads expanded on CUDA, as in `sdpa`).
+    """
+
+    def __init__(self, rows: RowSet, sequences: int, windows: list[int | None], scaling: float):
+        self.rows = rows
+        self.sequences = sequences
+        self.windows = windows
+        self.scaling = scaling
+        self.masks: dict[int, torch.Tensor] = {}
+
+    def _mask(self, window: int, length: int, device: torch.device) -> torch.Tensor:
+        if window not in self.masks:
+            positions = torch.arange(length, device=device)
+            offset = positions.unsqueeze(0) - positions.unsqueeze(1)  # key - query
+            self.masks[window] = (offset <= 0) & (offset > -window)
+        return self.masks[window]
+
+    def __call__(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Return the attention output ``[rows, heads * head_dim]`` of every row at ``layer``.
+
+        ``queries`` are rotated ``[heads, rows, head_dim]``; ``keys``/``values`` the layer's K/V
+        ``[kv_heads, rows, head_dim]`` (keys rotated).
+        """
+        heads, rows, head_dim = queries.shape
+        length = rows // self.sequences
+        q, k, v = (
+            x[:, :rows].unflatten(1, (self.sequences, length)).transpose(0, 1)
+            for x in (queries, keys, values)
+        )  # [sequences, heads, length, head_dim]
+        window, mask = self.windows[layer], None
+        if window is not None and length > window:
+            mask = self._mask(window, length, queries.device)
+            groups = heads // k.shape[1]
+            if groups > 1 and not sdpa_takes_gqa(True, k.device):
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+            enable_gqa=heads != k.shape[1],
+        )  # fmt: skip
+        return out.transpose(1, 2).reshape(rows, heads * head_dim)

@@ -1,21 +1,29 @@
-"""How a blend pass runs its layer step: eagerly, or compiled once per layer and shape bucket.
+"""How a blend pass runs its layer step: eagerly, or compiled once per size bucket for all layers.
 
 The step (`layer_step.layer_step`) is one pure function; the eager loop calls it as it is. The
-compiled loop is the same function under ``torch.compile(fullgraph=True, dynamic=False)``, on
-CUDA with ``mode="reduce-overhead"`` (CUDA graphs): one graph per layer (the model's weights of
-each layer are its own inputs) and per shape, so shapes are made few. The prompt's K/V buffer
-is a size bucket long (`size_bucket` of the prompt plus one row, where the correction's padding
-rows add nothing that is read), and the computed rows are padded to a size bucket with copies
-of the last row (the prompt's last token): computed like it, they write the same K/V at its
-position and attend like it, and the last row keeps a fixed index. Every size inside the step
-is then a bucket's, never the prompt's, and a new prompt of the same buckets runs the graphs
-already made (`tests/blend/test_compiled_loop.py` counts dynamo's compilations).
+compiled loop runs the same function under ``torch.compile(fullgraph=True, dynamic=False)``,
+on CUDA with ``mode="reduce-overhead"`` (CUDA graphs), for every layer but a pass's last (its
+logits row, or a probe's last K/V, run eagerly: one graph serves all the others). The layer
+is not a constant of the graph: the step is given the model adapter of that one layer (its
+``layer_adapters``, whose weights and buffers are the graph's inputs, as its layer 0), so one
+graph serves every layer, and its window size is the only thing taken from the layer. The
+graphs are few because the shapes are: the prompt's K/V buffer is a size bucket long
+(`size_bucket` of the prompt plus one row, where the correction's padding rows add nothing
+that is read), and the computed rows are padded to a size bucket with copies of the last row
+(the prompt's last token): computed like it, they write the same K/V at its position and
+attend like it, and the last row keeps a fixed index. Every size inside the step is then a
+bucket's, never the prompt's, and a new prompt of the same buckets runs the graph already made:
+one graph per (rows, buffer) bucket pair, correction on or off and window size
+(`tests/blend/test_compiled_loop.py` counts dynamo's compilations). CUDA graphs record one
+replay per layer of the graph (each layer's weights are at their own addresses), then replay it.
 
 ``KVBLEND_COMPILE=1`` forces the compiled loop, ``0`` the eager one; unset, the loop is eager:
-compiling costs seconds per layer and bucket, far more than the step's launches cost on one
-prefill, and on the CPU the compiled step was not faster (docs/benchmarks.md). On CUDA, sparse
-rows attend with FlexAttention in both loops; the eager loop compiles that kernel alone (per
-bucket), so its buffer is a bucket long too.
+compiling costs seconds per bucket, more than the step's launches cost on one prefill, and on
+the CPU the compiled step was not faster (docs/benchmarks.md). On CUDA, sparse rows attend
+with FlexAttention in both loops; the eager loop compiles that kernel alone (per
+`flex.key_bucket` and `flex.query_bucket`), so its buffer is a key bucket long.
+A compile refused by dynamo's recompile limit runs the step eagerly, logged once and counted
+(`flex.COMPILE_LIMIT`, ``stats.uncompiled_calls``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,14 +40,21 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.attention import use_flex
-from kvblend.blend.flex import size_bucket
-from kvblend.blend.layer_step import layer_step
+from kvblend.blend.flex import (
+    BLOCK,
+    COMPILE_LIMIT,
+    compiled_flex,
+    key_bucket,
+    limit_errors,
+    size_bucket,
+)
+from kvblend.blend.layer_step import FULL, layer_step
 
 #: Environment variable forcing the compiled (``1``) or the eager (``0``) layer loop.
 COMPILE_ENV = "KVBLEND_COMPILE"
 
-#: Graphs dynamo may keep of the step: one per layer, mode and shape bucket in use.
-RECOMPILE_LIMIT = 4096
+#: Graphs dynamo may keep of the step: one per bucket pair, correction and window in use.
+RECOMPILE_LIMIT = 256
 
 
 def compile_loop() -> bool:
@@ -60,26 +76,51 @@ def _compiled_step(device_type: str) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _graphs_kept() -> Iterator[None]:
-    """Let dynamo keep a graph per layer (its default limit is 8 per function)."""
+    """Let dynamo keep the step's graphs (its default limit is 8 per function)."""
     config: Any = torch._dynamo.config
     with config.patch(recompile_limit=RECOMPILE_LIMIT, accumulated_recompile_limit=RECOMPILE_LIMIT):
         yield
 
 
-def compiled_step(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """`layer_step` compiled for the device of its hidden states (``args`` as `layer_step`'s)."""
-    with _graphs_kept():
-        return _compiled_step(args[3].device.type)(*args)
+def compiled_step(*args: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`layer_step` compiled for the device of its hidden states (``args`` as `layer_step`'s).
+
+    None when dynamo refused a compile (its recompile limit): logged once, then run eagerly.
+    """
+    try:
+        with _graphs_kept():
+            return _compiled_step(args[3].device.type)(*args)
+    except limit_errors() as error:
+        COMPILE_LIMIT.hit("the compiled layer step", error)
+        return None
 
 
-@dataclass(frozen=True)
+_VIEWS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def layer_views(adapter: ModelAdapter) -> list[Any] | None:
+    """Return the adapter of each layer alone (``adapter.layer_adapters()``, made once), or None.
+
+    An adapter without them gets a graph per layer (its layer index is then a constant).
+    """
+    views = _VIEWS.get(adapter)
+    if views is None:
+        make = getattr(adapter, "layer_adapters", None)
+        if make is None:
+            return None
+        views = _VIEWS[adapter] = make()
+    return views
+
+
+@dataclass
 class StepRunner:
-    """How the passes of one prompt run: the step function, attention kind and buffer size."""
+    """How the passes of one prompt run: attention kind, buffer size, compiled or not."""
 
-    step: Callable[..., Any]
     flex: bool  # sparse rows attend with FlexAttention (else query chunks)
     length: int  # rows of the prompt's K/V buffer (the prompt's, or its bucket)
     compiled: bool = False
+    zero_to: int | None = None  # buffer rows past the prompt that must be zeros (None: all)
+    uncompiled: int = 0  # steps run eagerly because their compile was refused
 
     @property
     def bucket(self) -> Callable[[int], int] | None:
@@ -106,13 +147,30 @@ class StepRunner:
         positions = torch.cat((positions, positions[-1:].expand(extra)))
         return positions, torch.cat((hidden, hidden[-1:].expand(extra, -1)))
 
+    def step(
+        self, adapter: ModelAdapter, layer: int, mode: str, *args: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``layer``'s step (`layer_step`; ``args`` after its mode): compiled or eagerly.
+
+        Compiled: a `FULL` step, through the layer's own adapter where it has one (one graph for
+        every layer); a pass's last layer runs eagerly.
+        """
+        if self.compiled and mode == FULL:
+            views = layer_views(adapter)
+            view, index = (adapter, layer) if views is None else (views[layer], 0)
+            out = compiled_step(view, index, mode, *args)
+            if out is not None:
+                return out
+            self.uncompiled += 1
+        return layer_step(adapter, layer, mode, *args)
+
 
 def step_runner(adapter: ModelAdapter, total: int) -> StepRunner:
     """Return the runner of a ``total``-token prompt on ``adapter``'s device."""
     device = adapter.device
     if compile_loop():
-        return StepRunner(compiled_step, True, size_bucket(total + 1), compiled=True)
+        return StepRunner(True, size_bucket(total + 1), compiled=True)
     flex = use_flex(device, compiled=False)
-    # FlexAttention's kernel is compiled per shape: on CUDA the buffer is a bucket long
-    length = size_bucket(total + 1) if flex and device.type == "cuda" else total
-    return StepRunner(layer_step, flex, length)
+    if flex and compiled_flex(device):  # the kernel is compiled per shape: a key bucket long
+        return StepRunner(flex, key_bucket(total), zero_to=-(-total // BLOCK) * BLOCK)
+    return StepRunner(flex, total)

@@ -11,17 +11,41 @@ first and last position (`block_mask`): nothing is read back to the host and no 
 made (``create_block_mask`` evaluates the mask over every element instead: about a second
 eagerly for a 4K prompt). The ``mask_mod`` reads the rows from a tensor, so a new prompt of the
 same sizes reuses a compiled kernel.
+
+Outside a compiled step (the eager loop on CUDA) the kernel is compiled per shape, so shapes
+are made few, whatever the prompts: the K/V buffer is a `key_bucket` long (a power of two) and
+the queries are padded to a `query_bucket` (an eighth, a quarter, half or all of it) by blocks that
+visit no key and are written nowhere. Prompts from 512 to 16K tokens then need at most 20
+kernels (5 key buckets x 4), about 10 in practice (the probe's rows and the main pass's).
+Dynamo's refusal of a compile (its recompile limit) is never silent: the call returns None,
+the caller attends by query chunks instead, and `COMPILE_LIMIT` logs it once and counts it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 #: Queries and keys per block of the block mask (FlexAttention's default).
 BLOCK = 128
+
+#: The fewest keys of a buffer that the compiled kernel reads outside a compiled step.
+MIN_KEYS = 1024
+
+#: Device types where FlexAttention runs as a compiled kernel outside a compiled step (on the
+#: CPU it would run eagerly, materialising every score: the eager CPU loop uses query chunks).
+#: Tests add ``"cpu"`` to run CUDA's path through the CPU's inductor.
+COMPILED_DEVICES = {"cuda"}
+
+#: Kernels dynamo may keep of the compiled FlexAttention: one per shape in use (`key_bucket`
+#: x `query_bucket`, per window size, dtype and head layout), far fewer than this.
+FLEX_RECOMPILE_LIMIT = 256
 
 
 def size_bucket(n: int) -> int:
@@ -35,6 +59,29 @@ def size_bucket(n: int) -> int:
         return blocks * BLOCK
     shift = blocks.bit_length() - 3  # keep the top three bits
     return ((blocks + (1 << shift) - 1) >> shift << shift) * BLOCK
+
+
+def key_bucket(n: int) -> int:
+    """Keys of the K/V buffer of an ``n``-token prompt read by the compiled kernel.
+
+    A power of two, at least `MIN_KEYS`: key blocks past the prompt are never visited (the
+    block mask stops at each query block's last row), so only memory pays for the padding.
+    """
+    return max(MIN_KEYS, 1 << (max(n, 1) - 1).bit_length())
+
+
+def query_bucket(count: int, keys: int) -> int:
+    """Query rows of the kernel for ``count`` rows over ``keys`` keys (a `key_bucket`).
+
+    ``keys`` / 8, / 4, / 2 or ``keys`` itself, the smallest that holds ``count``: at most four
+    kernels per key bucket, two in practice (sparse rows are under half the prompt). Query
+    blocks past the rows visit no key block, so they cost a launch and no attention.
+    """
+    for shift in (3, 2, 1, 0):
+        size = -(-max(keys >> shift, 1) // BLOCK) * BLOCK  # whole blocks
+        if count <= size:
+            return size
+    return -(-count // BLOCK) * BLOCK
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
@@ -62,12 +109,13 @@ def block_ranges(
 
 
 def block_mask_data(
-    padded: torch.Tensor, key_blocks: int, window: int | None
+    padded: torch.Tensor, key_blocks: int, window: int | None, used: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices`` of sorted rows.
 
     ``padded``: the rows' positions, their count a multiple of `BLOCK` (padding repeats a
     position at or after the last row's). Each ``[1, 1, query blocks(, key_blocks)]`` int32.
+    ``used``: query blocks from this one on hold padding only and visit no key block.
     """
     blocks = padded.view(-1, BLOCK)
     low, high, full_low, full_high = block_ranges(blocks[:, 0], blocks[:, -1], window)
@@ -87,10 +135,11 @@ def block_mask_data(
         return x.clamp(0, most).to(torch.int32)[None, None]
 
     last = key_blocks - 1  # indices past a query block's count are never read: any block
-    return (
-        shaped(partial, key_blocks), shaped(indices, last), shaped(full, key_blocks),
-        shaped(full_indices, last),
-    )  # fmt: skip
+    partial, full = shaped(partial, key_blocks), shaped(full, key_blocks)
+    if used is not None and used < blocks.shape[0]:
+        partial[..., used:] = 0
+        full[..., used:] = 0
+    return partial, shaped(indices, last), full, shaped(full_indices, last)
 
 
 def row_mask_mod(rows: torch.Tensor, window: int | None) -> Any:
@@ -109,44 +158,93 @@ def pad_rows(rows: torch.Tensor, size: int) -> torch.Tensor:
     return rows if extra == 0 else torch.cat((rows, rows[-1:].expand(extra)))
 
 
+def compiled_flex(device: torch.device) -> bool:
+    """Whether FlexAttention on ``device`` runs as the compiled kernel outside a compiled step."""
+    return device.type in COMPILED_DEVICES
+
+
 @functools.cache
 def _compiled_flex() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
 
-def flex_kernel(device: torch.device) -> Any:
-    """FlexAttention as it runs here.
+def limit_errors() -> tuple[type[BaseException], ...]:
+    """Dynamo's error for a compile refused by its recompile limit (named by torch version)."""
+    exc = torch._dynamo.exc
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
 
-    Inside a compiled step, the plain function (traced into its graph); elsewhere compiled on
-    CUDA (one kernel per shape) and eager on the CPU (exact but slow: it materialises the
-    scores; the eager CPU loop uses query chunks instead).
+
+class CompileLimit:
+    """Compiles refused by dynamo's recompile limit: said once in the log, counted always."""
+
+    def __init__(self) -> None:
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def hit(self, what: str, error: BaseException) -> None:
+        """Count a refused compile of ``what``; log the first one."""
+        with self._lock:
+            self.refused += 1
+            first = self.refused == 1
+        if first:
+            logger.warning(
+                "%s: dynamo refused another compile (%s); this call and any other refused one "
+                "run uncompiled, counted in stats.uncompiled_calls", what, error,
+            )  # fmt: skip
+
+
+#: The process's refused compiles (FlexAttention and the compiled layer step).
+COMPILE_LIMIT = CompileLimit()
+
+
+def run_compiled_flex(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """Return the compiled kernel's ``flex_attention(*args, **kwargs)``; None if refused a compile.
+
+    ``fullgraph=True`` makes dynamo raise where it would otherwise run the unfused eager
+    function (which materialises every score) in silence.
     """
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if torch.compiler.is_compiling() or device.type != "cuda":
-        return flex_attention
-    return _compiled_flex()
+    config: Any = torch._dynamo.config
+    limits = {"recompile_limit": FLEX_RECOMPILE_LIMIT,
+              "accumulated_recompile_limit": FLEX_RECOMPILE_LIMIT}  # fmt: skip
+    try:
+        with config.patch(limits):
+            return _compiled_flex()(*args, **kwargs)
+    except limit_errors() as error:
+        COMPILE_LIMIT.hit("FlexAttention", error)
+        return None
 
 
 class FlexRows:
     """The computed rows' attention in one FlexAttention call per layer, masks built once.
 
-    ``rows`` are the sorted positions (on the device), ``total`` the keys (the buffer's rows);
-    one block mask per window size of the model, reused by every layer of the pass. Queries are
-    padded to a `size_bucket`, so a compiled kernel serves every prompt of a bucket.
+    ``rows`` are the sorted positions (on the device), ``keys`` the rows of the layer's K/V it
+    is given; one block mask per window size of the model, reused by every layer of the pass.
+    Inside a compiled step (``padded``: its rows are a size bucket's already) the queries are
+    taken as they are; elsewhere they are padded to a `query_bucket` by blocks that visit no
+    key, so the compiled kernel serves every prompt of a (key, query) bucket pair.
     """
 
     def __init__(
-        self, rows: torch.Tensor, total: int, windows: set[int | None], scaling: float
+        self,
+        rows: torch.Tensor,
+        keys: int,
+        windows: set[int | None],
+        scaling: float,
+        padded: bool = False,
     ) -> None:
         self.count = rows.numel()
-        self.total = total
+        self.keys = keys
         self.scaling = scaling
-        self.padded = pad_rows(rows, size_bucket(self.count))
-        key_blocks = -(-total // BLOCK)
-        self.data = {window: block_mask_data(self.padded, key_blocks, window) for window in windows}
+        size = self.count if padded else query_bucket(self.count, keys)
+        self.padded = pad_rows(rows, size)
+        used = None if padded else -(-self.count // BLOCK)
+        key_blocks = -(-keys // BLOCK)
+        self.data = {
+            window: block_mask_data(self.padded, key_blocks, window, used) for window in windows
+        }
 
     def block_mask(self, window: int | None) -> Any:
         """Return the `BlockMask` of ``window`` (a plain object over this pass's tensors)."""
@@ -156,19 +254,29 @@ class FlexRows:
         return BlockMask.from_kv_blocks(
             partial, indices, full, full_indices, BLOCK_SIZE=BLOCK,
             mask_mod=row_mask_mod(self.padded, window),
-            seq_lengths=(self.padded.numel(), self.total), compute_q_blocks=False,
+            seq_lengths=(self.padded.numel(), self.keys), compute_q_blocks=False,
         )  # fmt: skip
 
     def __call__(
         self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention ``[rows, heads * head_dim]`` of rotated ``queries`` over the layer's K/V."""
+    ) -> torch.Tensor | None:
+        """Attention ``[rows, heads * head_dim]`` of rotated ``queries`` over the layer's K/V.
+
+        None when the compiled kernel was refused a compile for this shape (then the caller
+        attends another way).
+        """
         padding = self.padded.numel() - self.count
         if padding:
             queries = torch.cat((queries, queries[:, -1:].expand(-1, padding, -1)), dim=1)
-        out = flex_kernel(keys.device)(
-            queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-            block_mask=self.block_mask(window), scale=self.scaling,
-            enable_gqa=queries.shape[0] != keys.shape[0],
-        )  # fmt: skip
+        args = (queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0))
+        options = {"block_mask": self.block_mask(window), "scale": self.scaling,
+                   "enable_gqa": queries.shape[0] != keys.shape[0]}  # fmt: skip
+        if torch.compiler.is_compiling() or not compiled_flex(keys.device):
+            from torch.nn.attention.flex_attention import flex_attention
+
+            out = flex_attention(*args, **options)  # traced into a compiled step, or eager
+        else:
+            out = run_compiled_flex(*args, **options)
+            if out is None:
+                return None
         return out[0, :, : self.count].transpose(0, 1).reshape(self.count, -1)

@@ -12,7 +12,7 @@ Every prompt token is one of three kinds (`TokenKind`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -55,6 +55,10 @@ class BlendInput:
     spans: list[CachedSpan]
     #: ``kinds`` on the host (read from ``kinds`` when None: a sync if that is on a device)
     host_kinds: np.ndarray | None = None
+    #: How many sequences of equal length ``token_ids`` holds, one after another (right-padded
+    #: documents computed together): each starts at position 0 and attends to its own rows
+    #: only. More than one: every row computed, no cached span, no logits (a full pass).
+    sequences: int = 1
 
 
 @dataclass
@@ -82,8 +86,14 @@ class BlendOutput:
         """
         if self.kv is None or self.tables is None:
             return None
-        kv = self.kv.prompt_rows().clone()
-        rotate_(kv[:, 0], self.tables.inverse[: kv.shape[3]])
+        return self.raw_rows(0, self.kv.total)
+
+    def raw_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of every layer's K/V as the store keeps it (see `raw_kv`)."""
+        if self.kv is None or self.tables is None:
+            raise ValueError("this pass kept no K/V buffer")
+        kv = self.kv.prompt_rows()[:, :, :, start:stop].clone()
+        rotate_(kv[:, 0], self.tables.inverse[start:stop])
         return kv
 
 
@@ -183,7 +193,7 @@ def on_host(blend_input: BlendInput) -> BlendInput:
         return blend_input
     kinds = blend_input.kinds
     host = kinds.numpy() if kinds.device.type == "cpu" else read_back(kinds).astype(np.int8)
-    return BlendInput(blend_input.token_ids, kinds, blend_input.spans, host)
+    return replace(blend_input, host_kinds=host)
 
 
 def as_rows(computed: torch.Tensor | np.ndarray | RowSet, device: torch.device) -> RowSet:

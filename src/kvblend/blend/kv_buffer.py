@@ -61,12 +61,14 @@ class PromptKV:
         length: int,
         zeroed: torch.Tensor | None = None,
         static: bool = False,
+        zero_to: int | None = None,
     ) -> PromptKV:
         """Return a buffer of ``length`` rows for ``total`` tokens, its rows from ``total`` zero.
 
         ``zeroed``: rows (on the device) that are read before they are written (the
         correction gathers every computed row's K/V), set to zero too. ``static``: a buffer at
-        a fixed address (`StaticBuffers`), for a compiled loop's CUDA graphs.
+        a fixed address (`StaticBuffers`), for a compiled loop's CUDA graphs. ``zero_to``:
+        only the rows from ``total`` to this one are zeroed (the rest is never read).
         """
         shape = adapter.shape
         size = (shape.num_layers, 2, shape.num_kv_heads, length, shape.head_dim)
@@ -74,8 +76,9 @@ class PromptKV:
             kv = STATIC_BUFFERS.take(size, adapter.dtype, adapter.device, total)
         else:
             kv = cls(torch.empty(size, device=adapter.device, dtype=adapter.dtype), total)
-        if length > total:
-            kv.data[:, :, :, total:].zero_()
+        end = length if zero_to is None else min(zero_to, length)
+        if end > total:
+            kv.data[:, :, :, total:end].zero_()
         if zeroed is not None and zeroed.numel():
             kv.data.index_fill_(3, zeroed, 0)
         return kv
@@ -87,6 +90,14 @@ class PromptKV:
         copy = PromptKV(self.data.clone(), self.total)
         STATIC_BUFFERS.give(self)
         return copy
+
+    def release(self) -> None:
+        """Hand a static buffer back unread (a pass that stopped): the next prompt reuses it.
+
+        The caller first orders the compute stream after every copy into it (`LayerLoads.fence`).
+        """
+        if self.static:
+            STATIC_BUFFERS.give(self)
 
     def load(
         self,
@@ -170,6 +181,8 @@ class CopyStream:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = _side_stream(device) if device.type == "cuda" else None
+        self.started: Any = None  # events (timed) of the first copy's start, the last's end
+        self.ended: Any = None
 
     def copy(self, place: Callable[..., None], *args: Any) -> Any:
         """Run ``place(*args, non_blocking=...)`` on the copy stream; return its end event.
@@ -183,10 +196,23 @@ class CopyStream:
             return None
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            if self.started is None:
+                self.started = torch.cuda.Event(enable_timing=True)
+                self.started.record(self.stream)
             place(*args, non_blocking=True)
-            event = torch.cuda.Event()
+            self.ended = event = torch.cuda.Event(enable_timing=True)
             event.record(self.stream)
         return event
+
+    def seconds(self) -> float | None:
+        """Device seconds from the first copy's start to the last copy's end (None: no events).
+
+        Waits for the last copy (read after the logits, for the statistics).
+        """
+        if self.started is None or self.ended is None:
+            return None
+        self.ended.synchronize()
+        return float(self.started.elapsed_time(self.ended)) / 1000
 
     def guard(self, kv: PromptKV, spans: list[CachedSpan], table: torch.Tensor) -> None:
         """Mark the buffer, the RoPE table and the spans' tensors on the device as in use.
@@ -250,3 +276,13 @@ class LayerLoads:
         """Order the compute stream after the copy of ``layer``'s group (when one was issued)."""
         if layer in self.events:
             self.stream.wait(self.events[layer])
+
+    def fence(self) -> None:
+        """Order the compute stream after every copy issued (none waited for may still run).
+
+        A pass that stops midway calls it before its buffer is handed back: whatever the
+        compute stream does with the buffer next (another prompt's writes; the copy stream
+        waits for the compute stream before its own copies) comes after these copies.
+        """
+        for event in dict.fromkeys(self.events.values()):
+            self.stream.wait(event)

@@ -1,12 +1,14 @@
 """One layer of a blend pass, as the named steps of a model file: the loop's body.
 
 `layer_step` is a pure function of its tensors (the model adapter's steps, RoPE, the
-correction, attention), so the same function runs eagerly or compiled (`compiled_loop.py`):
+correction, attention), so the same function runs eagerly or compiled (`compiled.py`, given
+one layer's own adapter as its layer 0: the layer index is then no constant of the graph, and
+the window size of a layer is read from the adapter, never from an index into the model):
 
 1. `write_fresh`: project the computed rows (keys and values in one product), rotate their
    queries and keys to their positions, move the stale cached rows by the correction
    (`correction.py`) and write the fresh K/V over their rows (one op);
-2. `attend_and_mlp`: the computed rows attend over the layer's whole K/V (`row_attention.py`),
+2. `attend_and_mlp`: the computed rows attend over the layer's whole K/V (`attention.py`),
    then ``o_proj``, the residual and the MLP; on the last layer, when only the logits are
    needed, the last row alone (`last_row`).
 
@@ -60,7 +62,7 @@ def attend_and_mlp(
     attention: Any,
 ) -> torch.Tensor:
     """Step 2: the computed rows attend over the whole patched K/V, then the MLP."""
-    attended = attention(layer, queries, layer_kv[0], layer_kv[1])
+    attended = attention(adapter.windows[layer], queries, layer_kv[0], layer_kv[1])
     hidden = hidden + adapter.attention_output(layer, attended)
     return adapter.feed_forward(layer, hidden)
 
@@ -77,7 +79,7 @@ def last_row(
 
     The other rows' K/V are written already and only this row's output feeds the logits.
     """
-    attended = attention.last_row(layer, queries[:, -1:], layer_kv[0], layer_kv[1])
+    attended = attention.last_row(adapter.windows[layer], queries[:, -1:], layer_kv[0], layer_kv[1])
     return adapter.feed_forward(layer, hidden[-1:] + adapter.attention_output(layer, attended))
 
 

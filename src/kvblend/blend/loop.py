@@ -6,7 +6,7 @@ the device (the default's probe, CacheBlend's check layer) stay there: their cou
 the host, the sorted rows, their RoPE table, attention masks and the correction are built from
 them with device ops, and the host learns which rows they were only after the logits (for the
 statistics). The prompt's K/V of every layer lives in one preallocated buffer (`PromptKV`,
-`prompt_kv.py`), keys rotated to their positions. At every layer the loop
+`kv_buffer.py`), keys rotated to their positions. At every layer the loop
 
 1. waits for the layer's cached K/V: the first layer that reads cached K/V issues its copies, a
    group of layers per copy (every document's keys and values at once, straight from the
@@ -18,27 +18,34 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 2. lets the selector narrow the computed rows, at its refine layers,
 3. runs the layer (`layer_step.py`): projects the computed rows, rotates their queries and
    keys, moves the stale cached rows by the correction, writes the fresh K/V (one op), attends
-   the computed rows over the whole layer (`row_attention.py`) and runs the MLP. The step is
-   a pure function, run eagerly or compiled (`compiled_loop.py`, ``KVBLEND_COMPILE``).
+   the computed rows over the whole layer (`attention.py`) and runs the MLP. The step is a
+   pure function, run eagerly or compiled (`compiled.py`, ``KVBLEND_COMPILE``: one graph per
+   size bucket for every layer).
 
-The loop calls the model only through the `ModelAdapter` protocol (`decoder.py`). Keys are
+The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
-segment is exact. Read `blend_io.py` for the token kinds. A prefill can be cancelled between
-layers (``cancel``: a `threading.Event`, or any `CancelFlag`; the vLLM connector's also pauses
-the loop there until the engine's next step).
+segment is exact. Read `io.py` for the token kinds. A prefill can be cancelled between layers
+(``cancel``: a `threading.Event`, or any `CancelFlag`; the vLLM connector's also pauses the loop
+there until the engine's next step); a pass that stops orders the compute stream after every
+copy it issued before its buffer is handed back (`LayerLoads.fence`). On CUDA, `device_times`
+reads the device's own time of a blend (CUDA events) once its logits are queued.
+
+Precompute runs documents through the same loop: strategy ``full`` over a batch of right-padded
+sequences laid one after another (`BlendInput.sequences`), each at positions ``0..n-1`` (its
+RoPE table repeated) and attending to its own rows only (`SequenceAttention`), eagerly.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.attention import RowAttention
+from kvblend.blend.attention import RowAttention, SequenceAttention
 from kvblend.blend.compiled import StepRunner, step_runner
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.correction import CorrectionTensors, stale_correction
@@ -61,7 +68,14 @@ from kvblend.blend.selectors import Selection, SelectionContext, Selector, selec
 from kvblend.blend.selectors.base import Narrowing, PassObserver
 from kvblend.errors import BlendCancelledError
 
-__all__ = ["CancelFlag", "run_blend", "run_pass", "selection_context"]
+__all__ = [
+    "CancelFlag",
+    "device_clock",
+    "device_times",
+    "run_blend",
+    "run_pass",
+    "selection_context",
+]
 
 
 class CancelFlag(Protocol):
@@ -97,10 +111,11 @@ class PassState:
     padded: torch.Tensor = field(init=False)  # the positions the step computes
     hidden: torch.Tensor = field(init=False)  # [padded rows, hidden]
     row_table: torch.Tensor = field(init=False)  # the RoPE table of ``padded``
-    attention: RowAttention = field(init=False)
+    attention: RowAttention | SequenceAttention = field(init=False)
     correction: CorrectionTensors | None = field(init=False)
     load_s: float = 0.0
     token_layers: int = 0
+    uncompiled: int = 0  # attention calls of earlier rows run uncompiled (a refused compile)
 
     @property
     def total(self) -> int:
@@ -114,10 +129,16 @@ class PassState:
         """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
         adapter, total = self.adapter, self.total
         self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
-        self.attention = RowAttention(
-            rows, total, adapter.windows, adapter.scaling, adapter.dtype,
-            flex=self.runner.flex, length=self.kv.data.shape[3], padded=self.padded,
-        )  # fmt: skip
+        if hasattr(self, "attention"):  # the rows before narrowing: their refused compiles
+            self.uncompiled += self.attention.uncompiled
+        if self.prompt.sequences > 1:  # a batch of sequences, every row computed
+            self.attention = SequenceAttention(rows, self.prompt.sequences, adapter.scaling)
+        else:
+            padded = self.padded if self.runner.compiled else None
+            self.attention = RowAttention(
+                rows, total, adapter.windows, adapter.scaling, adapter.dtype,
+                flex=self.runner.flex, length=self.kv.data.shape[3], padded=padded,
+            )  # fmt: skip
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
         self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
@@ -157,7 +178,9 @@ def begin_pass(
         zeroed = None
         if corrected and (prompt.host_kinds == MOVED).any():
             zeroed = to_device(np.flatnonzero(prompt.host_kinds == COMPUTE), adapter.device)
-        kv = PromptKV.empty(adapter, total, tables.table.shape[0], zeroed, runner.compiled)
+        kv = PromptKV.empty(
+            adapter, total, tables.table.shape[0], zeroed, runner.compiled, runner.zero_to
+        )
     state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
     state.loads = start.loads if start is not None and start.loads is not None else (
         LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
@@ -274,15 +297,19 @@ def run_pass(
     bounds = rows.bounds()
     if need_logits and (layers is not None or (bounds is not None and bounds[0][-1] != total - 1)):
         raise RuntimeError("logits need the last prompt token computed through every layer")
-    tables = tables if tables is not None else prompt_tables(adapter, total)
-    runner = step_runner(adapter, total)
+    batch = blend_input.sequences
+    if batch > 1 and (need_logits or blend_input.spans or rows.count != total or total % batch):
+        raise ValueError("a batch of equal-length sequences is computed whole, without logits")
+    tables = tables if tables is not None else prompt_tables(adapter, blend_input)
+    runner = pass_runner(adapter, blend_input)
     corrected = share > 0 if corrected is None else corrected
     runner.begin(adapter.device)
     state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
     try:
         logits = run_layers(state, selector, observer, need_logits, cancel, layers)
     except BaseException:
-        state.kv.copied()  # a static buffer is handed back
+        state.loads.fence()  # copies into the buffer may still run: the next user waits
+        state.kv.release()  # a static buffer is handed back, not copied out
         raise
     out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
     out.stats = pass_stats(state, blend_input)
@@ -309,13 +336,59 @@ def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
     computed = state.rows.host_positions()
     layers = state.adapter.shape.num_layers
     stats = rows_read(state.host_kinds, blend_input.spans, computed)
+    uncompiled = state.uncompiled + state.attention.uncompiled + state.runner.uncompiled
     return {"load_s": state.load_s, "token_layers": state.token_layers,
-            "token_layers_full": state.total * layers, **stats}  # fmt: skip
+            "token_layers_full": state.total * layers, "uncompiled_calls": uncompiled,
+            **stats}  # fmt: skip
 
 
-def prompt_tables(adapter: ModelAdapter, total: int) -> RopeTables:
-    """Return the RoPE tables of a prompt's buffer rows (made once per prefill)."""
-    length = step_runner(adapter, total).length
+def device_clock(device: torch.device) -> torch.cuda.Event | None:
+    """Return a timed event recorded now on ``device``'s compute stream (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def device_times(start: torch.cuda.Event | None, out: BlendOutput) -> dict[str, float]:
+    """Device seconds of a blend begun at ``start`` (`device_clock`): ``{}`` off CUDA.
+
+    ``blend_device_s``: the compute stream's, from ``start`` to now (the logits queued);
+    ``load_device_s``: the copy stream's, from the first copy of cached K/V to the last. Waits
+    for the device to get there: read once the logits are queued, for the statistics.
+    """
+    if start is None:
+        return {}
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    times = {"blend_device_s": float(start.elapsed_time(end)) / 1000}
+    load = out.loads.stream.seconds() if out.loads is not None else None
+    if load is not None:
+        times["load_device_s"] = load
+    return times
+
+
+def pass_runner(adapter: ModelAdapter, blend_input: BlendInput) -> StepRunner:
+    """How a prompt's passes run (`step_runner`); a batch of sequences: eagerly, unpadded."""
+    total = blend_input.token_ids.numel()
+    if blend_input.sequences > 1:
+        return StepRunner(flex=False, length=total)
+    return step_runner(adapter, total)
+
+
+def prompt_tables(adapter: ModelAdapter, blend_input: BlendInput) -> RopeTables:
+    """Return the RoPE tables of a prompt's buffer rows (made once per prefill).
+
+    A batch of sequences: one sequence's positions, repeated for each.
+    """
+    total, sequences = blend_input.token_ids.numel(), blend_input.sequences
+    if sequences > 1:
+        length = total // sequences
+        table = rope_tables(adapter.rotary, length, length, adapter.device).table
+        return RopeTables(table.repeat(sequences, 1, 1, 1))
+    length = pass_runner(adapter, blend_input).length
     return rope_tables(adapter.rotary, total, length, adapter.device)
 
 
@@ -363,13 +436,12 @@ def run_blend(
     """
     blend_input = on_host(blend_input)
     device = adapter.device
-    blend_input = BlendInput(
-        to_device(blend_input.token_ids, device), to_device(blend_input.kinds, device),
-        blend_input.spans,
-        blend_input.host_kinds,
+    blend_input = replace(
+        blend_input, token_ids=to_device(blend_input.token_ids, device),
+        kinds=to_device(blend_input.kinds, device),
     )  # fmt: skip
     selector = selector_class(config.strategy)(config.settings)
-    tables = prompt_tables(adapter, blend_input.token_ids.numel())
+    tables = prompt_tables(adapter, blend_input)
     started = time.perf_counter()
     context = selection_context(adapter, blend_input, cancel, tables, selector.correction)
     selection = selector.select(context)
@@ -384,4 +456,5 @@ def run_blend(
         out.stats["probe_s"] = select_s
         out.stats["load_s"] += selection.start.stats["load_s"]
         out.stats["token_layers"] += selection.start.stats["token_layers"]
+        out.stats["uncompiled_calls"] += selection.start.stats["uncompiled_calls"]
     return out

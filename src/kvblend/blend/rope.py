@@ -23,25 +23,6 @@ import torch
 ROTATE_SLICE = 1 << 22
 
 
-def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``sin`` with its first half negated: the table `apply_rope` multiplies swapped halves by."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[heads, tokens, head_dim]`` by ``cos`` and ``signed_sin(sin)``.
-
-    Computes transformers' ``x * cos + rotate_half(x) * sin`` with one product and two in-place
-    multiply-adds over the halves instead of four temporaries (``-signed_sin(sin)`` undoes it).
-    """
-    half = x.shape[-1] // 2
-    out = x * cos
-    out[..., :half].addcmul_(x[..., half:], sin_signed[..., :half])
-    out[..., half:].addcmul_(x[..., :half], sin_signed[..., half:])
-    return out
-
-
 def rope_table(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Return the rotation of every position as one table ``[tokens, 2, 2, head_dim // 2]``.
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from kvblend.blend.adapter import ModelAdapter
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DocumentRegistry
 from kvblend.documents.segment_kv import SegmentKV
-from kvblend.models.decoder import Decoder
 from kvblend.prompt.plan import PrefillPlan, cached_pieces
 from kvblend.prompt.segments import KV_LAYOUT, Segment, segment_key
 from kvblend.validation import (
@@ -49,7 +49,7 @@ class DocumentLibrary:
 
     def __init__(
         self,
-        decoder: Decoder,
+        decoder: ModelAdapter,
         tokenizer: Any,
         store: Any,
         *,

@@ -2,10 +2,11 @@
 
 `SegmentKV` is the engine's only path to stored KV. It knows how a document is tokenized for
 its cache (behind the document context, memoized), computes an entry with the engine's own
-layer loop and writes it, checks that an entry reads back, and opens the entries a prefill plan
-needs. A store that fails never fails an answer: a missing or unreadable entry is computed,
-and one that fails while it is being read (a damaged tensor, a remote tier gone mid-prompt) is
-recomputed in place (`StoredRows`).
+layer loop (`kvblend.documents.precompute`) and writes it, checks that an entry reads back, and
+opens an entry (`kvblend.documents.blend_plan` opens those a prefill plan needs). A store that
+fails never fails an answer: a missing or unreadable entry is computed, and one that fails while
+it is being read (a damaged tensor, a remote tier gone mid-prompt) is recomputed in place
+(`StoredRows`, `recompute`).
 
 An entry is one tensor, ``kv``: every layer's un-rotated keys and values of the document,
 ``[layers, 2, kv_heads, tokens, head_dim]`` (keys, then values), laid out as the prompt buffer
@@ -24,7 +25,6 @@ tensor to the model.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
@@ -35,14 +35,9 @@ from typing import Any
 
 import torch
 
-from kvblend.blend.config import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
-from kvblend.blend.loop import run_blend
-from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, forward_batch, length_batches
+from kvblend.blend.adapter import ModelAdapter
+from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
 from kvblend.documents.records import document_metadata
-from kvblend.documents.stored_rows import StoredRows
-from kvblend.models.decoder import Decoder
-from kvblend.prompt.plan import PrefillPlan
 from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
 from kvblend.prompt.tokens import DocumentLayout, document_layout
 
@@ -58,7 +53,7 @@ class SegmentKV:
 
     def __init__(
         self,
-        decoder: Decoder,
+        decoder: ModelAdapter,
         tokenizer: Any,
         store: Any,
         *,
@@ -243,18 +238,8 @@ class SegmentKV:
         The entry names its document (`described`) when ``key`` is a document tokenized here.
         """
         self._check_length(len(context) + len(token_ids))
-        ids = torch.tensor(context + token_ids, dtype=torch.long)
-        kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
-        out = run_blend(
-            self.decoder,
-            BlendInput(ids, kinds, []),
-            BlendConfig("full"),
-            need_logits=False,
-        )
-        raw = out.raw_kv  # keys before RoPE, a tensor of its own
-        assert raw is not None
-        rows = raw[:, :, :, len(context) :]
-        tensors = {KV_NAME: rows.to(self.kv_dtype, memory_format=torch.contiguous_format)}
+        kv = document_kv(self.decoder, [context + token_ids], [len(context)], self.kv_dtype)
+        tensors = {KV_NAME: kv[0]}
         self._put(key, tensors, len(context), len(token_ids))
         return tensors
 
@@ -263,7 +248,7 @@ class SegmentKV:
         entries: Sequence[tuple[str, DocumentLayout]],
         described: Mapping[str, Mapping[str, str]] | None = None,
     ) -> None:
-        """Compute the KV of several documents in one batched forward pass and store each.
+        """Compute the KV of several documents in one batched pass of the loop and store each.
 
         ``entries`` are (segment id, layout) pairs; the stored entries are those `compute`
         would store (`kvblend.documents.precompute` says why the batched rows are exact).
@@ -272,23 +257,10 @@ class SegmentKV:
         for _, layout in entries:
             self._check_length(len(layout.context_ids) + len(layout.ids))
         sequences = [layout.context_ids + layout.ids for _, layout in entries]
-        keys, values = forward_batch(self.decoder, sequences)
-        for row, (key, layout) in enumerate(entries):
-            start, end = len(layout.context_ids), len(sequences[row])
-            tensors = {KV_NAME: self._blob(keys, values, row, slice(start, end))}
-            self._put(key, tensors, start, end - start, (described or {}).get(key))
-
-    def _blob(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], row: int, rows: slice
-    ) -> torch.Tensor:
-        """Batch row ``row``'s ``rows`` of per-layer K/V as one new entry tensor (one copy)."""
-        tokens = rows.stop - rows.start
-        dtype, shape = self.entry_shape(tokens)
-        blob = torch.empty(shape, dtype=dtype, device=keys[0].device)
-        targets = [blob[layer, kind] for layer in range(shape[0]) for kind in (0, 1)]
-        sources = [kv[layer][row, :, rows] for layer in range(shape[0]) for kv in (keys, values)]
-        torch._foreach_copy_(targets, sources)
-        return blob
+        starts = [len(layout.context_ids) for _, layout in entries]
+        kvs = document_kv(self.decoder, sequences, starts, self.kv_dtype)
+        for (key, layout), kv, start in zip(entries, kvs, starts, strict=True):
+            self._put(key, {KV_NAME: kv}, start, len(layout.ids), (described or {}).get(key))
 
     def _put(
         self,
@@ -314,35 +286,7 @@ class SegmentKV:
         except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer
             logger.warning("could not store segment %s: %s", key, error)
 
-    def open_spans(self, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
-        """Open each planned span's entry, computing missing or unreadable ones.
-
-        Entries are opened where the store keeps them (host memory, pinned when CUDA is
-        available, or a device): the blend loop copies each layer group's rows straight into
-        its buffer on the device, on a side stream while earlier layers compute, instead of
-        the whole entry being copied before the first layer. Returns the spans for the blend
-        loop and how many entries were computed now.
-        """
-        spans, computed = [], 0
-        for span in plan.spans:
-            key = segment_key(self.fingerprint, span.context_ids, span.cached_ids)
-            tokens = len(span.cached_ids)
-            try:
-                entry = self.open_entry(key, tokens)
-            except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
-                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
-                self.drop(key)
-                entry = None
-            if entry is None:
-                entry = self.compute(key, span.context_ids, span.cached_ids)
-                computed += 1
-            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            recompute = functools.partial(self._recompute, key, span.context_ids, span.cached_ids)
-            stored = StoredRows(entry, rows, recompute, self.entry_shape(tokens))
-            spans.append(CachedSpan(span.start, span.end, stored, span.kind))
-        return spans, computed
-
-    def _recompute(
+    def recompute(
         self, key: str, context: list[int], token_ids: list[int]
     ) -> dict[str, torch.Tensor]:
         """Replace an entry that failed while being read: counted, computed and stored again.

@@ -1,9 +1,9 @@
 """Rows of one stored segment's KV, read a layer at a time, recomputed if the read fails.
 
-`StoredRows` is what the blend loop reads a cached span from (`SegmentKV.open_spans` makes
-them): views into the tensor a store handed out, which the loop only ever copies out of. The
-shape is checked again as it is used, so a store that ignores the expected shape still never
-feeds a wrong-shaped tensor to the model.
+`StoredRows` is what the blend loop reads a cached span from (`kvblend.documents.blend_plan`
+makes them): views into the tensor a store handed out, which the loop only ever copies out of.
+The shape is checked again as it is used, so a store that ignores the expected shape still
+never feeds a wrong-shaped tensor to the model.
 """
 
 from __future__ import annotations
@@ -42,17 +42,26 @@ class StoredRows:
         self.expected = expected  # dtype and shape of the stored ``kv``, when known
         self.recomputed = False  # True once a failed read made this segment be computed anew
         self._recompute: Callable[[], Mapping[str, torch.Tensor]] | None = recompute
-        self._kv: torch.Tensor | None = None
+        self._kv: torch.Tensor | None = None  # the rows of every layer, once read
 
     def layer(self, index: int) -> torch.Tensor:
         """Return a view of layer ``index``'s un-rotated K/V ``[2, kv_heads, rows, head_dim]``."""
         return self.layers()[index]
 
     def layers(self) -> torch.Tensor:
-        """Return a view of every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``."""
+        """Return every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``.
+
+        A view of the stored tensor, or, for part of an entry kept in pinned host memory, a
+        contiguous pinned copy of that part (made once): a copy to the GPU from a strided
+        host view would go through pageable memory and block the host.
+        """
         if self._kv is None:
-            self._kv = self._open()
-        return self._kv[:, :, :, self.rows]
+            kv = self._open()
+            rows = kv[:, :, :, self.rows]
+            if kv.device.type == "cpu" and not rows.is_contiguous() and kv.is_pinned():
+                rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
+            self._kv = rows
+        return self._kv
 
     def _open(self) -> torch.Tensor:
         try:

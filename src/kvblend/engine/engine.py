@@ -7,8 +7,9 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 `BlendEngine` is the facade users call; each method checks its input once and hands over to the
 package that does the work: prompts (`kvblend.prompt`: segments, templates, token ids, the
 plan), documents (`kvblend.documents.library.DocumentLibrary`: precompute, the registry that
-finds them in prompts, their entries in the store), the blend (`kvblend.blend.loop.run_blend`)
-and decoding from the fused cache (`kvblend.decoding`), plus the parity self-check.
+finds them in prompts, their entries in the store), the blend (`kvblend.documents.blend_plan`:
+the plan's entries opened, then `kvblend.blend.loop.run_blend`) and decoding from the fused
+cache (`kvblend.decoding`), plus the parity self-check.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ import torch
 
 from kvblend.blend.config import BlendConfig, check_config
 from kvblend.blend.forecast import forecast_blend
-from kvblend.blend.io import BlendInput, CachedSpan
-from kvblend.blend.loop import run_blend
+from kvblend.blend.loop import device_clock, device_times
 from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
 from kvblend.decoding.generation import GenerationResult, decode, decode_stream
 from kvblend.decoding.options import DecodeOptions
+from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DEFAULT_CAPACITY
@@ -383,27 +384,19 @@ class BlendEngine:
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
-        kinds = torch.from_numpy(plan.kinds.copy())  # the loop's own: the plan stays as planned
-        token_ids = torch.from_numpy(plan.token_ids.copy())
-        lookup_started = time.perf_counter()
-        spans: list[CachedSpan] = []
-        if config.reads_cache:
-            spans, stats.segments_precomputed = self.segment_kv.open_spans(plan)
-            stats.segments_cached = len(spans)
-        stats.timings["lookup_s"] = time.perf_counter() - lookup_started
-        compute_started = time.perf_counter()
-        blend_input = BlendInput(token_ids, kinds, spans, kinds.numpy())
-        out = run_blend(self.decoder, blend_input, config, cancel=cancel)
+        clock = device_clock(self.decoder.device)
+        # entries opened lazily; a missing, unreadable or failing one computed (and stored)
+        blended = blend_plan(self.decoder, self.segment_kv, plan, config, cancel=cancel)
+        out = blended.out
         assert out.logits is not None
-        # entries that failed while their layers were read, recomputed in place
-        stats.segments_precomputed += sum(
-            bool(getattr(s.source, "recomputed", False)) for s in spans
-        )
-        stats.timings["blend_s"] = time.perf_counter() - compute_started
+        stats.segments_cached, stats.segments_precomputed = len(blended.spans), blended.computed
+        stats.timings["lookup_s"], stats.timings["blend_s"] = blended.open_s, blended.loop_s
         stats.timings["load_s"] = out.stats["load_s"]
         stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
+        stats.uncompiled_calls = int(out.stats["uncompiled_calls"])
+        stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
-        count_tokens(stats, plan, kinds, out.stats, config.reads_cache)
+        count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, config.reads_cache)
         self._fallback_log.report(stats, len(self.documents))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
 

@@ -34,6 +34,9 @@ class BlendStats:
     documents_found: int = 0  # cached document segments in the prompt
     documents_reused: int = 0  # of those, how many had tokens read from their cache
     compute_fraction: float = 0.0  # token-layers computed / token-layers of a full prefill
+    #: Calls that ran uncompiled because dynamo refused another compile (its recompile limit;
+    #: logged once per process): FlexAttention by query chunks, a compiled loop's step eagerly.
+    uncompiled_calls: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     #: The strategy that ran: ``strategy``, or ``"full"`` when every moved token was recomputed
     #: instead (the prompt head is still reused in place, which full prefill equals exactly).

@@ -14,6 +14,7 @@ keys and values ``[kv_heads, tokens, head_dim]`` (only the KV heads are kept: GQ
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol, cast
 
 import torch
@@ -129,26 +130,6 @@ class Decoder:
         cos, sin = self.inner.rotary_emb(probe, positions.unsqueeze(0))
         return cos[0], sin[0]
 
-    def project(
-        self, layer: int, hidden: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Return queries, un-rotated keys and values of ``hidden`` at ``layer``.
-
-        ``hidden`` is ``[tokens, hidden]``; the outputs are ``[heads, tokens, head_dim]``.
-        """
-        block = self.layers[layer]
-        attention = block.self_attn
-        x = norm(block.input_layernorm, hidden)
-        tokens = x.shape[0]
-        head_dim = self.shape.head_dim
-        q = attention.q_proj(x).view(tokens, -1, head_dim)
-        k = attention.k_proj(x).view(tokens, -1, head_dim)
-        v = attention.v_proj(x).view(tokens, -1, head_dim)
-        if self.has_qk_norm:
-            q = norm(attention.q_norm, q)
-            k = norm(attention.k_norm, k)
-        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-
     def project_rows(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Return queries ``[heads, tokens, head_dim]`` and K/V ``[tokens, 2, kv_heads, head_dim]``.
 
@@ -170,6 +151,22 @@ class Decoder:
         kv = F.linear(x, weight, bias).view(tokens, 2, -1, head_dim)
         return queries.transpose(0, 1), kv
 
+    def layer_adapters(self) -> list[Decoder]:
+        """Return, for each layer, this adapter restricted to that layer (as its layer 0).
+
+        What the compiled loop hands its step: the same members, the one layer's modules, window
+        and stacked K/V projection (shared with this adapter, nothing copied), so one compiled
+        graph serves every layer (the weights are its inputs, the layer index is no constant).
+        """
+        views = []
+        for layer in range(self.shape.num_layers):
+            view = copy.copy(self)
+            view.layers = [self.layers[layer]]
+            view.windows = [self.windows[layer]]
+            view._kv_proj = [self.kv_projection(layer)]
+            views.append(view)
+        return views
+
     def kv_projection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k_proj and v_proj of ``layer`` stacked: weight and bias (None: no biases)."""
         if self._kv_proj is None:
@@ -185,7 +182,7 @@ class Decoder:
     def project_kv(self, layer: int, hidden: torch.Tensor, *, keys: bool) -> torch.Tensor:
         """Return only the un-rotated keys (``keys=True``) or the values of ``hidden`` at ``layer``.
 
-        The same arithmetic as `project`, for the check layer's deviation, which needs one
+        The same arithmetic as `project_rows`, for the check layer's deviation, which needs one
         projection of every row and the rest only for the rows it keeps.
         """
         block = self.layers[layer]

@@ -42,18 +42,20 @@ class _Entry:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     nbytes: int
-    finite: bool | None = None  # known once a reader has asked for finite values
+    finite: bool  # every value finite: checked as the entry was written, never as it is read
 
     def mismatch(self, expect: EntrySpec) -> str | None:
         """Say how this entry differs from `expect`: names, dtypes, shapes, finite values."""
         found = {name: (t.dtype, tuple(t.shape)) for name, t in self.tensors.items()}
         reason = expect.mismatch(found)
-        if reason is None and expect.finite:
-            if self.finite is None:  # one pass per entry, whatever the number of reads
-                self.finite = not any(non_finite(t) for t in self.tensors.values())
-            if not self.finite:
-                reason = "a tensor holds NaN or infinity"
+        if reason is None and expect.finite and not self.finite:
+            reason = "a tensor holds NaN or infinity"
         return reason
+
+
+def _finite(tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether every value of ``tensors`` is finite (a sum per tensor: a host sync on a GPU)."""
+    return not any(non_finite(t) for t in tensors.values())
 
 
 class MemoryKVStore(KVStore):
@@ -98,7 +100,8 @@ class MemoryKVStore(KVStore):
 
         An entry whose names, dtypes or shapes are not those `expect` gives, or (with
         `expect.finite`) that holds NaN or infinity, is dropped, counted and reported as a
-        miss; values are checked once per entry, on its first read with `expect`.
+        miss. Values were checked as the entry was written (`put`, `insert_owned`): a read
+        never waits on a device.
         """
         validate_key(key)
         target = torch.device(device) if device is not None else None
@@ -142,7 +145,7 @@ class MemoryKVStore(KVStore):
             self.delete(key)
             return
         copies = {name: self._private_copy(tensor.detach()) for name, tensor in checked.items()}
-        self.insert_owned(key, copies, user_metadata)
+        self.insert_owned(key, copies, user_metadata, finite=_finite(copies))
 
     def _private_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return a copy of `tensor` on the store's device, in pinned memory if kept pinned."""
@@ -153,14 +156,21 @@ class MemoryKVStore(KVStore):
         return pinned.copy_(tensor)
 
     def insert_owned(
-        self, key: str, tensors: dict[str, torch.Tensor], metadata: Mapping[str, str]
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        metadata: Mapping[str, str],
+        finite: bool | None = None,
     ) -> None:
         """Store tensors the store may keep as they are (no copy), evicting LRU entries.
 
         For use inside the store package (the tiered store promotes disk hits this way); the
         tensors are only read afterwards, by anyone. Host tensors not pinned yet are pinned
-        here when CUDA is available (once: they are kept pinned).
+        here when CUDA is available (once: they are kept pinned). ``finite``: whether every
+        value is known finite (checked as they were read from bytes); None: checked here.
         """
+        if finite is None:
+            finite = _finite(tensors)
         tensors = {
             name: t.pin_memory() if _pins(t.device) and not t.is_pinned() else t
             for name, t in tensors.items()
@@ -172,7 +182,7 @@ class MemoryKVStore(KVStore):
                 self._bytes -= old.nbytes
             if nbytes > self.max_bytes:
                 return
-            self._entries[key] = _Entry(dict(tensors), dict(metadata), nbytes)
+            self._entries[key] = _Entry(dict(tensors), dict(metadata), nbytes, finite)
             self._bytes += nbytes
             while self._bytes > self.max_bytes:
                 _, evicted = self._entries.popitem(last=False)

@@ -132,16 +132,22 @@ class TieredKVStore(KVStore):
             return None
         target = torch.device(device) if device is not None else keep_on
         metadata = stored.metadata
+        finite = True if expect is not None and expect.finite else None  # checked as read
         return copy_then_keep(
-            stored, target, lambda tensors: self._promote(key, tensors, metadata), metadata,
-            stored.close,
+            stored, target, lambda tensors: self._keep_in_memory(key, tensors, metadata, finite),
+            metadata, stored.close,
         )  # fmt: skip
 
-    def _promote(
-        self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+    def _keep_in_memory(
+        self,
+        key: str,
+        tensors: dict[str, torch.Tensor],
+        metadata: dict[str, str],
+        finite: bool | None,
     ) -> None:
+        """Promote a disk hit into the memory tier (``finite``: its values were checked)."""
         try:
-            self.memory.insert_owned(key, tensors, metadata)
+            self.memory.insert_owned(key, tensors, metadata, finite)
         except Exception as error:  # noqa: BLE001 - e.g. device out of memory; never fatal
             self._count_put_error("memory", error)
 

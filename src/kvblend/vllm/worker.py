@@ -21,7 +21,6 @@ goes to the scheduler side, which claims nothing until it has one and nothing ev
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -34,12 +33,12 @@ import torch
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
 from kvblend.blend.loop import run_blend
+from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
-from kvblend.documents.stored_rows import StoredRows
 from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
 from kvblend.errors import BlendCancelledError
 from kvblend.prompt.plan import PrefillPlan, TokenKind
-from kvblend.prompt.segments import KV_NAME, segment_key
+from kvblend.prompt.segments import segment_key
 from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.adapter import VLLMAdapter
 from kvblend.vllm.paged import slot_mapping, write_rows
@@ -282,24 +281,18 @@ class WorkerSide:
         checkpoint: Callable[[], None] = _no_pause,
         spans: list[CachedSpan] | None = None,
     ) -> None:
-        plan, began = job.plan, time.perf_counter()
-        kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: lost entries change it
-        if spans is None:
-            spans = self._open(plan, kinds, outcome, checkpoint) if config.reads_cache else []
-        elif not config.reads_cache:
-            kinds[:] = int(TokenKind.COMPUTE)
-            spans = []
-        token_ids = torch.as_tensor(np.asarray(plan.token_ids, dtype=np.int64))
-        blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
-        opened = time.perf_counter()
-        out = run_blend(
-            self.adapter, blend_input, config, need_logits=False,
-            cancel=Checkpoints(checkpoint),
+        # entries read whole before the loop (a checkpoint between two), the ranks agreeing on
+        # those they use; an unusable entry's rows are computed in full, as vLLM would compute
+        # them. ``spans``: entries already opened (the calibration's synthetic ones)
+        blended = blend_plan(
+            self.adapter, self.library.segment_kv, job.plan, config, read_whole=True,
+            ranks=self.adapter, lost=outcome.lost, need_logits=False,
+            cancel=Checkpoints(checkpoint), spans=spans,
         )  # fmt: skip
-        blended = time.perf_counter()
+        out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
         outcome.rows = round(out.stats.get("token_layers", 0) / self.adapter.shape.num_layers)
         outcome.timings = {
-            "open_s": opened - began, "loop_s": blended - opened,
+            "open_s": blended.open_s, "loop_s": blended.loop_s,
             "probe_s": float(out.stats.get("probe_s", 0.0)),
         }  # fmt: skip
         if config.reads_cache:
@@ -311,72 +304,7 @@ class WorkerSide:
         for layer, attention in enumerate(self.adapter.attention_layers):
             checkpoint()
             write_rows(attention, out.keys[layer], out.values[layer], job.start, job.stop, slots)
-        outcome.timings["write_s"] = time.perf_counter() - blended
-
-    def _open(
-        self,
-        plan: PrefillPlan,
-        kinds: np.ndarray,
-        outcome: BlendOutcome,
-        checkpoint: Callable[[], None] = _no_pause,
-    ) -> list[CachedSpan]:
-        """Open and read the plan's entries; rows of one that cannot be used are computed.
-
-        Each entry is read whole here, before the loop (the store checks its checksum, shape,
-        dtype and finite values as it reads), so a damaged or foreign entry makes its rows
-        computed in full, as vLLM would compute them, rather than recomputed mid-prompt. Under
-        tensor parallelism the ranks agree on which entries they use (an entry one rank could
-        not read is computed on every rank) and each rank reads its own KV heads.
-        """
-        segment_kv, adapter = self.library.segment_kv, self.adapter
-        opened = []
-        for span in plan.spans:
-            checkpoint()
-            opened.append(self._entry(span, outcome))
-        usable = torch.tensor([entry is not None for _, entry in opened], dtype=torch.float32)
-        agreed = adapter.gather_ranks(usable).min(dim=0).values if opened else usable
-        spans = []
-        for index, (span, (key, entry)) in enumerate(zip(plan.spans, opened, strict=True)):
-            if entry is not None and not agreed[index]:
-                outcome.lost.append(f"entry {key[:12]} unusable on another tensor-parallel rank")
-                entry = None
-            if entry is None:
-                kinds[span.start : span.end] = int(TokenKind.COMPUTE)
-                continue
-            rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-            dtype, shape = segment_kv.entry_shape(len(span.cached_ids))
-            entry = {KV_NAME: entry[KV_NAME][:, :, adapter.kv_heads]}  # this rank's heads
-            expected = (dtype, (*shape[:2], adapter.shape.num_kv_heads, *shape[3:]))
-            stored = StoredRows(entry, rows, self._recompute(span), expected)
-            spans.append(CachedSpan(span.start, span.end, stored, span.kind))
-        return spans
-
-    def _entry(self, span: Any, outcome: BlendOutcome) -> tuple[str, dict[str, Any] | None]:
-        """Read one span's entry whole (None: missing or unusable, said in ``outcome``)."""
-        segment_kv = self.library.segment_kv
-        key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
-        try:
-            entry = segment_kv.open_entry(key, len(span.cached_ids), self.adapter.device)
-            if entry is None:
-                outcome.lost.append(f"entry {key[:12]} not in the store")
-                return key, None
-            return key, {KV_NAME: entry[KV_NAME]}  # read (and checked) now
-        except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
-            segment_kv.drop(key)
-            outcome.lost.append(f"entry {key[:12]} unusable ({error})")
-            return key, None
-
-    def _recompute(self, span: Any) -> Any:
-        """Return what recomputes a span's entry should its (already read) tensor fail a check."""
-        segment_kv = self.library.segment_kv
-        key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
-        if self.adapter.tp_size > 1:
-
-            def refuse() -> Any:
-                raise RuntimeError("a tensor-parallel rank cannot recompute a whole entry")
-
-            return refuse
-        return functools.partial(segment_kv.compute, key, span.context_ids, span.cached_ids)
+        outcome.timings["write_s"] = time.perf_counter() - looped
 
     def fill(
         self, documents: list[tuple[str, str]], checkpoint: Callable[[], None] = _no_pause

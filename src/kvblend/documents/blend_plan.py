@@ -1,0 +1,216 @@
+"""From a prefill plan to blended K/V: the plan's stored entries opened, the blend loop run.
+
+`blend_plan` is the one way from a `PrefillPlan` to the fused K/V, for `BlendEngine.prefill`
+(transformers) and for the vLLM connector's worker (`kvblend.vllm.worker`). What differs between
+the two is a parameter, not a second copy:
+
+- ``read_whole=False`` (the engine): each entry is opened where the store keeps it, and the loop
+  reads it a group of layers at a time; a missing or unreadable entry is computed and stored
+  now, and one that fails while its layers are read is recomputed in place (`StoredRows`).
+- ``read_whole=True`` (vLLM): each entry is read whole onto the model's device before the loop
+  (the store checks its checksum, shape, dtype and finite values as it reads), so one that is
+  missing or cannot be used has its rows computed by the blend in full, as vLLM would compute
+  them, and is listed in ``lost`` (vLLM stores it after its step).
+- ``cancel`` (vLLM): asked between two entries read whole, as the loop asks it between layers
+  (the connector's flag pauses there until the engine's next step, `kvblend.vllm.pacing`).
+- ``ranks`` (vLLM, read whole): the tensor-parallel ranks agree on the entries they use (one a
+  rank could not read is computed on every rank), each reads its own KV heads of an entry, and
+  none recomputes an entry alone: a rank's failed read fails the blend instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.config import BlendConfig
+from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
+from kvblend.blend.loop import CancelFlag, run_blend, stop_if_cancelled
+from kvblend.documents.segment_kv import SegmentKV
+from kvblend.documents.stored_rows import StoredRows
+from kvblend.prompt.plan import PlannedSpan, PrefillPlan
+from kvblend.prompt.segments import KV_NAME, segment_key
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PlanBlend", "Ranks", "blend_plan", "open_spans", "read_spans"]
+
+
+class Ranks(Protocol):
+    """Tensor-parallel ranks blending one prompt together (`kvblend.vllm.adapter.VLLMAdapter`)."""
+
+    tp_size: int
+    kv_heads: slice  # which of an entry's KV heads this rank reads
+
+    def gather_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        """Return ``values`` ``[n]`` of every rank, ``[ranks, n]``."""
+        ...
+
+
+@dataclass
+class PlanBlend:
+    """What `blend_plan` did: the loop's output and how the plan's entries were read."""
+
+    out: BlendOutput
+    kinds: np.ndarray  # each token's kind as the loop ran it (an unusable entry's rows: COMPUTE)
+    spans: list[CachedSpan]  # the cached spans the loop read
+    computed: int = 0  # entries computed now: missing, unreadable, or failing while read
+    open_s: float = 0.0  # opening (or reading) the entries, computing missing ones
+    loop_s: float = 0.0  # the blend loop
+
+
+def blend_plan(
+    adapter: ModelAdapter,
+    segment_kv: SegmentKV,
+    plan: PrefillPlan,
+    config: BlendConfig,
+    *,
+    read_whole: bool = False,
+    ranks: Ranks | None = None,
+    lost: list[str] | None = None,
+    need_logits: bool = True,
+    cancel: CancelFlag | None = None,
+    spans: list[CachedSpan] | None = None,
+) -> PlanBlend:
+    """Open ``plan``'s entries from ``segment_kv``'s store, then run the blend loop on ``adapter``.
+
+    ``read_whole`` and ``ranks``: how entries are read (see the module); ``lost``: where the
+    entries read whole but not used are listed, and why, as they are found. The plan is left
+    as planned. ``need_logits`` and ``cancel`` go to `run_blend`. ``spans``: the plan's entries
+    already opened (the vLLM connector's calibration blends synthetic ones), read as they are.
+    """
+    began = time.perf_counter()
+    kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: rows of a lost entry become COMPUTE
+    computed = 0
+    if not config.reads_cache:  # the strategy computes every row
+        spans = []
+    elif spans is None and read_whole:
+        spans = read_spans(
+            segment_kv, plan, kinds, adapter, ranks, [] if lost is None else lost, cancel
+        )
+    elif spans is None:
+        spans, computed = open_spans(segment_kv, plan)
+    token_ids = torch.from_numpy(np.array(plan.token_ids, dtype=np.int64))
+    opened = time.perf_counter()
+    blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
+    out = run_blend(adapter, blend_input, config, need_logits=need_logits, cancel=cancel)
+    # entries that failed while their layers were read, recomputed in place
+    computed += sum(bool(getattr(span.source, "recomputed", False)) for span in spans)
+    loop_s = time.perf_counter() - opened
+    return PlanBlend(out, kinds, spans, computed, opened - began, loop_s)
+
+
+def open_spans(segment_kv: SegmentKV, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
+    """Open each planned span's entry, computing missing or unreadable ones.
+
+    Entries are opened where the store keeps them (host memory, pinned when CUDA is
+    available, or a device): the blend loop copies each layer group's rows straight into
+    its buffer on the device, on a side stream while earlier layers compute, instead of
+    the whole entry being copied before the first layer. Returns the spans for the blend
+    loop and how many entries were computed now.
+    """
+    spans, computed = [], 0
+    for span in plan.spans:
+        key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
+        try:
+            entry = segment_kv.open_entry(key, len(span.cached_ids))
+        except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
+            logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
+            segment_kv.drop(key)
+            entry = None
+        if entry is None:
+            entry = segment_kv.compute(key, span.context_ids, span.cached_ids)
+            computed += 1
+        spans.append(_cached_span(segment_kv, span, key, entry, None))
+    return spans, computed
+
+
+def read_spans(
+    segment_kv: SegmentKV,
+    plan: PrefillPlan,
+    kinds: np.ndarray,
+    adapter: ModelAdapter,
+    ranks: Ranks | None,
+    lost: list[str],
+    cancel: CancelFlag | None = None,
+) -> list[CachedSpan]:
+    """Read the plan's entries whole onto ``adapter``'s device; compute unusable ones' rows.
+
+    The rows of an entry that is missing or cannot be used (on any of the ``ranks``) become
+    ``COMPUTE`` in ``kinds``, and the entry is listed in ``lost`` with the reason. ``cancel`` is
+    asked before each entry.
+    """
+    opened = []
+    for span in plan.spans:
+        stop_if_cancelled(cancel)
+        opened.append(_read_entry(segment_kv, span, adapter.device, lost))
+    usable = torch.tensor([entry is not None for _, entry in opened], dtype=torch.float32)
+    if ranks is not None and opened:  # an entry any rank could not read is used by none
+        usable = ranks.gather_ranks(usable).min(dim=0).values
+    spans = []
+    for span, (key, entry), agreed in zip(plan.spans, opened, usable.tolist(), strict=True):
+        if entry is not None and not agreed:
+            lost.append(f"entry {key[:12]} unusable on another tensor-parallel rank")
+            entry = None
+        if entry is None:
+            kinds[span.start : span.end] = int(COMPUTE)
+            continue
+        spans.append(_cached_span(segment_kv, span, key, entry, ranks))
+    return spans
+
+
+def _read_entry(
+    segment_kv: SegmentKV, span: PlannedSpan, device: torch.device, lost: list[str]
+) -> tuple[str, torch.Tensor | None]:
+    """Read one span's entry whole (None: missing or unusable, said in ``lost``)."""
+    key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
+    try:
+        entry = segment_kv.open_entry(key, len(span.cached_ids), device)
+        if entry is None:
+            lost.append(f"entry {key[:12]} not in the store")
+            return key, None
+        return key, entry[KV_NAME]  # read (and checked) now
+    except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
+        segment_kv.drop(key)
+        lost.append(f"entry {key[:12]} unusable ({error})")
+        return key, None
+
+
+def _cached_span(
+    segment_kv: SegmentKV,
+    span: PlannedSpan,
+    key: str,
+    entry: Mapping[str, torch.Tensor] | torch.Tensor,
+    ranks: Ranks | None,
+) -> CachedSpan:
+    """Return the loop's span over an opened entry (a mapping) or a read one (``kv``).
+
+    With ``ranks``, the rows of this rank's KV heads; an entry failing its check mid-prompt is
+    recomputed (and stored again) unless several ranks read it.
+    """
+    dtype, shape = segment_kv.entry_shape(len(span.cached_ids))
+    tensors = {KV_NAME: entry} if isinstance(entry, torch.Tensor) else entry
+    if ranks is not None:  # this rank's heads of the entry (read whole)
+        heads = ranks.kv_heads
+        tensors = {KV_NAME: tensors[KV_NAME][:, :, heads]}
+        shape = (*shape[:2], heads.stop - heads.start, *shape[3:])
+    recompute: Callable[[], Any] = functools.partial(
+        segment_kv.recompute, key, span.context_ids, span.cached_ids
+    )
+    if ranks is not None and ranks.tp_size > 1:
+        recompute = _refuse_recompute
+    rows = slice(span.cached_start, span.cached_start + span.end - span.start)
+    return CachedSpan(span.start, span.end, StoredRows(tensors, rows, recompute, (dtype, shape)),
+                      span.kind)  # fmt: skip
+
+
+def _refuse_recompute() -> Any:
+    raise RuntimeError("a tensor-parallel rank cannot recompute a whole entry")
