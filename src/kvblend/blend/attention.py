@@ -401,10 +401,10 @@ class SequenceAttention:
     ``[length, length]`` mask for every sequence (KV heads expanded on CUDA, as in `sdpa`).
     """
 
-    def __init__(self, rows: RowSet, sequences: int, windows: list[int | None], scaling: float):
+    def __init__(self, rows: RowSet, sequences: int, scaling: float):
         self.rows = rows
+        self.uncompiled = 0  # a batch runs eagerly: no compile to refuse
         self.sequences = sequences
-        self.windows = windows
         self.scaling = scaling
         self.masks: dict[int, torch.Tensor] = {}
 
@@ -416,9 +416,11 @@ class SequenceAttention:
         return self.masks[window]
 
     def __call__(
-        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+        self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> torch.Tensor:
-        """Return the attention output ``[rows, heads * head_dim]`` of every row at ``layer``.
+        """Return the attention output ``[rows, heads * head_dim]`` of every row at a layer.
+
+        ``window``: the layer's sliding window (None: full attention), as `RowAttention` takes.
 
         ``queries`` are rotated ``[heads, rows, head_dim]``; ``keys``/``values`` the layer's K/V
         ``[kv_heads, rows, head_dim]`` (keys rotated).
@@ -429,7 +431,7 @@ class SequenceAttention:
             x[:, :rows].unflatten(1, (self.sequences, length)).transpose(0, 1)
             for x in (queries, keys, values)
         )  # [sequences, heads, length, head_dim]
-        window, mask = self.windows[layer], None
+        mask = None
         if window is not None and length > window:
             mask = self._mask(window, length, queries.device)
             groups = heads // k.shape[1]
