@@ -30,5 +30,8 @@ import vllm
 
 plugins = {entry.name for entry in entry_points(group="vllm.general_plugins")}
 assert "kvblend" in plugins, f"kvblend's vLLM plugin is not registered: {sorted(plugins)}"
+checks = {entry.name for entry in entry_points(group="vllm.logits_processors")}
+assert "kvblend-options" in checks, f"kvblend's request check is not registered: {sorted(checks)}"
+import greenlet  # noqa: F401  (the connector's blends are coroutines of vLLM's engine thread)
 print(f"vLLM {vllm.__version__} with kvblend's connector installed in {sys.prefix}")
 EOF

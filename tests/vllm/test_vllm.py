@@ -69,6 +69,16 @@ EXTRA = [
     "to the river with his friends and they drink green tea on the bank.",
 ]
 DAMAGED, REDIS_ONLY, UNKNOWN = EXTRA[0], EXTRA[1:3], EXTRA[3:]
+#: A document long enough to fill whole blocks of vLLM's cache (128 tokens on the CPU) behind
+#: the prompt head: first in a prompt, it is reused in place (exact), the ones after it move.
+LONG = " ".join(
+    f"Platform {number} of the old northern station opens at {number % 4 + 5} in the morning; "
+    f"its kiosk sells {food} and the {colour} benches face the river."
+    for number, (food, colour) in enumerate(
+        zip(["plum cake", "rye bread", "apple pie", "fish soup", "cheese rolls"] * 4,
+            ["green", "red", "blue", "grey"] * 5, strict=True)
+    )
+)  # fmt: skip
 
 
 def _run(job: dict[str, Any], folder: Path, env: dict[str, str], name: str) -> dict[str, Any]:
@@ -116,13 +126,20 @@ def _prompts(engine: Any) -> dict[str, list[str]]:
         "redis_down": [
             prompt("What is Rafael Soto's boat called?", [REDIS_ONLY[1], REDIS_ONLY[0]])
         ],
+        "exact": [prompt(questions[2], [LONG, docs[6], docs[1], docs[4], docs[0]])],
     }
 
 
 #: The per-request settings of the batch: the toy documents are short, which the default
 #: recomputes whole; these settings blend them (as tests/conftest.py's TOY_BLEND_SETTINGS).
-BATCH_PARAMS = {"kvblend": {"short_document": 0, "min_recompute": 0, "full_above": 1.0}}
-FULL = {"kvblend": {"strategy": "full"}}
+#: Blended whatever the cost model forecasts (``when``): these prompts are short, where vLLM's
+#: prefill may well be the faster.
+TOY = {"short_document": 0, "min_recompute": 0, "full_above": 1.0}
+BATCH_PARAMS = {"kvblend": {"settings": TOY, "when": "always"}}
+FULL = {"kvblend": {"strategy": "full", "when": "always"}}
+DEFAULT = {"kvblend": {"when": "always"}}
+#: Flat settings, the form the connector refuses (they go under "settings").
+REFUSED = {"kvblend": {"recompute_ratio": 0.3}}
 #: Tokens generated in the preemption step: enough that every request is still running when
 #: the step preempts them (after each one's first token).
 PREEMPT_TOKENS = 24
@@ -148,7 +165,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         store = default_store(folder / "precompute-disk", redis_url=server.url)
         engine = BlendEngine.from_pretrained(str(model), store=store)
         documents = [document["text"] for document in sample_corpus()["documents"]]
-        engine.precompute(documents + [DAMAGED, *REDIS_ONLY])
+        engine.precompute(documents + [DAMAGED, *REDIS_ONLY, LONG])
         damage_entry(server, engine.segment_id(DAMAGED))
         prompts = _prompts(engine)
         env = {
@@ -185,6 +202,7 @@ def _vanilla_job(model: Path, prompts: dict[str, list[str]]) -> dict[str, Any]:
     steps = [_step(name, prompts[name]) for name in ("full", "damaged", "redis_down")]
     steps.append(_step("after_abort", prompts["default"]))
     steps.append(_step("preempt", prompts["full"], max_tokens=PREEMPT_TOKENS))
+    steps.append(_step("exact_full", prompts["exact"], logprobs=5))
     return {"model": str(model), "kv_transfer_config": None, "steps": steps}
 
 
@@ -195,7 +213,7 @@ def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer
     }  # fmt: skip
     steps = [
         _step("full", prompts["full"], kv_transfer_params=FULL),
-        _step("default", prompts["default"]),
+        _step("default", prompts["default"], kv_transfer_params=DEFAULT),
         _step("batch", prompts["batch"], kv_transfer_params=BATCH_PARAMS, reset_prefix_cache=True),
         _step(
             "sequential",
@@ -204,7 +222,7 @@ def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer
             reset_prefix_cache=True,
             one_at_a_time=True,
         ),  # fmt: skip
-        _step("damaged", prompts["damaged"]),
+        _step("damaged", prompts["damaged"], kv_transfer_params=DEFAULT),
         _step(
             "abort",
             prompts["default"],
@@ -222,9 +240,16 @@ def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer
             preempt=True,
             max_tokens=PREEMPT_TOKENS,
         ),  # fmt: skip
-        _step("redis_down", prompts["redis_down"], kill_pid=server.pid),
+        _step("refused", prompts["full"][:1], kv_transfer_params=REFUSED, refused=True),
+        _step("exact_blend", prompts["exact"], kv_transfer_params=DEFAULT, reset_prefix_cache=True),
+        _step("exact_full", prompts["exact"], kv_transfer_params={"kvblend": False}, logprobs=5),
+        _step("redis_down", prompts["redis_down"], kv_transfer_params=DEFAULT, kill_pid=server.pid),
     ]
-    return {"model": str(model), "kv_transfer_config": connector, "steps": steps}
+    return {
+        "model": str(model), "kv_transfer_config": connector, "steps": steps,
+        # what `pip install kvblend[vllm]` registers (vllm.logits_processors), named here
+        "logits_processors": ["kvblend.vllm.options:KVBlendOptions"],
+    }  # fmt: skip
 
 
 def _record(result: dict[str, Any]) -> dict[str, Any]:
@@ -340,3 +365,51 @@ def test_the_connector_logs_its_gate_and_each_request(vllm_runs: dict[str, Any])
     log = vllm_runs["kvblend"]["log"]
     assert "kvblend: parity gate passed" in log
     assert "kvblend: request" in log and "cached" in log
+
+
+def test_a_prompt_computed_in_full_after_its_blend_answers_as_a_fresh_vanilla_vllm(
+    vllm_runs: dict[str, Any],
+) -> None:
+    """Exact stays exact: vLLM's prefix cache gives it the blend's exact blocks, no others."""
+    steps, vanilla = vllm_runs["kvblend"]["steps"], vllm_runs["vanilla"]["steps"]
+    (blended,) = steps["exact_blend"]
+    record = _record(blended)
+    assert record["strategy"] == "attention" and record["fallback"] is None, record
+    assert record["cached_tokens"] > 640  # moved documents reused too: approximate KV written
+    (ours,), (theirs,) = steps["exact_full"], vanilla["exact_full"]
+    full = _record(ours)
+    assert full["strategy"] == "vllm" and full["fallback"] == "kvblend off for this request"
+    # the head and the document reused in place: their whole blocks (128 tokens each on the
+    # CPU) are shared; from the first moved document's block on, none is found
+    from kvblend.blend.config import BlendConfig
+    from kvblend.vllm.planning import plan_request
+
+    engine = vllm_runs["engine"]
+    ids = engine.encode(vllm_runs["prompts"]["exact"][0])
+    exact_rows = plan_request(engine.library, ids, 0, BlendConfig()).approximate_from
+    assert exact_rows > 256
+    shared = exact_rows // 128 * 128
+    assert full["vllm_prefix_tokens"] == ours["num_cached_tokens"] == shared, (full, exact_rows)
+    assert ours["token_ids"] == theirs["token_ids"], (ours["text"], theirs["text"])
+    assert len(ours["logprobs"]) == len(theirs["logprobs"]) == MAX_TOKENS
+    for mine, fresh in zip(ours["logprobs"], theirs["logprobs"], strict=True):
+        assert mine.keys() == fresh.keys()
+        for token, logprob in fresh.items():
+            assert abs(mine[token] - logprob) < 1e-3, (token, mine[token], logprob)
+
+
+def test_request_options_in_another_form_are_refused_as_they_arrive(
+    vllm_runs: dict[str, Any],
+) -> None:
+    (refused,) = vllm_runs["kvblend"]["steps"]["refused"]
+    error = str(refused["error"])
+    assert "kvblend refused this request's options" in error and "recompute_ratio" in error
+    assert "under 'settings'" in error
+
+
+def test_start_up_names_the_store_and_calibrates_the_cost_model(
+    vllm_runs: dict[str, Any],
+) -> None:
+    log = vllm_runs["kvblend"]["log"]
+    assert "kvblend: store disk " in log and " entries of model " in log and "Redis" in log
+    assert "kvblend: cost model calibrated on this machine" in log

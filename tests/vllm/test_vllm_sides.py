@@ -11,6 +11,8 @@ checks the same code inside vLLM.
 from __future__ import annotations
 
 import random
+import re
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,11 +25,12 @@ from kvblend.prompt.plan import TokenKind
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.planning import plan_request, restrict
 from kvblend.vllm.scheduler import KVBlendWorkerMeta, SchedulerSide
-from kvblend.vllm.settings import ConnectorSettings, request_config
-from kvblend.vllm.worker import BlendJob, WorkerSide
+from kvblend.vllm.settings import ConnectorSettings, check_options, request_config
+from kvblend.vllm.worker import BlendJob, BlendOutcome, WorkerSide
 
 WORDS = "alpha beta gamma delta river stone cloud maple copper violin lisbon harbor".split()
 TOY = {"short_document": 0, "min_recompute": 0, "full_above": 1.0}
+BLOCK = 16  # tokens a paged-cache block holds here
 
 
 def _document(rng: random.Random, words: int) -> str:
@@ -83,10 +86,17 @@ def test_rows_in_vllms_prefix_cache_are_computed_by_the_blend_not_claimed(
 def test_a_long_prefix_hit_leaves_the_prompt_to_vllm(
     engine: BlendEngine, documents: list[str]
 ) -> None:
+    """The blend recomputes vLLM's prefix hit: with most of the prompt in it, vLLM is faster."""
     ids = engine.encode(_prompt(engine, documents))
     last = plan_request(engine.library, ids, 0, BlendConfig(**TOY)).plan.spans[-1]
-    plan = plan_request(engine.library, ids, last.start + 3, BlendConfig(**TOY))
-    assert plan.claimed == 0 and "prefix cache" in str(plan.fallback)
+    side = _side(engine, when="faster")
+    _calibrate_per_row(side)
+    plan = side._plan(_request("r", ids), last.start + 3)
+    assert plan.claimed == 0 and str(plan.fallback).startswith("vllm_faster")
+    assert plan.forecast is not None and plan.forecast.vllm_s < plan.forecast.blend_s
+    fresh = side._plan(_request("s", ids), 0)  # from the start, the blend computes fewer rows
+    assert fresh.claimed == len(ids) - 1 and fresh.forecast is not None
+    assert fresh.forecast.blend_s < fresh.forecast.vllm_s
     whole = plan_request(engine.library, ids, len(ids) - 1, BlendConfig(**TOY))
     assert whole.claimed == 0
 
@@ -117,7 +127,8 @@ def test_a_store_that_fails_is_a_miss(documents: list[str], engine: BlendEngine)
         plan = plan_request(library, ids, 0, BlendConfig(**TOY))
     finally:
         library.store = real
-    assert plan.claimed == 0 and plan.fallback == "no stored document left to reuse"
+    assert plan.claimed == 0 and plan.fallback == "store unreachable: OSError: store down"
+    assert plan.missing == [] and plan.not_stored == []  # not stored after it: it may be
 
 
 def test_token_ids_that_are_not_the_texts_tokenization_are_not_blended() -> None:
@@ -175,17 +186,47 @@ def test_restrict_drops_spans_and_clips_them_at_the_prefix_hit(
 
 def test_settings_and_request_choices() -> None:
     settings = ConnectorSettings.from_extra_config(
-        {"strategy": "epic", "settings": {"epic_tokens": 4}}
+        {"strategy": "epic", "settings": {"epic_tokens": 4}, "when": "always", "slice_s": 0.5}
     )
     assert settings.config == BlendConfig("epic", epic_tokens=4)
+    assert (settings.when, settings.slice_s) == ("always", 0.5)
     with pytest.raises(ValueError, match="no setting 'stratgy'"):
         ConnectorSettings.from_extra_config({"stratgy": "full"})
+    with pytest.raises(ValueError, match="'when' must be one of"):
+        ConnectorSettings.from_extra_config({"when": "sometimes"})
+    with pytest.raises(ValueError, match="slice_s"):
+        ConnectorSettings.from_extra_config({"slice_s": 0})
     default = BlendConfig()
-    assert request_config(default, None) is default
-    assert request_config(default, {"kvblend": False}) is None
-    assert request_config(default, {"kvblend": {"strategy": "full"}}) == BlendConfig("full")
-    with pytest.raises(ValueError):
-        request_config(default, {"kvblend": {"no_such_setting": 1}})
+    assert request_config(default, None).config is default
+    assert request_config(default, {"kvblend": False}).config is None
+    assert request_config(default, {"kvblend": {"strategy": "full"}}).config == BlendConfig("full")
+    nested = {"kvblend": {"strategy": "attention", "settings": {"recompute_ratio": 0.3}}}
+    assert request_config(default, nested).config == BlendConfig(recompute_ratio=0.3)
+    settings_only = {"kvblend": {"settings": {"recompute_ratio": 0.3}, "when": "always"}}
+    choice = request_config(default, settings_only)
+    assert choice.config == BlendConfig(recompute_ratio=0.3) and choice.when == "always"
+
+
+@pytest.mark.parametrize(
+    "params, says",
+    [
+        ({"kvblend": {"recompute_ratio": 0.3}}, "has no key 'recompute_ratio'"),  # flat settings
+        ({"kvblend": {"settings": {"no_such_setting": 1}}}, "no_such_setting"),
+        ({"kvblend": {"strategy": "nope"}}, "nope"),
+        ({"kvblend": {"settings": [1]}}, "must be a dict"),
+        ({"kvblend": {"strategy": 3}}, "must be a string"),
+        ({"kvblend": {"when": "later"}}, "'when' must be one of"),
+        ({"kvblend": "full"}, "must be false or a dict"),
+        ({"kvblend": True}, "must be false or a dict"),
+    ],
+)
+def test_request_options_in_another_form_are_refused(params: dict[str, Any], says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        request_config(BlendConfig(), params)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        check_options(params)  # what vLLM's frontend runs on each request as it arrives
+    check_options({"other_connector": {"x": 1}})  # not kvblend's: left alone
+    check_options(None)
 
 
 # ---------------------------------------------------------------- scheduler side
@@ -196,10 +237,11 @@ def _request(request_id: str, ids: list[int], **fields: Any) -> SimpleNamespace:
         num_prompt_tokens=len(ids), num_cached_tokens=0, num_computed_tokens=len(ids),
         num_local_cached_tokens=0, num_external_cached_tokens=0,
     )  # fmt: skip
+    hashes = [bytes([index]) * 32 for index in range(len(ids) // BLOCK)]  # vLLM's own, one a block
     values = dict(
         request_id=request_id, prompt_token_ids=ids, num_preemptions=0,
         sampling_params=SimpleNamespace(prompt_logprobs=None), lora_request=None,
-        mm_features=[], kv_transfer_params=None, prefill_stats=stats,
+        mm_features=[], kv_transfer_params=None, prefill_stats=stats, block_hashes=hashes,
     )  # fmt: skip
     values.update(fields)
     return SimpleNamespace(**values)
@@ -213,39 +255,200 @@ class _Blocks:
         return (self.ids,)
 
 
-def test_the_scheduler_waits_for_the_gate_then_claims_and_reports(
+def _side(engine: BlendEngine, *, parity: bool = False, when: str = "always") -> SchedulerSide:
+    settings = ConnectorSettings(config=BlendConfig(**TOY), parity=parity, when=when)
+    return SchedulerSide(settings, engine.library, block_size=BLOCK)
+
+
+def _calibrate_per_row(side: SchedulerSide, seconds_per_row: float = 1e-3) -> None:
+    """A machine where every computed row costs the same, in vLLM and in a blend."""
+    from kvblend.vllm.costs import blend_features, vllm_features
+
+    rows = (128, 512, 1024, 2048)
+    side.costs.calibrate(
+        [(vllm_features(n, 0), n * seconds_per_row) for n in rows],
+        [(blend_features(n, 2 * n), n * seconds_per_row) for n in rows],
+    )
+
+
+def _scheduled(*request_ids: str) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=i, num_computed_tokens=0) for i in request_ids],
+        num_scheduled_tokens=dict.fromkeys(request_ids, 1),
+    )
+
+
+def test_the_scheduler_waits_for_the_gate_then_loads_asynchronously(
     engine: BlendEngine, documents: list[str]
 ) -> None:
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY)), engine.library)
+    side = _side(engine, parity=True)
     ids = engine.encode(_prompt(engine, documents[::-1]))
     request = _request("r1", ids)
     assert side.matched(request, 0) == (None, False)  # no verdict yet: asked again
     side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
     claimed, asynchronous = side.matched(request, 0)
-    assert claimed == len(ids) - 1 and not asynchronous
+    assert claimed == len(ids) - 1 and asynchronous  # the request waits for its KV
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
     reused = engine.explain(engine.tokenizer.decode(ids), BlendConfig(**TOY)).reused_tokens
     assert request.prefill_stats.num_cached_tokens == reused
     assert request.prefill_stats.num_computed_tokens == len(ids) - reused
-    meta = side.metadata(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r1")]))
+    meta = side.metadata(_scheduled())  # not scheduled itself: it waits, its job goes out
     (job,) = meta.jobs
     assert (job.start, job.stop, job.block_ids) == (0, len(ids) - 1, list(range(1, 9)))
-    assert side.metadata(SimpleNamespace(scheduled_new_reqs=[])).jobs == []
+    assert side.metadata(_scheduled()).jobs == []
+    outcome = BlendOutcome("r1", reused=reused, rows=90, total=len(ids), compute_s=0.5)
+    side.worker_output(KVBlendWorkerMeta(outcomes=[outcome]))
+    side.allocated(request, _Blocks(list(range(1, 9))), 0)  # scheduled once its KV is there
+    assert side.metadata(_scheduled("r1")).jobs == []
     params = side.finished(request)
     assert params is not None and params["kvblend"]["cached_tokens"] == reused
+    assert params["kvblend"]["blend_s"] == 0.5
+    assert side.tracked() == set()
+
+
+def test_the_faster_path_is_chosen_and_both_forecasts_reported(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    side = _side(engine, when="faster")
+    request = _request("f1", ids)
+    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    assert side.matched(request, 0) == (None, False)  # no calibration yet: asked again
+    _calibrate_per_row(side)  # rows cost the same: the blend computes fewer, it wins
+    side.costs.vllm.timed_at = time.monotonic()  # vLLM's prefill timed lately
+    claimed, _ = side.matched(request, 0)
+    assert claimed == len(ids) - 1
+    side.allocated(request, _Blocks(list(range(1, 9))), claimed)
+    record = side._records["f1"]
+    assert record["forecast_blend_s"] < record["forecast_vllm_s"]
+    # blends observed 10x slower per row than calibrated: vLLM prefills the next one
+    from kvblend.vllm.costs import blend_features
+
+    for _ in range(40):
+        side.costs.observe(side.costs.blend, blend_features(500, 1000), 5.0)
+    other = _request("f2", ids)
+    assert side.matched(other, 0) == (0, False)
+    side.allocated(other, _Blocks([1]), 0)
+    params = side.finished(other)
+    assert params is not None
+    record = params["kvblend"]
+    assert record["strategy"] == "vllm" and record["fallback"].startswith("vllm_faster")
+    assert record["forecast_blend_s"] > record["forecast_vllm_s"] > 0
+    counts = side.take_counts()
+    assert counts["vllm"] == 1 and counts["forecast_blend_ms"] > counts["forecast_vllm_ms"]
+
+
+def test_blocks_of_approximate_kv_get_salted_hashes_exact_ones_keep_vllms(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """From the first moved document's block on, no other request finds the blend's blocks."""
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    side = _side(engine)
+    request = _request("h1", ids)
+    own = list(request.block_hashes)
+    claimed, _ = side.matched(request, 0)
+    plan = side._plans["h1"][1]
+    first = plan.approximate_from // BLOCK
+    moved = [i for i, kind in enumerate(plan.plan.kinds) if kind == TokenKind.MOVED]
+    assert claimed > 0 and plan.approximate_from == moved[0] > 0
+    assert request.block_hashes[:first] == own[:first]  # the head: vLLM's own hashes, shared
+    assert all(a != b for a, b in zip(request.block_hashes[first:], own[first:], strict=True))
+    again = _request("h2", ids)  # the same prompt blended again: salted apart from the first
+    side.matched(again, 0)
+    assert set(again.block_hashes[first:]).isdisjoint(request.block_hashes[first:])
+    # a request vLLM prefills after all gets its own hashes back
+    side._plans.pop("h2")
+    again.kv_transfer_params = {"kvblend": False}
+    assert side.matched(again, 0) == (0, False)
+    assert again.block_hashes == own
+    # strategy full computes every row exactly: nothing salted
+    exact = _request("h3", ids, kv_transfer_params={"kvblend": {"strategy": "full"}})
+    assert side.matched(exact, 0)[0] > 0 and exact.block_hashes == own
+
+
+def test_blocks_filled_after_the_prompt_are_salted_from_the_first_approximate_one(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """The first moved row in the prompt's last, partial block: that block, once generated
+    tokens fill it, and every one after get salted hashes too (vLLM's hasher is wrapped)."""
+    import hashlib
+
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    side = _side(engine, when="always")
+
+    def hasher(request: Any) -> list[bytes]:  # vLLM's: each new full block, chained
+        out, parent = [], (request.block_hashes or [b""])[-1]
+        for index in range(len(request.block_hashes), len(request.tokens) // BLOCK):
+            block = bytes(str(request.tokens[index * BLOCK : (index + 1) * BLOCK]), "ascii")
+            parent = hashlib.sha256(parent + block).digest()
+            out.append(parent)
+        return out
+
+    def grow(request: Any, tokens: list[int]) -> None:
+        request.tokens += tokens
+        request.block_hashes.extend(request._block_hasher(request))
+
+    plain = _request("g0", ids, block_hashes=[], tokens=[], _block_hasher=hasher)
+    grow(plain, ids + [7] * 3 * BLOCK)  # vLLM's own hashes of the prompt and 3 blocks more
+    request = _request("g1", ids, block_hashes=[], tokens=[], _block_hasher=hasher)
+    grow(request, ids)
+    plan = side._plan(request, 0)
+    plan.approximate_from = (len(ids) // BLOCK) * BLOCK + 1  # in the last, partial block
+    side._salt(request, plan)
+    first = len(ids) // BLOCK
+    assert request.block_hashes == plain.block_hashes[:first]  # the prompt's full blocks: exact
+    grow(request, [7] * 3 * BLOCK)  # the answer fills that block, then two more
+    assert request.block_hashes[:first] == plain.block_hashes[:first]
+    assert len(request.block_hashes) == len(plain.block_hashes)
+    salted = request.block_hashes[first:]
+    assert set(salted).isdisjoint(plain.block_hashes)
+    side._unsalt(request)  # vLLM prefills it after all: its own hasher back
+    assert request._block_hasher is hasher
+
+
+@pytest.mark.parametrize(
+    "fields, reason",
+    [
+        ({"num_preemptions": 1}, "preemption"),
+        ({"kv_transfer_params": {"kvblend": False}}, "off"),
+        ({"sampling_params": SimpleNamespace(prompt_logprobs=5)}, "logprobs"),
+        ({"kv_transfer_params": {"kvblend": {"strategy": "nope"}}}, "request option refused"),
+    ],
+)
+def test_requests_vllm_must_prefill_itself_are_not_claimed(
+    engine: BlendEngine, documents: list[str], fields: dict[str, Any], reason: str
+) -> None:
+    side = _side(engine)
+    request = _request("r", engine.encode(_prompt(engine, documents)), **fields)
+    assert side.matched(request, 0) == (0, False)
+    side.allocated(request, _Blocks([1]), 0)
+    params = side.finished(request)
+    assert params is not None and reason in params["kvblend"]["fallback"]
+    assert params["kvblend"].get("refused", False) == ("refused" in reason)
+    assert side.take_counts()["refused"] == int("refused" in reason)
+
+
+def test_a_request_resumed_after_preemption_is_not_claimed_again(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    side = _side(engine)
+    request = _request("r4", engine.encode(_prompt(engine, documents[::-1])))
+    claimed, _ = side.matched(request, 0)
+    assert claimed > 0
+    request.num_preemptions = 1  # preempted: its blocks were freed, vLLM starts it over
+    assert side.matched(request, 0) == (0, False)
 
 
 def test_a_blend_that_reused_less_reports_its_true_count(
     engine: BlendEngine, documents: list[str]
 ) -> None:
-    from kvblend.vllm.worker import BlendOutcome
-
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    side = _side(engine)
     ids = engine.encode(_prompt(engine, documents[::-1]))
     request = _request("r2", ids)
     claimed, _ = side.matched(request, 0)
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
     assert request.prefill_stats.num_cached_tokens > 0
+    side.metadata(_scheduled())
     lost = BlendOutcome("r2", reused=0, lost=["entry 0123 unusable (checksum mismatch)"])
     side.worker_output(KVBlendWorkerMeta(outcomes=[lost]))
     assert request.prefill_stats.num_cached_tokens == 0
@@ -255,92 +458,31 @@ def test_a_blend_that_reused_less_reports_its_true_count(
     assert params["kvblend"]["lost"] == lost.lost
 
 
-def test_a_request_finished_with_its_first_token_gets_its_blend_record(
+def test_a_request_cancelled_mid_blend_stops_it_and_leaves_no_state(
     engine: BlendEngine, documents: list[str]
 ) -> None:
-    """max_tokens=1: vLLM asks for the record before the worker's outcome has come back."""
-    from kvblend.vllm.worker import BlendOutcome
-
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
-    ids = engine.encode(_prompt(engine, documents[::-1]))
-    request = _request("r3", ids)
-    claimed, _ = side.matched(request, 0)
-    side.allocated(request, _Blocks(list(range(1, 9))), claimed)
-    side.metadata(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id="r3")]))
-    params = side.finished(request)  # the step's outputs are built before the outcome is read
-    assert params is not None and "blend_s" not in params["kvblend"]
-    assert side.take_counts()["requests"] == 0  # not final yet
-    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("r3", reused=5, blend_s=0.25)]))
-    assert params["kvblend"]["blend_s"] == 0.25  # the same record object, completed
-    counts = side.take_counts()
-    assert counts["requests"] == counts["blended"] == 1
-    assert counts["cached_tokens"] == params["kvblend"]["cached_tokens"]
-
-
-@pytest.mark.parametrize(
-    "fields, reason",
-    [
-        ({"num_preemptions": 1}, "preemption"),
-        ({"kv_transfer_params": {"kvblend": False}}, "off"),
-        ({"sampling_params": SimpleNamespace(prompt_logprobs=5)}, "logprobs"),
-        ({"kv_transfer_params": {"kvblend": {"strategy": "nope"}}}, "planning failed"),
-    ],
-)
-def test_requests_vllm_must_prefill_itself_are_not_claimed(
-    engine: BlendEngine, documents: list[str], fields: dict[str, Any], reason: str
-) -> None:
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
-    request = _request("r", engine.encode(_prompt(engine, documents)), **fields)
-    assert side.matched(request, 0) == (0, False)
-    side.allocated(request, _Blocks([1]), 0)
-    params = side.finished(request)
-    assert params is not None and reason in params["kvblend"]["fallback"]
-
-
-def test_a_request_resumed_after_preemption_is_not_claimed_again(
-    engine: BlendEngine, documents: list[str]
-) -> None:
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
-    request = _request("r4", engine.encode(_prompt(engine, documents[::-1])))
-    claimed, _ = side.matched(request, 0)
-    assert claimed > 0
-    request.num_preemptions = 1  # preempted: its blocks were freed, vLLM starts it over
-    assert side.matched(request, 0) == (0, False)
-
-
-def _scheduled(*request_ids: str) -> SimpleNamespace:
-    return SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=i) for i in request_ids])
-
-
-def test_a_request_cancelled_mid_blend_leaves_no_state(
-    engine: BlendEngine, documents: list[str]
-) -> None:
-    """vLLM frees an aborted request between steps: its blend's outcome may come after."""
-    from kvblend.vllm.worker import BlendOutcome
-
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    """vLLM keeps a waiting request's blocks until the worker says its blend has stopped."""
+    side = _side(engine)
     ids = engine.encode(_prompt(engine, documents[::-1]))
     request = _request("c1", ids)
     claimed, _ = side.matched(request, 0)
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
-    (job,) = side.metadata(_scheduled("c1")).jobs  # the worker blends it in this step
-    params = side.finished(request)  # aborted while the step runs
-    assert (
-        params is not None
-        and params["kvblend"]["cached_tokens"] == request.prefill_stats.num_cached_tokens
-    )
+    (job,) = side.metadata(_scheduled()).jobs  # the worker starts blending it
+    params = side.finished(request)  # aborted while it blends
+    assert params is not None and params["kvblend"]["cached_tokens"] > 0
     assert side.tracked() == {"c1"}  # only until the outcome arrives
-    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("c1", reused=3, blend_s=0.5)]))
-    assert side.tracked() == set()
+    assert side.metadata(_scheduled()).cancel == ["c1"]  # the worker is told to stop it
+    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("c1", cancelled=True)]))
+    assert side.tracked() == set() and params["kvblend"]["cancelled"]
     assert side.take_counts()["requests"] == 1
-    assert side.metadata(_scheduled("c1")).jobs == []  # nothing is ever blended for it again
+    assert side.metadata(_scheduled()).jobs == []  # nothing is ever blended for it again
 
 
 @pytest.mark.parametrize("when", ["waiting for the gate", "planned", "allocated"])
 def test_a_request_cancelled_before_its_blend_leaves_no_state(
     engine: BlendEngine, documents: list[str], when: str
 ) -> None:
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY)), engine.library)
+    side = _side(engine, parity=True)
     request = _request("c2", engine.encode(_prompt(engine, documents[::-1])))
     if when != "waiting for the gate":
         side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
@@ -349,21 +491,21 @@ def test_a_request_cancelled_before_its_blend_leaves_no_state(
         side.allocated(request, _Blocks(list(range(1, 9))), claimed or 0)
     side.finished(request)
     assert side.tracked() == set()
-    assert side.metadata(_scheduled("c2")).jobs == []
+    meta = side.metadata(_scheduled())
+    assert meta.jobs == [] and meta.cancel == []
 
 
 def test_a_preempted_request_keeps_its_first_record_and_is_not_claimed_again(
     engine: BlendEngine, documents: list[str]
 ) -> None:
-    from kvblend.vllm.worker import BlendOutcome
-
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY), parity=False), engine.library)
+    side = _side(engine)
     ids = engine.encode(_prompt(engine, documents[::-1]))
     request = _request("p1", ids)
     claimed, _ = side.matched(request, 0)
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
-    side.metadata(_scheduled("p1"))
+    side.metadata(_scheduled())
     side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("p1", reused=7, blend_s=0.5)]))
+    side.allocated(request, _Blocks(list(range(1, 9))), 0)  # its KV arrived: scheduled
     cached = request.prefill_stats.num_cached_tokens
     assert cached > 0
     request.num_preemptions = 1  # vLLM freed its blocks; the request waits again
@@ -382,15 +524,48 @@ def test_a_preempted_request_keeps_its_first_record_and_is_not_claimed_again(
 
 
 def test_a_failed_gate_claims_nothing(engine: BlendEngine, documents: list[str]) -> None:
-    side = SchedulerSide(ConnectorSettings(config=BlendConfig(**TOY)), engine.library)
+    side = _side(engine, parity=True)
     side.worker_output(KVBlendWorkerMeta(verdict=(False, "does not reproduce vLLM")))
     request = _request("r", engine.encode(_prompt(engine, documents)))
     assert side.matched(request, 0) == (0, False)
 
 
-# ---------------------------------------------------------------- worker side
+def test_each_reason_for_finding_nothing_is_its_own(documents: list[str]) -> None:
+    """An empty store, another model's entries, documents not stored: three reasons."""
+    from kvblend.vllm.documents import StoreSummary
 
-BLOCK = 16
+    def reason(engine: BlendEngine, text: str, summary: StoreSummary) -> str:
+        side = SchedulerSide(
+            ConnectorSettings(config=BlendConfig(**TOY), parity=False, when="always"),
+            engine.library, block_size=BLOCK, store_summary=summary,
+        )  # fmt: skip
+        request = _request("x", engine.encode(_prompt(engine, [text])))
+        assert side.matched(request, 0) == (0, False)
+        side.allocated(request, _Blocks([1]), 0)
+        params = side.finished(request)
+        assert params is not None
+        return str(params["kvblend"]["fallback"])
+
+    store = MemoryKVStore()
+    ours = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=store)
+    summary = StoreSummary(store, ours.library.fingerprint, "tiny", "memory")
+    assert reason(ours, documents[0], summary).startswith("empty store")
+    other = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=store)
+    other.precompute(documents[:2])  # another model's entries, same store
+    said = reason(ours, documents[0], StoreSummary(store, ours.library.fingerprint, "t", "m"))
+    assert said.startswith("other model") and "2 entries" in said
+    ours.register(documents[2:3])  # known to this model, never computed
+    said = reason(ours, documents[2], StoreSummary(store, ours.library.fingerprint, "t", "m"))
+    assert said.startswith("not stored") and "(1)" in said
+    ours.precompute(documents[3:4])
+    fresh = StoreSummary(store, ours.library.fingerprint, "t", "m")
+    said = reason(ours, "No document here.", fresh)
+    assert said.startswith("no stored document") and "1 entries of this model" in said
+    line = StoreSummary(store, ours.library.fingerprint, "tiny", "memory").describe()
+    assert "memory: 1 entries of model tiny" in line and "other models' entries: 2 of" in line
+
+
+# ---------------------------------------------------------------- worker side
 
 
 class _PagedLayer:

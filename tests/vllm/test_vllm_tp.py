@@ -39,6 +39,8 @@ pytestmark = [
 CONNECTOR = {
     "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+    # blend whatever the cost model would forecast (and skip its calibration at 3 ranks)
+    "kv_connector_extra_config": {"when": "always"},
 }  # fmt: skip
 OFF = {"kvblend": False}
 

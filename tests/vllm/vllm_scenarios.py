@@ -6,8 +6,11 @@ JOB.json RESULT.json``); `tests/vllm/test_vllm.py` writes the job and checks the
 "tensor_parallel_size": n (optional), "steps": [...]}``;
 each step: ``{"name", "prompts": [...], "max_tokens", "kv_transfer_params": {...} or null,
 "one_at_a_time": bool, "reset_prefix_cache": bool, "kill_pid": pid or null, "abort": [...] or
-null, "preempt": bool}``. Every prompt's result: the generated text and token ids,
-``num_cached_tokens`` and ``kv_transfer_params``.
+null, "preempt": bool, "logprobs": n or null, "refused": bool}`` (``refused``: the engine is
+expected to refuse the request; its error is the result); the job may name
+``logits_processors``. Every prompt's result: the generated text and token ids,
+``num_cached_tokens``, ``kv_transfer_params`` and the top-``logprobs`` of each generated
+token.
 
 Two steps drive the engine request by request (`vllm.LLM.llm_engine`): ``abort`` cancels each
 prompt, one at a time, either ``"soon"`` (``abort_after_s`` after it was added: while its blend
@@ -30,11 +33,16 @@ from typing import Any
 
 def _result(output: Any) -> dict[str, Any]:
     completion = output.outputs[0]
+    logprobs = [
+        {str(token): float(entry.logprob) for token, entry in position.items()}
+        for position in (completion.logprobs or [])
+    ]
     return {
         "text": completion.text,
         "token_ids": list(completion.token_ids),
         "num_cached_tokens": output.num_cached_tokens,
         "kv_transfer_params": output.kv_transfer_params,
+        "logprobs": logprobs,
     }
 
 
@@ -47,8 +55,9 @@ def _run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
         else None
     )
     params = SamplingParams(
-        temperature=0.0, max_tokens=step.get("max_tokens", 12), extra_args=extra
-    )
+        temperature=0.0, max_tokens=step.get("max_tokens", 12), extra_args=extra,
+        logprobs=step.get("logprobs"),
+    )  # fmt: skip
     if step.get("kill_pid"):
         os.kill(int(step["kill_pid"]), signal.SIGKILL)
         time.sleep(0.5)
@@ -59,6 +68,12 @@ def _run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
         return _aborted(llm, step, params)
     if step.get("preempt"):
         return _preempted(llm, step, params)
+    if step.get("refused"):  # the frontend refuses the request: say what it said
+        try:
+            llm.generate(prompts, params, use_tqdm=False)
+        except Exception as error:  # noqa: BLE001 - the refusal is the result
+            return [{"error": f"{type(error).__name__}: {error}"}]
+        return [{"error": None}]
     if not step.get("one_at_a_time"):
         return [_result(out) for out in llm.generate(prompts, params, use_tqdm=False)]
     results = []
@@ -125,6 +140,7 @@ def main(job_path: str, result_path: str) -> None:
         model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
         enforce_eager=True, enable_prefix_caching=True, seed=0,
         kv_transfer_config=job.get("kv_transfer_config"), **parallel,
+        logits_processors=job.get("logits_processors"),
     )  # fmt: skip
     results: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": {}}
     for step in job["steps"]:

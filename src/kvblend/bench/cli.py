@@ -211,12 +211,19 @@ def build_parser() -> argparse.ArgumentParser:
         "vllm", help="vLLM + kvblend vs vanilla vLLM: TTFT and requests/s (run in vLLM's venv)"
     )
     vllm.add_argument("--model", help="model folder or GGUF file (default: the bundled model)")
-    vllm.add_argument("--lengths", default="2048,4096,7680", help="prompt tokens, comma list")
+    vllm.add_argument(
+        "--lengths", default="512,1024,2048,4096,7680", help="prompt tokens, comma list"
+    )
     vllm.add_argument("--repeats", type=int, default=2)
     vllm.add_argument("--doc-tokens", type=int, default=512)
     vllm.add_argument("--rate-length", type=int, default=2048, help="prompt tokens of req/s runs")
     vllm.add_argument("--rate-tokens", type=int, default=16, help="tokens each request generates")
     vllm.add_argument("--work-dir", help="folder for the store, jobs and vLLM logs (default: tmp)")
+    vllm.add_argument("--busy-core", action="store_true",
+                      help="a second process keeps one core busy during the run")  # fmt: skip
+    vllm.add_argument("--stall-repeats", type=int, default=2,
+                      help="rounds of the stall test (0: none)")  # fmt: skip
+    vllm.add_argument("--no-rate", action="store_true", help="skip the requests/s runs")
     vllm.add_argument("--nq", metavar="PROMPTS",
                       help="instead of timing: accuracy on the prompts of `kvblend bench "
                            "nq --write-prompts PROMPTS`, vLLM vs the engine")  # fmt: skip

@@ -350,6 +350,7 @@ def _vllm_machine() -> dict[str, Any]:
     return {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
     }  # fmt: skip
 
 
@@ -374,7 +375,8 @@ def cmd_vllm(args: argparse.Namespace) -> None:
     result = run_vllm_bench(
         args.model, lengths=lengths, repeats=args.repeats, doc_tokens=args.doc_tokens,
         rate_length=args.rate_length, rate_tokens=args.rate_tokens,
-        work_dir=Path(args.work_dir) if args.work_dir else None,
+        work_dir=Path(args.work_dir) if args.work_dir else None, busy=args.busy_core,
+        stall_repeats=args.stall_repeats, rate=not args.no_rate,
     )  # fmt: skip
     result["machine"] = _vllm_machine()
     _write(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))

@@ -34,8 +34,15 @@ from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, length_label
 
 __all__ = ["run_vllm_bench", "serving", "vllm_table"]
 
-DEFAULT_LENGTHS = (2048, 4096, 7680)
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7680)
 CONCURRENCY = (1, 4, 8)
+#: The stall test: one client streams `STREAM_TOKENS` tokens while `STALL_PROMPTS` RAG prompts of
+#: `STALL_LENGTH` tokens arrive together, each answered with `STALL_TOKENS` tokens.
+STREAM_TOKENS = 160
+STALL_PROMPTS = 3
+STALL_LENGTH = 4200
+STALL_TOKENS = 16
+STREAM_PROMPT = "Write a long story about a lighthouse keeper and the ships she guides home."
 
 
 def _prompt(engine: Any, documents: Sequence[str]) -> str:
@@ -47,17 +54,19 @@ def build_jobs(
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
     """Return the TTFT prompts, the concurrent batches and every document to precompute.
 
-    Repeat ``r`` of a length rotates its documents by ``r + 1`` and reverses them; the batches'
-    prompts each start with a document of their own, drawn from a shared pool.
+    Every TTFT prompt has documents of its own (``doc_tokens``, or a quarter of a short prompt
+    so that it holds at least four), in the reverse of the order they were stored in: no
+    prompt shares more than the prompt head with an earlier one, so vLLM's prefix cache holds
+    the head at most. The batches' prompts each start with a document of their own, drawn
+    from a shared pool.
     """
     ttft, documents = [], []
     for length in lengths:
-        docs = build_documents(engine, length, doc_tokens, seed=length)
-        documents += docs
+        size = max(32, min(doc_tokens, length // 4))
         for repeat in range(repeats):
-            shift = (repeat + 1) % len(docs)
-            order = (docs[shift:] + docs[:shift])[::-1]
-            ttft.append({"length": length, "repeat": repeat, "prompt": _prompt(engine, order)})
+            docs = build_documents(engine, length, size, seed=length * 100 + repeat)
+            documents += docs
+            ttft.append({"length": length, "repeat": repeat, "prompt": _prompt(engine, docs[::-1])})
     per_prompt = max(1, rate_length // doc_tokens)
     pool = build_documents(engine, sum(CONCURRENCY) * doc_tokens, doc_tokens, seed=rate_length + 7)
     documents += pool
@@ -70,6 +79,24 @@ def build_jobs(
         rate.append({"prompts": prompts[used : used + concurrency]})
         used += concurrency
     return ttft, rate, documents
+
+
+def build_stall_jobs(
+    engine: Any, repeats: int, length: int, doc_tokens: int
+) -> tuple[list[list[str]], list[str]]:
+    """Return, per repeat, `STALL_PROMPTS` RAG prompts of ``length`` tokens, and their documents.
+
+    Each prompt has documents of its own, in another order than stored.
+    """
+    rounds, documents = [], []
+    for repeat in range(repeats):
+        prompts = []
+        for index in range(STALL_PROMPTS):
+            docs = build_documents(engine, length, doc_tokens, seed=90_000 + 100 * repeat + index)
+            documents += docs
+            prompts.append(_prompt(engine, docs[::-1]))
+        rounds.append(prompts)
+    return rounds, documents
 
 
 def _cached(usage: dict[str, Any] | None) -> int:
@@ -125,6 +152,88 @@ def time_rate(
     return rows
 
 
+def stream_pauses(
+    url: str, prompts: Sequence[str], *, stream_tokens: int = STREAM_TOKENS,
+    prompt_tokens: int = STALL_TOKENS,
+) -> dict[str, Any]:  # fmt: skip
+    """Stream one completion; once it has produced tokens, send ``prompts`` together.
+
+    Returns the stream's longest pause between two tokens after the prompts were sent, the
+    seconds until every prompt was answered, and the stream's token count.
+    """
+    import json
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from kvblend.bench.vllm_server import MODEL_NAME, complete
+
+    arrivals: list[float] = []
+    started = threading.Event()
+    body = {
+        "model": MODEL_NAME, "prompt": STREAM_PROMPT, "max_tokens": stream_tokens,
+        "temperature": 0.0, "ignore_eos": True, "stream": True,
+    }  # fmt: skip
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800.0) as reply:
+            reply.raise_for_status()
+            for line in reply.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    if json.loads(line[len("data: ") :]).get("choices"):
+                        arrivals.append(time.perf_counter())
+                        if len(arrivals) >= 8:
+                            started.set()
+        started.set()
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    started.wait(600)
+    sent = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        list(pool.map(lambda prompt: complete(url, prompt, prompt_tokens), prompts))
+    answered = time.perf_counter() - sent
+    streamer.join()
+    after = [t for t in arrivals if t >= sent]
+    gaps = [b - a for a, b in zip([sent, *after], after, strict=False)]
+    return {
+        "longest_pause_s": max(gaps, default=0.0), "prompts_s": answered,
+        "stream_tokens": len(arrivals),
+    }  # fmt: skip
+
+
+def time_stall(
+    servers: dict[str, Any], rounds: Sequence[Sequence[str]], log: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """Run the stall test on both servers, round by round, alternating which goes first."""
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
+    for number, prompts in enumerate(rounds):
+        names = list(servers) if number % 2 == 0 else list(servers)[::-1]
+        for name in names:
+            row = stream_pauses(servers[name].url, prompts)
+            rows[name].append(row)
+            log(f"{name} stall round {number}: longest pause {row['longest_pause_s']:.2f} s, "
+                f"{len(prompts)} prompts in {row['prompts_s']:.2f} s")  # fmt: skip
+    return rows
+
+
+@contextlib.contextmanager
+def busy_core(busy: bool) -> Iterator[None]:
+    """Keep one core busy in a second process while the block runs (when ``busy``)."""
+    if not busy:
+        yield
+        return
+    import subprocess
+
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
 def run_vllm_bench(
     model: str | None,
     *,
@@ -134,21 +243,41 @@ def run_vllm_bench(
     rate_length: int = 2048,
     rate_tokens: int = 16,
     work_dir: Path | None = None,
+    busy: bool = False,
+    stall_repeats: int = 2,
+    rate: bool = True,
 ) -> dict[str, Any]:
-    """Run both servers over the same prompts; return every measurement and a summary."""
+    """Run both servers over the same prompts; return every measurement and a summary.
+
+    ``busy``: a second process keeps one core busy for the whole run; ``stall_repeats``: rounds
+    of the stall test (0: none); ``rate``: time requests/s too.
+    """
+    load = [round(x, 2) for x in os.getloadavg()]
     folder, work, engine = bench_engine(model, work_dir, SYSTEM)
-    ttft, rate, documents = build_jobs(engine, lengths, repeats, doc_tokens, rate_length)
-    engine.precompute(documents)
+    ttft, batches, documents = build_jobs(engine, lengths, repeats, doc_tokens, rate_length)
+    rounds, stall_documents = build_stall_jobs(engine, stall_repeats, STALL_LENGTH, doc_tokens)
+    engine.precompute(documents + stall_documents)
     warmup = _prompt(engine, ["A short warm-up document."])
-    with serving(folder, work, engine.context_window, warmup, {"system_prompt": SYSTEM}) as servers:
+    config = {"system_prompt": SYSTEM}
+    with serving(folder, work, engine.context_window, warmup, config) as servers, busy_core(busy):
         ttft_rows = time_ttft(servers, ttft, log_line)
-        rate_rows = time_rate(servers, rate, rate_tokens, log_line)
-    vanilla = {"ttft": ttft_rows["vanilla"], "rate": rate_rows["vanilla"]}
-    kvblend = {"ttft": ttft_rows["kvblend"], "rate": rate_rows["kvblend"]}
+        stall_rows = time_stall(servers, rounds, log_line)
+        rate_rows = time_rate(servers, batches if rate else [], rate_tokens, log_line)
+    vanilla = {
+        "ttft": ttft_rows["vanilla"],
+        "rate": rate_rows["vanilla"],
+        "stall": stall_rows["vanilla"],
+    }
+    kvblend = {
+        "ttft": ttft_rows["kvblend"],
+        "rate": rate_rows["kvblend"],
+        "stall": stall_rows["kvblend"],
+    }
     return {
         "model": str(folder), "doc_tokens": doc_tokens, "repeats": repeats,
         "rate_length": rate_length, "rate_tokens": rate_tokens, "work_dir": str(work),
-        "vanilla": vanilla, "kvblend": kvblend, "summary": summarize(vanilla, kvblend),
+        "busy_core": busy, "load_average_at_start": load, "vanilla": vanilla, "kvblend": kvblend,
+        "summary": summarize(vanilla, kvblend),
     }  # fmt: skip
 
 
@@ -242,7 +371,16 @@ def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any
         }  # fmt: skip
         for a, b in zip(kvblend["rate"], vanilla["rate"], strict=True)
     ]
-    return {"ttft": ttft, "rate": rate}
+    stall = {}
+    if kvblend.get("stall"):
+        for key in ("longest_pause_s", "prompts_s"):
+            ours = [row[key] for row in kvblend["stall"]]
+            theirs = [row[key] for row in vanilla["stall"]]
+            stall[key] = {
+                "vanilla": statistics.median(theirs), "kvblend": statistics.median(ours),
+                "ratio": statistics.median(a / b for a, b in zip(ours, theirs, strict=True)),
+            }  # fmt: skip
+    return {"ttft": ttft, "rate": rate, "stall": stall}
 
 
 def vllm_table(result: dict[str, Any]) -> str:
@@ -258,7 +396,30 @@ def vllm_table(result: dict[str, Any]) -> str:
             f"{row['vanilla_s']:.2f} s | {row['kvblend_s']:.2f} s | {row['ratio']:.2f} | "
             f"{row['cached_tokens']:.0f} |"
         )
-    lines += [
+    if summary["rate"]:
+        lines += rate_table(result)
+    stall = summary.get("stall")
+    if stall:
+        lines += [
+            "",
+            f"| one stream, {STALL_PROMPTS} RAG prompts of {STALL_LENGTH} tokens arriving together "
+            "| vanilla vLLM | vLLM + kvblend | kvblend / vanilla |",
+            "|---|---|---|---|",
+        ]
+        for key, label in (("longest_pause_s", "stream's longest pause"),
+                           ("prompts_s", "prompts answered in")):  # fmt: skip
+            row = stall[key]
+            lines.append(
+                f"| {label} | {row['vanilla']:.2f} s | {row['kvblend']:.2f} s | "
+                f"{row['ratio']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def rate_table(result: dict[str, Any]) -> list[str]:
+    """Return the lines of the requests/s table."""
+    summary = result["summary"]
+    lines = [
         "",
         f"| concurrent requests ({length_label(result['rate_length'])} tokens, "
         f"{result['rate_tokens']} generated) | vanilla vLLM req/s | vLLM + kvblend req/s | ratio |",
@@ -269,4 +430,4 @@ def vllm_table(result: dict[str, Any]) -> str:
             f"| {row['concurrency']} | {row['vanilla_rps']:.3f} | {row['kvblend_rps']:.3f} | "
             f"{row['ratio']:.2f}x |"
         )
-    return "\n".join(lines)
+    return lines

@@ -25,9 +25,10 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
 segment is exact. Read `io.py` for the token kinds. A prefill can be cancelled between layers
-(``cancel``, a `threading.Event`); a pass that stops orders the compute stream after every copy
-it issued before its buffer is handed back (`LayerLoads.fence`). On CUDA, `device_times` reads
-the device's own time of a blend (CUDA events) once its logits are queued.
+(``cancel``: a `threading.Event`, or any `CancelFlag`; the vLLM connector's also pauses the loop
+there until the engine's next step); a pass that stops orders the compute stream after every
+copy it issued before its buffer is handed back (`LayerLoads.fence`). On CUDA, `device_times`
+reads the device's own time of a blend (CUDA events) once its logits are queued.
 
 Precompute runs documents through the same loop: strategy ``full`` over a batch of right-padded
 sequences laid one after another (`BlendInput.sequences`), each at positions ``0..n-1`` (its
@@ -36,9 +37,9 @@ RoPE table repeated) and attending to its own rows only (`SequenceAttention`), e
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -67,7 +68,26 @@ from kvblend.blend.selectors import Selection, SelectionContext, Selector, selec
 from kvblend.blend.selectors.base import Narrowing, PassObserver
 from kvblend.errors import BlendCancelledError
 
-__all__ = ["device_clock", "device_times", "run_blend", "run_pass", "selection_context"]
+__all__ = [
+    "CancelFlag",
+    "device_clock",
+    "device_times",
+    "run_blend",
+    "run_pass",
+    "selection_context",
+]
+
+
+class CancelFlag(Protocol):
+    """What the loop asks between layers whether to stop (a `threading.Event` is one).
+
+    ``is_set()`` may also block: the vLLM connector's flag pauses the blend there until the
+    engine's next step (`kvblend.vllm.pacing`).
+    """
+
+    def is_set(self) -> bool:
+        """Whether the prefill is cancelled."""
+        ...
 
 
 @dataclass
@@ -169,7 +189,7 @@ def begin_pass(
     return state
 
 
-def stop_if_cancelled(cancel: threading.Event | None) -> None:
+def stop_if_cancelled(cancel: CancelFlag | None) -> None:
     """Raise `BlendCancelledError` once ``cancel`` is set (a host flag: no device sync)."""
     if cancel is not None and cancel.is_set():
         raise BlendCancelledError("the prefill was cancelled")
@@ -225,7 +245,7 @@ def run_layers(
     selector: Selector | None,
     observer: PassObserver | None,
     need_logits: bool,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     stop: int | None = None,
 ) -> torch.Tensor | None:
     """Run the layer loop of a pass; return its logits (None when not needed).
@@ -254,7 +274,7 @@ def run_pass(
     selector: Selector | None = None,
     observer: PassObserver | None = None,
     need_logits: bool = True,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     tables: RopeTables | None = None,
     layers: int | None = None,
     corrected: bool | None = None,
@@ -375,7 +395,7 @@ def prompt_tables(adapter: ModelAdapter, blend_input: BlendInput) -> RopeTables:
 def selection_context(
     adapter: ModelAdapter,
     blend_input: BlendInput,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
     tables: RopeTables | None = None,
     correction: float = 0.0,
 ) -> SelectionContext:
@@ -408,7 +428,7 @@ def run_blend(
     config: BlendConfig,
     *,
     need_logits: bool = True,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
 ) -> BlendOutput:
     """Run the blended prefill of one prompt and return logits and the fused KV cache.
 

@@ -192,7 +192,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
 def cmd_precompute(args: argparse.Namespace) -> None:
     """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
     files = DocumentFiles()
-    named = _read(args.paths, files)  # before the model loads
+    named = _read(args.paths, files) if args.paths else []  # before the model loads
+    if args.samples:
+        corpus = load_sample_corpus()["documents"]
+        named += [(f"sample: {document['title']}", document["text"]) for document in corpus]
+    if not named and not files.skipped:
+        raise CLIError("nothing to precompute: name text files or folders, or --samples")
     engine = _engine(args)
     started = time.perf_counter()
     documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
@@ -312,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
     add_model_options(pre)
-    pre.add_argument("paths", nargs="+", help="text files or folders (one document per file; "
+    pre.add_argument("paths", nargs="*", help="text files or folders (one document per file; "
                                               "hidden files and folders are skipped)")  # fmt: skip
+    pre.add_argument("--samples", action="store_true",
+                     help="also the documents of the bundled sample corpus")  # fmt: skip
     add_chunk_option(pre)
     pre.set_defaults(func=cmd_precompute)
 

@@ -11,6 +11,8 @@ the two is a parameter, not a second copy:
   (the store checks its checksum, shape, dtype and finite values as it reads), so one that is
   missing or cannot be used has its rows computed by the blend in full, as vLLM would compute
   them, and is listed in ``lost`` (vLLM stores it after its step).
+- ``cancel`` (vLLM): asked between two entries read whole, as the loop asks it between layers
+  (the connector's flag pauses there until the engine's next step, `kvblend.vllm.pacing`).
 - ``ranks`` (vLLM, read whole): the tensor-parallel ranks agree on the entries they use (one a
   rank could not read is computed on every rank), each reads its own KV heads of an entry, and
   none recomputes an entry alone: a rank's failed read fails the blend instead.
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
-from kvblend.blend.loop import run_blend
+from kvblend.blend.loop import CancelFlag, run_blend, stop_if_cancelled
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan
@@ -76,21 +77,26 @@ def blend_plan(
     ranks: Ranks | None = None,
     lost: list[str] | None = None,
     need_logits: bool = True,
-    cancel: threading.Event | None = None,
+    cancel: CancelFlag | None = None,
+    spans: list[CachedSpan] | None = None,
 ) -> PlanBlend:
     """Open ``plan``'s entries from ``segment_kv``'s store, then run the blend loop on ``adapter``.
 
     ``read_whole`` and ``ranks``: how entries are read (see the module); ``lost``: where the
     entries read whole but not used are listed, and why, as they are found. The plan is left
-    as planned. ``need_logits`` and ``cancel`` go to `run_blend`.
+    as planned. ``need_logits`` and ``cancel`` go to `run_blend`. ``spans``: the plan's entries
+    already opened (the vLLM connector's calibration blends synthetic ones), read as they are.
     """
     began = time.perf_counter()
     kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: rows of a lost entry become COMPUTE
-    spans: list[CachedSpan] = []
     computed = 0
-    if config.reads_cache and read_whole:
-        spans = read_spans(segment_kv, plan, kinds, adapter, ranks, [] if lost is None else lost)
-    elif config.reads_cache:
+    if not config.reads_cache:  # the strategy computes every row
+        spans = []
+    elif spans is None and read_whole:
+        spans = read_spans(
+            segment_kv, plan, kinds, adapter, ranks, [] if lost is None else lost, cancel
+        )
+    elif spans is None:
         spans, computed = open_spans(segment_kv, plan)
     token_ids = torch.from_numpy(np.array(plan.token_ids, dtype=np.int64))
     opened = time.perf_counter()
@@ -134,13 +140,18 @@ def read_spans(
     adapter: ModelAdapter,
     ranks: Ranks | None,
     lost: list[str],
+    cancel: CancelFlag | None = None,
 ) -> list[CachedSpan]:
     """Read the plan's entries whole onto ``adapter``'s device; compute unusable ones' rows.
 
     The rows of an entry that is missing or cannot be used (on any of the ``ranks``) become
-    ``COMPUTE`` in ``kinds``, and the entry is listed in ``lost`` with the reason.
+    ``COMPUTE`` in ``kinds``, and the entry is listed in ``lost`` with the reason. ``cancel`` is
+    asked before each entry.
     """
-    opened = [_read_entry(segment_kv, span, adapter.device, lost) for span in plan.spans]
+    opened = []
+    for span in plan.spans:
+        stop_if_cancelled(cancel)
+        opened.append(_read_entry(segment_kv, span, adapter.device, lost))
     usable = torch.tensor([entry is not None for _, entry in opened], dtype=torch.float32)
     if ranks is not None and opened:  # an entry any rank could not read is used by none
         usable = ranks.gather_ranks(usable).min(dim=0).values

@@ -54,7 +54,7 @@ class _WorkerMeta(KVBlendWorkerMeta, KVConnectorWorkerMetadata):
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         """Combine two ranks' reports."""
         merged = self.merge(other)
-        return _WorkerMeta(merged.verdict, merged.outcomes)
+        return _WorkerMeta(merged.verdict, merged.outcomes, merged.calibration, merged.steps)
 
 
 class KVBlendConnector(KVConnectorBase_V1):
@@ -95,7 +95,7 @@ class KVBlendConnector(KVConnectorBase_V1):
         """Return the step's blends, for the worker side."""
         assert self._scheduler is not None
         meta = self._scheduler.metadata(scheduler_output)
-        return _Metadata(meta.jobs, meta.fill)
+        return _Metadata(meta.jobs, meta.fill, meta.cancel, meta.step)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Take the workers' parity verdict and blend outcomes."""
@@ -143,12 +143,34 @@ class KVBlendConnector(KVConnectorBase_V1):
         """Build the worker side over the loaded model and run the parity gate."""
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Take the step's metadata; the step's forward starts now (timed for the cost model)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            self._worker.bind()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Blend the step's claimed requests into the paged cache, before the forward."""
+        """After the step's forward (every load is asynchronous): queue and slice the blends."""
         self._worker.start(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: every claimed row is written before the forward starts."""
+        """Nothing to wait for: a request's forward starts only once its blend is done."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Return the requests whose blend finished (or stopped) since the last step."""
+        if self._worker is None:
+            return None, None
+        done, _ = self._worker.transfers(finished_req_ids)
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """Return the finished blends, and those that wrote nothing (vLLM computes them)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+        if self._worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self._worker.transfers(finished_req_ids)
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -156,15 +178,15 @@ class KVBlendConnector(KVConnectorBase_V1):
         """Nothing is saved from vLLM's cache (documents are stored from their own KV)."""
 
     def wait_for_save(self) -> None:
-        """After the forward: store the KV of documents found but not stored yet."""
-        if self.has_connector_metadata():
-            self._worker.finish(self._get_connector_metadata())
+        """Nothing is saved (documents not stored yet are stored in the blends' slices)."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Return blocks of claimed rows the worker could not write (vLLM recomputes them)."""
-        return self._worker.take_failed_blocks() if self._worker is not None else set()
+        """None: a blend that wrote nothing is reported as a failed load of its request."""
+        return set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """Return the parity verdict (once) and this step's blend outcomes."""
         report = self._worker.report() if self._worker is not None else None
-        return None if report is None else _WorkerMeta(report.verdict, report.outcomes)
+        if report is None:
+            return None
+        return _WorkerMeta(report.verdict, report.outcomes, report.calibration, report.steps)

@@ -32,7 +32,10 @@ from kvblend.vllm.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShapeOnly", "folder_fingerprint", "open_library", "open_tokenizer"]
+__all__ = [
+    "ShapeOnly", "StoreSummary", "folder_fingerprint", "open_library", "open_tokenizer",
+    "store_location",
+]  # fmt: skip
 
 
 class ShapeOnly:
@@ -148,3 +151,101 @@ def config_shape(model_config: Any, parallel_config: Any) -> DecoderShape:
         head_dim=int(getattr(config, "head_dim", None) or config.hidden_size // heads),
         max_positions=int(getattr(config, "max_position_embeddings", 0) or 0),
     )
+
+
+def store_location(settings: ConnectorSettings) -> str:
+    """Where the connector's store lives, as a log line names it (a Redis password hidden)."""
+    from kvblend.store.disk import default_store_dir
+
+    folder = Path(settings.store_dir).expanduser() if settings.store_dir else default_store_dir()
+    where = f"disk {folder}"
+    url = settings.redis_url or os.environ.get("KVBLEND_REDIS_URL")
+    if url:
+        from kvblend.store.redis_access import redacted
+
+        where += f" + Redis {redacted(url)}"
+    return where
+
+
+class StoreSummary:
+    """What the store holds, by model: the start-up log line and why a prompt finds nothing.
+
+    Entries name the model and fingerprint they were computed with (their metadata); listing
+    them costs a read of every entry's header, so it is done at start-up and again at most
+    every `REFRESH_S` seconds, when a prompt finds no document.
+    """
+
+    REFRESH_S = 30.0
+
+    def __init__(self, store: Any, fingerprint: str, model: str, where: str) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.model = model
+        self.where = where
+        self.ours = 0
+        self.others: dict[str, int] = {}
+        self.listed = False  # False: the store cannot list its entries
+        self._at = -float("inf")
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Count the store's entries by model (at most every `REFRESH_S` seconds)."""
+        import time
+
+        if not force and time.monotonic() - self._at < self.REFRESH_S:
+            return
+        self._at = time.monotonic()
+        ours, others = 0, dict[str, int]()
+        try:
+            keys = self.store.keys()
+        except Exception as error:  # noqa: BLE001 - a store that cannot list: nothing said
+            logger.debug("the store cannot list its entries: %s", error)
+            self.listed = False
+            return
+        for key in keys:
+            try:
+                metadata = self.store.metadata(key) or {}
+            except Exception:  # noqa: BLE001 - an unreadable entry counts as nobody's
+                continue
+            if metadata.get("fingerprint") == self.fingerprint:
+                ours += 1
+            elif "fingerprint" in metadata:
+                name = f"{metadata.get('model', '?')} ({metadata['fingerprint'][:12]})"
+                others[name] = others.get(name, 0) + 1
+        self.ours, self.others, self.listed = ours, others, True
+
+    def describe(self) -> str:
+        """Return the start-up line: the store's location and what it holds for this model."""
+        self.refresh(force=True)
+        identity = f"model {self.model} (fingerprint {self.fingerprint[:12]})"
+        if not self.listed:
+            return f"kvblend: store {self.where}, {identity}"
+        line = f"kvblend: store {self.where}: {self.ours} entries of {identity}"
+        if self.others:
+            named = ", ".join(f"{count} of {name}" for name, count in sorted(self.others.items()))
+            line += f"; other models' entries: {named}"
+        return line
+
+    def no_document_reason(self) -> str:
+        """Why a prompt finds no stored document: an empty store, another model's, or none."""
+        self.refresh()
+        if not self.listed:
+            return "no stored document in the prompt"
+        if not self.ours and not self.others:
+            return (
+                f"empty store: the store ({self.where}) holds no document; fill it with "
+                "`kvblend precompute --model MODEL DOCUMENTS`"
+            )
+        if not self.ours:
+            total = sum(self.others.values())
+            models = ", ".join(sorted(self.others))
+            return (
+                f"other model: the store ({self.where}) holds {total} entries, none of this "
+                f"model's (fingerprint {self.fingerprint[:12]}; they are of {models}): entries "
+                "are keyed by the model's weights and dtype, precompute with the served folder "
+                "and dtype"
+            )
+        return (
+            f"no stored document in the prompt: none of the {self.ours} entries of this model "
+            "is a document found in the prompt (a document is found only where its exact text "
+            "occurs)"
+        )

@@ -3,10 +3,12 @@
 The scheduler side counts each finished request it planned (`scheduler.COUNTS`); vLLM collects
 them through ``get_kv_connector_stats`` every step, logs their sum with its other stats ("KV
 Transfer metrics: requests=..., blended=..., cached_tokens=...") and exports them on
-``/metrics``: ``vllm:kvblend_requests_total`` (label ``outcome``: blended or vllm),
-``vllm:kvblend_prompt_tokens_total``, ``vllm:kvblend_cached_tokens_total`` and
-``vllm:kvblend_recomputed_tokens_total``. vLLM collects stats only when its stats logging is on
-(``vllm serve``'s default; ``LLM`` turns it off unless ``disable_log_stats=False``).
+``/metrics``: ``vllm:kvblend_requests_total`` (label ``outcome``: blended, vllm or refused),
+``vllm:kvblend_prompt_tokens_total``, ``vllm:kvblend_cached_tokens_total``,
+``vllm:kvblend_recomputed_tokens_total`` and ``vllm:kvblend_forecast_seconds_total`` (label
+``path``: blend or vllm; the two forecasts of each request that had them, summed). vLLM
+collects stats only when its stats logging is on (``vllm serve``'s default; ``LLM`` turns it
+off unless ``disable_log_stats=False``).
 """
 
 from __future__ import annotations
@@ -78,11 +80,17 @@ class KVBlendPromMetrics(KVConnectorPromMetrics):
             )
             for name in ("prompt_tokens", "cached_tokens", "recomputed_tokens")
         }
+        self._forecasts = self._counter_cls(
+            name="vllm:kvblend_forecast_seconds_total",
+            documentation="kvblend's forecasts of each request, by path (blend, or vLLM's "
+            "prefill), summed over the requests that had both.",
+            labelnames=[*labelnames, "path"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Add one interval's counts to the counters of engine ``engine_idx``."""
         labels = self.per_engine_labelvalues[engine_idx]
-        for outcome in ("blended", "vllm"):
+        for outcome in ("blended", "vllm", "refused"):
             value = int(transfer_stats_data.get(outcome, 0))
             if value:
                 self._requests.labels(*labels, outcome).inc(value)
@@ -90,3 +98,7 @@ class KVBlendPromMetrics(KVConnectorPromMetrics):
             value = int(transfer_stats_data.get(name, 0))
             if value > 0:
                 counter.labels(*labels).inc(value)
+        for path in ("blend", "vllm"):
+            milliseconds = int(transfer_stats_data.get(f"forecast_{path}_ms", 0))
+            if milliseconds > 0:
+                self._forecasts.labels(*labels, path).inc(milliseconds / 1000)

@@ -26,6 +26,11 @@ import numpy as np
 
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.forecast import forecast_blend
+from kvblend.blend.selectors.attention import (
+    attention_budget,
+    early_layer_count,
+    probe_layer_count,
+)
 from kvblend.prompt.plan import (
     PlannedSpan,
     PrefillPlan,
@@ -36,10 +41,18 @@ from kvblend.prompt.plan import (
 )
 from kvblend.prompt.segments import segment_key
 from kvblend.prompt.tokens import encode_prompt
+from kvblend.vllm.costs import Forecast
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RequestPlan", "plan_request", "restrict"]
+__all__ = [
+    "NO_DOCUMENT",
+    "RequestPlan",
+    "approximate_from",
+    "blend_rows",
+    "plan_request",
+    "restrict",
+]
 
 
 @dataclass
@@ -61,6 +74,19 @@ class RequestPlan:
     fallback: str | None = None  # why vLLM prefills the prompt itself (None: the connector blends)
     #: found documents whose KV is not stored yet: (text, document context), filled after the blend
     missing: list[tuple[str, str]] = field(default_factory=list)
+    #: rows the blend computes, summed over its passes (probe included): its cost model's input
+    rows: int = 0
+    layers: int = 1  # the model's layers (the share of them a probe runs counts in ``rows``)
+    #: the first row whose blended KV may differ from what a full prefill computes (a moved
+    #: document's first row; ``total`` when every row is exact): blocks from there on are kept
+    #: out of vLLM's prefix cache for requests computing in full
+    approximate_from: int = 0
+    #: documents found whose KV the store does not hold (their numbers in the prompt, from 1)
+    not_stored: list[int] = field(default_factory=list)
+    #: the blend's and vLLM's prefill's forecast times (None: not forecast)
+    forecast: Forecast | None = None
+    refused: bool = False  # a request option was refused (the reason is ``fallback``)
+    unreachable: str | None = None  # why the store could not be asked (an outage), if so
 
     @property
     def claimed(self) -> int:
@@ -86,6 +112,7 @@ class RequestPlan:
             "recomputed_tokens": self.recomputed if self.fallback is None else 0,
             "vllm_prefix_tokens": self.start,
             "fallback": self.fallback,
+            **({"not_stored": list(self.not_stored)} if self.not_stored else {}),
         }
 
 
@@ -140,11 +167,13 @@ def plan_request(
 
     ``library`` is a `kvblend.documents.library.DocumentLibrary` (its registry finds documents, its
     `SegmentKV` tokenizes them as cached); only the store's ``contains`` is asked, nothing read.
+    Whether the blend beats vLLM's own prefill is decided by the scheduler side's cost model,
+    from ``rows``; the rules here are the strategy's own.
     """
     total = len(token_ids)
     ids = np.asarray(token_ids, dtype=np.int64)
     empty = PrefillPlan(ids, np.full(total, TokenKind.COMPUTE, dtype=np.int8))
-    request = RequestPlan(empty, config, start, total - 1)
+    request = RequestPlan(empty, config, start, total - 1, approximate_from=total)
     if total - 1 <= start:
         request.fallback = "vLLM's prefix cache holds the whole prompt"
         return request
@@ -158,18 +187,30 @@ def plan_request(
         tokens, cached_pieces(items), lambda begin, end: library.segment_kv.layout(text[begin:end])
     )
     if config.reads_cache and not plan.spans:
-        request.fallback = "no stored document in the prompt"
+        request.fallback = NO_DOCUMENT
         return request
-    missing = _missing_spans(library, plan) if config.reads_cache else set()
-    request.missing = _missing_documents(library, text, plan, missing)
-    request.plan = restrict(plan, start, missing, "not in the store yet: computed")
+    missing, failed = _missing_spans(library, plan) if config.reads_cache else (set(), None)
+    request.missing = [] if failed else _missing_documents(library, text, plan, missing)
+    request.not_stored = [] if failed else _document_numbers(plan, missing)
+    request.unreachable = failed
+    why = f"the store could not be asked: {failed}" if failed else "not in the store yet"
+    request.plan = restrict(plan, start, missing, f"{why}: computed")
+    request.layers = int(library.segment_kv.decoder.shape.num_layers)
     _decide(request)
     return request
 
 
-def _missing_spans(library: Any, plan: PrefillPlan) -> set[int]:
-    """Return the spans whose entry the store does not hold, or cannot say it holds."""
-    missing = set()
+#: The fallback of a prompt in which the registry finds no document (the scheduler side says
+#: why, from what the store holds: `kvblend.vllm.documents.StoreSummary`).
+NO_DOCUMENT = "no stored document in the prompt"
+
+
+def _missing_spans(library: Any, plan: PrefillPlan) -> tuple[set[int], str | None]:
+    """Return the spans whose entry the store does not hold, or cannot say it holds.
+
+    The second value says why a lookup failed (a store outage), if one did.
+    """
+    missing, failed = set(), None
     for index, span in enumerate(plan.spans):
         key = segment_key(library.fingerprint, span.context_ids, span.cached_ids)
         try:
@@ -178,7 +219,14 @@ def _missing_spans(library: Any, plan: PrefillPlan) -> set[int]:
         except Exception as error:  # noqa: BLE001 - a store outage: those rows are computed
             logger.debug("store lookup of %s failed: %s", key, error)
             missing.add(index)
-    return missing
+            failed = failed or f"{type(error).__name__}: {error}"
+    return missing, failed
+
+
+def _document_numbers(plan: PrefillPlan, spans: set[int]) -> list[int]:
+    """Return the numbers (from 1, in prompt order) of the documents of ``spans``."""
+    documents = [row for row in plan.report if row.role == "document"]
+    return [number for number, row in enumerate(documents, 1) if row.span in spans]
 
 
 def _missing_documents(
@@ -193,29 +241,65 @@ def _missing_documents(
     return found
 
 
-def _decide(request: RequestPlan) -> None:
-    """Apply the budget rules to ``request.plan`` and count what the blend reuses.
+def blend_rows(plan: PrefillPlan, config: BlendConfig, recomputed: int, layers: int) -> int:
+    """Rows a blend of ``plan`` computes, summed over its passes (a probe counts its share).
 
-    On top of the engine's rule (`forecast_blend`), a blend must compute fewer rows than vLLM
-    would after its own prefix-cache hit: the blend recomputes that hit's rows (it needs their
-    K/V and cannot read vLLM's cache), so a long hit leaves nothing to gain.
+    The attention strategy's probe pass computes the uncached rows over ``probe_layers`` of the
+    layers, and its funnel the early rows over ``early_layers``; other strategies compute the
+    uncached rows and the recomputed ones (strategy ``full``: every row).
     """
+    total = len(plan.token_ids)
+    uncached = int(np.count_nonzero(plan.kinds == TokenKind.COMPUTE))
+    if not config.reads_cache:
+        return total
+    if config.strategy != "attention":
+        return uncached + recomputed
+    budget = attention_budget(plan.kinds, plan.spans, dict(config.settings))
+    if budget.recompute_all:
+        return uncached + recomputed
+    probe = budget.probe * probe_layer_count(config.probe_layers, layers) / layers
+    early = early_layer_count(config.early_layers, layers) / layers
+    return round(
+        uncached + budget.lead + budget.keep + (budget.early - budget.keep) * early + probe
+    )
+
+
+def approximate_from(plan: PrefillPlan, config: BlendConfig) -> int:
+    """Return the first row whose blended KV may differ from a full prefill's (``total``: none).
+
+    A moved document's rows were cached behind another context, so its K/V and every row after
+    it (which attends to it) are approximate; rows before the first moved row, the prompt head
+    and documents reused in place behind the same head included, are what a full prefill
+    computes.
+    """
+    total = len(plan.token_ids)
+    if not config.reads_cache:
+        return total
+    moved = np.flatnonzero(plan.kinds == TokenKind.MOVED)
+    return int(moved[0]) if moved.size else total
+
+
+def _decide(request: RequestPlan) -> None:
+    """Apply the strategy's budget rules to ``request.plan`` and count what the blend reuses."""
     plan, config, start = request.plan, request.config, request.start
     cached = int(np.count_nonzero(plan.kinds != TokenKind.COMPUTE))
     if config.reads_cache and not cached:
-        request.fallback = "no stored document left to reuse"
+        numbers = ", ".join(map(str, request.not_stored))
+        if request.unreachable:
+            request.fallback = f"store unreachable: {request.unreachable}"
+        elif request.not_stored:
+            request.fallback = (
+                f"not stored: the prompt's documents ({numbers}) are known but their KV is not "
+                "in the store yet (the connector stores them after this request)"
+            )
+        else:
+            request.fallback = "no stored document left to reuse"
         return
     forecast = forecast_blend(plan, config)
     if forecast.fallback is not None:
         request.fallback = forecast.fallback
         return
     request.recomputed = forecast.recomputed_tokens
-    blend_rows = request.total - (cached - request.recomputed if config.reads_cache else 0)
-    own_rows = request.total - start
-    if start and blend_rows >= own_rows:
-        request.fallback = (
-            f"vLLM's prefix cache holds {start} tokens: computing the other {own_rows} costs "
-            f"less than a blend computing {blend_rows}"
-        )
-        return
     request.reused = start + (cached - request.recomputed if config.reads_cache else 0)
+    request.rows = blend_rows(plan, config, request.recomputed, request.layers)
+    request.approximate_from = approximate_from(plan, config)

@@ -11,11 +11,19 @@ all optional:
 - ``store_dir`` / ``redis_url``: the store (default ``$KVBLEND_STORE_DIR`` and
   ``$KVBLEND_REDIS_URL``, as every kvblend process);
 - ``parity`` (true): run the parity gate when the worker starts (false: blend without it);
-- ``log_requests`` (true): one INFO line per blended request.
+- ``log_requests`` (true): one INFO line per request the connector plans;
+- ``when`` (``"faster"``): blend a request only when its blend is forecast to reach the first
+  token sooner than vLLM's own prefill (`costs.CostModel`); ``"always"``: whenever the
+  strategy's rules allow;
+- ``slice_s`` (1.0): the longest a blend holds up an engine step, in seconds (`pacing`).
 
-A request chooses for itself through vLLM's ``kv_transfer_params``: ``{"kvblend": {"strategy":
-"full"}}`` (any `BlendConfig` strategy and settings) or ``{"kvblend": false}`` (vLLM's own
-prefill). Through the OpenAI server: ``extra_body={"kv_transfer_params": {...}}``.
+A request chooses for itself through vLLM's ``kv_transfer_params``, in one form:
+``{"kvblend": false}`` (vLLM's own prefill), or ``{"kvblend": {"strategy": ..., "settings":
+{...}, "when": ...}}`` with the keys of ``kv_connector_extra_config`` of the same names, each
+optional. Anything else is refused: the OpenAI server answers 400 with the reason
+(`options.KVBlendOptions` checks each request as it arrives), and a request that reaches the
+scheduler all the same (another frontend) is prefilled by vLLM with the reason in its record.
+Through the OpenAI server: ``extra_body={"kv_transfer_params": {"kvblend": {...}}}``.
 """
 
 from __future__ import annotations
@@ -26,11 +34,18 @@ from typing import Any
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
-__all__ = ["ConnectorSettings", "request_config"]
+__all__ = ["ConnectorSettings", "RequestChoice", "check_options", "request_config"]
 
 _KEYS = frozenset(
-    {"strategy", "settings", "system_prompt", "store_dir", "redis_url", "parity", "log_requests"}
-)
+    {
+        "strategy", "settings", "system_prompt", "store_dir", "redis_url", "parity",
+        "log_requests", "when", "slice_s",
+    }
+)  # fmt: skip
+#: What ``when`` takes: blend only when forecast faster than vLLM's prefill, or always.
+WHEN = ("faster", "always")
+#: The keys a request's ``kv_transfer_params["kvblend"]`` dict takes.
+REQUEST_KEYS = ("strategy", "settings", "when")
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,8 @@ class ConnectorSettings:
     redis_url: str | None = None
     parity: bool = True
     log_requests: bool = True
+    when: str = "faster"
+    slice_s: float = 1.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -64,22 +81,86 @@ class ConnectorSettings:
             redis_url=extra.get("redis_url"),
             parity=bool(extra.get("parity", True)),
             log_requests=bool(extra.get("log_requests", True)),
+            when=_when(extra.get("when", "faster"), "kv_connector_extra_config"),
+            slice_s=_slice(extra.get("slice_s", 1.0)),
         )
 
 
-def request_config(default: BlendConfig, params: dict[str, Any] | None) -> BlendConfig | None:
-    """Return one request's config: its ``kv_transfer_params["kvblend"]``, else ``default``.
+def _when(value: Any, where: str) -> str:
+    if value not in WHEN:
+        raise ValueError(
+            f"{where}: 'when' must be one of {', '.join(map(repr, WHEN))}, got {value!r}"
+        )
+    return str(value)
 
-    None when the request turns kvblend off (``{"kvblend": false}``). A wrong strategy or
-    setting raises ValueError, which the scheduler reports as the request's fallback.
+
+def _slice(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 60:
+        raise ValueError(
+            f"kv_connector_extra_config: 'slice_s' must be seconds in (0, 60], got {value!r}"
+        )
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RequestChoice:
+    """What one request asks for: its `BlendConfig` (None: vLLM's own prefill) and ``when``."""
+
+    config: BlendConfig | None
+    when: str
+
+
+def request_config(
+    default: BlendConfig, params: dict[str, Any] | None, when: str = "faster"
+) -> RequestChoice:
+    """Return one request's choice: its ``kv_transfer_params["kvblend"]``, else the defaults.
+
+    The one accepted form: absent (the server's settings), ``false`` (vLLM's own prefill), or a
+    dict of ``strategy``, ``settings`` (a dict) and ``when``, each optional; a strategy given
+    without settings takes that strategy's defaults, settings without a strategy apply to the
+    server's. Anything else raises ValueError naming what is wrong (the request is refused).
     """
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be a dict, got {type(params).__name__}")
     chosen = (params or {}).get("kvblend")
-    if chosen is None or chosen is True:
-        return default
+    if chosen is None:
+        return RequestChoice(default, when)
     if chosen is False:
-        return None
+        return RequestChoice(None, when)
     if not isinstance(chosen, dict):
-        raise ValueError(f"kv_transfer_params['kvblend'] must be a dict or a bool, got {chosen!r}")
-    chosen = dict(chosen)
-    strategy = str(chosen.pop("strategy", default.strategy))
-    return BlendConfig(strategy, **chosen)
+        raise ValueError(
+            "kv_transfer_params['kvblend'] must be false or a dict of "
+            f"{', '.join(REQUEST_KEYS)}, got {chosen!r}"
+        )
+    unknown = sorted(set(chosen) - set(REQUEST_KEYS))
+    if unknown:
+        raise ValueError(
+            f"kv_transfer_params['kvblend'] has no key {', '.join(map(repr, unknown))}: it takes "
+            f"{', '.join(REQUEST_KEYS)} (a strategy's settings go under 'settings', e.g. "
+            '{"strategy": "attention", "settings": {"recompute_ratio": 0.3}})'
+        )
+    settings = chosen.get("settings", {})
+    if not isinstance(settings, dict):
+        raise ValueError(
+            f"kv_transfer_params['kvblend']['settings'] must be a dict, got {settings!r}"
+        )
+    if "strategy" in chosen:
+        strategy = chosen["strategy"]
+        if not isinstance(strategy, str):
+            raise ValueError(
+                f"kv_transfer_params['kvblend']['strategy'] must be a string, got {strategy!r}"
+            )
+        config = BlendConfig(strategy, **settings)
+    else:
+        config = default.replace(**settings) if settings else default
+    return RequestChoice(config, _when(chosen.get("when", when), "kv_transfer_params['kvblend']"))
+
+
+def check_options(kv_transfer_params: Any) -> None:
+    """Raise ValueError when ``kv_transfer_params`` holds kvblend options in another form.
+
+    What vLLM's frontend runs on each request as it arrives (`kvblend.vllm.options`); a request
+    without kvblend options passes.
+    """
+    if isinstance(kv_transfer_params, dict) and "kvblend" in kv_transfer_params:
+        request_config(BlendConfig(), kv_transfer_params)

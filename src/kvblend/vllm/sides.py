@@ -10,16 +10,24 @@ tensor parallelism each rank's worker side blends with its own heads (`VLLMAdapt
 
 from __future__ import annotations
 
+import functools
 import logging
+import time
 from typing import Any
+
+import torch
+from torch import _C as torch_c  # set_num_threads: the builtin (vLLM's CPU worker replaces torch's)
 
 from kvblend.vllm.documents import (
     ShapeOnly,
+    StoreSummary,
     config_shape,
     folder_fingerprint,
     open_library,
     open_tokenizer,
+    store_location,
 )
+from kvblend.vllm.pacing import ThreadChoice, layer_ops
 from kvblend.vllm.scheduler import KVBlendMetadata, KVBlendWorkerMeta, SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings
 from kvblend.vllm.worker import BlendOutcome, WorkerSide
@@ -39,7 +47,11 @@ def scheduler_side(settings: ConnectorSettings, vllm_config: Any) -> SchedulerSi
     library = open_library(settings, model_config, decoder, tokenizer, fingerprint)
     if (warning := failure_policy_warning(vllm_config.kv_transfer_config)) is not None:
         logger.warning(warning)
-    return SchedulerSide(settings, library)
+    name = library.segment_kv.model_name
+    summary = StoreSummary(library.store, fingerprint, name, store_location(settings))
+    logger.info("%s", summary.describe())
+    block_size = int(vllm_config.cache_config.block_size)
+    return SchedulerSide(settings, library, block_size=block_size, store_summary=summary)
 
 
 def failure_policy_warning(kv_transfer_config: Any) -> str | None:
@@ -83,7 +95,14 @@ def _logits_on_every_rank() -> None:
 
 
 class WorkerHooks:
-    """The worker side's state across vLLM's per-step hooks."""
+    """The worker side's state across vLLM's per-step hooks.
+
+    Blends are queued as `pacing.Task` objects and run a slice at a time at the end of each
+    step (``start_load_kv``, after the step's forward); a finished one is reported through
+    ``get_finished`` (its request's KV has arrived) with its outcome in the worker metadata.
+    Under tensor parallelism every rank runs each blend whole, in the engine thread (the
+    ranks' collectives must pair up, which slices of a time budget would not).
+    """
 
     def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any) -> None:
         self.settings = settings
@@ -91,20 +110,37 @@ class WorkerHooks:
         self.kv_cache_config = kv_cache_config
         self.side: WorkerSide | None = None
         self._verdict: tuple[bool, str] | None = None
+        self._calibration: dict[str, Any] | None = None
         self._reported = False
         self._outcomes: list[BlendOutcome] = []
-        self._failed: set[int] = set()
+        self._finished: set[str] = set()  # loads done since the last get_finished
+        self._failed_loads: set[str] = set()  # of which nothing was written
+        self._steps: list[tuple[list[float], float]] = []
+        self._bound_at: float | None = None
+        self._started: dict[str, float] = {}  # request -> when its job arrived
+        self._runner: Any = None
+        self._streams = _SideStream(None)
+        self._threads: ThreadChoice | None = None  # the blends' thread count (CPU, no TP)
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        """Build the worker side over the loaded model; run the parity gate."""
+        """Build the worker side over the loaded model; run the parity gate and calibrate."""
+        from kvblend.vllm.pacing import SliceRunner
+
         try:
             self.side = self._build()
         except Exception as error:  # noqa: BLE001 - no blending, said once
             self._verdict = (False, f"the worker side could not start: {error}")
             return
-        if not self.settings.parity:
-            self._verdict = (True, "parity gate off (kv_connector_extra_config parity=false)")
-            return
+        self._runner = SliceRunner(whole=self.side.adapter.tp_size > 1)
+        self._streams = _SideStream(self.side.adapter.device)
+        own = int(torch.get_num_threads())
+        if self.side.adapter.device.type == "cpu" and self.side.adapter.tp_size == 1 and own > 1:
+            shape = self.side.adapter.shape
+            measure = functools.partial(
+                layer_ops, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+            )  # fmt: skip
+            self._threads = ThreadChoice((own, 1), measure)
         from kvblend.vllm.reference import vllm_logits
 
         model = self.side.adapter.model
@@ -112,7 +148,24 @@ class WorkerHooks:
         def reference(ids: list[int]) -> Any:
             return vllm_logits(model, self.vllm_config, self.kv_cache_config, ids)
 
-        self._verdict = self.side.gate(reference)
+        if not self.settings.parity:
+            self._verdict = (True, "parity gate off (kv_connector_extra_config parity=false)")
+        else:
+            self._verdict = self.side.gate(reference)
+        if self._verdict[0] and self.settings.when == "faster":
+            try:
+                self._calibration = self.side.calibrate(
+                    reference, self.settings.config, self._blend_threads
+                )
+            except Exception as error:  # noqa: BLE001 - no forecast: vLLM prefills everything
+                self._verdict = (False, f"the cost model's calibration failed: {error}")
+
+    def _blend_threads(self, blending: bool) -> None:
+        """Set the thread count for a blend (the one `ThreadChoice` picks now) or vLLM's own."""
+        choice = self._threads
+        if choice is not None:
+            count = choice.choose("kvblend-calibration")[0] if blending else choice.counts[0]
+            torch_c.set_num_threads(count)
 
     def _build(self) -> WorkerSide:
         from kvblend.errors import UnsupportedModelError
@@ -149,36 +202,146 @@ class WorkerHooks:
         library = open_library(self.settings, model_config, decoder, tokenizer, fingerprint)
         return WorkerSide(adapter, library, int(self.vllm_config.cache_config.block_size))
 
+    def bind(self) -> None:
+        """Note that the step's metadata is bound: its forward starts now."""
+        self._bound_at = time.perf_counter()
+
     def start(self, meta: KVBlendMetadata) -> None:
-        """Before the forward: blend every claimed request of the step."""
-        if not meta.jobs:
-            return
+        """After the step's forward: time it, queue new blends, run a slice of them."""
+        from kvblend.vllm.costs import step_features
+        from kvblend.vllm.pacing import Task
+
+        now = time.perf_counter()
+        if meta.step and self._bound_at is not None:
+            self._steps.append((step_features(meta.step).tolist(), now - self._bound_at))
+        self._bound_at = None
+        for request_id in meta.cancel:
+            if self._runner is not None:
+                self._runner.cancel(request_id)
         for job in meta.jobs:
-            if self.side is not None and self._verdict and self._verdict[0]:
-                self._outcomes.append(self.side.run(job))
+            if (
+                self.side is None
+                or self._runner is None
+                or not (self._verdict and self._verdict[0])
+            ):
+                # claimed without a working worker side: nothing written, vLLM recomputes
+                self._outcomes.append(
+                    BlendOutcome(job.request_id, error="no worker side", failed=True)
+                )
+                self._finished.add(job.request_id)
+                self._failed_loads.add(job.request_id)
                 continue
-            # claimed without a working worker side: nothing written, vLLM recomputes the blocks
-            size = int(self.vllm_config.cache_config.block_size)
-            blocks = job.block_ids[job.start // size : (job.stop - 1) // size + 1]
-            self._failed.update(blocks)
-            self._outcomes.append(BlendOutcome(job.request_id, error="no worker side", failed=True))
-
-    def finish(self, meta: KVBlendMetadata) -> None:
-        """After the forward: store documents found but not stored yet."""
+            self._started[job.request_id] = now
+            work = functools.partial(_run_job, self.side, job, self._streams)
+            self._runner.submit(Task(job.request_id, work, self._streams.switch))
         if meta.fill and self.side is not None and self._verdict and self._verdict[0]:
-            self.side.fill(meta.fill)
+            side, fill = self.side, list(meta.fill)
+            store = functools.partial(_fill, side, fill, self._streams)
+            self._runner.submit(Task("", store, self._streams.switch))
+        if self._runner is not None and self._runner.busy:
+            self._slice()
+            self._collect()
 
-    def take_failed_blocks(self) -> set[int]:
-        """Return the blocks of claimed rows not written since the last call."""
-        failed, self._failed = self._failed, set()
-        return failed | (self.side.take_failed_blocks() if self.side is not None else set())
+    def _slice(self) -> None:
+        """Run one slice, on the thread count `ThreadChoice` picks (on the CPU)."""
+        choice = self._threads
+        if choice is None:
+            self._runner.run(self.settings.slice_s)
+            return
+        threads, changed = choice.choose(self._runner.current)
+        if changed is not None:
+            logger.info("%s", changed)
+        torch_c.set_num_threads(threads)
+        try:
+            self._runner.run(self.settings.slice_s)
+        finally:
+            torch_c.set_num_threads(choice.counts[0])  # vLLM's own, for its forward
+
+    def _collect(self) -> None:
+        """Take the finished tasks: their outcomes, and their requests' loads as done."""
+        for task in self._runner.take_done():
+            if not task.key:  # storing documents
+                continue
+            began = self._started.pop(task.key, time.perf_counter())
+            outcome = task.result
+            if outcome is None:
+                outcome = BlendOutcome(task.key)
+                if task.cancelled:
+                    outcome.cancelled = True
+                else:  # an error the job did not catch: vLLM computes the claimed rows
+                    outcome.error, outcome.failed = f"{task.error}", True
+                    self._failed_loads.add(task.key)
+            elif outcome.failed:
+                self._failed_loads.add(task.key)
+            if self.side is not None:
+                self.side.take_failed_blocks()  # reported as the request's failed load instead
+            outcome.compute_s = task.compute_s
+            outcome.blend_s = time.perf_counter() - began
+            self._outcomes.append(outcome)
+            self._finished.add(task.key)
+
+    def transfers(self, finished: set[str]) -> tuple[set[str], set[str]]:
+        """Return the requests whose KV arrived since the last call, and those it failed for."""
+        done, failed = self._finished, self._failed_loads
+        self._finished, self._failed_loads = set(), set()
+        return done, failed
 
     def report(self) -> KVBlendWorkerMeta | None:
-        """Return the verdict (first report only) and the outcomes since the last report."""
-        verdict = None
+        """Return the verdict and calibration (first report only), outcomes and step times."""
+        verdict, calibration = None, None
         if not self._reported and self._verdict is not None:
-            verdict, self._reported = self._verdict, True
+            verdict, calibration, self._reported = self._verdict, self._calibration, True
         outcomes, self._outcomes = self._outcomes, []
-        if verdict is None and not outcomes:
+        steps, self._steps = self._steps, []
+        if verdict is None and not outcomes and not steps:
             return None
-        return KVBlendWorkerMeta(verdict, outcomes)
+        return KVBlendWorkerMeta(verdict, outcomes, calibration, steps)
+
+
+class _SideStream:
+    """On a GPU, the stream the blends' kernels run on, set while a blend's slice runs.
+
+    A slice only launches kernels there: they run while vLLM's next forward runs on its own
+    stream, and a blend reports done once they have finished (`done`), so that vLLM's forward
+    never reads a block before its KV is written. On the CPU: nothing.
+    """
+
+    def __init__(self, device: Any) -> None:
+        self.stream: Any = None
+        self._previous: Any = None
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            self.stream = torch.cuda.Stream(device=device)
+
+    def switch(self, running: bool) -> None:
+        """Make the side stream current while a blend runs, vLLM's own otherwise."""
+        if self.stream is None:
+            return
+        import torch
+
+        if running:
+            self._previous = torch.cuda.current_stream(self.stream.device)
+            torch.cuda.set_stream(self.stream)
+        elif self._previous is not None:
+            torch.cuda.set_stream(self._previous)
+
+    def done(self) -> None:
+        """Wait for the kernels the blends launched."""
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def _run_job(side: WorkerSide, job: Any, streams: _SideStream, checkpoint: Any) -> BlendOutcome:
+    checkpoint()
+    outcome = side.run(job, checkpoint)
+    streams.done()
+    return outcome
+
+
+def _fill(
+    side: WorkerSide, documents: list[tuple[str, str]], streams: _SideStream, checkpoint: Any
+) -> int:
+    stored = side.fill(documents, checkpoint)
+    streams.done()
+    return stored

@@ -23,17 +23,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput
+from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
 from kvblend.blend.loop import run_blend
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
 from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
+from kvblend.errors import BlendCancelledError
 from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.prompt.segments import segment_key
 from kvblend.prompt.tokens import encode_prompt
@@ -67,9 +70,52 @@ class BlendOutcome:
     lost: list[str] = field(default_factory=list)  # entries that could not be used, and why
     error: str | None = None  # why the blend ran as ``full`` (or failed)
     failed: bool = False  # nothing written: the blocks were reported as failed loads
-    blend_s: float = 0.0
+    cancelled: bool = False  # the request was cancelled while its blend was under way
+    blend_s: float = 0.0  # from the job's arrival to its end (slices and the steps between)
+    compute_s: float = 0.0  # the blend's own time (its slices only)
+    rows: int = 0  # rows computed, summed over the passes (the cost model's input)
+    total: int = 0  # prompt tokens
     #: where the time went: reading entries, the blend loop (its probe pass apart), writing KV
     timings: dict[str, float] = field(default_factory=dict)
+
+
+class Checkpoints:
+    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause."""
+
+    def __init__(self, checkpoint: Callable[[], None]) -> None:
+        self.checkpoint = checkpoint
+
+    def is_set(self) -> bool:
+        """Pause here if the slice is spent (raises `BlendCancelledError` once cancelled)."""
+        self.checkpoint()
+        return False
+
+
+def _no_pause() -> None:
+    """Never pause (the checkpoint of a blend run in one go)."""
+
+
+class _Tensors:
+    """A cached span's KV held in memory (the calibration's synthetic documents)."""
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv
+
+    def layer(self, index: int) -> torch.Tensor:
+        """One layer's keys and values."""
+        return self.kv[index]
+
+    def layers(self) -> torch.Tensor:
+        """Every layer's keys and values."""
+        return self.kv
+
+
+#: Prompt lengths of vLLM's forward the calibration times (about 5 s on 2 CPU cores)...
+CALIBRATION_TOKENS = (256, 1024, 2048)
+#: ... and of the blends, with their strategies (None: the server's; about 4 s).
+CALIBRATION_BLENDS = ((384, "full"), (1024, None), (2048, None))
+#: Runs of each, the shortest kept (about 18 s in all on 2 idle cores).
+CALIBRATION_RUNS = 2
 
 
 def parity_verdict(adapter: VLLMAdapter, reference: torch.Tensor, ids: list[int]) -> float:
@@ -119,24 +165,102 @@ class WorkerSide:
             )
         return True, f"parity gate passed (relative logit error {worst:.3g})"
 
-    def run(self, job: BlendJob) -> BlendOutcome:
-        """Blend one job and write its rows; never raises.
+    @torch.inference_mode()
+    def calibrate(
+        self,
+        vllm_forward: Callable[[list[int]], Any],
+        config: BlendConfig,
+        threads: Callable[[bool], None] | None = None,
+    ) -> dict[str, list[tuple[list[float], float]]]:
+        """Time vLLM's forward and the blend loop on synthetic prompts (the cost model's prior).
+
+        vLLM's own forward (``vllm_forward(ids)``, the parity gate's) at `CALIBRATION_TOKENS`
+        tokens; the blend loop with ``config`` (the server's strategy) over prompts of moved
+        documents at `CALIBRATION_BLENDS` tokens, and with ``full``, its KV written into the
+        same free blocks the gate uses. A few seconds, once, at start-up; the values are random
+        (only the time counts). ``threads(blending)`` sets the CPU thread count of a blend
+        (True) or of vLLM's forward (False), as the worker's slices do.
+        """
+        from kvblend.vllm.costs import blend_features, vllm_features
+
+        generator = torch.Generator().manual_seed(0)
+        vocab = int(self.library.segment_kv.tokenizer.vocab_size)
+
+        def ids(count: int) -> list[int]:
+            return torch.randint(0, vocab, (count,), generator=generator).tolist()
+
+        vllm_points, blend_points = [], []
+        for count, (total, strategy) in zip(CALIBRATION_TOKENS, CALIBRATION_BLENDS, strict=True):
+            # one of each in turn, so a change of load on a shared machine touches both alike;
+            # twice, the shorter time kept: a burst of another job's work stretches one run
+            token_ids = ids(count)
+            chosen = config if strategy is None else BlendConfig(strategy)
+            job = self._synthetic_job(ids(total), chosen, generator)
+            forward_s, blend_s, rows = float("inf"), float("inf"), 0
+            for _ in range(CALIBRATION_RUNS):
+                began = time.perf_counter()
+                vllm_forward(token_ids)
+                forward_s = min(forward_s, time.perf_counter() - began)
+                outcome = BlendOutcome(job.request_id, total=total)
+                if threads is not None:
+                    threads(True)
+                try:
+                    began = time.perf_counter()
+                    self._blend(job, chosen, outcome, spans=job.spans)
+                    blend_s = min(blend_s, time.perf_counter() - began)
+                finally:
+                    if threads is not None:
+                        threads(False)
+                rows = outcome.rows
+            vllm_points.append((vllm_features(count, 0).tolist(), forward_s))
+            blend_points.append((blend_features(rows, total).tolist(), blend_s))
+        return {"vllm": vllm_points, "blend": blend_points}
+
+    def _synthetic_job(
+        self, token_ids: list[int], config: BlendConfig, generator: torch.Generator
+    ) -> Any:
+        """Return a job over ``token_ids``: head and question computed, moved documents between."""
+        total = len(token_ids)
+        kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
+        spans: list[CachedSpan] = []
+        shape = self.adapter.shape
+        for start in range(32, total - 32 - 255, 256):
+            kinds[start : start + 256] = int(TokenKind.MOVED)
+            kv = torch.randn(
+                shape.num_layers, 2, shape.num_kv_heads, 256, shape.head_dim, generator=generator
+            ).to(self.adapter.dtype)
+            spans.append(CachedSpan(start, start + 256, _Tensors(kv), int(TokenKind.MOVED)))
+        plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds)
+        blocks = list(range(1, 2 + total // self.block_size))  # free at start-up (the gate's)
+        job = BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks)
+        job.spans = spans  # type: ignore[attr-defined]
+        return job
+
+    def run(self, job: BlendJob, checkpoint: Callable[[], None] = _no_pause) -> BlendOutcome:
+        """Blend one job and write its rows; never raises, except when cancelled.
+
+        ``checkpoint`` is called between the blend's steps (`pacing`): it may pause the blend
+        until the next engine step, or raise `BlendCancelledError` (the job then ends there).
 
         A blend that fails runs again as ``full``; under tensor parallelism it does not (a
         rank running a pass the others do not would mismatch their collectives): its blocks
         are reported as failed loads at once, and vLLM computes them on every rank.
         """
-        outcome = BlendOutcome(job.request_id)
+        outcome = BlendOutcome(job.request_id, total=len(job.plan.token_ids))
         started = time.perf_counter()
         try:
-            self._blend(job, job.config, outcome)
+            self._blend(job, job.config, outcome, checkpoint)
+        except BlendCancelledError:
+            raise
         except Exception as error:  # noqa: BLE001 - the exact computation takes over
             outcome.error = f"{type(error).__name__}: {error}"
             outcome.reused = outcome.recomputed = 0
             try:
                 if self.adapter.tp_size > 1:
                     raise RuntimeError("not run again under tensor parallelism") from error
-                self._blend(job, BlendConfig("full"), outcome)
+                self._blend(job, BlendConfig("full"), outcome, checkpoint)
+            except BlendCancelledError:
+                raise
             except Exception as again:  # noqa: BLE001 - vLLM recomputes the claimed blocks
                 outcome.failed = True
                 outcome.error += f"; computing in full failed too: {again}"
@@ -149,14 +273,24 @@ class WorkerSide:
         return job.block_ids[first : last + 1]
 
     @torch.inference_mode()
-    def _blend(self, job: BlendJob, config: BlendConfig, outcome: BlendOutcome) -> None:
-        # entries read whole before the loop, the ranks agreeing on those they use; an unusable
-        # entry's rows are computed in full, as vLLM would compute them
+    def _blend(
+        self,
+        job: BlendJob,
+        config: BlendConfig,
+        outcome: BlendOutcome,
+        checkpoint: Callable[[], None] = _no_pause,
+        spans: list[CachedSpan] | None = None,
+    ) -> None:
+        # entries read whole before the loop (a checkpoint between two), the ranks agreeing on
+        # those they use; an unusable entry's rows are computed in full, as vLLM would compute
+        # them. ``spans``: entries already opened (the calibration's synthetic ones)
         blended = blend_plan(
             self.adapter, self.library.segment_kv, job.plan, config, read_whole=True,
             ranks=self.adapter, lost=outcome.lost, need_logits=False,
+            cancel=Checkpoints(checkpoint), spans=spans,
         )  # fmt: skip
         out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
+        outcome.rows = round(out.stats.get("token_layers", 0) / self.adapter.shape.num_layers)
         outcome.timings = {
             "open_s": blended.open_s, "loop_s": blended.loop_s,
             "probe_s": float(out.stats.get("probe_s", 0.0)),
@@ -168,10 +302,13 @@ class WorkerSide:
         device = self.adapter.device
         slots = slot_mapping(job.block_ids, self.block_size, job.start, job.stop, device)
         for layer, attention in enumerate(self.adapter.attention_layers):
+            checkpoint()
             write_rows(attention, out.keys[layer], out.values[layer], job.start, job.stop, slots)
         outcome.timings["write_s"] = time.perf_counter() - looped
 
-    def fill(self, documents: list[tuple[str, str]]) -> int:
+    def fill(
+        self, documents: list[tuple[str, str]], checkpoint: Callable[[], None] = _no_pause
+    ) -> int:
         """Compute and store the KV of documents found but not stored; return how many.
 
         Not under tensor parallelism: a rank computes its own KV heads only, and an entry holds
@@ -190,6 +327,7 @@ class WorkerSide:
             return 0
         segment_kv, done = self.library.segment_kv, 0
         for text, context in dict.fromkeys(documents):
+            checkpoint()
             try:
                 layout = segment_kv.layout(text, context)
                 key = segment_key(segment_kv.fingerprint, layout.context_ids, layout.ids)
