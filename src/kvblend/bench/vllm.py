@@ -218,6 +218,15 @@ def time_stall(
     return rows
 
 
+def reserved_cpus() -> str:
+    """Return the cores both servers keep out of their forward's threads.
+
+    ``$VLLM_CPU_NUM_OF_RESERVED_CPU``, else vanilla vLLM's own choice (1, for its scheduler
+    process, on x86 with one rank).
+    """
+    return os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
 @contextlib.contextmanager
 def busy_core(busy: bool) -> Iterator[None]:
     """Keep one core busy in a second process while the block runs (when ``busy``)."""
@@ -276,7 +285,8 @@ def run_vllm_bench(
     return {
         "model": str(folder), "doc_tokens": doc_tokens, "repeats": repeats,
         "rate_length": rate_length, "rate_tokens": rate_tokens, "work_dir": str(work),
-        "busy_core": busy, "load_average_at_start": load, "vanilla": vanilla, "kvblend": kvblend,
+        "busy_core": busy, "reserved_cpus": int(reserved_cpus()),
+        "load_average_at_start": load, "vanilla": vanilla, "kvblend": kvblend,
         "summary": summarize(vanilla, kvblend),
     }  # fmt: skip
 
@@ -321,6 +331,11 @@ def serving(
 
     env = {"KVBLEND_STORE_DIR": str(work / "store"), "TOKENIZERS_PARALLELISM": "false"}
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
+    # The same cores for both: vLLM's CPU build keeps cores out of its forward's thread pool for
+    # its other processes, one more when any KV connector is set (for NIXL's), and on a machine
+    # with no more cores than that it keeps none: on 2 cores vanilla vLLM's forward would run on
+    # one thread and the connector's server's on two, a 2x gap that is not the blend's.
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved_cpus()
     connector = {
         "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
