@@ -179,10 +179,11 @@ def test_a_blend_must_win_by_the_margin_and_clearly_while_vllm_is_untimed() -> N
     assert win.blend_wins
     close = model.forecast(2000, 0, 1700)  # 0.85 of vLLM's: not sure enough
     assert close.blend_s < close.vllm_s and not close.blend_wins
-    assert model.check_vllm(win)  # vLLM's prefill never timed: it prefills this one
-    assert not model.check_vllm(model.forecast(2000, 0, 600))  # a clear win: blended anyway
+    assert model.check_vllm(win, idle=True)  # vLLM's prefill never timed: it prefills this one
+    assert not model.check_vllm(win, idle=False)  # not while others would wait behind it
+    assert not model.check_vllm(model.forecast(2000, 0, 600), idle=True)  # a clear win
     model.observe(model.vllm, vllm_features(2000, 0), 1.5)  # now timed (faster than thought)
-    assert not model.check_vllm(win)
+    assert not model.check_vllm(win, idle=True)
     assert model.forecast(2000, 0, 1400).vllm_s == pytest.approx(1.5, rel=0.3)
 
 

@@ -338,6 +338,88 @@ def test_the_faster_path_is_chosen_and_both_forecasts_reported(
     assert counts["vllm"] == 1 and counts["forecast_blend_ms"] > counts["forecast_vllm_ms"]
 
 
+def test_vllm_is_timed_on_a_blendable_prompt_only_while_nothing_else_is_in_flight(
+    engine: BlendEngine, documents: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handing a long prompt to vLLM's chunked prefill would hold up the others: only when idle."""
+    from kvblend.vllm.costs import Forecast
+
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    side = _side(engine, when="faster")
+    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    _calibrate_per_row(side)
+    # a win, but not a clear one, and vLLM's prefill never timed
+    monkeypatch.setattr(side.costs, "forecast", lambda *_: Forecast(0.6, 1.0, 0.8))
+    stream = _request("stream", ids[:20])  # another request in flight (no document)
+    side.matched(stream, 0)
+    side.allocated(stream, _Blocks([1]), 0)
+    busy = _request("busy", ids)
+    claimed, _ = side.matched(busy, 0)
+    assert claimed == len(ids) - 1  # blended: vLLM would stall the stream
+    side.allocated(busy, _Blocks(list(range(1, 9))), claimed)
+    side.metadata(_scheduled())
+    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("busy", rows=90, total=len(ids))]))
+    side.allocated(busy, _Blocks(list(range(1, 9))), 0)
+    side.finished(busy)
+    side.finished(stream)
+    idle = _request("idle", ids)
+    assert side.matched(idle, 0) == (0, False)  # nothing else in flight: vLLM is timed
+    side.allocated(idle, _Blocks([1]), 0)
+    params = side.finished(idle)
+    assert params is not None and params["kvblend"]["fallback"].startswith("vllm_check")
+
+
+def test_a_prompt_no_blend_can_win_is_not_planned(
+    engine: BlendEngine, documents: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mostly in vLLM's prefix cache: even a blend computing no row loses, so nothing is planned."""
+    from kvblend.vllm import scheduler
+    from kvblend.vllm.costs import blend_features, vllm_features
+
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    side = _side(engine, when="faster")
+    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    rows = (128, 512, 1024, 2048)
+    side.costs.calibrate(  # a blend costs 0.05 s before its first row
+        [(vllm_features(n, 0), n * 1e-3) for n in rows],
+        [(blend_features(n, 2 * n), 0.05 + n * 1e-3) for n in rows],
+    )
+    planned: list[int] = []
+    real = scheduler.plan_request
+    monkeypatch.setattr(
+        scheduler, "plan_request", lambda *args: planned.append(args[2]) or real(*args)
+    )
+    hit = _request("hit", ids)
+    assert side.matched(hit, len(ids) - 40) == (0, False)
+    assert planned == []
+    side.allocated(hit, _Blocks([1]), 0)
+    params = side.finished(hit)
+    assert params is not None
+    record = params["kvblend"]
+    assert record["fallback"].startswith("vllm_faster") and "not planned" in record["fallback"]
+    assert record["forecast_blend_s"] >= 0.05 > record["forecast_vllm_s"]
+    fresh = _request("fresh", ids)
+    side.matched(fresh, 0)
+    assert planned == [0]  # a prompt the blend may win is planned
+
+
+def test_a_blend_is_observed_by_its_own_slices_not_its_wait(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """A blend that waited behind others must not make the next blend's forecast longer."""
+    from kvblend.vllm.costs import blend_features
+
+    side = _side(engine, when="faster")
+    _calibrate_per_row(side)
+    rows, total = 500, 1000
+    own = side.costs.blend.base(blend_features(rows, total))
+    for number in range(5):
+        outcome = BlendOutcome(f"b{number}", rows=rows, total=total, compute_s=own)
+        outcome.blend_s = 10 * own  # from its arrival: most of it waiting behind other blends
+        side._outcome(outcome)
+    assert side.costs.blend.residual == pytest.approx(1.0, rel=1e-3)
+
+
 def test_blocks_of_approximate_kv_get_salted_hashes_exact_ones_keep_vllms(
     engine: BlendEngine, documents: list[str]
 ) -> None:

@@ -14,7 +14,8 @@ work, in seconds:
 
 The worker side calibrates both at start-up (`calibrate`: vLLM's own forward and the blend loop
 over a few synthetic prompts, interleaved, on the model and the cores that will serve) and then
-reports every engine step's forward time with its tokens, and every blend's time with its rows;
+reports every engine step's forward time with its tokens, and every blend's own time (its
+slices, not the steps between them nor its wait behind other blends) with its rows;
 `CostModel` keeps the calibrated shapes and learns, per path, how far its recent runs were from
 them (another job taking a core moves that path's forecasts within a few runs).
 """
@@ -180,16 +181,18 @@ class CostModel:
         self.blend.set_prior(self.blend.fit_points(blend_points))
         self.calibrated = True
 
-    def check_vllm(self, forecast: Forecast) -> bool:
+    def check_vllm(self, forecast: Forecast, idle: bool) -> bool:
         """Whether vLLM should prefill a request the blend wins, to time vLLM's prefill.
 
         Choosing vLLM is never slower than vLLM, and it is the only way to learn how far its
-        calibration is off (measured: 1.4-1.5x high at start-ups on the loaded machine, which
-        made 0.5K prompts blend at vanilla's TTFT or worse). So a blend that is not a clear win
-        (forecast at `CLEAR_WIN` of vLLM's or more) yields to vLLM when vLLM's prefill has not
-        been timed for `LinearFit.HALF_LIFE_S` seconds.
+        calibration is off when every prompt blends (a calibration too high would make prompts
+        blend that vLLM prefills faster). So a blend that is not a clear win (forecast at
+        `CLEAR_WIN` of vLLM's or more) yields to vLLM when vLLM's prefill has not been timed for
+        `LinearFit.HALF_LIFE_S` seconds, and only on an ``idle`` server (no other request in
+        flight): vLLM's chunked prefill of a long prompt would hold up every other request's
+        steps, which a blend, paced between them, does not.
         """
-        if forecast.blend_s < self.CLEAR_WIN * forecast.vllm_s:
+        if not idle or forecast.blend_s < self.CLEAR_WIN * forecast.vllm_s:
             return False
         return time.monotonic() - self.vllm.timed_at > self.vllm.HALF_LIFE_S
 
@@ -204,6 +207,14 @@ class CostModel:
         if too_small or not np.isfinite(seconds) or seconds < self.MIN_S or base <= 0:
             return
         model.take(base, seconds)
+
+    def bound(self, total: int, start: int) -> Forecast:
+        """Forecast vLLM's prefill and the least any blend of the prompt can take (no rows).
+
+        A blend reads, moves and writes every row and then waits for the last prompt token's
+        step, whatever it computes: when even that loses, the request needs no plan.
+        """
+        return self.forecast(total, start, 0)
 
     def forecast(self, total: int, start: int, rows: int) -> Forecast:
         """Forecast a ``total``-token prompt with a prefix-cache hit of ``start`` tokens.

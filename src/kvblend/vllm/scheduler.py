@@ -44,7 +44,7 @@ import numpy as np
 
 from kvblend.documents.library import DocumentLibrary
 from kvblend.engine.explain import FallbackLog
-from kvblend.vllm.costs import CostModel, blend_features
+from kvblend.vllm.costs import CostModel, Forecast, blend_features
 from kvblend.vllm.planning import NO_DOCUMENT, RequestPlan, plan_request
 from kvblend.vllm.settings import ConnectorSettings, request_config
 from kvblend.vllm.worker import BlendJob, BlendOutcome
@@ -206,6 +206,7 @@ class SchedulerSide:
         if reason is None and known is not None and known[0] == start:
             return known[1]
         plan, refused, when = None, False, self.settings.when
+        bound: Forecast | None = None
         try:
             choice = request_config(
                 self.settings.config, getattr(request, "kv_transfer_params", None), when
@@ -219,23 +220,48 @@ class SchedulerSide:
                 reason = reason or "kvblend off for this request"
             if reason is None and choice is not None and choice.config is not None:
                 when = choice.when
-                plan = plan_request(
-                    self.library, list(request.prompt_token_ids), start, choice.config
-                )
+                bound = self._bound(request, start, when)
+                if bound is not None:
+                    reason = (
+                        f"vllm_faster: vLLM's prefill is forecast at {bound.vllm_s:.2f} s, any "
+                        f"blend at {bound.blend_s:.2f} s or more (not planned)"
+                    )
+                else:
+                    plan = plan_request(
+                        self.library, list(request.prompt_token_ids), start, choice.config
+                    )
         except Exception as error:  # noqa: BLE001 - a failed plan is vLLM's own prefill
             reason = f"planning failed: {type(error).__name__}: {error}"
             plan = None
         if plan is None:
             plan = _no_plan(request, start, reason)
+            plan.forecast = bound
         plan.refused = refused
         if plan.fallback == NO_DOCUMENT and self.store_summary is not None:
             plan.fallback = self.store_summary.no_document_reason()
         if plan.fallback is None:
-            self._choose(plan, when)
+            self._choose(plan, when, request_id)
         self._plans[request_id] = (start, plan)
         return plan
 
-    def _choose(self, plan: RequestPlan, when: str) -> None:
+    def _bound(self, request: Any, start: int, when: str) -> Forecast | None:
+        """Return the forecasts of a prompt no blend can win (None: plan it).
+
+        Planning decodes and tokenizes the whole prompt and finds its documents (a few
+        milliseconds of the engine's scheduling step); a prompt whose uncached tail is short
+        enough for vLLM's prefill to beat even a blend that computes no row skips it (vLLM's
+        prefix cache holds most of it, a short prompt). Its documents not stored yet are not
+        stored then: a later prompt that can blend finds them.
+        """
+        if when != "faster" or not self.costs.calibrated:
+            return None
+        total = len(getattr(request, "prompt_token_ids", None) or ())
+        if total - 1 <= start:
+            return None  # planning says why in a word
+        bound = self.costs.bound(total, start)
+        return None if bound.blend_wins else bound
+
+    def _choose(self, plan: RequestPlan, when: str, request_id: str) -> None:
         """Blend ``plan`` only when forecast faster than vLLM's prefill (unless ``always``)."""
         if not self.costs.calibrated:
             return
@@ -249,11 +275,17 @@ class SchedulerSide:
                 f"at {forecast.blend_s:.2f} s (a blend must be forecast under "
                 f"{forecast.margin:g} of vLLM's)"
             )
-        elif self.costs.check_vllm(forecast):
+        elif self.costs.check_vllm(forecast, idle=not self._in_flight(request_id)):
             plan.fallback = (
-                f"vllm_check: vLLM's prefill has not been timed for a while: it prefills this "
-                f"one (forecast {forecast.vllm_s:.2f} s, a blend {forecast.blend_s:.2f} s)"
+                f"vllm_check: vLLM's prefill has not been timed for a while and no other "
+                f"request is in flight: it prefills this one (forecast {forecast.vllm_s:.2f} s, "
+                f"a blend {forecast.blend_s:.2f} s)"
             )
+
+    def _in_flight(self, request_id: str) -> bool:
+        """Whether a request other than ``request_id`` is admitted and not finished, or blending."""
+        others = set(self._records) | self._pending | {job.request_id for job in self._outgoing}
+        return bool(others - {request_id})
 
     def _salt(self, request: Any, plan: RequestPlan) -> None:
         """Salt the hashes of the request's blocks from its first approximate row's block on.
@@ -414,10 +446,12 @@ class SchedulerSide:
         """
         request_id = outcome.request_id
         self._pending.discard(request_id)
-        if outcome.rows and outcome.blend_s > 0 and not outcome.cancelled:
-            # from the job's arrival to its end: its slices and the steps between them
+        if outcome.rows and outcome.compute_s > 0 and not outcome.cancelled:
+            # its own slices: not the steps between them, nor its wait behind other blends
+            # (forecasts compare the two paths' compute; a burst of blends must not make the
+            # next one look slow)
             features = blend_features(outcome.rows, outcome.total)
-            self.costs.observe(self.costs.blend, features, outcome.blend_s)
+            self.costs.observe(self.costs.blend, features, outcome.compute_s)
         stats = self._stats.pop(request_id, None)
         done = self._done.pop(request_id, None)
         record = done if done is not None else self._records.get(request_id)
