@@ -87,6 +87,7 @@ class RequestPlan:
     forecast: Forecast | None = None
     refused: bool = False  # a request option was refused (the reason is ``fallback``)
     unreachable: str | None = None  # why the store could not be asked (an outage), if so
+    plan_s: float = 0.0  # the scheduler side's time deciding (planning, forecasting)
 
     @property
     def claimed(self) -> int:
@@ -112,6 +113,7 @@ class RequestPlan:
             "recomputed_tokens": self.recomputed if self.fallback is None else 0,
             "vllm_prefix_tokens": self.start,
             "fallback": self.fallback,
+            "plan_s": round(self.plan_s, 4),
             **({"not_stored": list(self.not_stored)} if self.not_stored else {}),
         }
 

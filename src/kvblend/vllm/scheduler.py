@@ -205,6 +205,7 @@ class SchedulerSide:
         known = self._plans.get(request_id)
         if reason is None and known is not None and known[0] == start:
             return known[1]
+        began = time.perf_counter()
         plan, refused, when = None, False, self.settings.when
         bound: Forecast | None = None
         try:
@@ -241,6 +242,7 @@ class SchedulerSide:
             plan.fallback = self.store_summary.no_document_reason()
         if plan.fallback is None:
             self._choose(plan, when, request_id)
+        plan.plan_s = time.perf_counter() - began
         self._plans[request_id] = (start, plan)
         return plan
 
@@ -384,8 +386,9 @@ class SchedulerSide:
             if self.settings.log_requests:
                 logger.info(
                     "kvblend: request %s: %d prompt tokens: vLLM prefills it (forecast %.2f s, "
-                    "a blend %.2f s%s)", request_id, plan.total, record["forecast_vllm_s"],
-                    record["forecast_blend_s"], "; timing vLLM" if cause == "vllm_check" else "",
+                    "a blend %.2f s%s; decided in %.1f ms)", request_id, plan.total,
+                    record["forecast_vllm_s"], record["forecast_blend_s"],
+                    "; timing vLLM" if cause == "vllm_check" else "", 1000 * plan.plan_s,
                 )  # fmt: skip
         elif not plan.refused:
             self._fallbacks.warn(cause, f"kvblend: vLLM prefills a request itself: {plan.fallback}")
