@@ -260,15 +260,28 @@ def _side(engine: BlendEngine, *, parity: bool = False, when: str = "always") ->
     return SchedulerSide(settings, engine.library, block_size=BLOCK)
 
 
-def _calibrate_per_row(side: SchedulerSide, seconds_per_row: float = 1e-3) -> None:
-    """A machine where every computed row costs the same, in vLLM and in a blend."""
+def _calibrate_per_row(
+    side: SchedulerSide, seconds_per_row: float = 1e-3, blend_start_s: float = 0.0
+) -> None:
+    """A machine where every computed row costs the same, in vLLM and in a blend.
+
+    ``blend_start_s``: what a blend costs before its first row.
+    """
     from kvblend.vllm.costs import blend_features, vllm_features
 
     rows = (128, 512, 1024, 2048)
     side.costs.calibrate(
         [(vllm_features(n, 0), n * seconds_per_row) for n in rows],
-        [(blend_features(n, 2 * n), n * seconds_per_row) for n in rows],
+        [(blend_features(n, 2 * n), blend_start_s + n * seconds_per_row) for n in rows],
     )
+
+
+def _deciding_side(engine: BlendEngine, **calibration: float) -> SchedulerSide:
+    """A side choosing by forecast, its gate passed and its cost model calibrated."""
+    side = _side(engine, when="faster")
+    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    _calibrate_per_row(side, **calibration)
+    return side
 
 
 def _scheduled(*request_ids: str) -> SimpleNamespace:
@@ -345,9 +358,7 @@ def test_vllm_is_timed_on_a_blendable_prompt_only_while_nothing_else_is_in_fligh
     from kvblend.vllm.costs import Forecast
 
     ids = engine.encode(_prompt(engine, documents[::-1]))
-    side = _side(engine, when="faster")
-    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
-    _calibrate_per_row(side)
+    side = _deciding_side(engine)
     # a win, but not a clear one, and vLLM's prefill never timed
     monkeypatch.setattr(side.costs, "forecast", lambda *_: Forecast(0.6, 1.0, 0.8))
     stream = _request("stream", ids[:20])  # another request in flight (no document)
@@ -374,16 +385,9 @@ def test_a_prompt_no_blend_can_win_is_not_planned(
 ) -> None:
     """Mostly in vLLM's prefix cache: even a blend computing no row loses, so nothing is planned."""
     from kvblend.vllm import scheduler
-    from kvblend.vllm.costs import blend_features, vllm_features
 
     ids = engine.encode(_prompt(engine, documents[::-1]))
-    side = _side(engine, when="faster")
-    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
-    rows = (128, 512, 1024, 2048)
-    side.costs.calibrate(  # a blend costs 0.05 s before its first row
-        [(vllm_features(n, 0), n * 1e-3) for n in rows],
-        [(blend_features(n, 2 * n), 0.05 + n * 1e-3) for n in rows],
-    )
+    side = _deciding_side(engine, blend_start_s=0.05)
     planned: list[int] = []
     real = scheduler.plan_request
     monkeypatch.setattr(
