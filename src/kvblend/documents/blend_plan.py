@@ -169,7 +169,7 @@ def read_spans(
 
 def _read_entry(
     segment_kv: SegmentKV, span: PlannedSpan, device: torch.device, lost: list[str]
-) -> tuple[str, torch.Tensor | None]:
+) -> tuple[str, Mapping[str, torch.Tensor] | None]:
     """Read one span's entry whole (None: missing or unusable, said in ``lost``)."""
     key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
     try:
@@ -177,7 +177,7 @@ def _read_entry(
         if entry is None:
             lost.append(f"entry {key[:12]} not in the store")
             return key, None
-        return key, entry[KV_NAME]  # read (and checked) now
+        return key, {name: entry[name] for name in entry}  # read (and checked) now
     except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
         segment_kv.drop(key)
         lost.append(f"entry {key[:12]} unusable ({error})")
@@ -191,25 +191,22 @@ def _cached_span(
     entry: Mapping[str, torch.Tensor] | torch.Tensor,
     ranks: Ranks | None,
 ) -> CachedSpan:
-    """Return the loop's span over an opened entry (a mapping) or a read one (``kv``).
+    """Return the loop's span over an opened entry (a mapping, or a tensor ``kv``).
 
     With ``ranks``, the rows of this rank's KV heads; an entry failing its check mid-prompt is
     recomputed (and stored again) unless several ranks read it.
     """
     dtype, shape = segment_kv.entry_shape(len(span.cached_ids))
     tensors = {KV_NAME: entry} if isinstance(entry, torch.Tensor) else entry
-    if ranks is not None:  # this rank's heads of the entry (read whole)
-        heads = ranks.kv_heads
-        tensors = {KV_NAME: tensors[KV_NAME][:, :, heads]}
-        shape = (*shape[:2], heads.stop - heads.start, *shape[3:])
+    heads = ranks.kv_heads if ranks is not None else None  # this rank's heads (read whole)
     recompute: Callable[[], Any] = functools.partial(
         segment_kv.recompute, key, span.context_ids, span.cached_ids
     )
     if ranks is not None and ranks.tp_size > 1:
         recompute = _refuse_recompute
     rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-    return CachedSpan(span.start, span.end, StoredRows(tensors, rows, recompute, (dtype, shape)),
-                      span.kind)  # fmt: skip
+    source = StoredRows(tensors, rows, recompute, (dtype, shape), segment_kv.codec, heads)
+    return CachedSpan(span.start, span.end, source, span.kind)
 
 
 def _refuse_recompute() -> Any:

@@ -24,6 +24,8 @@ import torch
 
 from kvblend.blend.config import BlendConfig, check_config
 from kvblend.blend.forecast import forecast_blend
+from kvblend.blend.kv_codec import KVCodec
+from kvblend.blend.kv_codec import kv_codec as resolve_codec
 from kvblend.blend.loop import device_clock, device_times
 from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
@@ -95,6 +97,7 @@ class BlendEngine:
         check_parity: bool = True,
         max_documents: int = DEFAULT_CAPACITY,
         threads: int | None = None,
+        kv_codec: str | KVCodec | None = None,
     ) -> None:
         """Wrap a loaded model; prefer `BlendEngine.from_pretrained`.
 
@@ -118,13 +121,21 @@ class BlendEngine:
             threads: torch CPU threads, for the whole process (`kvblend.engine.threads`);
                 None: the cores the last minute's load leaves idle, unless the process chose
                 a count already. ``engine.threads`` is the count in use.
+            kv_codec: how documents' KV is stored (`kvblend.blend.kv_codec`): ``"none"``
+                (None, the default: full precision in ``kv_dtype``), ``"int8"``, ``"k8v4"``
+                (8-bit keys, 4-bit values) or ``"int4"``. Part of every entry's identity:
+                engines of another codec over the same store neither find nor read these
+                entries (they find the documents and store their own).
         """
+        codec = resolve_codec(kv_codec)  # refused before anything is loaded or computed
         self.threads = use_threads(threads)
         self.decoder = Decoder(model)
         self.model = model
         self.tokenizer = tokenizer
         self.store = store if store is not None else _default_store()
         self.kv_dtype = kv_dtype or self.decoder.dtype
+        #: How documents' KV is stored: full precision (``none``) or a quantized codec.
+        self.kv_codec = codec
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
         #: The resolved model spec `from_pretrained` loaded (None for a model passed in).
@@ -147,7 +158,7 @@ class BlendEngine:
         self.library = DocumentLibrary(
             self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            window=self._window, capacity=max_documents,
+            window=self._window, capacity=max_documents, kv_codec=self.kv_codec,
         )  # fmt: skip
         #: Computes, checks and opens the store entries of segment KV.
         self.segment_kv = self.library.segment_kv

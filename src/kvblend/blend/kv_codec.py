@@ -1,0 +1,392 @@
+"""Quantized codecs for stored K/V: keys per channel, values per token, decoded as they are placed.
+
+A codec turns a document's K/V ``[layers, 2, kv_heads, tokens, head_dim]`` (keys before RoPE)
+into the tensors one store entry holds, and back, inside the copy that places the document's
+rows in the blend loop's buffer (`kvblend.blend.kv_buffer`): a layer group's codes are read
+(and, on CUDA, moved to the device) as bytes and written into the buffer as values, with no
+full-precision copy of the entry in between.
+
+The scheme is KIVI's (Liu et al., 2024, "KIVI: a tuning-free asymmetric 2bit quantization for
+KV cache"), without its full-precision residual: asymmetric round-to-nearest codes, ``value =
+minimum + code * scale``, where
+
+- **keys** are quantized **per channel**: one minimum and scale per layer, KV head and channel,
+  over every token of the document. Keys are stored before RoPE, where a channel's outliers sit
+  in the same channel for every token, so a per-channel range fits them;
+- **values** are quantized **per token**: one minimum and scale per layer, KV head and token,
+  over its channels.
+
+Codecs (`CODECS`): ``none`` (full precision in the engine's ``kv_dtype``, the default and the
+format of every entry written before codecs existed), ``int8`` (8-bit keys and values),
+``k8v4`` (8-bit keys, 4-bit values: key precision matters far more than value precision) and
+``int4`` (4-bit keys and values). Two 4-bit codes share a byte: channel ``c`` in the low
+nibble, channel ``c + head_dim / 2`` in the high one, so each half decodes into a contiguous
+half of the buffer's rows.
+
+An entry of a quantized codec holds two tensors, both in the one blob the store keeps per
+document: ``kv.<codec>``, the codes, ``uint8 [layers, code bytes of a layer]``, and
+``kv.<codec>.scales``, ``float16 [layers, scale values of a layer]``. A layer's codes are its
+keys' ``[kv_heads, tokens, key bytes]`` then its values' ``[kv_heads, tokens, value bytes]``; a
+layer's scales are the keys' scale and minimum ``[kv_heads, head_dim]`` each, then the values'
+scale and minimum ``[kv_heads, tokens]`` each. Every layer's bytes are contiguous, so a group
+of layers is one contiguous range of each tensor. The codec's name is in both tensor names
+(a reader expecting another codec finds other names: the entry does not fit) and in the key
+(`KVCodec.fingerprint`: entries of another codec are never found), and scales are floating
+point, so the store's finite check covers them.
+
+Bytes per token, layer and KV head, with ``D = head_dim`` and ``T`` tokens in the document:
+fp16 ``4D``; ``int8`` ``2D + 4 + 4D/T``; ``k8v4`` ``1.5D + 4 + 4D/T``; ``int4`` ``D + 4 + 4D/T``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CODECS",
+    "NO_CODEC",
+    "EncodedKV",
+    "KVCodec",
+    "kv_codec",
+]
+
+#: Floating-point type of stored scales and minimums.
+SCALE_DTYPE = torch.float16
+_SCALE_MAX = torch.finfo(SCALE_DTYPE).max
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How an entry's K/V is stored: full precision (``none``) or quantized codes and scales."""
+
+    name: str
+    key_bits: int = 0  # 0: full precision
+    value_bits: int = 0
+    version: int = 1  # part of the key: a changed scheme is never read as the old one
+
+    @property
+    def quantized(self) -> bool:
+        """Whether entries hold codes and scales (not the K/V itself)."""
+        return self.key_bits > 0
+
+    @property
+    def codes_name(self) -> str:
+        """Name of the codes tensor of an entry (``kv`` for ``none``)."""
+        return f"kv.{self.name}" if self.quantized else "kv"
+
+    @property
+    def scales_name(self) -> str:
+        """Name of the scales tensor of an entry."""
+        return f"kv.{self.name}.scales"
+
+    def fingerprint(self, model_fingerprint: str) -> str:
+        """Return the fingerprint segment keys are made with (the model's own for ``none``).
+
+        Entries of another codec get other keys, so a reader never finds (let alone misreads)
+        them; full-precision entries keep the keys they had before codecs existed.
+        """
+        if not self.quantized:
+            return model_fingerprint
+        mixed = f"{model_fingerprint}|kv-codec={self.name}/{self.version}"
+        return hashlib.sha256(mixed.encode()).hexdigest()[:32]
+
+    def layer_bytes(self, heads: int, tokens: int, head_dim: int) -> tuple[int, int]:
+        """Code bytes and scale values of one layer of a ``tokens``-token entry."""
+        key_bytes = heads * tokens * _packed(head_dim, self.key_bits)
+        value_bytes = heads * tokens * _packed(head_dim, self.value_bits)
+        return key_bytes + value_bytes, 2 * heads * head_dim + 2 * heads * tokens
+
+    def stored_tensors(
+        self, kv_dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of what an entry of K/V ``shape`` holds under this codec."""
+        if not self.quantized:
+            return {"kv": (kv_dtype, tuple(shape))}
+        layers, _, heads, tokens, head_dim = shape
+        codes, scales = self.layer_bytes(heads, tokens, head_dim)
+        return {
+            self.codes_name: (torch.uint8, (layers, codes)),
+            self.scales_name: (SCALE_DTYPE, (layers, scales)),
+        }
+
+    def bytes_per_token(self, heads: int, head_dim: int, tokens: int, kv_bytes: int = 2) -> float:
+        """Return the stored bytes per token of a layer (codes and scales; ``kv_bytes``: none's)."""
+        if not self.quantized:
+            return 2 * heads * head_dim * kv_bytes
+        codes, scales = self.layer_bytes(heads, tokens, head_dim)
+        return (codes + scales * SCALE_DTYPE.itemsize) / tokens
+
+    @torch.inference_mode()
+    def encode(self, kv: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Return the tensors an entry of ``kv`` ``[layers, 2, kv_heads, tokens, head_dim]`` holds.
+
+        For ``none``, ``kv`` itself. The codes and scales are made on ``kv``'s device and
+        returned contiguous there.
+        """
+        if not self.quantized:
+            return {"kv": kv}
+        if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[-1] % 2:
+            raise ValueError(f"expected K/V [layers, 2, heads, tokens, even head_dim], got "
+                             f"{list(kv.shape)}")  # fmt: skip
+        layers = kv.shape[0]
+        keys, key_scale, key_min = _quantize(kv[:, 0], self.key_bits, dim=2)
+        values, value_scale, value_min = _quantize(kv[:, 1], self.value_bits, dim=3)
+        codes = torch.cat([keys.reshape(layers, -1), values.reshape(layers, -1)], dim=1)
+        scales = torch.cat(
+            [t.reshape(layers, -1) for t in (key_scale, key_min, value_scale, value_min)], dim=1
+        )
+        return {self.codes_name: codes, self.scales_name: scales}
+
+    def open(self, tensors: Any, shape: tuple[int, ...], *, pin: bool = False) -> EncodedKV:
+        """Return the `EncodedKV` of an entry's ``tensors`` whose K/V is ``shape``.
+
+        Raises `ValueError` when the tensors are not this codec's for that shape. Scales become
+        float32 here, once per entry (``pin``: in pinned host memory).
+        """
+        expected = self.stored_tensors(torch.uint8, shape)
+        found = {}
+        for name, (dtype, size) in expected.items():
+            tensor = tensors[name]
+            if tensor.dtype != dtype or tuple(tensor.shape) != size:
+                raise ValueError(
+                    f"stored tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the "
+                    f"{self.name} codec needs {dtype} {list(size)}"
+                )
+            found[name] = tensor
+        layers, _, heads, tokens, head_dim = shape
+        codes, scales = found[self.codes_name], found[self.scales_name]
+        wide = torch.empty(scales.shape, dtype=torch.float32, device=scales.device,
+                           pin_memory=pin and scales.device.type == "cpu")  # fmt: skip
+        wide.copy_(scales)
+        key_bytes = heads * tokens * _packed(head_dim, self.key_bits)
+        split = (heads * head_dim, heads * head_dim, heads * tokens, heads * tokens)
+        key_scale, key_min, value_scale, value_min = wide.split(split, dim=1)
+        return EncodedKV(
+            self,
+            codes[:, :key_bytes].view(layers, heads, tokens, -1),
+            codes[:, key_bytes:].view(layers, heads, tokens, -1),
+            key_scale.view(layers, heads, 1, head_dim),
+            key_min.view(layers, heads, 1, head_dim),
+            value_scale.view(layers, heads, tokens, 1),
+            value_min.view(layers, heads, tokens, 1),
+        )
+
+
+#: Full precision: the engine's ``kv_dtype``, one tensor ``kv`` (the format before codecs).
+NO_CODEC = KVCodec("none")
+#: Every codec by name.
+CODECS: dict[str, KVCodec] = {
+    codec.name: codec
+    for codec in (NO_CODEC, KVCodec("int8", 8, 8), KVCodec("k8v4", 8, 4), KVCodec("int4", 4, 4))
+}
+
+
+def kv_codec(codec: str | KVCodec | None) -> KVCodec:
+    """Return the codec ``codec`` names (None: ``none``); `ValueError` lists the names."""
+    if codec is None:
+        return NO_CODEC
+    if isinstance(codec, KVCodec):
+        return codec
+    if isinstance(codec, str) and codec.strip().lower() in CODECS:
+        return CODECS[codec.strip().lower()]
+    raise ValueError(f"unknown KV codec {codec!r}; use one of {', '.join(CODECS)}")
+
+
+def _packed(head_dim: int, bits: int) -> int:
+    """Bytes of one row of ``head_dim`` codes of ``bits`` bits (0: not quantized)."""
+    return head_dim if bits in (0, 8) else head_dim // 2
+
+
+def _quantize(
+    x: torch.Tensor, bits: int, dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes (packed), scale and minimum of ``x`` ``[layers, heads, tokens, head_dim]``.
+
+    One range per slice along ``dim`` (2: per channel, over tokens; 3: per token, over
+    channels). 8 bits: the slice's whole range. 4 bits: the range, shrunk about its middle by
+    the factor of `CLIP_FACTORS` that gives the slice the least squared error (values outside it
+    take the end codes: a few clipped outliers cost less than a coarser step for every value).
+    The stored (float16) minimum and scale are rounded outwards, and codes are computed from
+    them: decoding uses exactly the numbers the codes were rounded against.
+    """
+    levels = (1 << bits) - 1
+    x = x.float()
+    low = x.amin(dim=dim, keepdim=True).clamp(-_SCALE_MAX, _SCALE_MAX)
+    high = x.amax(dim=dim, keepdim=True).clamp(-_SCALE_MAX, _SCALE_MAX)
+    middle, half = (high + low) / 2, (high - low) / 2
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    error = torch.empty(0)
+    for factor in CLIP_FACTORS if bits < 8 else (1.0,):
+        scale, minimum = _stored_range(middle - half * factor, middle + half * factor, levels)
+        codes = _codes(x, scale, minimum, levels)
+        if best is None:
+            best = codes, scale, minimum
+            if factor == CLIP_FACTORS[-1] or bits == 8:
+                break
+            error = _squared_error(x, codes, scale, minimum, dim)
+            continue
+        found = _squared_error(x, codes, scale, minimum, dim)
+        better = found < error
+        error = torch.where(better, found, error)
+        best = (torch.where(better, codes, best[0]), torch.where(better, scale, best[1]),
+                torch.where(better, minimum, best[2]))  # fmt: skip
+    assert best is not None
+    codes, scale, minimum = best
+    if bits == 4:
+        half_dim = codes.shape[-1] // 2
+        codes = codes[..., :half_dim] | (codes[..., half_dim:] << 4)
+    return codes.contiguous(), scale, minimum
+
+
+#: Shrink factors of a 4-bit range tried per slice (`_quantize`): 1.0 is the whole range.
+CLIP_FACTORS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65)
+
+
+def _stored_range(
+    low: torch.Tensor, high: torch.Tensor, levels: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and minimum as stored (float16), rounded outwards so they cover ``[low, high]``."""
+    minimum = low.to(SCALE_DTYPE)
+    minimum = torch.where(minimum.float() > low, minimum.nextafter(minimum.new_tensor(-1e9)),
+                          minimum)  # fmt: skip
+    span = ((high - minimum.float()) / levels).clamp(max=_SCALE_MAX)
+    scale = span.to(SCALE_DTYPE)
+    scale = torch.where(scale.float() < span, scale.nextafter(scale.new_tensor(1e9)), scale)
+    return scale, minimum
+
+
+def _codes(
+    x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, levels: int
+) -> torch.Tensor:
+    """Round-to-nearest codes of ``x`` against a stored scale and minimum (unpacked uint8)."""
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    return ((x - minimum.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
+
+
+def _squared_error(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dim: int
+) -> torch.Tensor:
+    decoded = torch.addcmul(minimum.float(), codes, scale.float())
+    return (decoded - x).square_().sum(dim=dim, keepdim=True)
+
+
+@dataclass(frozen=True)
+class EncodedKV:
+    """A stored entry's codes and float32 scales, as views: ``[layers, kv_heads, tokens, ...]``.
+
+    What the blend loop places (`place`) instead of a K/V tensor: `rows`, `heads` and `layers`
+    cut it as the K/V tensor would be cut, `to` moves it, `place` decodes it into a buffer.
+    """
+
+    codec: KVCodec
+    keys: torch.Tensor  # uint8 [layers, heads, tokens, key bytes]
+    values: torch.Tensor  # uint8 [layers, heads, tokens, value bytes]
+    key_scale: torch.Tensor  # float32 [layers, heads, 1, head_dim]
+    key_min: torch.Tensor
+    value_scale: torch.Tensor  # float32 [layers, heads, tokens, 1]
+    value_min: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """The shape of the K/V it decodes to, ``[layers, 2, kv_heads, tokens, head_dim]``."""
+        layers, heads, tokens, _ = self.keys.shape
+        return layers, 2, heads, tokens, self.key_scale.shape[-1]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the codes are."""
+        return self.keys.device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it reads, in a fixed order."""
+        return [self.keys, self.values, self.key_scale, self.key_min, self.value_scale,
+                self.value_min]  # fmt: skip
+
+    def _with(self, tensors: list[torch.Tensor]) -> EncodedKV:
+        return EncodedKV(self.codec, *tensors)
+
+    def rows(self, rows: slice) -> EncodedKV:
+        """Rows ``rows`` of every layer (views)."""
+        keys, values, key_scale, key_min, value_scale, value_min = self.tensors()
+        cut = (slice(None), slice(None), rows)
+        return self._with([keys[cut], values[cut], key_scale, key_min, value_scale[cut],
+                           value_min[cut]])  # fmt: skip
+
+    def heads(self, heads: slice) -> EncodedKV:
+        """KV heads ``heads`` of every layer (views)."""
+        return self._with([t[:, heads] for t in self.tensors()])
+
+    def layers(self, first: int, stop: int) -> EncodedKV:
+        """Layers ``[first, stop)`` (views)."""
+        return self._with([t[first:stop] for t in self.tensors()])
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    def contiguous(self, *, pin: bool = False) -> EncodedKV:
+        """Return a contiguous copy (``pin``: in pinned host memory) when it is a view, else it."""
+        if all(t.is_contiguous() for t in self.tensors()):
+            return self
+        return self._with([
+            torch.empty(t.shape, dtype=t.dtype, device=t.device, pin_memory=pin).copy_(t)
+            for t in self.tensors()
+        ])  # fmt: skip
+
+    def is_pinned(self) -> bool:
+        """Whether its tensors are in pinned host memory."""
+        return self.device.type == "cpu" and all(t.is_pinned() for t in self.tensors())
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> EncodedKV:
+        """Return a copy on ``device`` (itself when already there): one multi-tensor copy."""
+        if self.device == device:
+            return self
+        moved = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in self.tensors()]
+        torch._foreach_copy_(moved, self.tensors(), non_blocking=non_blocking)
+        return self._with(moved)
+
+    def place(self, target: torch.Tensor, non_blocking: bool = False) -> None:
+        """Decode into ``target`` ``[layers, 2, kv_heads, rows, head_dim]`` (a buffer's view).
+
+        Each code is read once and its value written once, straight into ``target``: two ops
+        (keys, values) when both are 8-bit, three per 4-bit half (the low nibbles, the high
+        ones, each into a half of the channels). Codes elsewhere (host memory, for a CUDA
+        buffer) are first copied there as bytes.
+        """
+        source = self.to(target.device, non_blocking)
+        _decode(target[:, 0], source.keys, source.key_scale, source.key_min, self.codec.key_bits)
+        _decode(target[:, 1], source.values, source.value_scale, source.value_min,
+                self.codec.value_bits)  # fmt: skip
+
+    def decode(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Return the K/V it stands for, ``[layers, 2, kv_heads, tokens, head_dim]``."""
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        self.place(out)
+        return out
+
+    def select(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s K/V ``[2, kv_heads, tokens, head_dim]`` in float32 (decoded)."""
+        return self.layers(index, index + 1).decode()[0]
+
+    def nbytes(self) -> int:
+        """Bytes its codes hold (scales excluded)."""
+        return int(self.keys.nbytes + self.values.nbytes)
+
+
+def _decode(
+    target: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int
+) -> None:
+    """``target = minimum + codes * scale`` (a 4-bit byte holds two channels: both halves)."""
+    if bits == 8:
+        torch.addcmul(minimum, codes, scale, out=target)
+        return
+    half = target.shape[-1] // 2
+    per_channel = scale.shape[-1] > 1
+    low_cut = slice(None, half) if per_channel else slice(None)
+    high_cut = slice(half, None) if per_channel else slice(None)
+    torch.addcmul(minimum[..., low_cut], codes & 15, scale[..., low_cut], out=target[..., :half])
+    torch.addcmul(minimum[..., high_cut], codes >> 4, scale[..., high_cut],
+                  out=target[..., half:])  # fmt: skip
