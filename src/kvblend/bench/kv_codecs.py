@@ -61,7 +61,8 @@ def engine_for(base: BlendEngine, label: str, store: Any) -> BlendEngine:
 def bytes_table_rows(labels: Sequence[str], model_shape: tuple[str, int, int, int]) -> list[dict]:
     """Return the stored bytes per token of each codec, from the format, against fp16's."""
     rows = []
-    for name, layers, heads, dim in (model_shape, *SHAPES):
+    shapes = [model_shape] + [s for s in SHAPES if s[1:] != model_shape[1:]]
+    for name, layers, heads, dim in shapes:
         for tokens in LENGTHS:
             fp16 = NO_CODEC.bytes_per_token(heads, dim, tokens) * layers
             for label in labels:
