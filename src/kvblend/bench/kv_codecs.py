@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, drop_page_cache, time_prefill
 from kvblend.blend.kv_codec import NO_CODEC, EncodedKV, kv_codec
 from kvblend.engine.engine import BlendEngine
+from kvblend.engine.threads import use_threads
 from kvblend.store import DiskKVStore, MemoryKVStore, TieredKVStore
 
 LABELS = ("fp16", "none", "int8", "k8v4", "int4")
@@ -167,10 +169,15 @@ def run_throughput(
                 log(f"{tier} {label}: precompute {total / precompute_s:,.0f} tok/s, read "
                     f"{total / read_s:,.0f} tok/s ({stored / read_s / 1e6:,.0f} MB/s)")  # fmt: skip
     finally:
-        for store in tiers.values():
-            store.clear()
-            store.close()
+        _close(tiers, folder)
     return rows
+
+
+def _close(tiers: dict[str, Any], folder: Path) -> None:
+    for store in tiers.values():
+        store.clear()
+        store.close()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def run_codec_ttft(
@@ -208,9 +215,7 @@ def run_codec_ttft(
                               for r in rows if r["repeat"] == repeat)  # fmt: skip
             log(f"repeat {repeat + 1}/{repeats}: {timed}")
     finally:
-        for store in tiers.values():
-            store.clear()
-            store.close()
+        _close(tiers, folder)
     return rows
 
 
@@ -307,6 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         if label != "fp16":
             kv_codec(label)  # an unknown name is refused before the model loads
     base = _engine(argparse.Namespace(**vars(args), doc_prefix="auto"), SYSTEM)
+    if args.threads:  # as asked, whatever the load (an engine's default follows the load)
+        use_threads(args.threads)
     result: dict[str, Any] = {"benchmark": "codecs", "machine": _machine(base), "codecs": labels,
                               "parts": sorted(parts)}  # fmt: skip
 
