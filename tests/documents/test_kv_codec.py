@@ -22,7 +22,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.io import CachedSpan
 from kvblend.blend.kv_buffer import PromptKV
-from kvblend.blend.kv_codec import CODECS, NO_CODEC, EncodedKV, kv_codec
+from kvblend.blend.kv_codec import CODECS, NO_CODEC, EncodedKV, kv_codec, move
 from kvblend.blend.rope import rope_table
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.store import DiskKVStore, MemoryKVStore
@@ -95,7 +95,10 @@ def test_rows_heads_and_layers_cut_as_the_decoded_tensor(name: str) -> None:
     part = opened.rows(slice(5, 20)).heads(slice(1, 2)).layers(1, 3)
     assert torch.equal(part.decode(), whole[1:3, :, 1:2, 5:20])
     assert torch.equal(opened.select(2), whole[2])
-    assert torch.equal(part.contiguous(pin=False).decode(), part.decode())
+    (moved,) = move([part], torch.device("cpu"))  # what a copy to a GPU does: bytes, as stored
+    assert moved.codes.data_ptr() != part.codes.data_ptr()
+    assert torch.equal(moved.decode(), part.decode())
+    assert torch.equal(moved.codes, opened.codes[1:3])  # whole layers: one range per tensor
 
 
 @pytest.mark.parametrize(
@@ -106,8 +109,8 @@ def test_entries_are_the_promised_share_of_fp16(heads: int, dim: int) -> None:
     limits = {"int8": 0.52, "k8v4": 0.40, "int4": 0.27}
     for name, limit in limits.items():
         codec = CODECS[name]
-        kv = torch.randn(1, 2, heads, 512, dim)
-        stored = sum(t.nbytes for t in codec.encode(kv).values()) / 512
+        kv = torch.randn(1, 2, 1, 512, dim)  # one head: every head stores the same
+        stored = sum(t.nbytes for t in codec.encode(kv).values()) / 512 * heads
         assert stored == codec.bytes_per_token(heads, dim, 512)
         assert stored / fp16 <= limit, (name, stored / fp16)
 
@@ -194,14 +197,21 @@ def damage(folder: Path, key: str, tensor_suffix: str) -> int:
     return damaged
 
 
-@pytest.mark.parametrize("block", [".scales", ".int8"], ids=["scales", "codes"])
-def test_a_damaged_scale_or_code_block_is_recomputed(tmp_path: Path, block: str) -> None:
-    writer = engines(DiskKVStore(tmp_path), ["int8"])["int8"]
+@pytest.mark.parametrize(
+    ("block", "key"),
+    [(".scales", None), (".int8", None), (".scales", "k" * 32)],
+    ids=["scales", "codes", "scales-mac"],
+)
+def test_a_damaged_scale_or_code_block_is_recomputed(
+    tmp_path: Path, block: str, key: str | None
+) -> None:
+    """Checksums (or, with a store key, MACs) cover the codes and scales as stored."""
+    writer = engines(DiskKVStore(tmp_path, store_key=key), ["int8"])["int8"]
     writer.precompute(LONG)
     expected = writer.prefill(LONG_PROMPT, REUSE)
     assert damage(tmp_path, writer.segment_id(LONG[1]), block) == 1
 
-    store = DiskKVStore(tmp_path)
+    store = DiskKVStore(tmp_path, store_key=key)
     reader = engines(store, ["int8"])["int8"]
     got = reader.prefill(LONG_PROMPT, REUSE)
     assert got.stats.documents_reused == 2 and got.stats.segments_precomputed == 1

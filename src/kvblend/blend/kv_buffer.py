@@ -27,7 +27,7 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.io import CachedSpan
-from kvblend.blend.kv_codec import EncodedKV
+from kvblend.blend.kv_codec import EncodedKV, move
 from kvblend.blend.rope import rotate_
 
 #: Layers per copy group, by device type; a device type not listed copies every layer at once.
@@ -110,9 +110,10 @@ class PromptKV:
     ) -> None:
         """Place every span's cached K/V of ``layers`` (one multi-tensor copy, one per span).
 
-        A span stored by a quantized codec (`EncodedKV`) is decoded into its rows instead: its
-        codes, copied as bytes when they are elsewhere, written as values by a few ops per
-        span (`EncodedKV.place`), never a full-precision copy of the entry first. Then rotate
+        A span stored by a quantized codec (`EncodedKV`) is decoded into its rows instead: the
+        group's codes and scales of every such span copied as bytes in one multi-tensor copy
+        when they are elsewhere (`move`), then written as values by a few ops per span
+        (`EncodedKV.place`), never a full-precision copy of the entry first. Then rotate
         the keys of ``layers`` to their positions (``table``: the `rope_table` of
         every row of the buffer). A span's source is read, never written: it may be the store's
         own tensor, on the host or on the device.
@@ -125,9 +126,14 @@ class PromptKV:
         if plain:
             copied, read = zip(*plain, strict=True)
             torch._foreach_copy_(list(copied), list(read), non_blocking=non_blocking)
-        for target, source in zip(targets, sources, strict=True):
-            if isinstance(source, EncodedKV):  # codes decoded into the buffer as they land
-                source.layers(first, stop).place(target, non_blocking=non_blocking)
+        encoded = [(t, s.layers(first, stop)) for t, s in zip(targets, sources, strict=True)
+                   if isinstance(s, EncodedKV)]  # fmt: skip
+        if encoded:  # codes decoded into the buffer as they land (copied as bytes if elsewhere)
+            codes = [item for _, item in encoded]
+            if any(item.device != self.data.device for item in codes):
+                codes = move(codes, self.data.device, non_blocking=non_blocking)
+            for (target, _), item in zip(encoded, codes, strict=True):
+                item.place(target)
         if targets:
             rotate_(self.data[first:stop, 0], table)
 

@@ -41,7 +41,7 @@ fp16 ``4D``; ``int8`` ``2D + 4 + 4D/T``; ``k8v4`` ``1.5D + 4 + 4D/T``; ``int4`` 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ __all__ = [
     "EncodedKV",
     "KVCodec",
     "kv_codec",
+    "move",
 ]
 
 #: Floating-point type of stored scales and minimums.
@@ -157,23 +158,12 @@ class KVCodec:
                     f"{self.name} codec needs {dtype} {list(size)}"
                 )
             found[name] = tensor
-        layers, _, heads, tokens, head_dim = shape
+        _, _, heads, tokens, head_dim = shape
         codes, scales = found[self.codes_name], found[self.scales_name]
         wide = torch.empty(scales.shape, dtype=torch.float32, device=scales.device,
                            pin_memory=pin and scales.device.type == "cpu")  # fmt: skip
         wide.copy_(scales)
-        key_bytes = heads * tokens * _packed(head_dim, self.key_bits)
-        split = (heads * head_dim, heads * head_dim, heads * tokens, heads * tokens)
-        key_scale, key_min, value_scale, value_min = wide.split(split, dim=1)
-        return EncodedKV(
-            self,
-            codes[:, :key_bytes].view(layers, heads, tokens, -1),
-            codes[:, key_bytes:].view(layers, heads, tokens, -1),
-            key_scale.view(layers, heads, 1, head_dim),
-            key_min.view(layers, heads, 1, head_dim),
-            value_scale.view(layers, heads, tokens, 1),
-            value_min.view(layers, heads, tokens, 1),
-        )
+        return EncodedKV(self, codes, wide, heads, tokens, head_dim)
 
 
 #: Full precision: the engine's ``kv_dtype``, one tensor ``kv`` (the format before codecs).
@@ -276,104 +266,124 @@ def _squared_error(
 
 @dataclass(frozen=True)
 class EncodedKV:
-    """A stored entry's codes and float32 scales, as views: ``[layers, kv_heads, tokens, ...]``.
+    """A stored entry's codes and float32 scales, cut (by views) as its K/V tensor would be.
 
-    What the blend loop places (`place`) instead of a K/V tensor: `rows`, `heads` and `layers`
-    cut it as the K/V tensor would be cut, `to` moves it, `place` decodes it into a buffer.
+    What the blend loop places (`place`) instead of a K/V tensor. The codes and scales keep the
+    entry's layout, every layer's bytes contiguous, so a group of layers is one range of each
+    (`layers`, `move`: two copies per document to another device); `rows` and `heads` narrow
+    what is decoded, as slices of the K/V tensor would.
     """
 
     codec: KVCodec
-    keys: torch.Tensor  # uint8 [layers, heads, tokens, key bytes]
-    values: torch.Tensor  # uint8 [layers, heads, tokens, value bytes]
-    key_scale: torch.Tensor  # float32 [layers, heads, 1, head_dim]
-    key_min: torch.Tensor
-    value_scale: torch.Tensor  # float32 [layers, heads, tokens, 1]
-    value_min: torch.Tensor
+    codes: torch.Tensor  # uint8 [layers, code bytes of a layer], as stored
+    scales: torch.Tensor  # float32 [layers, scale values of a layer]
+    entry_heads: int  # the layout's KV heads, tokens and head_dim
+    entry_tokens: int
+    head_dim: int
+    row_range: tuple[int, int] | None = None  # rows decoded (None: all)
+    head_range: tuple[int, int] | None = None  # KV heads decoded (None: all)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """The shape of the K/V it decodes to, ``[layers, 2, kv_heads, tokens, head_dim]``."""
-        layers, heads, tokens, _ = self.keys.shape
-        return layers, 2, heads, tokens, self.key_scale.shape[-1]
+        """The shape of the K/V it decodes to, ``[layers, 2, kv_heads, rows, head_dim]``."""
+        first_head, stop_head = self.head_range or (0, self.entry_heads)
+        first_row, stop_row = self.row_range or (0, self.entry_tokens)
+        return (int(self.codes.shape[0]), 2, stop_head - first_head, stop_row - first_row,
+                self.head_dim)  # fmt: skip
 
     @property
     def device(self) -> torch.device:
         """Where the codes are."""
-        return self.keys.device
+        return self.codes.device
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor it reads, in a fixed order."""
-        return [self.keys, self.values, self.key_scale, self.key_min, self.value_scale,
-                self.value_min]  # fmt: skip
+        """Return the tensors it reads: the codes and the scales."""
+        return [self.codes, self.scales]
 
-    def _with(self, tensors: list[torch.Tensor]) -> EncodedKV:
-        return EncodedKV(self.codec, *tensors)
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        """Return views of the keys' and values' codes, then their scales and minimums.
+
+        Codes ``[layers, kv_heads, rows, bytes]``; keys' scale and minimum ``[layers, kv_heads,
+        1, head_dim]``, values' ``[layers, kv_heads, rows, 1]``.
+        """
+        layers, heads, tokens, dim = (int(self.codes.shape[0]), self.entry_heads,
+                                      self.entry_tokens, self.head_dim)  # fmt: skip
+        key_bytes = heads * tokens * _packed(dim, self.codec.key_bits)
+        heads_cut = slice(*self.head_range) if self.head_range else slice(None)
+        rows_cut = slice(*self.row_range) if self.row_range else slice(None)
+        keys = self.codes[:, :key_bytes].view(layers, heads, tokens, -1)
+        values = self.codes[:, key_bytes:].view(layers, heads, tokens, -1)
+        split = (heads * dim, heads * dim, heads * tokens, heads * tokens)
+        key_scale, key_min, value_scale, value_min = self.scales.split(split, dim=1)
+        per_channel = (layers, heads, 1, dim)
+        per_token = (layers, heads, tokens, 1)
+        return (
+            keys[:, heads_cut, rows_cut], values[:, heads_cut, rows_cut],
+            key_scale.view(per_channel)[:, heads_cut], key_min.view(per_channel)[:, heads_cut],
+            value_scale.view(per_token)[:, heads_cut, rows_cut],
+            value_min.view(per_token)[:, heads_cut, rows_cut],
+        )  # fmt: skip
 
     def rows(self, rows: slice) -> EncodedKV:
-        """Rows ``rows`` of every layer (views)."""
-        keys, values, key_scale, key_min, value_scale, value_min = self.tensors()
-        cut = (slice(None), slice(None), rows)
-        return self._with([keys[cut], values[cut], key_scale, key_min, value_scale[cut],
-                           value_min[cut]])  # fmt: skip
+        """Rows ``rows`` (a slice of ints, no step) of what it decodes now."""
+        first, stop, _ = rows.indices(self.shape[3])
+        offset = self.row_range[0] if self.row_range else 0
+        return replace(self, row_range=(offset + first, offset + max(first, stop)))
 
     def heads(self, heads: slice) -> EncodedKV:
-        """KV heads ``heads`` of every layer (views)."""
-        return self._with([t[:, heads] for t in self.tensors()])
+        """KV heads ``heads`` (a slice of ints, no step) of what it decodes now."""
+        first, stop, _ = heads.indices(self.shape[2])
+        offset = self.head_range[0] if self.head_range else 0
+        return replace(self, head_range=(offset + first, offset + max(first, stop)))
 
     def layers(self, first: int, stop: int) -> EncodedKV:
-        """Layers ``[first, stop)`` (views)."""
-        return self._with([t[first:stop] for t in self.tensors()])
+        """Layers ``[first, stop)``: one range of the codes and one of the scales (views)."""
+        return replace(self, codes=self.codes[first:stop], scales=self.scales[first:stop])
 
     def __len__(self) -> int:
-        return int(self.keys.shape[0])
-
-    def contiguous(self, *, pin: bool = False) -> EncodedKV:
-        """Return a contiguous copy (``pin``: in pinned host memory) when it is a view, else it."""
-        if all(t.is_contiguous() for t in self.tensors()):
-            return self
-        return self._with([
-            torch.empty(t.shape, dtype=t.dtype, device=t.device, pin_memory=pin).copy_(t)
-            for t in self.tensors()
-        ])  # fmt: skip
+        return int(self.codes.shape[0])
 
     def is_pinned(self) -> bool:
         """Whether its tensors are in pinned host memory."""
-        return self.device.type == "cpu" and all(t.is_pinned() for t in self.tensors())
+        return self.device.type == "cpu" and self.codes.is_pinned() and self.scales.is_pinned()
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> EncodedKV:
-        """Return a copy on ``device`` (itself when already there): one multi-tensor copy."""
-        if self.device == device:
-            return self
-        moved = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in self.tensors()]
-        torch._foreach_copy_(moved, self.tensors(), non_blocking=non_blocking)
-        return self._with(moved)
-
-    def place(self, target: torch.Tensor, non_blocking: bool = False) -> None:
+    def place(self, target: torch.Tensor) -> None:
         """Decode into ``target`` ``[layers, 2, kv_heads, rows, head_dim]`` (a buffer's view).
 
-        Each code is read once and its value written once, straight into ``target``: two ops
-        (keys, values) when both are 8-bit, three per 4-bit half (the low nibbles, the high
-        ones, each into a half of the channels). Codes elsewhere (host memory, for a CUDA
-        buffer) are first copied there as bytes.
+        On ``target``'s device (`move` codes elsewhere there first). Each code is read once and
+        its value written once, straight into ``target``: two ops (keys, values) when both are
+        8-bit, four for 4-bit keys or values (each half's nibbles, then that half decoded).
         """
-        source = self.to(target.device, non_blocking)
-        _decode(target[:, 0], source.keys, source.key_scale, source.key_min, self.codec.key_bits)
-        _decode(target[:, 1], source.values, source.value_scale, source.value_min,
-                self.codec.value_bits)  # fmt: skip
+        keys, values, key_scale, key_min, value_scale, value_min = self.parts()
+        _decode(target[:, 0], keys, key_scale, key_min, self.codec.key_bits)
+        _decode(target[:, 1], values, value_scale, value_min, self.codec.value_bits)
 
     def decode(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Return the K/V it stands for, ``[layers, 2, kv_heads, tokens, head_dim]``."""
+        """Return the K/V it stands for, ``[layers, 2, kv_heads, rows, head_dim]``."""
         out = torch.empty(self.shape, dtype=dtype, device=self.device)
         self.place(out)
         return out
 
     def select(self, index: int) -> torch.Tensor:
-        """Layer ``index``'s K/V ``[2, kv_heads, tokens, head_dim]`` in float32 (decoded)."""
+        """Layer ``index``'s K/V ``[2, kv_heads, rows, head_dim]`` in float32 (decoded)."""
         return self.layers(index, index + 1).decode()[0]
 
-    def nbytes(self) -> int:
-        """Bytes its codes hold (scales excluded)."""
-        return int(self.keys.nbytes + self.values.nbytes)
+
+def move(
+    encoded: list[EncodedKV], device: torch.device, non_blocking: bool = False
+) -> list[EncodedKV]:
+    """Return copies of ``encoded`` on ``device``: codes and scales in one multi-tensor copy.
+
+    What a layer group's documents cost to reach a GPU: their codes and scales as stored
+    (every layer's bytes contiguous, so two ranges per document), from pinned host memory with
+    ``non_blocking``.
+    """
+    sources = [tensor for item in encoded for tensor in item.tensors()]
+    moved = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in sources]
+    if moved:
+        torch._foreach_copy_(moved, sources, non_blocking=non_blocking)
+    return [replace(item, codes=moved[2 * i], scales=moved[2 * i + 1])
+            for i, item in enumerate(encoded)]  # fmt: skip
 
 
 def _decode(

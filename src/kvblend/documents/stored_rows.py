@@ -64,18 +64,16 @@ class StoredRows:
     def layers(self) -> torch.Tensor | EncodedKV:
         """Return every layer's K/V ``[layers, 2, kv_heads, rows, head_dim]``, or its codes.
 
-        A view of the stored tensors, or, for part of an entry kept in pinned host memory, a
+        A view of the stored tensor, or, for part of an entry kept in pinned host memory, a
         contiguous pinned copy of that part (made once): a copy to the GPU from a strided
-        host view would go through pageable memory and block the host.
+        host view would go through pageable memory and block the host. Codes are handed out
+        whole (`EncodedKV` decodes only the rows asked for), so they are never copied here.
         """
         if self._kv is None:
             kv = self._open()
-            if isinstance(kv, EncodedKV):
-                part = kv.rows(self.rows)
-                if part.device.type == "cpu" and torch.cuda.is_available() and kv.is_pinned():
-                    part = part.contiguous(pin=True)
-                self._kv = part
-                return part
+            if isinstance(kv, EncodedKV):  # whole layers' bytes stay contiguous: no copy
+                self._kv = kv.rows(self.rows)
+                return self._kv
             rows = kv[:, :, :, self.rows]
             if kv.device.type == "cpu" and not rows.is_contiguous() and kv.is_pinned():
                 rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows)
