@@ -121,21 +121,14 @@ class BlendEngine:
             threads: torch CPU threads, for the whole process (`kvblend.engine.threads`);
                 None: the cores the last minute's load leaves idle, unless the process chose
                 a count already. ``engine.threads`` is the count in use.
-            kv_codec: how documents' KV is stored (`kvblend.blend.kv_codec`): ``"none"``
-                (None, the default: full precision in ``kv_dtype``), ``"int8"``, ``"k8v4"``
-                (8-bit keys, 4-bit values) or ``"int4"``. Part of every entry's identity:
-                engines of another codec over the same store neither find nor read these
-                entries (they find the documents and store their own).
+            kv_codec: how stored KV is encoded (`kvblend.blend.kv_codec`): None, int8, k8v4, int4.
         """
-        codec = resolve_codec(kv_codec)  # refused before anything is loaded or computed
         self.threads = use_threads(threads)
         self.decoder = Decoder(model)
         self.model = model
         self.tokenizer = tokenizer
         self.store = store if store is not None else _default_store()
         self.kv_dtype = kv_dtype or self.decoder.dtype
-        #: How documents' KV is stored: full precision (``none``) or a quantized codec.
-        self.kv_codec = codec
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
         #: The resolved model spec `from_pretrained` loaded (None for a model passed in).
@@ -148,12 +141,14 @@ class BlendEngine:
             self.decoder.shape.max_positions, longest_token_chars(tokenizer), self.name
         )
         self._fallback_log = FallbackLog(logger)  # each cause once a minute
-        self._connect_store(max_documents)
+        self._connect_store(max_documents, kv_codec)
         if check_parity:
             self.check_parity()
 
-    def _connect_store(self, max_documents: int) -> None:
+    def _connect_store(self, max_documents: int, kv_codec: str | KVCodec | None) -> None:
         """Build what reads and writes this engine's entries and finds its documents."""
+        #: How documents' KV is stored: full precision (``none``) or a quantized codec.
+        self.kv_codec = resolve_codec(kv_codec)
         #: This engine's documents: their KV in the store and the registry finding them.
         self.library = DocumentLibrary(
             self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
@@ -187,6 +182,7 @@ class BlendEngine:
         keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
         """
         kwargs["threads"] = use_threads(kwargs.get("threads"))
+        resolve_codec(kwargs.get("kv_codec"))  # an unknown codec is refused before the load
         check_environment()  # KVBLEND_DECODE_CACHE / _COMPILE: refused before the model loads
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
