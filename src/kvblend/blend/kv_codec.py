@@ -16,12 +16,14 @@ minimum + code * scale``, where
 - **values** are quantized **per token**: one minimum and scale per layer, KV head and token,
   over its channels.
 
+8-bit ranges are each slice's whole range; a 4-bit range is shrunk about its middle to the
+factor that gives the slice the least squared error (`CLIP_FACTORS`), at precompute only.
+
 Codecs (`CODECS`): ``none`` (full precision in the engine's ``kv_dtype``, the default and the
 format of every entry written before codecs existed), ``int8`` (8-bit keys and values),
-``k8v4`` (8-bit keys, 4-bit values: key precision matters far more than value precision) and
-``int4`` (4-bit keys and values). Two 4-bit codes share a byte: channel ``c`` in the low
-nibble, channel ``c + head_dim / 2`` in the high one, so each half decodes into a contiguous
-half of the buffer's rows.
+``k8v4`` (8-bit keys, 4-bit values) and ``int4`` (4-bit keys and values). Two 4-bit codes
+share a byte: channel ``c`` in the low nibble, channel ``c + head_dim / 2`` in the high one, so
+each half decodes into a contiguous half of the buffer's rows.
 
 An entry of a quantized codec holds two tensors, both in the one blob the store keeps per
 document: ``kv.<codec>``, the codes, ``uint8 [layers, code bytes of a layer]``, and
