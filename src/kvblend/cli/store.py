@@ -167,7 +167,7 @@ def _print_survey(report: RepairReport) -> None:
     print(f"value files no index row names: {report.files_unindexed}")
     print(
         f"indexed entries read whole (size, header, checksums): {report.entries_checked}; "
-        f"damaged: {report.entries_damaged} ({report.damaged_bytes:,} bytes)"
+        f"failing a check, left: {report.entries_damaged} ({report.damaged_bytes:,} bytes)"
     )
     if report.other_key_entries:
         print(_other_keys_line(report))
