@@ -44,8 +44,8 @@ from kvblend.integrations.shared import prompt_segments
 from kvblend.llamaindex._settings import BlendLLMSettings
 
 #: Called with each response's ``raw`` (usage, kvblend stats) while `reporting_raw` is active.
-_RAW_SINK: contextvars.ContextVar[Callable[[dict[str, Any]], None] | None] = (
-    contextvars.ContextVar("kvblend_llamaindex_raw_sink", default=None)
+_RAW_SINK: contextvars.ContextVar[Callable[[dict[str, Any]], None] | None] = contextvars.ContextVar(
+    "kvblend_llamaindex_raw_sink", default=None
 )
 
 

@@ -40,7 +40,7 @@ _FIGURES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar
 
 
 def _collect() -> dict[str, Any]:
-    """A fresh dict for this call's figures, filled by `BlendLLM` as its response is made."""
+    """Return a fresh dict for this call's figures, which `BlendLLM` fills as it answers."""
     figures: dict[str, Any] = {}
     _FIGURES.set(figures)
     return figures
