@@ -214,8 +214,9 @@ def _ttft(result: Mapping[str, Any], figure: Figure) -> str:
                store="memory")  # fmt: skip
     full = _one(summary, figure, target_tokens=figure.tokens, strategy="full", store="memory")
     return (
-        f"**{row['ttft_vs_full']:.2f}** of full prefill's TTFT (medians {row['ttft_median_s']:.2f} s vs "
-        f"{full['ttft_median_s']:.2f} s, {row['prompt_tokens']:,} tokens)"
+        f"**{row['ttft_vs_full']:.2f}** of full prefill's TTFT (medians "
+        f"{row['ttft_median_s']:.2f} s vs {full['ttft_median_s']:.2f} s, "
+        f"{row['prompt_tokens']:,} tokens)"
     )
 
 
