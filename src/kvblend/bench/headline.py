@@ -154,6 +154,8 @@ FIGURES: tuple[Figure, ...] = (
         head="told",
         command="kvblend bench shapes --data nq_open_gold_2000.jsonl.gz --questions 40 "
         "(four runs, merged)",
+        note="pooled over runs of different days: the long-document rows ran before "
+        "short_document and full_above existed",
     ),
     Figure(
         what="Answer accuracy, six prompt shapes pooled (NQ 5/10/20 passages, QA task, "
@@ -163,6 +165,8 @@ FIGURES: tuple[Figure, ...] = (
         head="untold",
         command="kvblend bench shapes --model qwen2.5-0.5b.gguf --heads auto --questions 20 "
         "(three runs, merged)",
+        note="pooled over runs of different days: the long-document rows ran before "
+        "short_document and full_above existed",
     ),
     Figure(
         what="vLLM TTFT, 4K-token RAG prompt",
