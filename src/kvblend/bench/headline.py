@@ -152,8 +152,8 @@ FIGURES: tuple[Figure, ...] = (
         result="shapes_smollm2.json",
         kind="quality",
         head="told",
-        command="kvblend bench shapes --data nq_open_gold_2000.jsonl.gz --questions 40 "
-        "(four runs, merged)",
+        command="kvblend bench shapes --data nq_open_gold_2000.jsonl.gz --threads 1 --strategies "
+        "full,default --heads both --shapes S --questions 40 (25 for nq-20), four runs merged",
         note="pooled over runs of different days: the long-document rows ran before "
         "short_document and full_above existed",
     ),
@@ -163,8 +163,9 @@ FIGURES: tuple[Figure, ...] = (
         result="shapes_qwen2.5-0.5b.json",
         kind="quality",
         head="untold",
-        command="kvblend bench shapes --model qwen2.5-0.5b.gguf --heads auto --questions 20 "
-        "(three runs, merged)",
+        command="kvblend bench shapes --model qwen2.5-0.5b.gguf --data nq_open_gold_2000.jsonl.gz "
+        "--threads 1 --strategies full,default --heads auto --shapes S --questions 20 (12 for "
+        "nq-20), three runs merged",
         note="pooled over runs of different days: the long-document rows ran before "
         "short_document and full_above existed",
     ),
