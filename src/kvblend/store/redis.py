@@ -3,8 +3,9 @@
 Each entry is one Redis string holding exactly the bytes the disk tier writes (`entry_format`:
 safetensors with per-tensor checksums and, with a store key, MACs), under
 ``<prefix>kv:v<format>:<key>``: nothing is pickled, and a damaged or foreign value is detected
-and dropped like on disk. `get()` costs one round trip (the entry's length and its first 64 KiB,
-which hold the header) and returns a `LazyTensors`; each tensor is then fetched with its own
+and dropped like on disk. `get()` costs one round trip (the entry's length, its first 64 KiB,
+which hold the header, and its expiry), a second one on a hit with `ttl_s` (renewing it only
+once the header verified), and returns a `LazyTensors`; each tensor is then fetched with its own
 ``GETRANGE`` (`redis_payload`) on the store's prefetch threads, so the blend loop starts on
 layer 0 while later layers are still on the wire.
 
