@@ -27,6 +27,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.documents.blend_plan import open_spans
 from kvblend.store import DiskKVStore, KVStore, MemoryKVStore, default_store
+from read_only_folder import read_only_folder as _read_only
 
 DOC = "Marta Quill keeps forty hives on the roof of an old printing house. "
 PROMPT = f"Context: {DOC}\nQuestion: where are the hives?"
@@ -345,31 +346,6 @@ def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Pat
         got = engine.prefill(_question(doc), BlendConfig("reuse"))
         assert got.stats.segments_precomputed == 0
         assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
-
-
-@contextlib.contextmanager
-def _read_only(folder: Path) -> Iterator[Path]:
-    """`folder`, made read-only: by permissions for a user, a read-only bind mount for root."""
-    if os.geteuid() != 0:
-        paths = [folder, *folder.rglob("*")]
-        for path in paths:
-            path.chmod(0o500 if path.is_dir() else 0o400)
-        try:
-            yield folder
-        finally:
-            for path in paths:
-                path.chmod(0o700 if path.is_dir() else 0o600)
-        return
-    view = folder.parent / "read-only-view"
-    view.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(folder), str(view)], check=False)
-    if mounted.returncode != 0:
-        pytest.skip("root without mount: a read-only folder cannot be made here")
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
-        yield view
-    finally:
-        subprocess.run(["umount", "--lazy", str(view)], check=False)  # open handles: detach now
 
 
 @contextlib.contextmanager

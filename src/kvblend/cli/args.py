@@ -25,7 +25,11 @@ KV_CODECS = ("none", "int8", "k8v4", "int4")
 
 
 class CLIError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
+    """A user mistake (exit status 2), or work that could not be kept (`status` 1): one line."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -135,7 +135,9 @@ class Explanation:
             f"{self.documents_found} document(s) found ({self.known_documents} known)"
         ]
         if self.fallback is not None:
-            lines.append(f"  runs as full prefill (prompt head reused): {self.fallback}")
+            head = self.reused_tokens
+            reused = f" ({head} tokens of the prompt head reused)" if head else ""
+            lines.append(f"  runs as full prefill{reused}: {self.fallback}")
         lines += [f"  not reused: {line}" for line in self.forecast.documents_lost]
         if self.near_miss is not None:
             lines.append(f"  near miss: {self.near_miss}")
