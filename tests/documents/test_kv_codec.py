@@ -279,3 +279,17 @@ def test_the_command_line_takes_a_codec(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert engine.store.metadata(key)["codec"] == "k8v4" and engine.segment_kv.intact(key)
     assert main([*argv[:-1], "fp4"]) == 2  # refused before a model loads
     assert len(made) == 1
+
+
+def test_a_document_known_to_one_codec_is_found_by_every_codec() -> None:
+    """The registry is shared: an int8 engine finds documents a full-precision engine
+    precomputed, computes its own entries at the first prompt holding them, and reuses them."""
+    store = MemoryKVStore()
+    writer, reader = engines(store, ["none", "int8"]).values()
+    writer.precompute(DOCS)
+    prompt = f"Context: {DOCS[1]}\n{DOCS[0]}\nQuestion: where does Marta live?"
+    assert reader.is_known(DOCS[0]) and not store.contains(reader.segment_id(DOCS[0]))
+    first = reader.prefill(prompt, REUSE)
+    assert first.stats.documents_found == 2 and first.stats.segments_precomputed == 2
+    again = reader.prefill(prompt, REUSE)
+    assert again.stats.documents_reused == 2 and again.stats.segments_precomputed == 0
