@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvblend.blend.flex import FlexRows
+from kvblend.blend.flex import FlexRows, compiled_flex
 from kvblend.blend.io import RowSet
 
 # Query rows per attention call when the computed rows are sparse: smaller chunks skip more of
@@ -265,6 +265,9 @@ class RowAttention:
         self.positions = rows.positions if padded is None else padded
         # decided here, not in a call: a compiled step sees booleans, never the prompt's length
         self.exact = padded is None or (length or total) == total  # keys sliced to the prompt's
+        # FlexAttention outside a compiled step even where its kernel is not compiled (the
+        # eager loop told to use it); a compiled loop's step run eagerly attends by chunks
+        self.fused = padded is None
         self.aligned = rows.count == total and self.positions.numel() == total  # rows 0, 1, ...
         self.total = total
         self.windows = windows
@@ -287,6 +290,18 @@ class RowAttention:
             self.flex = FlexRows(self.positions, keys, self.masked, scaling, padded is not None)
             return
         self._plan_chunks()
+
+    def graph_key(self) -> tuple[object, ...]:
+        """Return what a compiled step's graph takes from this object beside tensor sizes.
+
+        The paths `__call__` takes, decided here, and the chunks' bounds where it attends by
+        chunks: the compiled loop refuses a graph's compile by this key (`compiled.step_bucket`).
+        """
+        plans = {} if self.flex is not None else self.chunks  # planned for eager steps only
+        chunks = tuple((str(window), tuple(plan)) for window, plan in plans.items())
+        masked = tuple(sorted(str(window) for window in self.masked))
+        return (self.flex is not None, self.exact, self.aligned, self.dense, self.scatter,
+                masked, chunks)  # fmt: skip
 
     def _plan_chunks(self) -> None:
         """Plan the query chunks of every masked window, and keep their masks within budget.
@@ -333,11 +348,12 @@ class RowAttention:
         prompt's length, so a compiled loop serves every prompt of its size bucket.
         """
         if self.flex is not None:
-            out = self.flex(window, queries, keys, values)
-            if out is not None:
-                return out
-            self.uncompiled += 1  # refused a compile: logged once (`COMPILE_LIMIT`)
-            if not self.chunks:
+            if self.fused or torch.compiler.is_compiling() or compiled_flex(keys.device):
+                out = self.flex(window, queries, keys, values)
+                if out is not None:
+                    return out
+                self.uncompiled += 1  # refused a compile: logged once (`COMPILE_REFUSALS`)
+            if not self.chunks:  # a compiled loop's step run eagerly: the eager loop's chunks
                 self._plan_chunks()
         if self.exact:
             keys, values = keys[:, : self.total], values[:, : self.total]
