@@ -131,7 +131,7 @@ class Cores:
         """
         others = self.busy_elsewhere()
         idle = (self.count or wanted) - others
-        threads = max(1, min(wanted, int(idle + 0.25)))
+        threads = max(1, min(wanted, int(idle + 0.5)))
         least = RATE * (MIN_WIDE_S + GAIN * WAIT_S * min(others, 1.0))
         return threads, least
 
