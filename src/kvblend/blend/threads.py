@@ -17,7 +17,8 @@ caller's thread count back (`big`) only when it pays:
   busy time from ``/proc/stat`` less this process's own CPU time, over the last layers, a
   moving average over about `AVERAGE_S` seconds). With fewer idle cores than threads, a
   barrier waits for a descheduled thread: ops run on as many threads as there are idle cores
-  (one on a busy 2-core machine: no op waits for a core another process holds);
+  (a core busy less than a tenth of the time counted idle; one thread on a 2-core machine with
+  a core held by another process: no op waits for it);
 - with the cores idle, an op runs on every thread when its work, at `RATE` multiply-adds a
   second of one thread, lasts at least `MIN_WIDE_S` plus `GAIN` times the wait that the other
   processes' share of a core makes likely (`WAIT_S` a busy core); a copied or element-wise
@@ -61,7 +62,7 @@ MIN_WIDE_S = 1e-4
 
 #: Seconds a barrier waits when another process holds a core its threads need (a few
 #: scheduler time slices), and how many of those an op must last to run on every thread.
-WAIT_S = 4e-3
+WAIT_S = 2e-3
 GAIN = 4.0
 
 #: Seconds over which the other processes' busy cores are averaged.
@@ -131,7 +132,7 @@ class Cores:
         """
         others = self.busy_elsewhere()
         idle = (self.count or wanted) - others
-        threads = max(1, min(wanted, int(idle + 0.5)))
+        threads = max(1, min(wanted, int(idle + 0.9)))
         least = RATE * (MIN_WIDE_S + GAIN * WAIT_S * min(others, 1.0))
         return threads, least
 
