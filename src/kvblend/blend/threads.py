@@ -5,10 +5,11 @@ which meet at a barrier when the op ends. On idle cores a barrier costs tens of 
 when other processes keep the cores busy it costs what the scheduler makes the slowest thread
 wait: milliseconds. Measured on this project's 2-core machine with other jobs running (load
 about 4): a 0.4 ms element-wise ``mul`` took 16 ms on two threads, a 0.7 ms projection of 34
-rows 32 ms, one of 917 rows 48 ms instead of 31, and a default 4K blend 2.7 times as long on
-two threads as on one (a full prefill, whose ops are big, 1.1-1.5 times). A blend computes a
-fifth of the rows or fewer, so its ops are small (RoPE, the stale-KV correction, gathers and
-writes of a few hundred rows, a probe's few dozen rows): it is the first to lose.
+rows 32 ms, one of 917 rows 48 ms instead of 31; at load 6-7 a default 4K blend took about
+three times as long on two threads as on one (a full prefill, whose ops are big, 1.1-1.5
+times; docs/benchmarks.md). A blend computes a fifth of the rows or fewer, so its ops are
+small (RoPE, the stale-KV correction, gathers and writes of a few hundred rows, a probe's few
+dozen rows): it is the first to lose.
 
 So each layer of a pass runs on one thread (`small_ops`), and an op (or a group of ops) gets the
 caller's thread count back (`big`) only when it pays:
@@ -23,7 +24,7 @@ caller's thread count back (`big`) only when it pays:
   second of one thread, lasts at least `MIN_WIDE_S` plus `GAIN` times the wait that the other
   processes' share of a core makes likely (`WAIT_S` a busy core); a copied or element-wise
   element counts `ELEMENT_WORK` multiply-adds. On idle cores that is nearly every op of a 4K
-  prompt but a probe's.
+  prompt; with half a core busy elsewhere, the ops of 4 ms or more.
 
 The caller's count is ``torch.get_num_threads()`` when a layer starts (an engine's
 ``threads``, vLLM's choice); nothing changes with one thread, on CUDA or inside a compiled
