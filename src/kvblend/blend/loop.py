@@ -66,6 +66,7 @@ from kvblend.blend.layer_step import FULL, LAST, WRITE
 from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
 from kvblend.blend.selectors import Selection, SelectionContext, Selector, selector_class
 from kvblend.blend.selectors.base import Narrowing, PassObserver
+from kvblend.blend.threads import ELEMENT_WORK, big, small_ops
 from kvblend.errors import BlendCancelledError
 
 __all__ = [
@@ -208,7 +209,8 @@ def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> 
     if not loads.issued(layer) and (not state.every_row or layer in refine_layers):
         loaded = time.perf_counter()
         stop = state.adapter.shape.num_layers if not state.every_row else layer + 1
-        loads.issue(range(layer, stop))
+        with big(state.kv.data[layer:stop].numel() * ELEMENT_WORK):  # copies and rotations
+            loads.issue(range(layer, stop))
         state.load_s += time.perf_counter() - loaded
     loads.wait(layer)
 
@@ -255,15 +257,20 @@ def run_layers(
     """
     refine_layers = selector.refine_layers if selector is not None else frozenset()
     last = (state.adapter.shape.num_layers if stop is None else stop) - 1
+    device = state.adapter.device
     for layer in range(last + 1):
-        stop_if_cancelled(cancel)
-        load_cached(state, layer, refine_layers)  # step 1
-        if layer in refine_layers:  # step 2
-            assert selector is not None
-            refine(state, selector, layer)
-        mode = FULL if layer < last else (LAST if need_logits else WRITE)
-        compute_layer(state, layer, mode, observer)  # step 3
-    return state.adapter.logits(state.hidden) if need_logits else None
+        stop_if_cancelled(cancel)  # the thread count is the caller's here (a pause point)
+        with small_ops(device):  # one CPU thread but for the big ops (`threads.big`)
+            load_cached(state, layer, refine_layers)  # step 1
+            if layer in refine_layers:  # step 2
+                assert selector is not None
+                refine(state, selector, layer)
+            mode = FULL if layer < last else (LAST if need_logits else WRITE)
+            compute_layer(state, layer, mode, observer)  # step 3
+    if not need_logits:
+        return None
+    with small_ops(device):
+        return state.adapter.logits(state.hidden)
 
 
 def run_pass(
@@ -304,7 +311,8 @@ def run_pass(
     runner = pass_runner(adapter, blend_input)
     corrected = share > 0 if corrected is None else corrected
     runner.begin(adapter.device)
-    state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
+    with small_ops(adapter.device):  # its rows' embedding, RoPE table, masks, correction
+        state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
     try:
         logits = run_layers(state, selector, observer, need_logits, cancel, layers)
     except BaseException:
