@@ -70,8 +70,8 @@ def test_precompute_computes_the_stored_entry(
     assert batched is not None and batched["kv"].dtype == kv.dtype
     assert batched["kv"].shape == kv.shape
     assert relative(batched["kv"], kv) <= 1e-5
-    layout = engine.segment_kv.layout(meta["text"])
-    alone = engine.segment_kv.compute(meta["key"], layout.context_ids, layout.ids)["kv"]
+    layout = engine.library.segment_kv.layout(meta["text"])
+    alone = engine.library.segment_kv.compute(meta["key"], layout.context_ids, layout.ids)["kv"]
     assert relative(alone, kv) <= 1e-5
 
 
@@ -79,7 +79,7 @@ def test_the_stored_entry_is_transformers_kv(
     engine: BlendEngine, golden: tuple[torch.Tensor, dict[str, str]]
 ) -> None:
     kv, meta = golden
-    layout = engine.segment_kv.layout(meta["text"])
+    layout = engine.library.segment_kv.layout(meta["text"])
     ids = layout.context_ids + layout.ids
     cache = DynamicCache()
     with torch.inference_mode():

@@ -186,7 +186,7 @@ class WorkerHooks:
         tokenizer = open_tokenizer(model_config)
         fingerprint = folder_fingerprint(model_config, tokenizer, adapter.dtype)
         # entries hold every KV head: under tensor parallelism they are checked against the
-        # whole model's shape, and each rank reads its own heads (`blend_plan.read_spans`)
+        # whole model's shape, and each rank reads its own heads (`blend_plan.open_spans`)
         decoder: Any = adapter
         if adapter.tp_size > 1:
             _logits_on_every_rank()

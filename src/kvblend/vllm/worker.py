@@ -31,21 +31,21 @@ import numpy as np
 import torch
 
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
-from kvblend.blend.loop import run_blend
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
-from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
+from kvblend.documents.segment_kv import SegmentKV
+from kvblend.engine.parity import PARITY_TEXT, parity_error, parity_tolerance
 from kvblend.errors import BlendCancelledError
-from kvblend.prompt.plan import PrefillPlan, TokenKind
-from kvblend.prompt.segments import segment_key
+from kvblend.prompt.plan import PlannedSpan, PrefillPlan, TokenKind
+from kvblend.prompt.segments import KV_NAME, segment_key
 from kvblend.prompt.tokens import encode_prompt
+from kvblend.store import MemoryKVStore
 from kvblend.vllm.adapter import VLLMAdapter
 from kvblend.vllm.paged import slot_mapping, write_rows
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlendJob", "BlendOutcome", "WorkerSide", "parity_verdict"]
+__all__ = ["BlendJob", "BlendOutcome", "WorkerSide"]
 
 
 @dataclass
@@ -95,36 +95,12 @@ def _no_pause() -> None:
     """Never pause (the checkpoint of a blend run in one go)."""
 
 
-class _Tensors:
-    """A cached span's KV held in memory (the calibration's synthetic documents)."""
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = kv
-
-    def layer(self, index: int) -> torch.Tensor:
-        """One layer's keys and values."""
-        return self.kv[index]
-
-    def layers(self) -> torch.Tensor:
-        """Every layer's keys and values."""
-        return self.kv
-
-
 #: Prompt lengths of vLLM's forward the calibration times (about 5 s on 2 CPU cores)...
 CALIBRATION_TOKENS = (256, 1024, 2048)
 #: ... and of the blends, with their strategies (None: the server's; about 4 s).
 CALIBRATION_BLENDS = ((384, "full"), (1024, None), (2048, None))
 #: Runs of each, the shortest kept (about 18 s in all on 2 idle cores).
 CALIBRATION_RUNS = 2
-
-
-def parity_verdict(adapter: VLLMAdapter, reference: torch.Tensor, ids: list[int]) -> float:
-    """Relative error of the blend loop's (``full``) last logits against vLLM's ``reference``."""
-    token_ids = torch.tensor(ids, dtype=torch.long)
-    kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-    got = run_blend(adapter, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
-    assert got is not None
-    return float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-6))
 
 
 class WorkerSide:
@@ -147,7 +123,7 @@ class WorkerSide:
         ids = encode_prompt(self.library.segment_kv.tokenizer, PARITY_TEXT).ids.tolist()
         failed = None
         try:
-            error = parity_verdict(self.adapter, reference_logits(ids), ids)
+            error = parity_error(self.adapter, reference_logits(ids), ids)
         except Exception as failure:  # noqa: BLE001 - any failure closes the gate
             error, failed = float("inf"), failure
         try:
@@ -195,7 +171,7 @@ class WorkerSide:
             # twice, the shorter time kept: a burst of another job's work stretches one run
             token_ids = ids(count)
             chosen = config if strategy is None else BlendConfig(strategy)
-            job = self._synthetic_job(ids(total), chosen, generator)
+            job, segment_kv = self._synthetic_job(ids(total), chosen, generator)
             forward_s, blend_s, rows = float("inf"), float("inf"), 0
             for _ in range(CALIBRATION_RUNS):
                 began = time.perf_counter()
@@ -206,7 +182,7 @@ class WorkerSide:
                     threads(True)
                 try:
                     began = time.perf_counter()
-                    self._blend(job, chosen, outcome, spans=job.spans)
+                    self._blend(job, chosen, outcome, segment_kv=segment_kv)
                     blend_s = min(blend_s, time.perf_counter() - began)
                 finally:
                     if threads is not None:
@@ -218,23 +194,32 @@ class WorkerSide:
 
     def _synthetic_job(
         self, token_ids: list[int], config: BlendConfig, generator: torch.Generator
-    ) -> Any:
-        """Return a job over ``token_ids``: head and question computed, moved documents between."""
+    ) -> tuple[BlendJob, SegmentKV]:
+        """Return a job over ``token_ids`` and the in-memory store of its documents' random KV.
+
+        The prompt head and question are computed, moved documents of 256 tokens lie between.
+        """
         total = len(token_ids)
         kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
-        spans: list[CachedSpan] = []
-        shape = self.adapter.shape
+        shape, dtype = self.adapter.shape, self.adapter.dtype
+        own = self.library.segment_kv
+        segment_kv = SegmentKV(
+            self.adapter, own.tokenizer, MemoryKVStore(), fingerprint=own.fingerprint,
+            doc_prefix=None, kv_dtype=dtype, model_name=own.model_name,
+            check_length=lambda tokens: None,
+        )  # fmt: skip
+        spans: list[PlannedSpan] = []
         for start in range(32, total - 32 - 255, 256):
             kinds[start : start + 256] = int(TokenKind.MOVED)
+            cached = token_ids[start : start + 256]
+            spans.append(PlannedSpan(start, start + 256, 0, TokenKind.MOVED, [], cached))
             kv = torch.randn(
                 shape.num_layers, 2, shape.num_kv_heads, 256, shape.head_dim, generator=generator
-            ).to(self.adapter.dtype)
-            spans.append(CachedSpan(start, start + 256, _Tensors(kv), int(TokenKind.MOVED)))
-        plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds)
+            ).to(dtype)
+            segment_kv.store.put(segment_key(own.fingerprint, [], cached), {KV_NAME: kv})
+        plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds, spans)
         blocks = list(range(1, 2 + total // self.block_size))  # free at start-up (the gate's)
-        job = BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks)
-        job.spans = spans  # type: ignore[attr-defined]
-        return job
+        return BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks), segment_kv
 
     def run(self, job: BlendJob, checkpoint: Callable[[], None] = _no_pause) -> BlendOutcome:
         """Blend one job and write its rows; never raises, except when cancelled.
@@ -279,15 +264,15 @@ class WorkerSide:
         config: BlendConfig,
         outcome: BlendOutcome,
         checkpoint: Callable[[], None] = _no_pause,
-        spans: list[CachedSpan] | None = None,
+        segment_kv: SegmentKV | None = None,
     ) -> None:
         # entries read whole before the loop (a checkpoint between two), the ranks agreeing on
         # those they use; an unusable entry's rows are computed in full, as vLLM would compute
-        # them. ``spans``: entries already opened (the calibration's synthetic ones)
+        # them. ``segment_kv``: another store's entries (the calibration's synthetic ones)
         blended = blend_plan(
-            self.adapter, self.library.segment_kv, job.plan, config, read_whole=True,
-            ranks=self.adapter, lost=outcome.lost, need_logits=False,
-            cancel=Checkpoints(checkpoint), spans=spans,
+            self.adapter, segment_kv or self.library.segment_kv, job.plan, config,
+            read_whole=True, ranks=self.adapter, lost=outcome.lost, need_logits=False,
+            cancel=Checkpoints(checkpoint),
         )  # fmt: skip
         out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
         outcome.rows = round(out.stats.get("token_layers", 0) / self.adapter.shape.num_layers)
