@@ -11,8 +11,9 @@ the two is a parameter, not a second copy:
   (the store checks its checksum, shape, dtype and finite values as it reads), so one that is
   missing or cannot be used has its rows computed by the blend in full, as vLLM would compute
   them, and is listed in ``lost`` (vLLM stores it after its step).
-- ``cancel`` (vLLM): asked between two entries read whole, as the loop asks it between layers
-  (the connector's flag pauses there until the engine's next step, `kvblend.vllm.pacing`).
+- ``pause`` and ``cancel``: between two entries opened, as the loop between layers, the prefill
+  may pause (the vLLM connector's blends yield there until the engine's next step,
+  `kvblend.vllm.pacing`) and is stopped once ``cancel`` is set.
 - ``ranks`` (vLLM, read whole): the tensor-parallel ranks agree on the entries they use (one a
   rank could not read is computed on every rank), each reads its own KV heads of an entry, and
   none recomputes an entry alone: a rank's failed read fails the blend instead.
@@ -33,7 +34,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
-from kvblend.blend.loop import CancelFlag, run_blend, stop_if_cancelled
+from kvblend.blend.loop import CancelFlag, Pause, run_blend, stop_if_cancelled
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan
@@ -78,12 +79,13 @@ def blend_plan(
     lost: list[str] | None = None,
     need_logits: bool = True,
     cancel: CancelFlag | None = None,
+    pause: Pause | None = None,
 ) -> PlanBlend:
     """Open ``plan``'s entries from ``segment_kv``'s store, then run the blend loop on ``adapter``.
 
     ``read_whole`` and ``ranks``: how entries are read (see the module); ``lost``: where the
     entries read whole but not used are listed, and why, as they are found. The plan is left
-    as planned. ``need_logits`` and ``cancel`` go to `run_blend`.
+    as planned. ``need_logits``, ``cancel`` and ``pause`` go to `run_blend`.
     """
     began = time.perf_counter()
     kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: rows of a lost entry become COMPUTE
@@ -92,12 +94,21 @@ def blend_plan(
     if config.reads_cache:  # else the strategy computes every row
         device = adapter.device if read_whole else None
         spans, computed = open_spans(
-            segment_kv, plan, kinds, device=device, ranks=ranks, lost=lost, cancel=cancel
+            segment_kv,
+            plan,
+            kinds,
+            device=device,
+            ranks=ranks,
+            lost=lost,
+            cancel=cancel,
+            pause=pause,
         )
     token_ids = torch.from_numpy(np.array(plan.token_ids, dtype=np.int64))
     opened = time.perf_counter()
     blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
-    out = run_blend(adapter, blend_input, config, need_logits=need_logits, cancel=cancel)
+    out = run_blend(
+        adapter, blend_input, config, need_logits=need_logits, cancel=cancel, pause=pause
+    )
     # entries that failed while their layers were read, recomputed in place
     computed += sum(bool(getattr(span.source, "recomputed", False)) for span in spans)
     loop_s = time.perf_counter() - opened
@@ -113,6 +124,7 @@ def open_spans(
     ranks: Ranks | None = None,
     lost: list[str] | None = None,
     cancel: CancelFlag | None = None,
+    pause: Pause | None = None,
 ) -> tuple[list[CachedSpan], int]:
     """Open each planned span's entry (`_open_entry`); return the loop's spans and entries computed.
 
@@ -123,7 +135,8 @@ def open_spans(
 
     ``device`` given (vLLM): entries are read whole onto it; the rows of one that is missing or
     cannot be used (on any of the ``ranks``) become ``COMPUTE`` in ``kinds`` and the entry is
-    listed in ``lost`` with the reason. ``cancel`` is asked before each entry.
+    listed in ``lost`` with the reason. Before each entry the prefill may ``pause`` and stops
+    once ``cancel`` is set.
     """
     whole = device is not None
     kinds = np.array(plan.kinds, dtype=np.int8) if kinds is None else kinds
@@ -131,7 +144,7 @@ def open_spans(
     opened: list[tuple[str, Mapping[str, torch.Tensor] | None]] = []
     computed = 0
     for span in plan.spans:
-        stop_if_cancelled(cancel)
+        stop_if_cancelled(cancel, pause)
         key, entry, error = _open_entry(segment_kv, span, device)
         if entry is None and not whole:
             if error is not None:
