@@ -103,3 +103,23 @@ def test_a_stored_entry_is_read_not_computed(
     prompt = [Segment(meta["text"]), Segment(" What hums?", cache=False)]
     result = reader.prefill(prompt, BlendConfig("reuse"))
     assert result.stats.segments_cached == 1 and result.stats.segments_precomputed == 0
+
+
+def test_the_vllm_connector_finds_the_stored_entry_without_loading_the_model(
+    engine: BlendEngine, golden: tuple[torch.Tensor, dict[str, str]]
+) -> None:
+    """vLLM's connector keys entries from the served folder's checkpoint read a weight at a
+    time (no second copy of the model): the key of the entry stored before."""
+    from transformers import AutoTokenizer
+
+    from kvblend.models.checkpoint import checkpoint_fingerprint
+    from kvblend.models.loading import model_folder
+    from kvblend.prompt.segments import segment_key
+
+    _, meta = golden
+    folder = model_folder()  # the folder vLLM serves
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))  # as the connector loads it
+    fingerprint = checkpoint_fingerprint(folder, tokenizer, torch.float32, torch.float32)
+    assert fingerprint == engine.fingerprint
+    layout = engine.library.segment_kv.layout(meta["text"])
+    assert segment_key(str(fingerprint), layout.context_ids, layout.ids) == meta["key"]

@@ -415,6 +415,29 @@ def test_the_scheduler_waits_for_the_gate_then_loads_asynchronously(
     assert side.requests == {}
 
 
+def test_the_gate_is_waited_for_from_the_first_request_however_long_the_server_idled(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """The workers' verdict comes with a step's output, and no step runs before a request: a
+    server idle for an hour before its first prompt still waits for it, then blends."""
+    from kvblend.vllm.scheduler import GATE_WAIT_S
+
+    clock = _Clock()
+    side = _side(engine, parity=True, clock=clock)
+    clock.now += 3600  # started, then idle
+    request = _request("late", engine.encode(_prompt(engine, documents[::-1])))
+    assert side.matched(request, 0) == (None, False)
+    clock.now += GATE_WAIT_S / 2
+    assert side.matched(request, 0) == (None, False)  # still waiting: the steps run now
+    side.worker_output(WorkerReport(verdict=(True, "passed")))
+    assert side.matched(request, 0)[0] > 0
+    never = _side(engine, parity=True, clock=clock)
+    assert never.matched(request, 0) == (None, False)
+    clock.now += GATE_WAIT_S + 1  # no verdict in time: vLLM prefills everything
+    assert never.matched(request, 0) == (0, False)
+    assert never.gate is not None and not never.gate[0]
+
+
 def test_the_faster_path_is_chosen_and_both_forecasts_reported(
     engine: BlendEngine, documents: list[str]
 ) -> None:

@@ -3,9 +3,8 @@
 The connector otherwise speaks vLLM's public APIs only: the KV connector API
 (``KVConnectorBase_V1``, its metadata, stats and Prometheus classes), the logits-processor API,
 the plugin entry points, the configuration objects it is handed and
-``tensor_model_parallel_all_reduce``.
-What it needs beyond them is here, each use named in `USES` with the vLLM versions it was
-checked on:
+``tensor_model_parallel_all_reduce``. What it needs beyond them is here, each use named in
+`USES` with the vLLM versions it was checked on:
 
 - a request's fields as the scheduler hands it over (`view`), vLLM's prefill stats of it
   (`report_cached`: what its usage reports) and its block hashes (`salt_hashes`: blended,
@@ -17,9 +16,9 @@ checked on:
   (`write_kv`) and vLLM's own forward over a few tokens (`reference_logits`: the parity gate);
 - whether the platform gathers logits to every rank (`logits_on_every_rank`).
 
-`check_uses` (run in vLLM's environment by ``tests/vllm/test_vllm_compat.py``, which also pins
-the vLLM version CI installs) reports every use the installed vLLM changed. vLLM is imported
-inside the functions only: the package's vLLM-free parts import this module without it.
+`check_uses` reports every use the installed vLLM changed (``tests/vllm/test_vllm.py`` runs it in
+vLLM's engine process and pins the vLLM version CI installs). vLLM is imported inside the
+functions only: the package's vLLM-free parts import this module without it.
 """
 
 from __future__ import annotations
@@ -36,9 +35,9 @@ import torch
 
 __all__ = [
     "CHECKED_ON", "USES", "LayerParts", "ModelParts", "Norm", "RequestView", "Salted", "Use",
-    "check_uses", "logits_on_every_rank", "model_parts", "on_model_loaded", "reference_logits",
-    "report_cached", "salt_hashes", "scheduled_rows", "unsalt_hashes", "view", "worker_report",
-    "write_kv",
+    "check_uses", "logits_on_every_rank", "model_parts", "on_model_loaded", "prefill_stats",
+    "reference_logits", "report_cached", "salt_hashes", "scheduled_rows", "unsalt_hashes",
+    "view", "worker_report", "write_kv",
 ]  # fmt: skip
 
 #: The vLLM versions every use below was checked on.

@@ -16,8 +16,9 @@ salted for the request that wrote them (`compat.salt_hashes`), so no request com
 ever finds them in vLLM's prefix cache; the blocks before keep vLLM's own hashes.
 
 Nothing is claimed before the workers' parity verdict (and, when the policy needs one, their
-calibration) arrived (asked again step after step for up to `GATE_WAIT_S` seconds), nor for a
-resumed preempted request or one vLLM must prefill itself (`compat.view`).
+calibration) arrived (asked again step after step for up to `GATE_WAIT_S` seconds from the
+first request's arrival), nor for a resumed preempted request or one vLLM must prefill itself
+(`compat.view`).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class SchedulerSide:
         #: Every request the side was asked about and has not forgotten yet.
         self.requests: dict[str, BlendRequest] = {}
         self.gate: tuple[bool, str] | None = None if settings.parity else (True, "gate off")
-        self._gate_since = clock()
+        #: when a request first waited for the workers' verdict (which comes with a step's
+        #: output: no step runs before the first request, however long the server idles)
+        self._waiting_since: float | None = None
         self.log = RequestLog(settings.log_requests)
         self.counts = Counts()
 
@@ -88,8 +91,11 @@ class SchedulerSide:
 
         A positive answer is an asynchronous load: the request waits while the workers blend.
         """
-        if not self.ready and self.clock() - self._gate_since < GATE_WAIT_S:
-            return None, False  # asked again next step, once the workers have reported
+        if not self.ready:
+            now = self.clock()
+            self._waiting_since = self._waiting_since or now
+            if now - self._waiting_since < GATE_WAIT_S:
+                return None, False  # asked again next step, once the workers have reported
         if self.gate is None:
             self._set_gate((False, f"no parity verdict from the workers in {GATE_WAIT_S:g} s"))
         blend = self._planned(compat.view(request), num_computed)
@@ -108,10 +114,11 @@ class SchedulerSide:
     def _planned(self, view: compat.RequestView, start: int) -> BlendRequest:
         """Return the request's `BlendRequest`, planned from ``start`` (memoized)."""
         known = self.requests.get(view.request_id)
-        if known is not None and known.record is not None:  # resumed after a preemption
-            known.record["preemptions"] = view.preemptions  # its first record kept
-            self.log.warn("preempted", "kvblend: a preempted request resumes: vLLM computes "
-                          "what its prefix cache no longer holds")  # fmt: skip
+        if known is not None and known.record is not None:  # allocated: never claimed again
+            if view.preemptions:  # resumed after a preemption: its first record kept
+                known.record["preemptions"] = view.preemptions
+                self.log.warn("preempted", "kvblend: a preempted request resumes: vLLM "
+                              "computes what its prefix cache no longer holds")  # fmt: skip
             return known
         if known is not None and known.start == start and view.excluded is None:
             return known
