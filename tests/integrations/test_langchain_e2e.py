@@ -261,7 +261,7 @@ def test_retriever_background_precompute() -> None:
     )
     found = retriever.invoke("lamp")
     ids = segment_ids(found)
-    assert engine.is_known(all(d.page_content) for d in docs)  # findable at once
+    assert all(engine.is_known(d.page_content) for d in docs)  # findable at once
     retriever.wait_precomputed(timeout=60)
     assert all(engine.store.contains(segment_id) for segment_id in ids)
 
