@@ -14,7 +14,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend import selectors
 from kvblend.blend.attention import QUERY_CHUNK, RowAttention, attention_mask, sdpa
-from kvblend.blend.io import MOVED, RowSet
+from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     Forecast,
     Selection,
@@ -167,6 +167,9 @@ def test_a_strategy_registered_from_outside_forecasts_what_its_prefill_recompute
             assert explained.recomputed_tokens == ran.recomputed_tokens
             assert vllm_plan.recomputed == ran.recomputed_tokens
             assert explained.reused_tokens == ran.reused_tokens == vllm_plan.reused
+            # vLLM's cost of the blend: the rows its own forecast says it computes
+            uncached = int((vllm_plan.plan.kinds == COMPUTE).sum())
+            assert vllm_plan.rows == uncached + ran.recomputed_tokens
     finally:
         del selectors.SELECTORS["last-tokens"]
 

@@ -177,7 +177,7 @@ def test_a_store_of_every_codec_serves_each_reader_its_own(tmp_path: Path) -> No
     reader = engines(DiskKVStore(tmp_path), ["int8"])["int8"]
     got = reader.prefill(PROMPT, REUSE)
     assert got.stats.segments_precomputed == 1 and torch.equal(got.logits, expected["int8"])
-    assert reader.segment_kv.intact(ids["int8"])
+    assert reader.library.segment_kv.intact(ids["int8"])
 
 
 def damage(folder: Path, key: str, tensor_suffix: str) -> int:
@@ -217,7 +217,7 @@ def test_a_damaged_scale_or_code_block_is_recomputed(
     assert got.stats.documents_reused == 2 and got.stats.segments_precomputed == 1
     assert torch.equal(got.logits, expected.logits)
     assert store.stats().corrupt_dropped == 1
-    assert reader.segment_kv.intact(reader.segment_id(LONG[1]))
+    assert reader.library.segment_kv.intact(reader.segment_id(LONG[1]))
 
 
 def test_scales_that_are_not_finite_are_refused(tmp_path: Path) -> None:
@@ -234,7 +234,7 @@ def test_scales_that_are_not_finite_are_refused(tmp_path: Path) -> None:
 
     got = engine.prefill(PROMPT, REUSE)
     assert got.stats.segments_precomputed == 1 and torch.equal(got.logits, expected.logits)
-    assert engine.segment_kv.intact(key)
+    assert engine.library.segment_kv.intact(key)
 
 
 @pytest.mark.parametrize(("name", "per_document"), [("int8", 4), ("k8v4", 7), ("int4", 10)])
@@ -276,7 +276,7 @@ def test_the_command_line_takes_a_codec(monkeypatch: pytest.MonkeyPatch, tmp_pat
     engine = made[-1]
     assert engine.kv_codec is CODECS["k8v4"]
     key = engine.segment_id(DOCS[0])
-    assert engine.store.metadata(key)["codec"] == "k8v4" and engine.segment_kv.intact(key)
+    assert engine.store.metadata(key)["codec"] == "k8v4" and engine.library.segment_kv.intact(key)
     assert main([*argv[:-1], "fp4"]) == 2  # refused before a model loads
     assert len(made) == 1
 

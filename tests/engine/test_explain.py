@@ -118,7 +118,7 @@ def test_a_prompt_without_documents_says_so_and_warns_nothing(
         stats = engine.prefill("Hi").stats
         engine.prefill("Given the conversation, rephrase the follow-up question: where?")
     assert [r.levelno for r in caplog.records] == [logging.INFO]  # once a minute, no warning
-    assert f"no known document in the prompt ({len(engine.documents)} known)" in caplog.text
+    assert f"no known document in the prompt ({len(engine.library.registry)} known)" in caplog.text
     assert stats.documents_found == 0 and stats.near_miss is None
     assert stats.fallback == NO_DOCUMENTS and stats.fallback.startswith("no_documents: ")
     assert stats.strategy == "attention" and stats.strategy_run == "full"

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = BlendEngine.from_pretrained(args.model, store=MemoryKVStore())
+    engine = BlendEngine.from_pretrained(args.model, store=MemoryKVStore(), threads=args.threads)
     engine.precompute(CORPUS, progress=False)
     texts = prompts(engine)
     config = BlendConfig(min_recompute=0)  # the short documents blend (not full prefill)

@@ -75,6 +75,7 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
         args.model, store=MemoryKVStore(8 << 30), device=args.device, dtype=args.dtype,
         system_prompt=system_prompt if engine_system is None else engine_system,
         doc_prefix=None if doc_prefix == "bos" else "auto",
+        threads=args.threads or None,  # else a count equal to torch's own is not kept
     )  # fmt: skip
 
 

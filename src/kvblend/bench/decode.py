@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_shape:
         engine = shaped_engine(args.model_shape, args.model, args.tokenizer, args.device)
     else:
-        engine = BlendEngine.from_pretrained(args.model, MemoryKVStore(), device=args.device)
+        engine = BlendEngine.from_pretrained(
+            args.model, MemoryKVStore(), device=args.device, threads=args.threads
+        )
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = run(engine, lengths, args.tokens, args.repeats, exact=args.model_shape is None)
     result = results(engine, args, rows)

@@ -119,12 +119,12 @@ def _read_and_place(engine: BlendEngine, keys: Sequence[str], tokens: Sequence[i
     device = engine.decoder.device
     stored = 0
     for key, count in zip(keys, tokens, strict=True):
-        entry = engine.segment_kv.open_entry(key, count, device)
+        entry = engine.library.segment_kv.open_entry(key, count, device)
         if entry is None:
             raise RuntimeError(f"entry {key} missing from the store")
         tensors = {name: entry[name] for name in entry}
         stored += sum(t.nbytes for t in tensors.values())
-        dtype, shape = engine.segment_kv.entry_shape(count)
+        dtype, shape = engine.library.segment_kv.entry_shape(count)
         buffer = torch.empty(shape, dtype=engine.decoder.dtype, device=device)
         if engine.kv_codec.quantized:
             encoded: EncodedKV = engine.kv_codec.open(tensors, shape)
@@ -152,7 +152,7 @@ def run_throughput(
                 started = time.perf_counter()
                 keys = engine.precompute(texts, progress=False, force=True)
                 precompute_s = time.perf_counter() - started
-                tokens = [len(engine.segment_kv.layout(text).ids) for text in texts]
+                tokens = [len(engine.library.segment_kv.layout(text).ids) for text in texts]
                 reads = []
                 for _ in range(repeats):
                     _make_cold(store, folder)
