@@ -5,10 +5,11 @@ passed, before any request: vLLM's own forward (the parity gate's, ``vllm_forwar
 `CalibrationJob.tokens` prompt tokens, and the blend loop with the server's strategy over
 synthetic prompts of moved documents (and with ``full``) at `CalibrationJob.blends`, one of
 each in turn so that a change of load on a shared machine touches both alike, each `runs` times
-with the shortest kept. The synthetic documents' random KV lies in a memory store of its own
-(the blend reads it as it reads any store), and the blends write into the same free blocks the
-gate uses. About 18 s on this project's 2 idle CPU cores; the values are random, only the time
-counts. The points become the cost model's prior (`admission.Calibrated`).
+with the shortest kept. The synthetic documents' random KV lies in a memory store of its own,
+in the server's KV codec (the blend reads and decodes it as it reads any store), and the blends
+write into the same free blocks the gate uses. About 18 s on this project's 2 idle CPU cores;
+the values are random, only the time counts. The points become the cost model's prior
+(`admission.Calibrated`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from kvblend.blend.config import BlendConfig
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan, TokenKind
-from kvblend.prompt.segments import KV_NAME, segment_key
+from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.admission import Calibrated
 from kvblend.vllm.blending import WorkerModel, blend_into_cache
@@ -105,9 +106,9 @@ def synthetic_job(
     own = model.library.segment_kv  # entries of every KV head (each rank reads its own)
     shape, dtype, total = own.decoder.shape, own.kv_dtype, len(token_ids)
     segment_kv = SegmentKV(
-        own.decoder, own.tokenizer, MemoryKVStore(), fingerprint=own.fingerprint,
+        own.decoder, own.tokenizer, MemoryKVStore(), fingerprint=own.model_fingerprint,
         doc_prefix=None, kv_dtype=dtype, model_name=own.model_name,
-        check_length=lambda tokens: None,
+        check_length=lambda tokens: None, codec=own.codec,
     )  # fmt: skip
     kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
     spans = []
@@ -119,7 +120,8 @@ def synthetic_job(
         kv = torch.randn(
             shape.num_layers, 2, shape.num_kv_heads, size, shape.head_dim, generator=generator
         )
-        segment_kv.store.put(segment_key(own.fingerprint, [], cached), {KV_NAME: kv.to(dtype)})
+        key = segment_key(segment_kv.fingerprint, [], cached)
+        segment_kv.store.put(key, own.codec.encode(kv.to(dtype)))  # in the server's codec
     plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds, spans)
     blocks = list(range(1, 2 + total // model.block_size))  # free at start-up (the gate's)
     return BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks), segment_kv
