@@ -4,11 +4,13 @@ model loads; no torch for ``--help``, and each command's help lists only the opt
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -94,10 +96,21 @@ def test_a_text_over_the_window_is_refused_without_tokenizing_all_of_it(
         engine.precompute([text])
 
 
+def _fidelity_helpers() -> ModuleType:
+    """tests/prompt/test_fidelity.py's tokenizer builders, loaded by path (that folder is on
+    ``sys.path`` only when one of its tests is collected)."""
+    path = Path(__file__).parents[1] / "prompt" / "test_fidelity.py"
+    spec = importlib.util.spec_from_file_location("kvblend_tests_fidelity", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.parametrize("kind", ["byte", "mistral-v1", "smollm2"])
 def test_the_prefix_bound_never_exceeds_the_whole_count(kind: str, tmp_path: Path) -> None:
-    from test_fidelity import mistral_tokenizer, smollm2_tokenizer
-
+    fidelity = _fidelity_helpers()
+    mistral_tokenizer, smollm2_tokenizer = fidelity.mistral_tokenizer, fidelity.smollm2_tokenizer
     tokenizer = {
         "byte": lambda: byte_tokenizer(),
         "mistral-v1": lambda: mistral_tokenizer("tokenizer.model.v1", tmp_path / "tok"),
