@@ -195,8 +195,8 @@ class CostModel:
         prompt token (rows read, moved, written) that is three weights for the calibration's
         four blends, each fitted by least squares. Four free weights fitted on four points a
         loaded machine timed fit their noise: on this project's 2 shared cores such a fit kept
-        the attention term alone and forecast a 7.5K blend at 1.9 times vLLM's prefill (the
-        blends took 0.7 of it). Without a vLLM cost per row, the four weights are fitted freely.
+        the attention term alone and forecast 4K blends at 0.92-0.97 of vLLM's prefill (they
+        take 0.6 of it). Without a vLLM cost per row, the four weights are fitted freely.
         """
         per_row, per_pair = self.vllm.weights[1], self.vllm.weights[2]
         if per_row <= 0 and per_pair <= 0:
