@@ -150,7 +150,7 @@ def test_the_loops_ops_run_on_the_count_asked_and_restore_torchs() -> None:
 
 def test_the_fit_finds_the_calibrations_costs_and_each_path_follows_its_own_runs() -> None:
     model, vllm_points, blend_points = _calibrated(
-        np.array([0.01, 2e-3, 0.5]), np.array([0.05, 2e-3, 1.0, 1e-4])
+        np.array([0.01, 2e-3, 0.5]), np.array([0.05, 3e-3, 0.75, 1e-4])
     )
     for features, seconds in vllm_points:
         assert model.predict(model.vllm, features) == pytest.approx(seconds, rel=0.02)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -27,6 +28,7 @@ from kvblend.store import MemoryKVStore
 from kvblend.vllm import compat
 from kvblend.vllm.admission import BlendTimed, Calibrated, admission
 from kvblend.vllm.blending import WorkerModel, gate, run_job
+from kvblend.vllm.calibration import CalibrationJob, synthetic_plan
 from kvblend.vllm.costs import CostModel, blend_features, vllm_features
 from kvblend.vllm.planning import plan_request, restrict
 from kvblend.vllm.requests import BlendJob, BlendOutcome, RequestStatus, WorkerReport
@@ -810,9 +812,11 @@ class _PagedLayer:
         ]
 
 
-def _worker(engine: BlendEngine) -> tuple[WorkerModel, list[_PagedLayer]]:
+def _worker(engine: BlendEngine, blocks: int = 64) -> tuple[WorkerModel, list[_PagedLayer]]:
     shape = engine.decoder.shape
-    layers = [_PagedLayer(shape.num_kv_heads, shape.head_dim, 64) for _ in range(shape.num_layers)]
+    layers = [
+        _PagedLayer(shape.num_kv_heads, shape.head_dim, blocks) for _ in range(shape.num_layers)
+    ]
     decoder: Any = engine.decoder  # as `VLLMAdapter` without tensor parallelism
     decoder.attention_layers, decoder.tp_size = layers, 1
     decoder.kv_heads = slice(0, shape.num_kv_heads)
@@ -990,3 +994,49 @@ def test_vllms_default_failure_policy_is_warned_about() -> None:
     said = failure_policy_warning(SimpleNamespace(kv_load_failure_policy="fail"))
     assert said is not None and "'fail'" in said and '"recompute"' in said
     assert failure_policy_warning(SimpleNamespace(kv_load_failure_policy="recompute")) is None
+
+
+def test_the_calibration_blends_as_served_prompts_do_and_fixes_every_blend_weight(
+    engine: BlendEngine,
+) -> None:
+    """The start-up calibration's blends reuse the share of rows served RAG prompts reuse (a
+    blend computing every row would teach the cost model full prefill's cost per row), and a
+    machine's true costs are forecast at 4K and 7.5K from its points, noisy ones too."""
+    job = CalibrationJob(runs=1)
+    points = job.run(_worker(engine, blocks=160)[0], lambda ids: None, BlendConfig()).blend
+    assert len(points) == 4 and all(seconds > 0 for _, seconds in points)
+    for (total, strategy), (features, _) in zip(job.blends, points, strict=True):
+        rows, total_ = features[1], features[3]
+        assert total_ == total
+        plan = synthetic_plan(list(range(total)))
+        uncached = int(np.count_nonzero(plan.kinds == int(TokenKind.COMPUTE)))
+        if strategy == "full":
+            assert rows == total
+        elif strategy == "reuse":
+            assert rows == uncached < 70
+        else:  # the server's strategy: no fallback to full, rows reused as on served prompts
+            assert 0.25 < rows / total < 0.5, (total, rows)
+    # a machine: vLLM's forward, and the blend at 1.5 times its cost a row and a token pair,
+    # with a fixed cost and one per prompt token (read, moved, written)
+    own = np.array([0.01, 1e-3, 0.5])
+    truth = np.array([0.05, 1.5e-3, 0.75, 3e-4])
+    costs = CostModel()
+    costs.calibrate(
+        [(vllm_features(n, 0), float(own @ vllm_features(n, 0))) for n in job.tokens],
+        [(np.asarray(x), float(truth @ np.asarray(x))) for x, _ in points],
+    )  # fmt: skip
+    for rows, total in ((997, 4153), (2712, 7751)):  # served 4K and 7.5K prompts' blends
+        features = blend_features(rows, total)
+        assert costs.predict(costs.blend, features) == pytest.approx(truth @ features, rel=0.02)
+    # the same points timed on a loaded machine, each off by up to 15%: the forecasts keep
+    # their shape (four free weights fitted to such points need not: 7.5K 1.5 times too slow)
+    noisy = CostModel()
+    noise = (1.15, 1.15, 0.9, 1.0)
+    noisy.calibrate(
+        [(vllm_features(n, 0), float(own @ vllm_features(n, 0))) for n in job.tokens],
+        [(np.asarray(x), float(truth @ np.asarray(x)) * k)
+         for (x, _), k in zip(points, noise, strict=True)],
+    )  # fmt: skip
+    for rows, total in ((997, 4153), (2712, 7751)):
+        features = blend_features(rows, total)
+        assert noisy.predict(noisy.blend, features) == pytest.approx(truth @ features, rel=0.2)

@@ -171,18 +171,20 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         what="vLLM TTFT, 4K-token RAG prompt",
-        result="vllm.json",
+        result="vllm_recal_mid.json",
         kind="vllm-ttft",
         tokens=4096,
-        command=".venv-vllm/bin/kvblend bench vllm --repeats 5",
+        command=".venv-vllm/bin/kvblend bench vllm --repeats 5 --lengths 2048,4096 "
+        "--stall-repeats 0 --no-rate",
         default_config=_DEFAULT_SINCE_2026_11_25,
         note="both servers' forwards on the same cores, prefix caching on",
     ),
     Figure(
         what="vLLM stall: a streaming client's longest pause while three 4.2K-token prompts arrive",
-        result="vllm.json",
+        result="vllm_recal_stall.json",
         kind="vllm-stall",
-        command=".venv-vllm/bin/kvblend bench vllm --repeats 5",
+        command=".venv-vllm/bin/kvblend bench vllm --repeats 1 --lengths 512 --stall-repeats 2 "
+        "--no-rate",
         default_config=_DEFAULT_SINCE_2026_11_25,
     ),
 )

@@ -2,14 +2,21 @@
 
 A job of its own kind (`CalibrationJob`), run once by the worker side when its parity gate
 passed, before any request: vLLM's own forward (the parity gate's, ``vllm_forward``) at
-`CalibrationJob.tokens` prompt tokens, and the blend loop with the server's strategy over
-synthetic prompts of moved documents (and with ``full``) at `CalibrationJob.blends`, one of
-each in turn so that a change of load on a shared machine touches both alike, each `runs` times
-with the shortest kept. The synthetic documents' random KV lies in a memory store of its own,
-in the server's KV codec (the blend reads and decodes it as it reads any store), and the blends
-write into the same free blocks the gate uses. About 18 s on this project's 2 idle CPU cores;
-the values are random, only the time counts. The points become the cost model's prior
-(`admission.Calibrated`).
+`CalibrationJob.tokens` prompt tokens, and the blend loop over synthetic prompts of moved
+documents at `CalibrationJob.blends`, each blend after one of vLLM's forwards (while they last)
+so that a change of load on a shared machine touches both alike, each `runs` times with the
+shortest kept. The synthetic prompts are laid out as served RAG prompts are (`synthetic_plan`:
+a short head and question around documents of up to `DOCUMENT_TOKENS` tokens), so the server's
+strategy reuses the share of rows it reuses on them: a blend that recomputed every row (a
+1,024-token prompt of small documents behind a long question, where the strategy's 256-row
+floor covers every moved token) would teach the cost model full prefill's cost per row and
+forecast every longer blend too slow. Four blends fix the cost model's four weights: ``full``
+(every row computed), the server's strategy at two lengths, and ``reuse`` (the uncached rows
+only: the cost of reading, moving and writing every row). The synthetic documents' random KV
+lies in a memory store of its own, in the server's KV codec (the blend reads and decodes it as
+it reads any store), and the blends write into the same free blocks the gate uses. About 18 s
+on this project's 2 idle CPU cores; the values are random, only the time counts. The points
+become the cost model's prior (`admission.Calibrated`).
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from kvblend.vllm.blending import WorkerModel, blend_into_cache
 from kvblend.vllm.costs import blend_features, vllm_features
 from kvblend.vllm.requests import BlendJob, BlendOutcome
 
-__all__ = ["CalibrationJob"]
+__all__ = ["CalibrationJob", "synthetic_plan"]
 
-#: Tokens of each synthetic moved document.
-DOCUMENT_TOKENS = 256
+#: Most tokens of a synthetic moved document (served RAG documents: a few hundred tokens).
+DOCUMENT_TOKENS = 512
+#: Tokens of the synthetic prompt's head and of its question (computed).
+EDGE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,9 @@ class CalibrationJob:
     """
 
     tokens: tuple[int, ...] = (256, 1024, 2048)
-    blends: tuple[tuple[int, str | None], ...] = ((384, "full"), (1024, None), (2048, None))
+    blends: tuple[tuple[int, str | None], ...] = (
+        (512, "full"), (1024, None), (2048, None), (1536, "reuse"),
+    )  # fmt: skip
     runs: int = 2
 
     @torch.inference_mode()
@@ -70,15 +81,17 @@ class CalibrationJob:
             return torch.randint(0, vocab, (count,), generator=generator).tolist()
 
         vllm_points, blend_points = [], []
-        for count, (total, strategy) in zip(self.tokens, self.blends, strict=True):
+        for number, (total, strategy) in enumerate(self.blends):
+            count = self.tokens[number] if number < len(self.tokens) else 0
             token_ids = ids(count)
             chosen = config if strategy is None else BlendConfig(strategy)
             job, segment_kv = synthetic_job(model, ids(total), chosen, generator)
             forward_s, blend_s, rows = float("inf"), float("inf"), 0
             for _ in range(self.runs):
-                began = time.perf_counter()
-                vllm_forward(token_ids)
-                forward_s = min(forward_s, time.perf_counter() - began)
+                if count:
+                    began = time.perf_counter()
+                    vllm_forward(token_ids)
+                    forward_s = min(forward_s, time.perf_counter() - began)
                 outcome = BlendOutcome(job.request_id, total=total)
                 if threads is not None:
                     threads(True)
@@ -90,7 +103,8 @@ class CalibrationJob:
                     if threads is not None:
                         threads(False)
                 rows = outcome.rows
-            vllm_points.append((vllm_features(count, 0).tolist(), forward_s))
+            if count:
+                vllm_points.append((vllm_features(count, 0).tolist(), forward_s))
             blend_points.append((blend_features(rows, total).tolist(), blend_s))
         return Calibrated(vllm_points, blend_points)
 
@@ -98,11 +112,7 @@ class CalibrationJob:
 def synthetic_job(
     model: WorkerModel, token_ids: list[int], config: BlendConfig, generator: torch.Generator
 ) -> tuple[BlendJob, SegmentKV]:
-    """Return a blend of ``token_ids`` and the memory store of its documents' random KV.
-
-    The prompt's head and question (32 tokens each at least) are computed; moved documents of
-    `DOCUMENT_TOKENS` tokens lie between.
-    """
+    """Return a blend of ``token_ids`` (`synthetic_plan`) and the store of its documents' KV."""
     own = model.library.segment_kv  # entries of every KV head (each rank reads its own)
     shape, dtype, total = own.decoder.shape, own.kv_dtype, len(token_ids)
     segment_kv = SegmentKV(
@@ -110,18 +120,34 @@ def synthetic_job(
         doc_prefix=None, kv_dtype=dtype, model_name=own.model_name,
         check_length=lambda tokens: None, codec=own.codec,
     )  # fmt: skip
-    kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
-    spans = []
-    size = DOCUMENT_TOKENS
-    for start in range(32, total - 32 - size + 1, size):
-        kinds[start : start + size] = int(TokenKind.MOVED)
-        cached = token_ids[start : start + size]
-        spans.append(PlannedSpan(start, start + size, 0, TokenKind.MOVED, [], cached))
+    plan = synthetic_plan(token_ids)
+    for span in plan.spans:
+        size = span.end - span.start
         kv = torch.randn(
             shape.num_layers, 2, shape.num_kv_heads, size, shape.head_dim, generator=generator
         )
-        key = segment_key(segment_kv.fingerprint, [], cached)
+        key = segment_key(segment_kv.fingerprint, [], span.cached_ids)
         segment_kv.store.put(key, own.codec.encode(kv.to(dtype)))  # in the server's codec
-    plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds, spans)
     blocks = list(range(1, 2 + total // model.block_size))  # free at start-up (the gate's)
     return BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks), segment_kv
+
+
+def synthetic_plan(token_ids: list[int]) -> PrefillPlan:
+    """Lay ``token_ids`` out as a served RAG prompt: head, moved documents, question.
+
+    The head and the question (`EDGE_TOKENS` each, the question taking what the documents leave)
+    are computed; between them lie as few documents of equal size as keep each at most
+    `DOCUMENT_TOKENS` tokens (a 1,024-token prompt: two of 480).
+    """
+    total = len(token_ids)
+    room = total - 2 * EDGE_TOKENS
+    kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
+    spans = []
+    if room > 0:
+        count = -(-room // DOCUMENT_TOKENS)
+        size = room // count
+        for start in range(EDGE_TOKENS, EDGE_TOKENS + count * size, size):
+            kinds[start : start + size] = int(TokenKind.MOVED)
+            cached = token_ids[start : start + size]
+            spans.append(PlannedSpan(start, start + size, 0, TokenKind.MOVED, [], cached))
+    return PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds, spans)
