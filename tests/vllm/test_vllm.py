@@ -18,6 +18,9 @@ vLLM environment (``.venv-vllm``, `scripts/install_vllm.sh`), and runs every pro
   as vanilla vLLM, their record kept and their preemption counted;
 - vLLM's metrics (``LLM.get_metrics``) count the bench's prompts (`kvblend.bench.vllm`) as
   their records say, and the counts add up;
+- a third engine, its connector set to the ``int8`` KV codec over the same store (entries this
+  process stored in int8 beside the full-precision ones), reuses the bench's documents and
+  answers as vanilla vLLM on every bench prompt where full-precision entries do;
 - every use kvblend makes of vLLM beyond its public API (`kvblend.vllm.compat.USES`) holds on
   the vLLM CI installs, the version pyproject.toml pins.
 """
@@ -179,18 +182,26 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         engine = BlendEngine.from_pretrained(str(model), store=store)
         documents = [document["text"] for document in sample_corpus()["documents"]]
         prompts = _prompts(engine)
-        engine.precompute(documents + [DAMAGED, *REDIS_ONLY, LONG] + prompts.pop("stored"))
+        stored = prompts.pop("stored")
+        engine.precompute(documents + [DAMAGED, *REDIS_ONLY, LONG] + stored)
         damage_entry(server, engine.segment_id(DAMAGED))
+        int8 = BlendEngine(
+            engine.model, engine.tokenizer, store=store, name=engine.name, check_parity=False,
+            kv_codec="int8",
+        )  # fmt: skip
+        assert int8.library.segment_kv.model_fingerprint == engine.library.fingerprint
+        int8.precompute(stored)  # the bench's documents, in int8 too
         env = {
             **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "KVBLEND_STORE_DIR": str(folder / "vllm-disk"), "KVBLEND_REDIS_URL": server.url,
         }  # fmt: skip
         env["PYTHONPATH"] = str(ROOT / "src")  # these sources, in vLLM's spawned processes too
         vanilla = _run(_vanilla_job(model, prompts), folder, env, "vanilla")
+        int8_run = _run(_int8_job(model, prompts), folder, env, "int8")  # before Redis stops
         kvblend = _run(_kvblend_job(model, prompts, server), folder, env, "kvblend")
         yield {
             "engine": engine, "prompts": prompts, "vanilla": vanilla, "kvblend": kvblend,
-            "model": model,
+            "model": model, "int8": int8_run,
         }  # fmt: skip
     finally:
         server.stop()
@@ -216,14 +227,31 @@ def _vanilla_job(model: Path, prompts: dict[str, list[str]]) -> dict[str, Any]:
     steps.append(_step("after_abort", prompts["default"]))
     steps.append(_step("preempt", prompts["full"], max_tokens=PREEMPT_TOKENS))
     steps.append(_step("exact_full", prompts["exact"], logprobs=5))
+    steps.append(_step("bench", prompts["bench"]))
     return {"model": str(model), "kv_transfer_config": None, "steps": steps}
 
 
-def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer) -> dict[str, Any]:
-    connector = {
+def _connector(**extra: Any) -> dict[str, Any]:
+    return {
         "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        **({"kv_connector_extra_config": extra} if extra else {}),
     }  # fmt: skip
+
+
+def _int8_job(model: Path, prompts: dict[str, list[str]]) -> dict[str, Any]:
+    """The bench's prompts through a connector storing and reading int8 entries.
+
+    Without the parity gate (and so the calibration it leads to): the requests blend
+    ``always``, and the gate's check is the full-precision engine's (`_kvblend_job`).
+    """
+    steps = [_step("bench_always", prompts["bench"], kv_transfer_params=DEFAULT)]
+    connector = _connector(kv_codec="int8", parity=False)
+    return {"model": str(model), "kv_transfer_config": connector, "steps": steps}
+
+
+def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer) -> dict[str, Any]:
+    connector = _connector()
     steps = [
         _step("full", prompts["full"], kv_transfer_params=FULL),
         _step("default", prompts["default"], kv_transfer_params=DEFAULT),
@@ -435,6 +463,25 @@ def test_start_up_names_the_store_and_calibrates_the_cost_model(
     log = vllm_runs["kvblend"]["log"]
     assert "kvblend: store disk " in log and " entries of model " in log and "Redis" in log
     assert "kvblend: cost model calibrated on this machine" in log
+
+
+def test_int8_entries_answer_as_vanilla_vllm_where_full_precision_ones_do(
+    vllm_runs: dict[str, Any],
+) -> None:
+    vanilla = vllm_runs["vanilla"]["steps"]["bench"]
+    full_precision = vllm_runs["kvblend"]["steps"]["bench_always"]
+    int8 = vllm_runs["int8"]["steps"]["bench_always"]
+    agreed = 0
+    for theirs, ours_fp, ours in zip(vanilla, full_precision, int8, strict=True):
+        record, record_fp = _record(ours), _record(ours_fp)
+        assert record["fallback"] is None and record_fp["fallback"] is None, (record, record_fp)
+        assert "not_stored" not in record  # this process's int8 entries, found and read
+        assert record["cached_tokens"] == record_fp["cached_tokens"] > 0
+        assert record["recomputed_tokens"] == record_fp["recomputed_tokens"]
+        if ours_fp["token_ids"] == theirs["token_ids"]:
+            agreed += 1
+            assert ours["token_ids"] == theirs["token_ids"], (ours["text"], theirs["text"])
+    assert agreed, "no bench prompt where full-precision entries answer as vanilla vLLM"
 
 
 @pytest.mark.parametrize("step", ["bench", "bench_always"])

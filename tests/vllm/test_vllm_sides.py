@@ -250,6 +250,10 @@ def test_settings_and_request_choices() -> None:
         ConnectorSettings.from_extra_config({"when": "sometimes"})
     with pytest.raises(ValueError, match="slice_s"):
         ConnectorSettings.from_extra_config({"slice_s": 0})
+    assert ConnectorSettings.from_extra_config({}).kv_codec == "none"
+    assert ConnectorSettings.from_extra_config({"kv_codec": "INT8"}).kv_codec == "int8"
+    with pytest.raises(ValueError, match="'kv_codec': unknown KV codec 'int3'"):
+        ConnectorSettings.from_extra_config({"kv_codec": "int3"})
     default = BlendConfig()
     assert request_config(default, None).config is default
     assert request_config(default, {"kvblend": False}).config is None
@@ -868,6 +872,36 @@ def test_a_damaged_entry_is_computed_in_full(documents: list[str]) -> None:
     position = len(ids) - 2
     key, _ = layers[-1].read(blocks[position // BLOCK] * BLOCK + position % BLOCK)
     torch.testing.assert_close(key, cache.layers[-1].keys[0][:, position], atol=1e-5, rtol=1e-4)
+
+
+def test_an_int8_connector_reads_its_codecs_entries_and_writes_what_the_engine_blends(
+    documents: list[str],
+) -> None:
+    """``kv_codec``: the store's full-precision entries are misses, its int8 entries decoded."""
+    model, tokenizer, store = tiny_model("llama"), byte_tokenizer(), MemoryKVStore()
+    BlendEngine(model, tokenizer, store=store).precompute(documents[:3])  # full precision
+    engine = BlendEngine(model, tokenizer, store=store, kv_codec="int8")
+    engine.precompute(documents[:2])  # the third document: only in full precision
+    worker, layers = _worker(engine)
+    config = BlendConfig(**TOY)
+    prompt = _prompt(engine, [documents[2], documents[1], documents[0]])
+    ids = engine.encode(prompt)
+    plan = plan_request(engine.library, ids, 0, config)
+    assert plan.fallback is None and [text for text, _ in plan.missing] == [documents[2]]
+    prompt = _prompt(engine, documents[:2][::-1])
+    ids = engine.encode(prompt)
+    plan = plan_request(engine.library, ids, 0, config)
+    assert plan.fallback is None and plan.reused > 0 and plan.missing == []
+    blocks = list(range(1, len(ids) // BLOCK + 2))
+    outcome = run_job(worker, BlendJob("r", plan.plan, config, 0, len(ids) - 1, blocks))
+    assert outcome.error is None and outcome.lost == [] and outcome.reused == plan.reused
+    blended = engine.prefill(prompt, config)  # the engine's blend over the same int8 entries
+    assert blended.stats.reused_tokens == plan.reused
+    for layer, paged in enumerate(layers):
+        for position in range(len(ids) - 1):
+            key, value = paged.read(blocks[position // BLOCK] * BLOCK + position % BLOCK)
+            torch.testing.assert_close(key, blended.keys[layer][:, position])
+            torch.testing.assert_close(value, blended.values[layer][:, position])
 
 
 def test_blocks_of_a_cancelled_request_get_the_next_requests_own_kv(

@@ -37,6 +37,11 @@ SCRIPTS = {
     "threads": ("kvblend.bench.threads", "TTFT by torch thread count on a busy CPU"),
     "gpu-tier": ("kvblend.bench.gpu_tier", "TTFT from a host vs a GPU memory tier (CUDA)"),
     "gpu-suite": ("kvblend.bench.gpu_suite", "every GPU figure owed, a process per step (CUDA)"),
+    "codecs": (
+        "kvblend.bench.kv_codecs",
+        "bytes, precompute/read speed per tier, TTFT per KV codec",
+    ),
+    "codec-quality": ("kvblend.bench.codec_quality", "accuracy and KL of every KV codec"),
 }
 
 

@@ -167,11 +167,17 @@ def random_documents(count: int, tokens: int, seed: int = 0) -> list[str]:
 
 
 def byte_engine(
-    layers: int, hidden: int = 64, heads: int = 4, kv_heads: int = 2, device: str = "cpu"
+    layers: int,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    device: str = "cpu",
+    kv_codec: str = "none",
 ) -> BlendEngine:
     """Build an engine over a random-weight Qwen2-shaped GQA model and a byte-level tokenizer.
 
-    ``device``: where the model runs (its documents' KV is kept there too).
+    ``device``: where the model runs (its documents' KV is kept there too); ``kv_codec``: how
+    the documents' KV is stored (`kvblend.blend.kv_codec`).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -196,7 +202,8 @@ def byte_engine(
     )  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval().to(device)
-    return BlendEngine(model, fast, store=MemoryKVStore(8 << 30), name=f"qwen2-{layers}-layers")
+    return BlendEngine(model, fast, store=MemoryKVStore(8 << 30), name=f"qwen2-{layers}-layers",
+                       kv_codec=kv_codec)  # fmt: skip
 
 
 def rag_prompt(documents: list[str]) -> list[Segment]:
@@ -272,16 +279,19 @@ def add_ops_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--strategies", default="reuse,default,cacheblend,epic,full")
     parser.add_argument("--verbose", action="store_true", help="print the most frequent ops")
+    parser.add_argument("--kv-codec", default="none",
+                        help="how the documents' KV is stored: none, int8, k8v4, int4")  # fmt: skip
 
 
 def cmd_ops(args: argparse.Namespace) -> None:
     """Print ops per layer per pass and syncs per prefill of every strategy."""
     torch.set_num_threads(1)
-    engine = byte_engine(args.layers, hidden=args.hidden)
+    engine = byte_engine(args.layers, hidden=args.hidden, kv_codec=args.kv_codec)
     rows = run_ops(engine, args.documents, args.doc_tokens, args.strategies.split(","))
     print(
         f"{args.layers}-layer GQA model (random weights), {args.documents} documents x "
-        f"{args.doc_tokens} tokens, counted through engine.prefill:\n"
+        f"{args.doc_tokens} tokens, KV codec {engine.kv_codec.name}, counted through "
+        "engine.prefill:\n"
     )
     print(ops_table(rows))
     for row in rows:

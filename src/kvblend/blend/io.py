@@ -31,8 +31,12 @@ class LayerKV(Protocol):
         """Un-rotated keys and values ``[2, kv_heads, tokens, head_dim]`` of layer ``index``."""
         ...
 
-    def layers(self) -> torch.Tensor:
-        """Un-rotated keys and values of every layer ``[layers, 2, kv_heads, tokens, head_dim]``."""
+    def layers(self) -> Any:
+        """Un-rotated keys and values of every layer ``[layers, 2, kv_heads, tokens, head_dim]``.
+
+        A tensor, or the codes of a quantized entry (`kvblend.blend.kv_codec.EncodedKV`),
+        decoded as they are placed.
+        """
         ...
 
 

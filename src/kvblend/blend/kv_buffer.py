@@ -4,11 +4,12 @@
 to their prompt positions. `LayerLoads` places the cached spans' K/V in it a group of layers at
 a time: one multi-tensor copy per group (every span's rows of those layers, one copy per
 document straight from the stored tensor, which may be in host memory: the copy is then the
-transfer to the device), then the group's keys rotated once, in place (`rotate_`: stored keys
-are un-rotated), and one event per group; a layer waits on its own group's event before it
-reads the buffer. On CUDA the copies and rotations run on a side stream (`CopyStream`), so the
-loading of later groups overlaps the compute of earlier layers, and waiting is a stream wait,
-never a host sync. `CopyStream` is the only
+transfer to the device; a document stored by a quantized codec is decoded into its rows as it
+is placed, `kvblend.blend.kv_codec`), then the group's keys rotated once, in place
+(`rotate_`: stored keys are un-rotated), and one event per group; a layer waits on its own
+group's event before it reads the buffer. On CUDA the copies and rotations run on a side
+stream (`CopyStream`), so the loading of later groups overlaps the compute of earlier layers,
+and waiting is a stream wait, never a host sync. `CopyStream` is the only
 CUDA-specific piece: off CUDA it is a null stream whose copies run at once and whose events are
 None, so the same grouping runs (and is tested) on the CPU, where copies are synchronous anyway
 and one group holds every layer (`GROUP_LAYERS`): more groups would only add ops there.
@@ -26,6 +27,7 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.io import CachedSpan
+from kvblend.blend.kv_codec import EncodedKV, move
 from kvblend.blend.rope import rotate_
 
 #: Layers per copy group, by device type; a device type not listed copies every layer at once.
@@ -108,15 +110,31 @@ class PromptKV:
     ) -> None:
         """Place every span's cached K/V of ``layers`` (one multi-tensor copy, one per span).
 
-        Then rotate the keys of ``layers`` to their positions (``table``: the `rope_table` of
+        A span stored by a quantized codec (`EncodedKV`) is decoded into its rows instead: the
+        group's codes and scales of every such span copied as bytes in one multi-tensor copy
+        when they are elsewhere (`move`), then written as values by a few ops per span
+        (`EncodedKV.place`), never a full-precision copy of the entry first. Then rotate
+        the keys of ``layers`` to their positions (``table``: the `rope_table` of
         every row of the buffer). A span's source is read, never written: it may be the store's
         own tensor, on the host or on the device.
         """
         first, stop = layers.start, layers.stop
         targets = [self.data[first:stop, :, :, span.start : span.end] for span in spans]
-        sources = [span.source.layers()[first:stop] for span in spans]
+        sources = [span.source.layers() for span in spans]
+        plain = [(t, s[first:stop]) for t, s in zip(targets, sources, strict=True)
+                 if isinstance(s, torch.Tensor)]  # fmt: skip
+        if plain:
+            copied, read = zip(*plain, strict=True)
+            torch._foreach_copy_(list(copied), list(read), non_blocking=non_blocking)
+        encoded = [(t, s.layers(first, stop)) for t, s in zip(targets, sources, strict=True)
+                   if isinstance(s, EncodedKV)]  # fmt: skip
+        if encoded:  # codes decoded into the buffer as they land (copied as bytes if elsewhere)
+            codes = [item for _, item in encoded]
+            if any(item.device != self.data.device for item in codes):
+                codes = move(codes, self.data.device, non_blocking=non_blocking)
+            for (target, _), item in zip(encoded, codes, strict=True):
+                item.place(target)
         if targets:
-            torch._foreach_copy_(targets, sources, non_blocking=non_blocking)
             rotate_(self.data[first:stop, 0], table)
 
     def prompt_rows(self) -> torch.Tensor:
@@ -222,7 +240,11 @@ class CopyStream:
         """
         if self.stream is None:
             return
-        for tensor in [kv.data, table, *(span.source.layers() for span in spans)]:
+        tensors = [kv.data, table]
+        for span in spans:
+            source = span.source.layers()
+            tensors += source.tensors() if isinstance(source, EncodedKV) else [source]
+        for tensor in tensors:
             if tensor.device.type == "cuda":
                 tensor.record_stream(self.stream)
 

@@ -20,6 +20,8 @@ from typing import NoReturn
 STRATEGIES = ("attention", "cacheblend", "epic", "reuse", "full")
 DEFAULT_RATIO = 0.2
 DEFAULT_CORRECTION = 0.5
+#: `kvblend.blend.kv_codec.CODECS`, named here for the same reason (checked by the same test).
+KV_CODECS = ("none", "int8", "k8v4", "int4")
 
 
 class CLIError(Exception):
@@ -108,6 +110,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: the physical cores the last minute's "
                         "load leaves idle, at least 1)")  # fmt: skip
+    p.add_argument("--kv-codec", default="none", choices=KV_CODECS,
+                   help="how documents' KV is stored: none (full precision), int8, k8v4 "
+                        "(8-bit keys, 4-bit values) or int4; part of each entry's identity, "
+                        "so use the same one for precompute and ask (default none)")  # fmt: skip
 
 
 def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> None:

@@ -38,7 +38,7 @@ from kvblend.blend.loop import CancelFlag, Pause, run_blend, stop_if_cancelled
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan
-from kvblend.prompt.segments import KV_NAME, segment_key
+from kvblend.prompt.segments import segment_key
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def _open_entry(
     try:
         entry = segment_kv.open_entry(key, len(span.cached_ids), device)
         if entry is not None and device is not None:
-            entry = {KV_NAME: entry[KV_NAME]}  # read (and checked) now
+            entry = {name: entry[name] for name in entry}  # read (and checked) now
         return key, entry, None
     except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
         segment_kv.drop(key)
@@ -198,25 +198,22 @@ def _cached_span(
     entry: Mapping[str, torch.Tensor],
     ranks: Ranks | None,
 ) -> CachedSpan:
-    """Return the loop's span over an opened (or read) entry.
+    """Return the loop's span over an opened (or read) entry (its tensors by name).
 
     With ``ranks``, the rows of this rank's KV heads; an entry failing its check mid-prompt is
     recomputed (and stored again) unless several ranks read it.
     """
     dtype, shape = segment_kv.entry_shape(len(span.cached_ids))
     tensors = entry
-    if ranks is not None:  # this rank's heads of the entry (read whole)
-        heads = ranks.kv_heads
-        tensors = {KV_NAME: tensors[KV_NAME][:, :, heads]}
-        shape = (*shape[:2], heads.stop - heads.start, *shape[3:])
+    heads = ranks.kv_heads if ranks is not None else None  # this rank's heads (read whole)
     recompute: Callable[[], Any] = functools.partial(
         segment_kv.recompute, key, span.context_ids, span.cached_ids
     )
     if ranks is not None and ranks.tp_size > 1:
         recompute = _refuse_recompute
     rows = slice(span.cached_start, span.cached_start + span.end - span.start)
-    return CachedSpan(span.start, span.end, StoredRows(tensors, rows, recompute, (dtype, shape)),
-                      span.kind)  # fmt: skip
+    source = StoredRows(tensors, rows, recompute, (dtype, shape), segment_kv.codec, heads)
+    return CachedSpan(span.start, span.end, source, span.kind)
 
 
 def _refuse_recompute() -> Any:

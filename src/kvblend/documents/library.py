@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.kv_codec import NO_CODEC, KVCodec
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DocumentRegistry
 from kvblend.documents.segment_kv import SegmentKV
@@ -59,6 +60,7 @@ class DocumentLibrary:
         model_name: str,
         window: ContextWindow,
         capacity: int,
+        kv_codec: KVCodec = NO_CODEC,
     ) -> None:
         self.store = store
         self.fingerprint = fingerprint
@@ -69,10 +71,12 @@ class DocumentLibrary:
         self.segment_kv = SegmentKV(
             decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
             kv_dtype=kv_dtype, model_name=model_name, check_length=window.check_length,
-            context_of=self.context_for, known=self.is_known,
+            context_of=self.context_for, known=self.is_known, codec=kv_codec,
         )  # fmt: skip
         #: The documents found in prompt strings, shared with every engine over the same store
-        #: and model, whatever their document context (see `kvblend.documents.registry`).
+        #: and model, whatever their document context and KV codec (see
+        #: `kvblend.documents.registry`): a document known is found, and its entry of this
+        #: engine's codec computed when the store holds only another codec's.
         self.registry = DocumentRegistry(
             store, registry_log(fingerprint), capacity=capacity, stored=self.stored_documents
         )
@@ -229,7 +233,7 @@ class DocumentLibrary:
         """Whether the store holds the KV of each cached span of ``plan`` (by its index)."""
         return {
             index: self.store.contains(
-                segment_key(self.fingerprint, span.context_ids, span.cached_ids)
+                segment_key(self.segment_kv.fingerprint, span.context_ids, span.cached_ids)
             )
             for index, span in enumerate(plan.spans)
         }

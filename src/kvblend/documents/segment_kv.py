@@ -15,12 +15,18 @@ group of layers are placed with one copy. What a store hands out is read in plac
 `StoredRows` gives views into it, and the blend loop only ever copies out of them, never writes
 into them.
 
-Nothing read is trusted: every entry is opened with the tensor the model needs (``kv``,
-``kv_dtype``, the shape above with the document's token count) and finite values, which the
-store checks in the same pass as the checksum (`kvblend.store.base.EntrySpec`); an entry that
-differs is corrupt: dropped, counted and recomputed, never used. `StoredRows` checks the shape
-again as it is used, so a store that ignores the expectation still never feeds a wrong-shaped
-tensor to the model.
+With a quantized codec (`kvblend.blend.kv_codec`: ``int8``, ``k8v4``, ``int4``), an entry
+holds the codec's codes and scales instead (two tensors in the one blob), its segment id is
+made with the codec's fingerprint (a reader of another codec never finds it) and its metadata
+names the codec; full-precision entries (``none``, the default) keep the ids and the format
+they always had.
+
+Nothing read is trusted: every entry is opened with the tensors the model needs (``kv``,
+``kv_dtype``, the shape above with the document's token count; or the codec's codes and
+scales) and finite values, which the store checks in the same pass as the checksum
+(`kvblend.store.base.EntrySpec`); an entry that differs is corrupt: dropped, counted and
+recomputed, never used. `StoredRows` checks the shape again as it is used, so a store that
+ignores the expectation still never feeds a wrong-shaped tensor to the model.
 """
 
 from __future__ import annotations
@@ -36,9 +42,10 @@ from typing import Any
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.kv_codec import NO_CODEC, KVCodec
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
 from kvblend.documents.records import document_metadata
-from kvblend.prompt.segments import KV_LAYOUT, KV_NAME, segment_key
+from kvblend.prompt.segments import KV_LAYOUT, segment_key
 from kvblend.prompt.tokens import DocumentLayout, document_layout
 
 logger = logging.getLogger(__name__)
@@ -64,11 +71,17 @@ class SegmentKV:
         check_length: Callable[[int], None],
         context_of: Callable[[str], str] | None = None,
         known: Callable[[str], bool] | None = None,
+        codec: KVCodec = NO_CODEC,
     ) -> None:
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.store = store
-        self.fingerprint = fingerprint
+        #: How entries are stored: full precision (``none``) or a quantized codec.
+        self.codec = codec
+        #: The model's fingerprint (what entries' metadata names).
+        self.model_fingerprint = fingerprint
+        #: What segment ids are made with: the model's, mixed with a quantized codec's name.
+        self.fingerprint = codec.fingerprint(fingerprint)
         self.doc_prefix = doc_prefix
         self.kv_dtype = kv_dtype
         self.model_name = model_name
@@ -88,9 +101,16 @@ class SegmentKV:
         self.dropped = 0
 
     def entry_shape(self, tokens: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Return the dtype and shape of the stored tensor of a ``tokens``-token document."""
+        """Return the dtype and shape of the K/V of a ``tokens``-token document's entry.
+
+        The stored tensor itself for ``none``; what the codes decode to for a quantized codec.
+        """
         shape = self.decoder.shape
         return self.kv_dtype, (shape.num_layers, 2, shape.num_kv_heads, tokens, shape.head_dim)
+
+    def stored_tensors(self, tokens: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every tensor a ``tokens``-token document's entry holds."""
+        return self.codec.stored_tensors(*self.entry_shape(tokens))
 
     def expectation(self, tokens: int) -> Any:
         """Return the `EntrySpec` a ``tokens``-token document's entry is checked against."""
@@ -98,7 +118,7 @@ class SegmentKV:
             EntrySpec,  # the store's contract type; no store is built here
         )
 
-        return EntrySpec({KV_NAME: self.entry_shape(tokens)})
+        return EntrySpec(self.stored_tensors(tokens))
 
     def open_entry(
         self, key: str, tokens: int, device: torch.device | None = None
@@ -211,12 +231,12 @@ class SegmentKV:
 
     def _check_read(self, entry: Mapping[str, torch.Tensor], tokens: int) -> None:
         """Read every tensor of ``entry``; raise ValueError if one does not fit the model."""
-        fits = self.entry_shape(tokens)
-        if set(entry) != {KV_NAME}:
-            raise ValueError(f"holds tensors {sorted(entry)[:3]}, the model needs [{KV_NAME!r}]")
+        fits = self.stored_tensors(tokens)
+        if set(entry) != set(fits):
+            raise ValueError(f"holds tensors {sorted(entry)[:3]}, the model needs {sorted(fits)}")
         for name in entry:
             tensor = entry[name]
-            if (tensor.dtype, tuple(tensor.shape)) != fits:
+            if (tensor.dtype, tuple(tensor.shape)) != fits[name]:
                 raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}")
             if _non_finite(tensor):
                 raise ValueError(f"tensor {name!r} holds NaN or infinity")
@@ -239,7 +259,7 @@ class SegmentKV:
         """
         self._check_length(len(context) + len(token_ids))
         kv = document_kv(self.decoder, [context + token_ids], [len(context)], self.kv_dtype)
-        tensors = {KV_NAME: kv[0]}
+        tensors = self.codec.encode(kv[0])
         self._put(key, tensors, len(context), len(token_ids))
         return tensors
 
@@ -260,7 +280,8 @@ class SegmentKV:
         starts = [len(layout.context_ids) for _, layout in entries]
         kvs = document_kv(self.decoder, sequences, starts, self.kv_dtype)
         for (key, layout), kv, start in zip(entries, kvs, starts, strict=True):
-            self._put(key, {KV_NAME: kv}, start, len(layout.ids), (described or {}).get(key))
+            tensors = self.codec.encode(kv)
+            self._put(key, tensors, start, len(layout.ids), (described or {}).get(key))
 
     def _put(
         self,
@@ -276,11 +297,13 @@ class SegmentKV:
             **described,
             "format": KV_LAYOUT,
             "model": self.model_name,
-            "fingerprint": self.fingerprint,
+            "fingerprint": self.model_fingerprint,
             "layers": str(self.decoder.shape.num_layers),
             "tokens": str(tokens),
             "context_tokens": str(context),
         }
+        if self.codec.quantized:
+            metadata["codec"] = self.codec.name
         try:
             self.store.put(key, tensors, metadata)
         except Exception as error:  # noqa: BLE001 - a failing store must not fail the answer

@@ -24,6 +24,8 @@ import torch
 
 from kvblend.blend.config import BlendConfig, check_config
 from kvblend.blend.forecast import forecast_blend
+from kvblend.blend.kv_codec import KVCodec
+from kvblend.blend.kv_codec import kv_codec as resolve_codec
 from kvblend.blend.loop import device_clock, device_times
 from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
@@ -101,6 +103,7 @@ class BlendEngine:
         check_parity: bool = True,
         max_documents: int = DEFAULT_CAPACITY,
         threads: int | None = None,
+        kv_codec: str | KVCodec | None = None,
     ) -> None:
         """Wrap a loaded model; prefer `BlendEngine.from_pretrained`.
 
@@ -124,6 +127,7 @@ class BlendEngine:
             threads: torch CPU threads, for the whole process (`kvblend.engine.threads`);
                 None: the cores the last minute's load leaves idle, unless the process chose
                 a count already. ``engine.threads`` is the count in use.
+            kv_codec: how stored KV is encoded (`kvblend.blend.kv_codec`): None, int8, k8v4, int4.
         """
         self.threads = use_threads(threads)
         self.decoder = Decoder(model)
@@ -143,17 +147,19 @@ class BlendEngine:
             self.decoder.shape.max_positions, longest_token_chars(tokenizer), self.name
         )
         self._fallback_log = FallbackLog(logger)  # each cause once a minute
-        self._connect_store(max_documents)
+        self._connect_store(max_documents, kv_codec)
         if check_parity:
             self.check_parity()
 
-    def _connect_store(self, max_documents: int) -> None:
+    def _connect_store(self, max_documents: int, kv_codec: str | KVCodec | None) -> None:
         """Build what reads and writes this engine's entries and finds its documents."""
+        #: How documents' KV is stored: full precision (``none``) or a quantized codec.
+        self.kv_codec = resolve_codec(kv_codec)
         #: This engine's documents: their KV in the store and the registry finding them.
         self.library = DocumentLibrary(
             self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            window=self._window, capacity=max_documents,
+            window=self._window, capacity=max_documents, kv_codec=self.kv_codec,
         )  # fmt: skip
 
     @classmethod
@@ -177,6 +183,7 @@ class BlendEngine:
         keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
         """
         kwargs["threads"] = use_threads(kwargs.get("threads"))
+        resolve_codec(kwargs.get("kv_codec"))  # an unknown codec is refused before the load
         check_environment()  # KVBLEND_DECODE_CACHE / _COMPILE: refused before the model loads
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)

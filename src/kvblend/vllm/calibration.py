@@ -13,10 +13,10 @@ floor covers every moved token) would teach the cost model full prefill's cost p
 forecast every longer blend too slow. Four blends fix the cost model's four weights: ``full``
 (every row computed), the server's strategy at two lengths, and ``reuse`` (the uncached rows
 only: the cost of reading, moving and writing every row). The synthetic documents' random KV
-lies in a memory store of its own (the blend reads it as it reads any store), and the blends
-write into the same free blocks the gate uses. About 18 s on this project's 2 idle CPU cores;
-the values are random, only the time counts. The points become the cost model's prior
-(`admission.Calibrated`).
+lies in a memory store of its own, in the server's KV codec (the blend reads and decodes it as
+it reads any store), and the blends write into the same free blocks the gate uses. About 18 s
+on this project's 2 idle CPU cores; the values are random, only the time counts. The points
+become the cost model's prior (`admission.Calibrated`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from kvblend.blend.config import BlendConfig
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan, TokenKind
-from kvblend.prompt.segments import KV_NAME, segment_key
+from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.admission import Calibrated
 from kvblend.vllm.blending import WorkerModel, blend_into_cache
@@ -116,9 +116,9 @@ def synthetic_job(
     own = model.library.segment_kv  # entries of every KV head (each rank reads its own)
     shape, dtype, total = own.decoder.shape, own.kv_dtype, len(token_ids)
     segment_kv = SegmentKV(
-        own.decoder, own.tokenizer, MemoryKVStore(), fingerprint=own.fingerprint,
+        own.decoder, own.tokenizer, MemoryKVStore(), fingerprint=own.model_fingerprint,
         doc_prefix=None, kv_dtype=dtype, model_name=own.model_name,
-        check_length=lambda tokens: None,
+        check_length=lambda tokens: None, codec=own.codec,
     )  # fmt: skip
     plan = synthetic_plan(token_ids)
     for span in plan.spans:
@@ -126,8 +126,8 @@ def synthetic_job(
         kv = torch.randn(
             shape.num_layers, 2, shape.num_kv_heads, size, shape.head_dim, generator=generator
         )
-        key = segment_key(own.fingerprint, [], span.cached_ids)
-        segment_kv.store.put(key, {KV_NAME: kv.to(dtype)})
+        key = segment_key(segment_kv.fingerprint, [], span.cached_ids)
+        segment_kv.store.put(key, own.codec.encode(kv.to(dtype)))  # in the server's codec
     blocks = list(range(1, 2 + total // model.block_size))  # free at start-up (the gate's)
     return BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks), segment_kv
 

@@ -139,6 +139,7 @@ def open_library(
     fingerprint: str,
 ) -> DocumentLibrary:
     """Open a connector side's documents over the shared store, for ``decoder`` (or `ShapeOnly`)."""
+    from kvblend.blend.kv_codec import kv_codec
     from kvblend.store import default_store
 
     store = default_store(settings.store_dir, redis_url=settings.redis_url)
@@ -148,6 +149,7 @@ def open_library(
     return DocumentLibrary(
         decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
         kv_dtype=decoder.dtype, model_name=name, window=window, capacity=DEFAULT_CAPACITY,
+        kv_codec=kv_codec(settings.kv_codec),
     )  # fmt: skip
 
 

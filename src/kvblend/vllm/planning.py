@@ -209,7 +209,7 @@ def _missing_spans(library: Any, plan: PrefillPlan) -> tuple[set[int], str | Non
     """
     missing, failed = set(), None
     for index, span in enumerate(plan.spans):
-        key = segment_key(library.fingerprint, span.context_ids, span.cached_ids)
+        key = segment_key(library.segment_kv.fingerprint, span.context_ids, span.cached_ids)
         try:
             if not library.store.contains(key):
                 missing.add(index)

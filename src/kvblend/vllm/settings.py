@@ -15,7 +15,11 @@ all optional:
 - ``when`` (``"faster"``): blend a request only when its blend is forecast to reach the first
   token sooner than vLLM's own prefill (`costs.CostModel`); ``"always"``: whenever the
   strategy's rules allow;
-- ``slice_s`` (1.0): the longest a blend holds up an engine step, in seconds (`pacing`).
+- ``slice_s`` (1.0): the longest a blend holds up an engine step, in seconds (`pacing`);
+- ``kv_codec`` (``"none"``): how the documents' KV is stored and read (`kvblend.blend.kv_codec`:
+  ``none``, full precision, or ``int8``, ``k8v4``, ``int4``); entries of another codec are not
+  read (they have other keys), a document the store holds only in another codec is computed
+  and stored in this one.
 
 A request chooses for itself through vLLM's ``kv_transfer_params``, in one form:
 ``{"kvblend": false}`` (vLLM's own prefill), or ``{"kvblend": {"strategy": ..., "settings":
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvblend.blend.config import BlendConfig
+from kvblend.blend.kv_codec import kv_codec
 from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
 __all__ = ["ConnectorSettings", "RequestChoice", "check_options", "request_config"]
@@ -39,7 +44,7 @@ __all__ = ["ConnectorSettings", "RequestChoice", "check_options", "request_confi
 _KEYS = frozenset(
     {
         "strategy", "settings", "system_prompt", "store_dir", "redis_url", "parity",
-        "log_requests", "when", "slice_s",
+        "log_requests", "when", "slice_s", "kv_codec",
     }
 )  # fmt: skip
 #: What ``when`` takes: blend only when forecast faster than vLLM's prefill, or always.
@@ -60,6 +65,7 @@ class ConnectorSettings:
     log_requests: bool = True
     when: str = "faster"
     slice_s: float = 1.0
+    kv_codec: str = "none"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -83,6 +89,7 @@ class ConnectorSettings:
             log_requests=bool(extra.get("log_requests", True)),
             when=_when(extra.get("when", "faster"), "kv_connector_extra_config"),
             slice_s=_slice(extra.get("slice_s", 1.0)),
+            kv_codec=_codec(extra.get("kv_codec")),
         )
 
 
@@ -92,6 +99,13 @@ def _when(value: Any, where: str) -> str:
             f"{where}: 'when' must be one of {', '.join(map(repr, WHEN))}, got {value!r}"
         )
     return str(value)
+
+
+def _codec(value: Any) -> str:
+    try:
+        return kv_codec(value).name
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"kv_connector_extra_config: 'kv_codec': {error}") from None
 
 
 def _slice(value: Any) -> float:

@@ -1,0 +1,295 @@
+r"""Answer quality of every KV codec against full-precision entries, on the same prompts.
+
+``kvblend bench codec-quality``: for each prompt shape (``nq-10``: NQ-open over ten retrieved
+passages, ``qa``: the generated QA task, ``long``: NQ's top twelve passages joined into three
+long documents; `kvblend.bench.shapes`), one engine per codec (`kvblend.blend.kv_codec`), all
+over one model and one store, every engine at its defaults (not told the prompts' head, as a
+plain setup has it). Per question, full prefill runs once, then `BlendConfig()` on each codec's
+engine (`kvblend.bench.compare.evaluate_item`), so every codec is paired with the same full
+prefill and with the full-precision entries' blend (codec ``none``) on the same prompt.
+
+Rows are appended to ``OUTPUT.rows.jsonl`` as each question ends; a run started again with the
+same options skips the questions already there (resumable), and the summary ``OUTPUT`` is
+rewritten every ten questions. Per shape and codec it reports accuracy, the paired difference
+with full prefill and with the ``none`` blend (95% bootstrap intervals over questions), mean
+KL(full || blend) at the first answer token and its paired difference with ``none``'s, and how
+often the answer is word for word the ``none`` blend's.
+
+    kvblend bench codec-quality --data nq_open_gold_2000.jsonl.gz --questions 300 \\
+        --shapes nq-10,qa,long --codecs none,int8,k8v4,int4 --threads 1 [--model PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvblend.bench.commands import RESULTS_DIR
+from kvblend.bench.compare import PromptItem, evaluate_item
+from kvblend.bench.nq import Retriever, load_nq, write_json
+from kvblend.bench.shapes import MAX_NEW_TOKENS, shape_items
+from kvblend.bench.stats import RESAMPLES, format_ci, paired_stats
+from kvblend.bench.strategies import strategy
+from kvblend.blend.kv_codec import CODECS, kv_codec
+
+SHAPES = ("nq-10", "qa", "long")
+#: What "no worse than full-precision entries" allows in mean KL (nats).
+KL_MARGIN = 0.005
+
+
+def codec_engines(base: Any, codecs: Sequence[str]) -> dict[str, Any]:
+    """One engine per codec over ``base``'s model, store and settings (``none``: ``base``)."""
+    from kvblend.engine.engine import BlendEngine
+
+    engines = {}
+    for name in codecs:
+        codec = kv_codec(name)
+        engines[codec.name] = base if codec == base.kv_codec else BlendEngine(
+            base.model, base.tokenizer, store=base.store, kv_dtype=base.kv_dtype,
+            system_prompt=base.system_prompt, doc_prefix=base.doc_prefix, name=str(base.name),
+            kv_codec=codec, check_parity=False,
+        )  # fmt: skip
+    return engines
+
+
+def transcode(source: Any, engines: dict[str, Any], texts: Sequence[str]) -> int:
+    """Store each text's entry for every codec's engine from ``source``'s full-precision one.
+
+    What the codec's own precompute would store (the same K/V rows, encoded; precompute of
+    the same batch computes the same rows), without computing every document once per codec.
+    Returns the entries written.
+    """
+    source.precompute(list(texts), progress=False)
+    written = 0
+    for text in texts:
+        key = source.segment_id(text)
+        entry = source.store.get(key)
+        if entry is None:
+            continue
+        kv, metadata = entry["kv"], dict(source.store.metadata(key) or {})
+        for engine in engines.values():
+            target = engine.segment_id(text)
+            if engine is source or engine.store.contains(target):
+                continue
+            engine.store.put(target, engine.kv_codec.encode(kv),
+                             {**metadata, "codec": engine.kv_codec.name})  # fmt: skip
+            written += 1
+    return written
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """Return the rows a run (or an interrupted one) appended to ``path``, a cut line dropped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows
+
+
+def _interval(samples: np.ndarray) -> list[float]:
+    low, high = np.percentile(samples, [2.5, 97.5])
+    return [float(low), float(high)]
+
+
+def codec_summary(
+    rows: Sequence[dict[str, Any]], baseline: str = "none", seed: int = 0
+) -> list[dict[str, Any]]:
+    """Per shape and codec: paired statistics against full prefill and the ``baseline`` blend."""
+    out = []
+    shapes = list(dict.fromkeys(row["shape"] for row in rows))
+    for shape in shapes:
+        mine = [row for row in rows if row["shape"] == shape]
+        by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        for row in mine:
+            by.setdefault((row["codec"], row["strategy"]), {})[row["qid"]] = row
+        codecs = list(dict.fromkeys(r["codec"] for r in mine))
+        full = by.get((codecs[0], "full"), {})
+        base = by.get((baseline, "default"), {})
+        for codec in codecs:
+            blend = by.get((codec, "default"), {})
+            qids = [q for q in blend if q in full and q in base]
+            if not qids:
+                continue
+            correct = [blend[q]["correct"] for q in qids]
+            kl = np.array([blend[q]["kl"] for q in qids])
+            base_kl = np.array([base[q]["kl"] for q in qids])
+            vs_full = paired_stats(
+                correct, [full[q]["correct"] for q in qids], kl=kl.tolist(),
+                agrees=[blend[q]["agrees"] for q in qids], seed=seed,
+            )  # fmt: skip
+            vs_base = paired_stats(
+                correct, [base[q]["correct"] for q in qids],
+                agrees=[blend[q]["answer"] == base[q]["answer"] for q in qids], seed=seed,
+            )  # fmt: skip
+            rng = np.random.default_rng(seed)
+            index = rng.integers(0, len(qids), size=(RESAMPLES, len(qids)))
+            base_correct = np.array([base[q]["correct"] for q in qids], dtype=float)
+            base_ci = _interval(base_correct[index].mean(axis=1))
+            kl_diff = float(kl.mean() - base_kl.mean())
+            accuracy = vs_full["accuracy"]
+            out.append({
+                "shape": shape, "codec": codec, "n": len(qids),
+                "full_accuracy": vs_full["full_accuracy"], "accuracy": accuracy,
+                "difference_vs_full": vs_full["difference"],
+                "difference_vs_full_ci": vs_full["difference_ci"],
+                "none_accuracy": vs_base["full_accuracy"], "none_accuracy_ci": base_ci,
+                "difference_vs_none": vs_base["difference"],
+                "difference_vs_none_ci": vs_base["difference_ci"],
+                "kl_mean": vs_full["kl_mean"], "kl_ci": vs_full["kl_ci"],
+                "kl_vs_none": kl_diff,
+                "kl_vs_none_ci": _interval((kl - base_kl)[index].mean(axis=1)),
+                "agreement_with_full": vs_full["agreement"],
+                "same_answer_as_none": vs_base["agreement"],
+                "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
+                "kl_within_margin": kl_diff <= KL_MARGIN,
+                "seconds_mean": statistics.fmean(blend[q]["ttft_s"] for q in qids),
+            })  # fmt: skip
+    return out
+
+
+def codec_table(summary: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of `codec_summary`."""
+    lines = [
+        "| shape | codec | n | full | blend accuracy | vs `none` blend, points [95% CI] | "
+        "`none` accuracy [95% CI] | mean KL [95% CI] | KL vs `none` [95% CI] | "
+        "same answer as `none` | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summary:
+        diff, ci = s["difference_vs_none"], s["difference_vs_none_ci"]
+        low, high = s["none_accuracy_ci"]
+        kl_low, kl_high = s["kl_vs_none_ci"]
+        met = "-" if s["codec"] == "none" else (
+            "yes" if s["accuracy_within_none_ci"] and s["kl_within_margin"] else "no")  # fmt: skip
+        lines.append(
+            f"| {s['shape']} | {s['codec']} | {s['n']} | {s['full_accuracy']:.1%} | "
+            f"{s['accuracy']:.1%} | {diff * 100:+.1f} [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}] | "
+            f"{s['none_accuracy']:.1%} [{low * 100:.1f}, {high * 100:.1f}] | "
+            f"{format_ci(s['kl_mean'], s['kl_ci'], percent=False)} | "
+            f"{s['kl_vs_none']:+.4f} [{kl_low:+.4f}, {kl_high:+.4f}] | "
+            f"{s['same_answer_as_none']:.0%} | {met} |"
+        )
+    return "\n".join(lines)
+
+
+def run_codec_quality(
+    base: Any,
+    shapes: Sequence[str],
+    codecs: Sequence[str],
+    *,
+    data: str | Path | None,
+    questions: int,
+    output: Path,
+    seed: int = 0,
+    max_new_tokens: int = 32,
+    log: Any = None,
+    meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run every codec on ``questions`` questions of each shape (resumable: ``*.rows.jsonl``)."""
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
+    strategies = [strategy("full"), strategy("default")]
+    rows_path = output.with_suffix(".rows.jsonl")
+    rows = read_rows(rows_path)
+    done = {(row["shape"], row["qid"]) for row in rows}
+    loaded: list[tuple[Any, Any, Retriever]] = []
+
+    def nq() -> tuple[Any, Any, Retriever]:
+        if data is None:
+            raise ValueError("the nq-10 and long shapes need the NQ data file (--data)")
+        if not loaded:
+            corpus, nq_questions = load_nq(data)
+            loaded.append((corpus, nq_questions, Retriever(corpus, data_path=data)))
+        return loaded[0]
+
+    result: dict[str, Any] = {
+        "benchmark": "codec-quality", **(meta or {}), "data": str(data) if data else None,
+        "questions_per_shape": questions, "seed": seed, "shapes": list(shapes),
+        "codecs": list(engines), "strategy": "default", "kl_margin": KL_MARGIN,
+        "rows_file": str(rows_path), "summary": [],
+    }  # fmt: skip
+    output.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    for shape in shapes:
+        items: list[PromptItem] = shape_items(base, shape, questions, seed, nq)
+        todo = [item for item in items if (shape, item.qid) not in done]
+        log(f"shape {shape}: {len(items)} questions, {len(items) - len(todo)} done before")
+        for count, item in enumerate(todo, start=1):
+            began, cpu = time.perf_counter(), time.process_time()
+            transcode(engines["none"], engines, item.documents)
+            budget = MAX_NEW_TOKENS.get(shape, max_new_tokens)
+            new = evaluate_item(engines, item, strategies, max_new_tokens=budget)
+            for row in new:
+                row["shape"], row["codec"] = shape, row.pop("head")
+            with rows_path.open("a") as file:
+                file.writelines(json.dumps(row) + "\n" for row in new)
+            rows += new
+            log(
+                f"{shape} {item.qid}: {time.perf_counter() - began:.1f} s, "
+                f"{time.process_time() - cpu:.1f} s of CPU"
+            )
+            if count % 10 == 0 or count == len(todo):
+                result["summary"] = codec_summary(rows, seed=seed)
+                result["elapsed_s"] = time.perf_counter() - started
+                write_json(result, output)
+                line = ", ".join(f"{s['codec']} {s['accuracy']:.0%}/{s['kl_mean']:.3f}"
+                                 for s in result["summary"] if s["shape"] == shape)  # fmt: skip
+                log(f"[{shape} {count}/{len(todo)}, {time.perf_counter() - began:.1f} s "
+                    f"per question] {line}")  # fmt: skip
+    result["summary"] = codec_summary(rows, seed=seed)
+    write_json(result, output)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of ``kvblend bench codec-quality``."""
+    from kvblend.bench.commands import _engine, _machine, _write
+    from kvblend.blend.config import BlendConfig
+    from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
+
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench codec-quality", description=(__doc__ or "").split("\n")[0]
+    )
+    parser.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: fp32 on CPU)")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", help="NQ jsonl(.gz) (the nq-10 and long shapes)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " +
+                        ", ".join(SHAPES))  # fmt: skip
+    parser.add_argument("--codecs", default=",".join(CODECS), help="comma list; none always runs")
+    parser.add_argument("--questions", type=int, default=300, help="questions per shape")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--output", default=str(RESULTS_DIR / "codec_quality.json"))
+    args = parser.parse_args(argv)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {unknown}; use {', '.join(SHAPES)}")
+    codecs = [kv_codec(c).name for c in args.codecs.split(",") if c.strip()]
+    args.doc_prefix = "auto"
+    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    base.store.max_bytes = 1 << 30  # entries of earlier questions are evicted, not kept
+    meta = {"machine": _machine(base), "default_config": repr(BlendConfig()),
+            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    result = run_codec_quality(
+        base, shapes, codecs, data=args.data, questions=args.questions,
+        output=Path(args.output), seed=args.seed, max_new_tokens=args.max_new_tokens, meta=meta,
+    )  # fmt: skip
+    title = (f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), default strategy, "
+             "engine at its defaults")  # fmt: skip
+    _write(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))

@@ -1,0 +1,69 @@
+"""The KV codec benchmarks: the quality run's shortcut and summary, the bytes table.
+
+The quality run stores each codec's entries by encoding the full-precision entry it computed
+once (`transcode`): that must be exactly what the codec's own precompute stores, or the run
+would measure something users never get. Its summary pairs every codec with the full-precision
+blend on the same questions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from conftest import byte_tokenizer, tiny_model
+from kvblend import BlendEngine
+from kvblend.bench.codec_quality import KL_MARGIN, codec_engines, codec_summary, transcode
+from kvblend.bench.kv_codecs import bytes_table_rows, entry_files
+from kvblend.store import MemoryKVStore
+
+DOCS = [
+    "Doc one: Marta Quill lives in Lisbon and keeps bees on the roof of a printing house.",
+    "Doc two: the orange cat sleeps all day by the window of the old bakery in Porto.",
+]
+
+
+def test_transcoded_entries_are_what_each_codec_precomputes() -> None:
+    base = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=MemoryKVStore())
+    engines = codec_engines(base, ["none", "int8", "k8v4", "int4"])
+    assert engines["none"] is base
+    assert transcode(base, engines, DOCS) == 3 * len(DOCS)
+    for name, engine in engines.items():
+        alone = BlendEngine(base.model, base.tokenizer, store=MemoryKVStore(), kv_codec=name,
+                            check_parity=False)  # fmt: skip
+        for text in DOCS:
+            key = alone.precompute([text])[0]
+            assert key == engine.segment_id(text)
+            own, stored = alone.store.get(key), engine.store.get(key)
+            assert own is not None and stored is not None and set(own) == set(stored)
+            assert all(torch.equal(own[n], stored[n]) for n in own), name
+            assert engine.store.metadata(key) == alone.store.metadata(key)
+    assert transcode(base, engines, DOCS) == 0  # already there
+
+
+def test_codecs_are_paired_with_the_full_precision_blend() -> None:
+    rows = []
+    for index in range(20):
+        full = {"qid": str(index), "shape": "qa", "strategy": "full", "correct": index < 10,
+                "agrees": True, "kl": 0.0, "answer": "a", "ttft_s": 1.0}  # fmt: skip
+        for codec, kl, answer in (("none", 0.02, "a"), ("int8", 0.021, "a"), ("int4", 0.04, "b")):
+            rows.append({**full, "codec": codec})
+            rows.append({**full, "codec": codec, "strategy": "default", "kl": kl,
+                         "answer": answer, "correct": index < (10 if codec != "int4" else 4),
+                         "agrees": answer == "a"})  # fmt: skip
+    summary = {s["codec"]: s for s in codec_summary(rows)}
+    assert summary["int8"]["kl_vs_none"] <= KL_MARGIN and summary["int8"]["accuracy_within_none_ci"]
+    assert summary["int8"]["same_answer_as_none"] == 1.0
+    assert summary["int4"]["kl_vs_none"] > KL_MARGIN
+    assert summary["int4"]["difference_vs_none"] == -0.3
+    assert summary["int4"]["same_answer_as_none"] == 0.0
+
+
+def test_the_bytes_table_and_entry_files(tmp_path: Path) -> None:
+    base = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    rows = bytes_table_rows(["fp16", "int8"], ("tiny", 3, 2, 16))
+    assert {r["codec"] for r in rows} == {"int8"} and all(0.5 < r["of_fp16"] < 0.7 for r in rows)
+    files = {r["codec"]: r for r in entry_files(base, ["fp16", "none", "int8"], tmp_path)}
+    assert files["fp16"]["of_fp16"] == 1.0 and 1.9 < files["none"]["of_fp16"] <= 2.0
+    assert files["int8"]["of_fp16"] < 0.6
