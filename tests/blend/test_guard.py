@@ -111,18 +111,24 @@ def test_no_guard_where_the_prompt_is_computed_in_full_anyway(engine: BlendEngin
     assert whole.stats.fallback.startswith("min_recompute") and whole.stats.guard is None
 
 
-def test_probe_text_keeps_the_probe_s_text_rows_and_computes_fewer(engine: BlendEngine) -> None:
+def test_probe_tail_probes_the_question_alone_and_computes_less(engine: BlendEngine) -> None:
     plain = engine.prefill(prompt(), BLEND)
-    kept = engine.prefill(prompt(), BLEND.replace(probe_text=True))
-    assert kept.stats.recomputed_tokens == plain.stats.recomputed_tokens
-    assert kept.stats.compute_fraction < plain.stats.compute_fraction
+    tail = engine.prefill(prompt(), BLEND.replace(probe_tail=True))
+    assert tail.stats.recomputed_tokens == plain.stats.recomputed_tokens
     plan = engine.plan(prompt())
     kinds = np.asarray(plan.kinds)
     layers = engine.decoder.shape.num_layers
-    uncached, tail = int((kinds == 2).sum()), tail_rows(kinds).size  # COMPUTE = 2
-    saved = (plain.stats.compute_fraction - kept.stats.compute_fraction) * kinds.size * layers
-    assert saved == pytest.approx((uncached - tail) * layers)
-    cheaper = attention_budget(kinds, plan.spans, BLEND.replace(probe_text=True).settings)
+    uncached, question = int((kinds == 2).sum()), tail_rows(kinds).size  # COMPUTE = 2
+    saved = (plain.stats.compute_fraction - tail.stats.compute_fraction) * kinds.size * layers
+    assert saved == pytest.approx((uncached - question) * layers)  # the probe's text rows
+    cheaper = attention_budget(kinds, plan.spans, BLEND.replace(probe_tail=True).settings)
     assert cheaper.cost < attention_budget(kinds, plan.spans, BLEND.settings).cost
-    with pytest.raises(ValueError, match="probe_layers"):
-        BlendConfig(probe_text=True, probe_layers=0.5)
+    assert torch.isfinite(tail.logits).all()
+    # the text the probe leaves out is read as zeros, with or without the correction
+    bare = engine.prefill(prompt(), BLEND.replace(probe_tail=True, correction=0.0))
+    assert torch.isfinite(bare.logits).all()
+
+
+def test_explain_says_the_blend_is_guarded(engine: BlendEngine) -> None:
+    assert "guarded (tolerance 0.1)" in str(engine.explain(prompt(), BLEND.replace(guard=0.1)))
+    assert "guarded" not in str(engine.explain(prompt(), BLEND.replace(guard=None)))

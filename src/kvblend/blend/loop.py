@@ -435,12 +435,17 @@ def selection_context(
         logits: bool = False,
     ) -> BlendOutput:
         selection = Selection(computed)
+        # the uncached rows a first pass leaves out are read as zeros (masked by nothing, they
+        # add nothing), and a correction reads every computed row's K/V: zeroed either way
+        every_uncached = np.array_equal(computed.numpy(), np.flatnonzero(uncached))
         return run_pass(
             adapter, blend_input, selection, observer=observer, need_logits=logits,
-            cancel=cancel, tables=tables, layers=layers, corrected=correction > 0,
+            cancel=cancel, tables=tables, layers=layers,
+            corrected=correction > 0 or not every_uncached,
         )  # fmt: skip
 
     kinds = torch.from_numpy(blend_input.host_kinds)
+    uncached = blend_input.host_kinds == COMPUTE
     return SelectionContext(adapter, kinds, blend_input.spans, first_pass)
 
 

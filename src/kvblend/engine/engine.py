@@ -346,6 +346,7 @@ class BlendEngine:
         return Explanation(
             text, plan, self.library.stored_spans(plan), len(self.documents),
             forecast_blend(plan, config), config.strategy, self.library.near_miss(prompt, items),
+            config.settings.get("guard"),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill

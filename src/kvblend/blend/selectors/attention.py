@@ -122,12 +122,12 @@ def attention_budget(
     if options["early_layers"] > 0:
         early = min(max(round(options["early_ratio"] * moved), keep), candidates)
     probe = uncached if 0 < keep < candidates or 0 < early < candidates else 0
-    # with probe_text, the text between documents keeps the probe's K/V: only the tail again
-    text = tail_rows(np.asarray(kinds)).size if probe and options["probe_text"] else uncached
-    cached = len(kinds) - text - lead - keep
+    if probe and options["probe_tail"]:  # the probe computes the question's tail alone
+        probe = tail_rows(np.asarray(kinds)).size
+    cached = len(kinds) - uncached - lead - keep
     funnel = (early - keep) * options["early_layers"]
     probed = probe * options["probe_layers"]
-    rows = text + lead + keep + funnel + probed + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
+    rows = uncached + lead + keep + funnel + probed + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
     cost = rows / max(len(kinds), 1)
     reason = None
     if moved and keep == candidates and options["recompute_ratio"] < 1:
@@ -266,11 +266,11 @@ class AttentionSelector(Selector):
             "recomputed (1: never)",
         ),
         "correction": CORRECTION,
-        "probe_text": Setting(
+        "probe_tail": Setting(
             False,
             flag,
-            "the uncached text between documents (labels, separators) keeps the K/V the probe "
-            "computed; only the question's tail and the chosen rows are computed again",
+            "the probe computes only the question's tail (the text after the last document); "
+            "the text between documents is left out of its attention",
         ),
         "guard": Setting(
             GUARD_TOLERANCE,
@@ -284,13 +284,6 @@ class AttentionSelector(Selector):
     def __init__(self, settings: Mapping[str, Any]) -> None:
         super().__init__(settings)
         self.later: Narrowing | None = None  # the rows kept after the early layers
-
-    @classmethod
-    def check_together(cls, values: dict[str, Any], given: Mapping[str, Any]) -> None:
-        """``probe_text`` needs a probe over every layer (the text's K/V of every layer)."""
-        if values["probe_text"] and values["probe_layers"] < 1:
-            raise ValueError("probe_text needs probe_layers=1: the text keeps the K/V of every "
-                             "layer the probe computed")  # fmt: skip
 
     def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
         """Count the budget rule's rows (`attention_budget`): leading and chosen, or all."""
@@ -318,8 +311,8 @@ class AttentionSelector(Selector):
         if not budget.probe:  # nothing to rank (no row, or every row, early; none later)
             computed[candidates[: budget.early]] = True
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
-        probe_rows = np.flatnonzero(uncached)
         tail = tail_rows(kinds)
+        probe_rows = tail if self.options["probe_tail"] else np.flatnonzero(uncached)
         observer = TailAttention(context.decoder, probe_rows, tail, kinds.size)
         num_layers = context.decoder.shape.num_layers
         layers = probe_layer_count(self.options["probe_layers"], num_layers)
@@ -332,9 +325,6 @@ class AttentionSelector(Selector):
         self.scores = scores = context.decoder.reduce_scores(observer.scores)
         # the chosen rows, best first, stay on the device: no read-back
         ranked = ranked_candidates(scores, candidates, budget.early)
-        if self.options["probe_text"]:  # the text before the tail keeps the probe's K/V
-            computed = lead.copy()
-            computed[tail] = True
         if guarded:  # the probe's answer, and the question's reading left stale
             assert start.logits is not None
             self.guard_inputs = (start.logits, stale_share(scores, moved, candidates, ranked,

@@ -166,9 +166,8 @@ class Selection:
 
     ``computed``: sorted positions. On the host (a CPU tensor or array; a tensor on another
     device is read back once, a host sync), or a `RowSet` of rows chosen on the device.
-    ``start``: a pass over the same prompt; the prefill updates its KV buffer in place
-    instead of loading every cached row again (rows that pass computed and this one does not
-    keep the K/V it gave them).
+    ``start``: a pass over the same prompt whose computed rows are a subset of ``computed``;
+    the prefill updates its KV buffer in place instead of loading every cached row again.
     """
 
     computed: torch.Tensor | np.ndarray | RowSet  # sorted positions
