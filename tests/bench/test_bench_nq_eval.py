@@ -136,3 +136,26 @@ def test_the_calibration_sweep_counts_what_a_limit_would_escalate() -> None:
     best = choose_limit(table, budget=0.6)
     assert best is not None and best["compute"] <= 0.6
     assert choose_limit(table, budget=0.1) is None
+
+
+@requires_rag_stack
+def test_a_guarded_strategy_gets_its_unguarded_rows(nq_file: Path, tmp_path: Path) -> None:
+    from kvblend.bench.strategies import Strategy
+    from kvblend.blend.config import BlendConfig
+
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="t")
+    blend = BlendConfig(min_recompute=0, short_document=0, full_above=1.0, lead_tokens=1)
+    strategies = [Strategy("full", BlendConfig("full")), Strategy("g", blend.replace(guard=0.0)),
+                  Strategy("w", blend.replace(guard=math.inf))]  # fmt: skip
+    result = run_decided({"untold": engine}, nq_file, strategies, ks=(3,), split="all",
+                         questions=2, options=RunOptions(max_new_tokens=2, time_every=1),
+                         cache_dir=tmp_path, meta={"default_config": "x"})  # fmt: skip
+    rows = {(r["qid"], r["strategy"]): r for r in result["rows"]}
+    for qid in ("nq-0", "nq-1"):
+        escalated, free = rows[qid, "g@unguarded"], rows[qid, "g"]
+        assert free["escalated"] and free["kl"] == pytest.approx(0, abs=1e-6)
+        assert escalated["guard_would_escalate"] and not escalated["escalated"]
+        assert escalated["kl"] == pytest.approx(rows[qid, "w"]["kl"])  # the blend itself
+        assert rows[qid, "w@unguarded"]["answer"] == rows[qid, "w"]["answer"]
+    rates = {s["strategy"]: s["escalation_rate"] for s in result["summary"]}
+    assert rates["g"] == 1.0 and rates["g@unguarded"] == rates["w"] == 0.0

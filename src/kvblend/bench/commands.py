@@ -248,8 +248,8 @@ def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 def cmd_nq(args: argparse.Namespace) -> None:
     """Every strategy on NQ-open questions over retrieved Wikipedia passages (resumable)."""
     from kvblend.bench.baselines import BaselineCache
-    from kvblend.bench.nq import nq_head, run_nq
-    from kvblend.bench.nq_eval import RunOptions, decided_table, run_decided
+    from kvblend.bench.nq import load_nq, nq_head, run_nq
+    from kvblend.bench.nq_eval import RunOptions, decided_table, run_decided, split_questions
     from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
@@ -257,9 +257,11 @@ def cmd_nq(args: argparse.Namespace) -> None:
     engine = next(iter(engines.values()))
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
     ks = [int(k) for k in args.k.split(",")]
-    if args.write_prompts:
+    if args.write_prompts:  # the split's questions, as a run would ask them
+        total = sum(1 for _ in load_nq(args.data)[1])
+        start, _ = split_questions(args.split, args.offset, args.questions, total)
         written = run_nq(
-            engines, args.data, [], ks=ks, questions=args.questions, offset=args.offset,
+            engines, args.data, [], ks=ks, questions=args.questions, offset=start,
             seed=args.seed, gold_at=args.gold_at, cache_dir=cache_dir,
             prompts_file=Path(args.write_prompts),
         )  # fmt: skip

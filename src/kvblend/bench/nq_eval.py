@@ -91,6 +91,8 @@ class RunOptions:
     max_new_tokens: int = 32
     kl_only: bool = False  # prefill only: KL and the first token, no answers
     time_every: int = 10  # every n-th question times full prefill again (0: only when computed)
+    #: a guarded strategy also gets ``NAME@unguarded`` rows: its blends without escalations
+    unguarded: bool = True
 
 
 def agree(answer: str | None, full_answer: str | None) -> bool | None:
@@ -199,25 +201,53 @@ def evaluate_question(
         for strat in strategies[1:]:
             if (head, strat.name) in done:
                 continue
-            with strat.loop():
-                pre, answer, ttft = _timed(engine, item, strat, options)
-            if len(pre.token_ids) != base_line.prompt_tokens:
-                raise RuntimeError(f"{strat.name} prefilled another prompt than full prefill")
-            stats = pre.stats
-            rows.append(
-                {**base, "head": head, "strategy": strat.name, "answer": answer,
-                 "correct": None if answer is None else item.score(answer),
-                 "agrees": agree(answer, full_answer),
-                 "top1_agrees": int(pre.logits.argmax()) == int(base_line.logits.argmax()),
-                 "kl": kl_divergence(base_line.logits, pre.logits),
-                 "compute_fraction": stats.compute_fraction,
-                 "recompute_fraction": stats.recompute_fraction,
-                 "documents_reused": stats.documents_reused,
-                 "recomputed_tokens": stats.recomputed_tokens, "fallback": stats.fallback,
-                 "prefix_tokens": stats.prefix_tokens,
-                 "ttft_s": ttft if full_ttft is not None else None, **guard_fields(stats)}
-            )  # fmt: skip
+
+            def row(strat: Strategy, name: str) -> dict[str, Any]:
+                with strat.loop():
+                    pre, answer, ttft = _timed(engine, item, strat, options)
+                if len(pre.token_ids) != base_line.prompt_tokens:
+                    raise RuntimeError(f"{name} prefilled another prompt than full prefill")
+                stats = pre.stats
+                return {
+                    **base, "head": head, "strategy": name, "answer": answer,
+                    "correct": None if answer is None else item.score(answer),
+                    "agrees": agree(answer, full_answer),
+                    "top1_agrees": int(pre.logits.argmax()) == int(base_line.logits.argmax()),
+                    "kl": kl_divergence(base_line.logits, pre.logits),
+                    "compute_fraction": stats.compute_fraction,
+                    "recompute_fraction": stats.recompute_fraction,
+                    "documents_reused": stats.documents_reused,
+                    "recomputed_tokens": stats.recomputed_tokens, "fallback": stats.fallback,
+                    "prefix_tokens": stats.prefix_tokens,
+                    "ttft_s": ttft if full_ttft is not None else None, **guard_fields(stats),
+                }  # fmt: skip
+
+            guarded = row(strat, strat.name)
+            rows.append(guarded)
+            if options.unguarded and guarded.get("guard") is not None:
+                rows.append(unguarded_row(guarded, strat, row))
     return rows
+
+
+#: The suffix of a guarded strategy's rows without its escalations (`RunOptions.unguarded`).
+UNGUARDED = "@unguarded"
+
+
+def unguarded_row(
+    guarded: dict[str, Any], strat: Strategy, run: Callable[[Strategy, str], dict[str, Any]]
+) -> dict[str, Any]:
+    """Return the row the guarded strategy ``strat`` would have without its escalation.
+
+    Where the guard did not escalate it is the guarded row itself (the same blend); where it
+    did, the blend runs again with the guard off (its answer, KL and compute, no TTFT).
+    """
+    name = strat.name + UNGUARDED
+    if not guarded["escalated"]:  # no TTFT: the guarded row's is the strategy's
+        return {**guarded, "strategy": name, "ttft_s": None}
+    config = strat.config.replace(guard=None)
+    again = run(Strategy(name, config, strat.cache_documents, strat.compiled), name)
+    return {**again, "ttft_s": None, "guard": guarded["guard"], "escalated": False,
+            "guard_would_escalate": True}  # fmt: skip
 
 
 # ------------------------------------------------------------------------- summaries
