@@ -202,7 +202,9 @@ def evaluate_question(
             if (head, strat.name) in done:
                 continue
 
-            def row(strat: Strategy, name: str) -> dict[str, Any]:
+            def row(
+                strat: Strategy, name: str, engine: BlendEngine = engine, head: str = head
+            ) -> dict[str, Any]:
                 with strat.loop():
                     pre, answer, ttft = _timed(engine, item, strat, options)
                 if len(pre.token_ids) != base_line.prompt_tokens:
