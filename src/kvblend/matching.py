@@ -4,77 +4,31 @@ An engine finds its own known documents in a prompt string itself (`BlendEngine.
 over the document registry that every engine sharing the store fills); the adapters call it
 for every prompt. This module is for the two other ways a caller may mark documents:
 
-- **given texts** (`split_prompt(prompt, documents)`, `find_documents`): every one of the
-  ``documents`` the caller passes that occurs verbatim in the prompt becomes a cached
-  `Segment`; the text around them (template, question, separators) becomes uncached segments
-  computed in full. Longest documents first, never two overlapping matches, left to right; only
-  documents whose first characters occur in the prompt are searched for, so the cost grows with
-  the prompt length plus the number of texts, not their product.
+- **given texts** (`split_prompt(prompt, documents)`): every one of the ``documents`` the
+  caller passes that occurs verbatim in the prompt becomes a cached `Segment`; the text around
+  them (template, question, separators) becomes uncached segments computed in full. They are
+  found by the document registry's own matcher (`kvblend.documents.registry.DocumentRegistry`,
+  here over the given texts alone, in memory): longest documents first, never two overlapping
+  matches, every occurrence; its cost grows with the prompt length, not the number of texts.
+  As in the registry, a text shorter than `kvblend.documents.records.MIN_CHARS` (8) characters
+  is never a document.
 - **separator mode** (``separator="..."``, like LMCache's ``blend_special_str``): the prompt is
   split on the separator string, which is removed; every piece between two separators is a
   cached document, the first and last pieces are uncached. The adapters' ``separator`` option
   uses it.
 
-This module depends only on `kvblend.prompt.segments`; it imports no framework.
+This module imports no framework.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from kvblend.documents.records import MIN_CHARS
+from kvblend.documents.registry import DocumentRegistry
 from kvblend.prompt.segments import Segment
 
-__all__ = ["DocumentMatch", "find_documents", "split_prompt"]
-
-# Length of the prompt substrings indexed to rule out documents cheaply before searching.
-_ANCHOR_CHARS = 8
-
-
-@dataclass(frozen=True)
-class DocumentMatch:
-    """A known document found in a prompt at characters ``[start, end)``."""
-
-    start: int
-    end: int
-    text: str
-
-
-def find_documents(prompt: str, documents: Iterable[str]) -> list[DocumentMatch]:
-    """Locate known ``documents`` in ``prompt`` by exact match.
-
-    Longer documents are placed first; an occurrence that overlaps an already placed one is
-    skipped (so a document contained in a longer matched document is not matched inside it).
-    A document that occurs several times is matched at every non-overlapping occurrence.
-
-    Args:
-        prompt: the final prompt text.
-        documents: candidate document texts (duplicates and blank texts are ignored).
-
-    Returns:
-        The accepted matches, sorted by position.
-    """
-    candidates = _candidates(prompt, documents)
-    # Longest first; among equal lengths, the earlier occurrence wins.
-    occurrences = sorted(
-        ((start, text) for text in candidates for start in _occurrences(prompt, text)),
-        key=lambda item: (-len(item[1]), item[0]),
-    )
-    starts: list[int] = []  # accepted spans, sorted by start; they never overlap
-    ends: list[int] = []
-    matches: dict[int, DocumentMatch] = {}
-    for start, text in occurrences:
-        end = start + len(text)
-        slot = bisect.bisect_right(starts, start)
-        if slot > 0 and ends[slot - 1] > start:  # the span on the left reaches into this one
-            continue
-        if slot < len(starts) and starts[slot] < end:  # this one reaches into the next span
-            continue
-        starts.insert(slot, start)
-        ends.insert(slot, end)
-        matches[start] = DocumentMatch(start, end, text)
-    return [matches[start] for start in starts]
+__all__ = ["split_prompt"]
 
 
 def split_prompt(
@@ -91,8 +45,8 @@ def split_prompt(
 
     Args:
         prompt: the final prompt text (after any chat template).
-        documents: document texts the caller knows are (or may be) in the prompt; ignored in
-            separator mode.
+        documents: document texts the caller knows are (or may be) in the prompt (blank texts
+            and texts under 8 characters are not documents); ignored in separator mode.
         separator: if given, split on this string instead of matching: each piece between two
             separators is a cached document; the first and last pieces are uncached.
         prefix_role: mark the text before the first document as ``role="prefix"`` (cached at its
@@ -109,10 +63,10 @@ def split_prompt(
     else:
         pieces = []
         cursor = 0
-        for match in find_documents(prompt, documents):
-            pieces.append((prompt[cursor : match.start], False))
-            pieces.append((match.text, True))
-            cursor = match.end
+        for start, end in _found(prompt, documents):
+            pieces.append((prompt[cursor:start], False))
+            pieces.append((prompt[start:end], True))
+            cursor = end
         pieces.append((prompt[cursor:], False))
     segments = [Segment(text, cache=cached) for text, cached in pieces if text]
     if not segments:
@@ -123,32 +77,14 @@ def split_prompt(
     return segments
 
 
-def _candidates(prompt: str, documents: Iterable[str]) -> list[str]:
-    """Distinct non-empty documents that may occur in ``prompt`` (cheap anchor filter first)."""
-    anchors: set[str] | None = None
-    found: list[str] = []
-    seen: set[str] = set()
-    for text in documents:
-        if not text.strip() or text in seen or len(text) > len(prompt):
-            continue
-        seen.add(text)
-        if len(text) >= _ANCHOR_CHARS:
-            if anchors is None:  # every substring of anchor length, built on first need
-                last = len(prompt) - _ANCHOR_CHARS + 1
-                anchors = {prompt[i : i + _ANCHOR_CHARS] for i in range(max(0, last))}
-            if text[:_ANCHOR_CHARS] not in anchors:
-                continue
-        if text in prompt:
-            found.append(text)
-    return found
-
-
-def _occurrences(prompt: str, text: str) -> Iterable[int]:
-    """Start offsets of the non-overlapping occurrences of ``text``, left to right."""
-    start = prompt.find(text)
-    while start >= 0:
-        yield start
-        start = prompt.find(text, start + len(text))
+def _found(prompt: str, documents: Iterable[str]) -> list[tuple[int, int]]:
+    """Character spans of the given ``documents`` in ``prompt`` (the registry's matcher)."""
+    texts = [text for text in dict.fromkeys(documents) if text.strip() and len(text) >= MIN_CHARS]
+    if not texts:
+        return []
+    registry = DocumentRegistry(None, "given-texts", capacity=len(texts))
+    registry.add(texts)
+    return [(match.start, match.end) for match in registry.find(prompt)]
 
 
 def _split_on_separator(prompt: str, separator: str) -> list[tuple[str, bool]]:

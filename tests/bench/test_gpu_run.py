@@ -100,7 +100,7 @@ def test_the_gpu_run_is_green_on_the_cpu(device_image: tuple[Path, Path], tmp_pa
         names = {Path(name).name for name in archive.getnames()}
     assert set(OUTPUTS.values()) | {"phases.txt", "summary.md", "env.log"} <= names
     assert "compiled loop 1K reuse@compiled: TTFT" in summary and "compiling: " in summary
-    assert "compiled-tests (pytest): 1 passed, 0 failed" in summary
+    assert re.search(r"compiled-tests \(pytest\): [1-9]\d* passed, 0 failed, 0 errors", summary)
     assert re.search(r"tests \(pytest\): [1-9]\d* passed, 0 failed", summary)
 
 

@@ -9,9 +9,13 @@ evaluated element by element) is checked block by block against the dense mask.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
+from torch._inductor.exc import LoweringException
 
 from conftest import TOY_BLEND_SETTINGS, make_tiny_engine
 from kvblend import BlendConfig, BlendEngine, Segment
@@ -19,7 +23,10 @@ from kvblend.bench.ops import byte_engine, rag_prompt, random_documents
 from kvblend.blend import compiled as compiled_loop
 from kvblend.blend import flex
 from kvblend.blend.attention import attention_mask, sdpa
+from kvblend.blend.correction import apply_correction
 from kvblend.blend.flex import BLOCK, FlexRows, block_mask_data, size_bucket
+from kvblend.blend.layer_step import layer_step
+from kvblend.blend.rope import rotate_
 
 DOCS = [
     "Doc one: Marta Quill lives in Lisbon and keeps bees on the roof of her old house.",
@@ -211,8 +218,7 @@ def test_a_refused_step_compile_runs_the_step_eagerly_counted(
 ) -> None:
     """Past dynamo's recompile limit the step runs eagerly, counted, with the same logits."""
     monkeypatch.setattr(compiled_loop, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(flex, "COMPILE_LIMIT", flex.CompileLimit())
-    monkeypatch.setattr(compiled_loop, "COMPILE_LIMIT", flex.COMPILE_LIMIT)
+    monkeypatch.setattr(flex, "COMPILE_REFUSALS", flex.CompileRefusals())
     torch._dynamo.reset()
     engine = byte_engine(3, hidden=32, device=str(compute_device))
     documents = random_documents(4, 150, seed=6)
@@ -224,7 +230,84 @@ def test_a_refused_step_compile_runs_the_step_eagerly_counted(
     reuse = engine.prefill(prompt, BlendConfig("reuse"))  # its one graph
     default = engine.prefill(prompt, BlendConfig())  # its main pass's graph is refused
     assert reuse.stats.uncompiled_calls == 0 and default.stats.uncompiled_calls == 2
-    assert flex.COMPILE_LIMIT.refused == 2
+    assert flex.COMPILE_REFUSALS.refused == 2
     tolerance = 1e-5 if compute_device.type == "cpu" else 1e-4
     torch.testing.assert_close(reuse.logits, expected[0], atol=tolerance, rtol=0)
     torch.testing.assert_close(default.logits, expected[1], atol=tolerance, rtol=0)
+
+
+def _lowering_refused(*args: Any) -> Any:
+    """What torch 2.11's CPU inductor raises for the step's FlexAttention, before it runs."""
+    error = NotImplementedError("Unsupported for now if query, key, value are the same buffer.")
+    raise LoweringException(error, "flex_attention", [], {})
+
+
+def _fails_halfway(*args: Any) -> Any:
+    """A compiled step that runs on layer 0 (the eager step) and fails on the next layer after
+    its first kernels ran (the correction moved the layer's cached rows), leaving that layer's
+    K/V half-written: a retry from it would shift the moved rows twice."""
+    view, _, _, hidden, layer_kv, _, row_table, correction, _ = args
+    if view.layers[0] is view.model.model.layers[0]:
+        return layer_step(*args)
+    _, fresh = view.project_rows(0, hidden)
+    rotate_(fresh[:, 0], row_table.unsqueeze(1))
+    if correction is not None:  # what `write_fresh` does first
+        apply_correction(correction, layer_kv, fresh)
+    raise RuntimeError("injected: a kernel of the compiled step failed on its first run")
+
+
+@pytest.fixture(scope="module")
+def refused_setup() -> tuple[BlendEngine, list[list[Segment]], list[list[Any]]]:
+    """A 3-layer engine, two prompts of one size bucket, and the eager loop's prefills of them."""
+    engine = byte_engine(3, hidden=32)
+    documents = random_documents(4, 150, seed=6)
+    engine.precompute([text + "\n" for text in documents], progress=False)
+    prompts = [rag_prompt(documents), rag_prompt(documents[::-1])]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(compiled_loop.COMPILE_ENV, "0")
+        eager = [[engine.prefill(p, c) for c in REFUSED_CONFIGS] for p in prompts]
+    return engine, prompts, eager
+
+
+#: The default's main pass is corrected (its K/V written in place twice per layer).
+REFUSED_CONFIGS = [BlendConfig("reuse"), BlendConfig()]
+
+
+@pytest.mark.parametrize(("refusal", "tries"), [(_lowering_refused, 1), (_fails_halfway, 2)])
+def test_a_step_the_backend_refuses_runs_eagerly_with_the_eager_answer(
+    refusal: Any,
+    tries: int,
+    refused_setup: tuple[BlendEngine, list[list[Segment]], list[list[Any]]],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A refused compile (injected: a lowering error before the step runs, or a failure after
+    it wrote part of the layer's K/V) never reaches the caller: that bucket runs eagerly from
+    the same inputs, logged once, counted, never compiled again, and the answer is the eager
+    loop's (``tries``: compiled calls per bucket)."""
+    engine, prompts, eager = refused_setup
+    calls: list[int] = []
+
+    def compile_refused(device_type: str) -> Any:
+        def step(*args: Any) -> Any:
+            calls.append(1)
+            return refusal(*args)
+
+        return step
+
+    monkeypatch.setattr(compiled_loop, "_compiled_step", compile_refused)
+    monkeypatch.setattr(flex, "COMPILE_REFUSALS", flex.CompileRefusals())
+    monkeypatch.setenv(compiled_loop.COMPILE_ENV, "1")
+    with caplog.at_level(logging.WARNING, logger=flex.__name__):
+        got = [[engine.prefill(p, c) for c in REFUSED_CONFIGS] for p in prompts]
+    buckets = len(flex.COMPILE_REFUSALS.buckets)
+    assert buckets >= 2 and len(calls) == tries * buckets  # then never compiled again
+    steps = [out.stats.uncompiled_calls for results in got for out in results]
+    assert all(steps) and sum(steps) == flex.COMPILE_REFUSALS.refused  # every one counted
+    for results, expected in zip(got, eager, strict=True):
+        for out, reference in zip(results, expected, strict=True):
+            torch.testing.assert_close(out.logits, reference.logits, atol=1e-5, rtol=0)
+            for a, b in zip(out.keys + out.values, reference.keys + reference.values, strict=True):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    said = [r.getMessage() for r in caplog.records if "compiler refused" in r.getMessage()]
+    assert len(said) == 1 and ("same buffer" in said[0] or "injected" in said[0])

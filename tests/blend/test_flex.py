@@ -96,7 +96,7 @@ def test_a_refused_compile_is_logged_once_counted_and_attended_by_chunks(
     flex_device: torch.device, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(flex, "FLEX_RECOMPILE_LIMIT", 2)  # the first prompt's two kernels
-    monkeypatch.setattr(flex, "COMPILE_LIMIT", flex.CompileLimit())
+    monkeypatch.setattr(flex, "COMPILE_REFUSALS", flex.CompileRefusals())
     engine = byte_engine(2, hidden=32, device=str(flex_device))
     documents = random_documents(12, 255, seed=4)
     engine.precompute([text + "\n" for text in documents], progress=False)
@@ -105,11 +105,44 @@ def test_a_refused_compile_is_logged_once_counted_and_attended_by_chunks(
         got = [engine.prefill(prompt, BLEND) for prompt in prompts]
     assert got[0].stats.uncompiled_calls == 0  # the first shapes compile
     assert got[1].stats.uncompiled_calls > 0 and got[2].stats.uncompiled_calls > 0
-    refused = [r for r in caplog.records if "refused another compile" in r.getMessage()]
+    refused = [r for r in caplog.records if "compiler refused" in r.getMessage()]
     assert len(refused) == 1  # said once, whatever the number of calls
-    assert flex.COMPILE_LIMIT.refused >= 2
+    assert flex.COMPILE_REFUSALS.refused >= 2
     monkeypatch.setenv("KVBLEND_ATTENTION", "chunks")
     tolerance = 2e-5 if flex_device.type == "cpu" else 2e-4
     for prompt, out in zip(prompts, got, strict=True):
         expected = engine.prefill(prompt, BLEND).logits
         torch.testing.assert_close(out.logits, expected, atol=tolerance, rtol=0)
+
+
+def test_a_kernel_the_backend_refuses_is_attended_by_chunks(
+    flex_device: torch.device, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any error of the kernel's compile (injected: a lowering the backend refuses) never
+    reaches the caller: that shape is attended by query chunks, logged once, counted, and not
+    compiled again."""
+    from torch._inductor.exc import LoweringException
+
+    tries: list[int] = []
+
+    def refused(*args: object, **kwargs: object) -> torch.Tensor:
+        tries.append(1)
+        raise LoweringException(NotImplementedError("not for this shape"), "flex", [], {})
+
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: refused)
+    monkeypatch.setattr(flex, "COMPILE_REFUSALS", flex.CompileRefusals())
+    engine = byte_engine(2, hidden=32, device=str(flex_device))
+    documents = random_documents(4, 255, seed=4)
+    engine.precompute([text + "\n" for text in documents], progress=False)
+    prompt = _prompt(documents, 900)
+    with caplog.at_level(logging.WARNING, logger=flex.__name__):
+        got = [engine.prefill(prompt, BLEND) for _ in range(2)]
+    shapes = len(flex.COMPILE_REFUSALS.buckets)
+    assert shapes >= 1 and len(tries) == shapes  # each shape tried once
+    assert all(out.stats.uncompiled_calls > 0 for out in got)
+    said = [r for r in caplog.records if "compiler refused" in r.getMessage()]
+    assert len(said) == 1 and "not for this shape" in said[0].getMessage()
+    monkeypatch.setenv("KVBLEND_ATTENTION", "chunks")
+    expected = engine.prefill(prompt, BLEND).logits
+    for out in got:
+        torch.testing.assert_close(out.logits, expected, atol=1e-5, rtol=0)

@@ -14,7 +14,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend import selectors
 from kvblend.blend.attention import QUERY_CHUNK, RowAttention, attention_mask, sdpa
-from kvblend.blend.io import MOVED, RowSet
+from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     Forecast,
     Selection,
@@ -34,7 +34,7 @@ def test_defaults_and_settings_of_each_strategy() -> None:
         "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
         "min_recompute": 256,
         "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
-        "probe_text": False, "guard": None,
+        "probe_tail": False, "guard": None,
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
@@ -168,6 +168,9 @@ def test_a_strategy_registered_from_outside_forecasts_what_its_prefill_recompute
             assert explained.recomputed_tokens == ran.recomputed_tokens
             assert vllm_plan.recomputed == ran.recomputed_tokens
             assert explained.reused_tokens == ran.reused_tokens == vllm_plan.reused
+            # vLLM's cost of the blend: the rows its own forecast says it computes
+            uncached = int((vllm_plan.plan.kinds == COMPUTE).sum())
+            assert vllm_plan.rows == uncached + ran.recomputed_tokens
     finally:
         del selectors.SELECTORS["last-tokens"]
 

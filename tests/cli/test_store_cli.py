@@ -146,3 +146,46 @@ def test_a_bad_sharing_setting_is_one_line(folder, capsys, monkeypatch):
     code, _, err = run(capsys, "stats", "--store-dir", str(folder))
     assert code == 2
     assert_one_line_error(err, "KVBLEND_STORE_SHARED")
+
+
+def test_repair_reads_every_indexed_entry_and_deletes_a_truncated_one(folder, capsys):
+    import sqlite3
+
+    with sqlite3.connect(folder / "cache.db") as db:
+        (filename,) = db.execute("SELECT filename FROM Cache WHERE key = 'a'").fetchone()
+    db.close()
+    entry = folder / filename
+    size = entry.stat().st_size
+    with open(entry, "r+b") as handle:  # indexed, then cut short: repair used to call it sound
+        handle.truncate(1000)
+    code, out, _ = run(capsys, "repair", "--store-dir", str(folder))
+    assert code == 0
+    assert (
+        "indexed entries read whole (size, header, checksums): 2; damaged ones deleted: 1 "
+        f"({size:,} bytes)" in out
+    )
+    assert "entries: 1," in out and not entry.exists()
+    with DiskKVStore(folder) as store:
+        assert store.get("a") is None and store.stats().corrupt_dropped == 0  # already gone
+        assert torch.equal(store.get("b")["k.0"], make_kv(1)["k.0"])
+    code, out, _ = run(capsys, "repair", "--store-dir", str(folder))  # nothing left to fix
+    assert "read whole (size, header, checksums): 1; damaged ones deleted: 0" in out
+
+
+def test_clear_other_keys_keeps_only_the_entries_of_this_key(tmp_path, capsys, monkeypatch):
+    mine, theirs = "a" * 64, "b" * 64
+    path = tmp_path / "kv"
+    for name, key in (("mine", mine), ("theirs", theirs), ("unsigned", "")):
+        with DiskKVStore(path, store_key=key) as store:
+            store.put(name, make_kv())
+    code, _, err = run(capsys, "clear", "--other-keys", "--store-dir", str(path))
+    assert code == 2
+    assert_one_line_error(err, "no store key: set $KVBLEND_STORE_KEY")
+    monkeypatch.setenv("KVBLEND_STORE_KEY", theirs)
+    code, out, _ = run(capsys, "repair", "--store-dir", str(path))
+    assert "entries of another store key (or none), kept: 2" in out
+    monkeypatch.setenv("KVBLEND_STORE_KEY", mine)
+    code, out, _ = run(capsys, "clear", "--other-keys", "--store-dir", str(path))
+    assert code == 0 and "cleared 2 entries of another store key (or none)" in out
+    with DiskKVStore(path, store_key=mine) as store:
+        assert store.keys() == ["mine"] and store.get("mine") is not None

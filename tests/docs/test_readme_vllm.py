@@ -4,7 +4,9 @@ The block under "## vLLM" is run with bash, in a fresh folder (``.venv-vllm``
 linked there, so the relative paths hold), with two differences only: its first line, the
 install script, is left out when ``.venv-vllm`` exists (CI's ``.ci/run`` has just run it), and
 the server gets a free port (``--port``) instead of 8000, which another server may hold. The
-server then answers a chat RAG prompt of the sample documents it was told to precompute.
+server then answers a chat RAG prompt of the sample documents it was told to precompute, and
+docs/vllm.md's metrics example (the bash block under "## Metrics", a ``curl`` of ``/metrics``)
+shows every kvblend metric, counting that request as its record says.
 """
 
 from __future__ import annotations
@@ -35,13 +37,43 @@ pytestmark = [
 ]
 
 
+def bash_block(path: Path, heading: str) -> list[str]:
+    """Return the lines of the first bash block under ``heading`` in ``path``."""
+    text = path.read_text("utf-8")
+    section = text[text.index(f"\n{heading}\n") :]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
+    assert block is not None, f"no bash block under {heading!r} in {path.name}"
+    return block.group(1).rstrip("\n").splitlines()
+
+
 def readme_vllm_block() -> list[str]:
     """Return the lines of the README's first bash block under "## vLLM"."""
-    text = (ROOT / "README.md").read_text("utf-8")
-    section = text[text.index("\n## vLLM\n") :]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL)
-    assert block is not None, "no bash block in the README's vLLM section"
-    return block.group(1).rstrip("\n").splitlines()
+    return bash_block(ROOT / "README.md", "## vLLM")
+
+
+#: The metrics docs/vllm.md's example shows, each with a sample (`KVBlendPromMetrics`).
+METRICS = [
+    f"vllm:kvblend_{name}"
+    for name in (
+        "blended_requests_total", "vllm_requests_total", "prompt_tokens_total",
+        "prefix_cached_tokens_total", "reused_tokens_total", "computed_tokens_total",
+        "recomputed_tokens_total", "escalated_tokens_total", "blend_seconds_count",
+        "blend_seconds_sum",
+    )
+]  # fmt: skip
+
+
+def scraped(port: int) -> dict[str, float]:
+    """Run docs/vllm.md's metrics example against the server on ``port``; its samples."""
+    command = "\n".join(bash_block(ROOT / "docs" / "vllm.md", "## Metrics"))
+    assert "curl" in command and "localhost:8000/metrics" in command, command
+    command = command.replace("localhost:8000", f"127.0.0.1:{port}")
+    done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    samples: dict[str, float] = {}
+    for line in done.stdout.splitlines():
+        name, _, value = line.rpartition(" ")
+        samples[re.sub(r'(engine|model_name)="[^"]*",?', "", name).replace("{}", "")] = float(value)
+    return samples
 
 
 def _free_port() -> int:
@@ -110,6 +142,11 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
         assert answer["choices"][0]["message"]["content"].strip()
         record = (answer.get("kv_transfer_params") or {}).get("kvblend")
         assert record is not None and "forecast_vllm_s" in record, answer
+        for _ in range(20):  # the step's stats reach /metrics just after the answer
+            samples = scraped(port)
+            if samples.get("vllm:kvblend_prompt_tokens_total"):
+                break
+            time.sleep(0.5)
     finally:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
@@ -124,3 +161,13 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
     assert f"kvblend: store disk {store}: 8 entries of model" in log, log[-3000:]
     assert "kvblend: parity gate passed" in log
     assert json.dumps(record)  # the record the server returned is plain JSON
+    assert all(any(key.startswith(name) for key in samples) for name in METRICS), samples
+    blended = record["fallback"] is None
+    assert samples["vllm:kvblend_blended_requests_total"] == int(blended)
+    if not blended:
+        assert samples[f'vllm:kvblend_vllm_requests_total{{reason="{record["reason"]}"}}'] == 1
+    assert samples["vllm:kvblend_prompt_tokens_total"] == record["prompt_tokens"]
+    reused = record["cached_tokens"] - record["vllm_prefix_tokens"]
+    assert samples["vllm:kvblend_reused_tokens_total"] == reused
+    assert samples["vllm:kvblend_recomputed_tokens_total"] == record["recomputed_tokens"]
+    assert samples["vllm:kvblend_escalated_tokens_total"] == 0

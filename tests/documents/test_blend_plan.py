@@ -46,7 +46,7 @@ def plan_of(engine: BlendEngine) -> PrefillPlan:
 
 def key_of(engine: BlendEngine, plan: PrefillPlan, index: int) -> str:
     span = plan.spans[index]
-    return segment_key(engine.segment_kv.fingerprint, span.context_ids, span.cached_ids)
+    return segment_key(engine.library.segment_kv.fingerprint, span.context_ids, span.cached_ids)
 
 
 class TwoRanks:
@@ -66,9 +66,11 @@ class TwoRanks:
 def test_lazy_and_whole_reads_give_the_same_kv(engine: BlendEngine) -> None:
     plan = plan_of(engine)
     planned = plan.kinds.copy()
-    lazy = blend_plan(engine.decoder, engine.segment_kv, plan, CONFIG)
+    lazy = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG)
     lost: list[str] = []
-    whole = blend_plan(engine.decoder, engine.segment_kv, plan, CONFIG, read_whole=True, lost=lost)
+    whole = blend_plan(
+        engine.decoder, engine.library.segment_kv, plan, CONFIG, read_whole=True, lost=lost
+    )
     assert lazy.computed == whole.computed == 0 and not lost
     assert len(lazy.spans) == len(whole.spans) == 4
     assert np.array_equal(lazy.kinds, planned) and np.array_equal(whole.kinds, planned)
@@ -84,7 +86,7 @@ def test_a_missing_entry_is_computed_and_stored_when_read_lazily(engine: BlendEn
     plan = plan_of(engine)
     key = key_of(engine, plan, 2)
     engine.store.delete(key)
-    blended = blend_plan(engine.decoder, engine.segment_kv, plan, CONFIG)
+    blended = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG)
     assert blended.computed == 1 and len(blended.spans) == 4
     assert engine.store.contains(key)
     assert np.array_equal(blended.kinds, plan.kinds)
@@ -96,7 +98,7 @@ def test_a_missing_entry_read_whole_has_its_rows_computed(engine: BlendEngine) -
     engine.store.delete(key)
     lost: list[str] = []
     blended = blend_plan(
-        engine.decoder, engine.segment_kv, plan, CONFIG, read_whole=True, lost=lost
+        engine.decoder, engine.library.segment_kv, plan, CONFIG, read_whole=True, lost=lost
     )
     assert lost == [f"entry {key[:12]} not in the store"]
     assert blended.computed == 0 and len(blended.spans) == 3
@@ -110,7 +112,7 @@ def test_an_entry_failing_while_read_lazily_is_recomputed(
     engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plan = plan_of(engine)
-    segment_kv = engine.segment_kv
+    segment_kv = engine.library.segment_kv
     real = segment_kv.open_entry
     failing = key_of(engine, plan, 1)
 
@@ -134,7 +136,13 @@ def test_ranks_agree_on_the_entries_they_use(engine: BlendEngine) -> None:
     ranks = TwoRanks(engine.decoder.shape.num_kv_heads)
     lost: list[str] = []
     blended = blend_plan(
-        engine.decoder, engine.segment_kv, plan, CONFIG, read_whole=True, ranks=ranks, lost=lost
+        engine.decoder,
+        engine.library.segment_kv,
+        plan,
+        CONFIG,
+        read_whole=True,
+        ranks=ranks,
+        lost=lost,
     )
     key = key_of(engine, plan, 0)
     assert lost == [f"entry {key[:12]} unusable on another tensor-parallel rank"]
@@ -147,7 +155,7 @@ def test_a_rank_never_recomputes_an_entry_alone(
     engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     plan = plan_of(engine)
-    segment_kv = engine.segment_kv
+    segment_kv = engine.library.segment_kv
     wrong = {"kv": torch.zeros(1, 2, 3)}  # a store that ignores the expected shape
     monkeypatch.setattr(segment_kv, "open_entry", lambda key, tokens, device=None: wrong)
 

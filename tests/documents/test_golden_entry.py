@@ -70,8 +70,8 @@ def test_precompute_computes_the_stored_entry(
     assert batched is not None and batched["kv"].dtype == kv.dtype
     assert batched["kv"].shape == kv.shape
     assert relative(batched["kv"], kv) <= 1e-5
-    layout = engine.segment_kv.layout(meta["text"])
-    alone = engine.segment_kv.compute(meta["key"], layout.context_ids, layout.ids)["kv"]
+    layout = engine.library.segment_kv.layout(meta["text"])
+    alone = engine.library.segment_kv.compute(meta["key"], layout.context_ids, layout.ids)["kv"]
     assert relative(alone, kv) <= 1e-5
 
 
@@ -79,7 +79,7 @@ def test_the_stored_entry_is_transformers_kv(
     engine: BlendEngine, golden: tuple[torch.Tensor, dict[str, str]]
 ) -> None:
     kv, meta = golden
-    layout = engine.segment_kv.layout(meta["text"])
+    layout = engine.library.segment_kv.layout(meta["text"])
     ids = layout.context_ids + layout.ids
     cache = DynamicCache()
     with torch.inference_mode():
@@ -103,3 +103,23 @@ def test_a_stored_entry_is_read_not_computed(
     prompt = [Segment(meta["text"]), Segment(" What hums?", cache=False)]
     result = reader.prefill(prompt, BlendConfig("reuse"))
     assert result.stats.segments_cached == 1 and result.stats.segments_precomputed == 0
+
+
+def test_the_vllm_connector_finds_the_stored_entry_without_loading_the_model(
+    engine: BlendEngine, golden: tuple[torch.Tensor, dict[str, str]]
+) -> None:
+    """vLLM's connector keys entries from the served folder's checkpoint read a weight at a
+    time (no second copy of the model): the key of the entry stored before."""
+    from transformers import AutoTokenizer
+
+    from kvblend.models.checkpoint import checkpoint_fingerprint
+    from kvblend.models.loading import model_folder
+    from kvblend.prompt.segments import segment_key
+
+    _, meta = golden
+    folder = model_folder()  # the folder vLLM serves
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))  # as the connector loads it
+    fingerprint = checkpoint_fingerprint(folder, tokenizer, torch.float32, torch.float32)
+    assert fingerprint == engine.fingerprint
+    layout = engine.library.segment_kv.layout(meta["text"])
+    assert segment_key(str(fingerprint), layout.context_ids, layout.ids) == meta["key"]

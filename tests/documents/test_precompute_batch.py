@@ -46,9 +46,9 @@ def engine_for(model: torch.nn.Module, name: str) -> BlendEngine:
 def one_by_one(engine: BlendEngine, texts: list[str]) -> list[str]:
     keys = []
     for text in texts:
-        layout = engine.segment_kv.layout(text)
+        layout = engine.library.segment_kv.layout(text)
         key = engine.segment_id(text)
-        engine.segment_kv.compute(key, layout.context_ids, layout.ids)
+        engine.library.segment_kv.compute(key, layout.context_ids, layout.ids)
         keys.append(key)
     return keys
 

@@ -200,7 +200,7 @@ def test_a_second_process_reuses_documents_it_never_precomputed(tmp_path: Path) 
     engine = BlendEngine(
         tiny_model("qwen2"), byte_tokenizer(), store=default_store(tmp_path / "store")
     )
-    assert engine.is_known(A) and len(engine.documents) == 2
+    assert engine.is_known(A) and len(engine.library.registry) == 2
 
 
 FOLDER_WORKER = textwrap.dedent(
@@ -321,7 +321,7 @@ def test_documents_are_found_whatever_head_they_were_precomputed_behind(tmp_path
         model, byte_tokenizer(), store=DiskKVStore(tmp_path), system_prompt="Y: another head."
     )
     assert first.doc_prefix != second.doc_prefix
-    assert second.is_known(A) and second.is_known(B) and len(second.documents) == 2
+    assert second.is_known(A) and second.is_known(B) and len(second.library.registry) == 2
     prompt = f"{second.doc_prefix}{A}\n\n{B}\nWho keeps bees?"
     stats = second.prefill(prompt, BlendConfig("reuse")).stats
     assert (stats.documents_found, stats.documents_reused) == (2, 2)
@@ -340,7 +340,7 @@ def test_documents_are_found_whatever_head_they_were_precomputed_behind(tmp_path
     assert (full.logits - expected).abs().max() < 1e-4
     # precomputing behind its own head adds an entry it then prefers
     second.precompute([A])
-    assert second.documents.contexts(A) == [first.doc_prefix, second.doc_prefix]
+    assert second.library.registry.contexts(A) == [first.doc_prefix, second.doc_prefix]
     own = second.prefill(f"{second.doc_prefix}{A}\nQ?", BlendConfig("reuse")).stats
     assert own.prefix_tokens > 0
 

@@ -45,10 +45,10 @@ def assert_reuses_both(engine: BlendEngine) -> None:
 def test_a_new_store_is_rebuilt_once_and_then_marked_whole(model, tmp_path: Path) -> None:
     first = engine_over(model, DiskKVStore(tmp_path))
     first.precompute([A, B])
-    assert first.is_known(A) and first.documents.rebuilds == 1  # a new log: marked once
+    assert first.is_known(A) and first.library.registry.rebuilds == 1  # a new log: marked once
     second = engine_over(model, DiskKVStore(tmp_path))
     assert_reuses_both(second)
-    assert second.documents.rebuilds == 0
+    assert second.library.registry.rebuilds == 0
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "deleted"])
@@ -62,13 +62,13 @@ def test_a_damaged_records_file_costs_one_rebuild(model, tmp_path: Path, damage:
             path.write_bytes(b"\x13garbage" * 4096 if damage == "garbage" else b"SQLite format")
     second = engine_over(model, DiskKVStore(tmp_path), system_prompt="Another head.")
     assert_reuses_both(second)
-    assert second.documents.rebuilds == 1
+    assert second.library.registry.rebuilds == 1
     # the heads came back too (entry metadata): a question naming A's first words is no near miss
-    assert second.documents.anchor_in(f"{A[:16]} what?") is None
-    assert second.documents.anchor_in(f"{A[:40]} what?") == (0, len(A))
+    assert second.library.registry.anchor_in(f"{A[:16]} what?") is None
+    assert second.library.registry.anchor_in(f"{A[:40]} what?") == (0, len(A))
     third = engine_over(model, DiskKVStore(tmp_path))
-    assert third.is_known(A) and third.is_known(B) and third.documents.rebuilds == 0
-    assert third.documents.anchor_in(f"{A[:16]} what?") is None
+    assert third.is_known(A) and third.is_known(B) and third.library.registry.rebuilds == 0
+    assert third.library.registry.anchor_in(f"{A[:16]} what?") is None
 
 
 def test_a_log_replaced_under_a_running_engine_is_rebuilt(model, tmp_path: Path) -> None:
@@ -90,10 +90,10 @@ def test_entries_not_of_this_model_or_naming_no_document_are_skipped(model) -> N
     engine.precompute([A])
     engine.prefill(engine.rag_segments("Q?", [B]), BlendConfig("reuse"))  # computed, unnamed
     other = engine_over(tiny_model("qwen2", seed=1), store)
-    assert len(other.documents) == 0
+    assert len(other.library.registry) == 0
     store._memory_record_logs.clear()
     again = engine_over(model, store)
-    assert again.is_known(A) and not again.is_known(B) and again.documents.rebuilds == 1
+    assert again.is_known(A) and not again.is_known(B) and again.library.registry.rebuilds == 1
 
 
 def test_entries_computed_in_a_prefill_or_healed_name_their_documents(
@@ -107,12 +107,12 @@ def test_entries_computed_in_a_prefill_or_healed_name_their_documents(
     healer = engine_over(model, DiskKVStore(tmp_path))
     stats = healer.prefill(PROMPT, BlendConfig("reuse")).stats
     assert stats.segments_precomputed == 1  # a miss: the store dropped it and counted it
-    assert healer.store.stats().corrupt_dropped == 1 and healer.segment_kv.dropped == 0
+    assert healer.store.stats().corrupt_dropped == 1 and healer.library.segment_kv.dropped == 0
     assert healer.store.metadata(key)["document.digest"] == text_digest(B).hex()
     shutil.rmtree(tmp_path / "records")  # the registry is lost: only the entries name them
     fresh = engine_over(model, DiskKVStore(tmp_path))
     assert_reuses_both(fresh)
-    assert fresh.documents.rebuilds == 1
+    assert fresh.library.registry.rebuilds == 1
 
 
 def test_a_segment_passed_in_a_list_and_never_registered_stays_unnamed(model) -> None:
@@ -139,7 +139,7 @@ def test_a_flushed_server_costs_one_rebuild_from_the_local_tiers(
     redis.Redis.from_url(redis_server.url).flushall()
     second = redis_engine(model, redis_server.url, tmp_path / "a")
     assert_reuses_both(second)
-    assert second.documents.rebuilds == 1 and log_keys(redis_server)
+    assert second.library.registry.rebuilds == 1 and log_keys(redis_server)
 
 
 def test_an_evicted_log_costs_one_rebuild_from_the_servers_entries(
@@ -150,8 +150,8 @@ def test_an_evicted_log_costs_one_rebuild_from_the_servers_entries(
     client.delete(*log_keys(redis_server))
     second = redis_engine(model, redis_server.url, system_prompt="Another head.")
     assert_reuses_both(second)
-    assert second.documents.rebuilds == 1
-    assert redis_engine(model, redis_server.url).documents.rebuilds == 0
+    assert second.library.registry.rebuilds == 1
+    assert redis_engine(model, redis_server.url).library.registry.rebuilds == 0
 
 
 @pytest.mark.parametrize("garbage", ["text", "negative", "wrong type", "longer list"])
@@ -171,9 +171,9 @@ def test_a_damaged_head_key_is_replaced_not_trusted(model, redis_server, garbage
         client.set(head, b"1")
     second = redis_engine(model, redis_server.url)
     assert_reuses_both(second)
-    assert second.documents.rebuilds == 1
+    assert second.library.registry.rebuilds == 1
     assert int(client.get(head)) > 0  # replaced by a whole log
-    assert redis_engine(model, redis_server.url).documents.rebuilds == 0
+    assert redis_engine(model, redis_server.url).library.registry.rebuilds == 0
     # re-precomputing works against the repaired log
     first.precompute(["A third document, long enough to count."])
     assert redis_engine(model, redis_server.url).is_known("A third document, long enough to count.")
@@ -190,10 +190,10 @@ def test_an_acl_user_without_scripting_still_finds_every_document(
         redis.Redis.from_url(url).eval("return 1", 0)
     engine = redis_engine(model, url)
     assert_reuses_both(engine)
-    assert engine.documents.rebuilds == 1
+    assert engine.library.registry.rebuilds == 1
     assert "store's entries instead" in caplog.text
     assert_reuses_both(engine)  # no rebuild per call
-    assert engine.documents.rebuilds == 1
+    assert engine.library.registry.rebuilds == 1
 
 
 def test_the_documented_acl_is_enough_for_the_registry(model, redis_server) -> None:
@@ -205,8 +205,8 @@ def test_the_documented_acl_is_enough_for_the_registry(model, redis_server) -> N
     redis_engine(model, url).precompute([A, B])
     second = redis_engine(model, url)
     assert_reuses_both(second)
-    assert second.documents.rebuilds == 0 and second.documents._unusable_since is None
+    assert second.library.registry.rebuilds == 0 and second.library.registry._unusable_since is None
     client.delete(*log_keys(redis_server))  # the rebuild needs nothing more
     third = redis_engine(model, url)
     assert_reuses_both(third)
-    assert third.documents.rebuilds == 1
+    assert third.library.registry.rebuilds == 1

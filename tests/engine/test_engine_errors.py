@@ -36,7 +36,7 @@ def test_empty_text() -> None:
 def test_precompute_rejects_empty_text_before_doing_any_work(engine: BlendEngine) -> None:
     with pytest.raises(ValueError, match="empty"):
         engine.precompute(["fine text", ""])
-    assert not engine.is_known("fine text") and len(engine.documents) == 0
+    assert not engine.is_known("fine text") and len(engine.library.registry) == 0
 
 
 def test_non_string_text() -> None:
@@ -297,7 +297,7 @@ def test_a_huge_document_is_refused_from_its_length_alone(
     text = str(raised.value)
     assert text.startswith("document 1 ('Lorem ipsum dolor sit amet. Lorem ipsum")
     assert "10,485," in text and "context window of 1024 tokens" in text and "\n" not in text
-    assert work.none and len(engine.documents) == 0
+    assert work.none and len(engine.library.registry) == 0
     with pytest.raises(ValueError, match="prompt of 10,485,"):
         engine.generate(f"Docs: {huge}\nQ?")  # nor searched, nor tokenized
     assert work.none
@@ -310,4 +310,4 @@ def test_a_document_over_the_window_in_tokens_is_named_before_any_forward(
     work = Work(engine, monkeypatch)
     with pytest.raises(ValueError, match=r"document 2 \('word word .* of 1,5\d\d tokens"):
         engine.precompute(["first document text", "second document text", over])
-    assert work.forwards == 0 and len(engine.documents) == 0
+    assert work.forwards == 0 and len(engine.library.registry) == 0

@@ -53,7 +53,7 @@ def test_damaged_stored_kv_is_recomputed_in_the_same_call(
     assert got.stats.documents_reused == 1
     assert torch.allclose(got.logits, expected.logits, atol=1e-5, rtol=0)
     key = reader.segment_id(DOC)
-    assert engine_over(tmp_path, tiered).segment_kv.intact(key)  # stored again, intact
+    assert engine_over(tmp_path, tiered).library.segment_kv.intact(key)  # stored again, intact
 
 
 def test_precompute_repairs_an_entry_it_cannot_read(tmp_path: Path) -> None:
@@ -62,6 +62,6 @@ def test_precompute_repairs_an_entry_it_cannot_read(tmp_path: Path) -> None:
     key = engine.segment_id(DOC)
     damage(tmp_path, "middle")
     fresh = engine_over(tmp_path, tiered=False)
-    assert not fresh.segment_kv.intact(key)  # found damaged, and dropped
+    assert not fresh.library.segment_kv.intact(key)  # found damaged, and dropped
     fresh.precompute([DOC])
-    assert engine_over(tmp_path, tiered=False).segment_kv.intact(key)
+    assert engine_over(tmp_path, tiered=False).library.segment_kv.intact(key)

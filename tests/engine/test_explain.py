@@ -100,7 +100,13 @@ def test_a_fallback_is_reported_with_its_reason_and_logged_once(
     blended = engine.prefill(prompt, BlendConfig(min_recompute=0, full_above=1.0)).stats
     assert blended.fallback is None and blended.strategy_run == "attention"
     assert blended.documents_reused == 3 and not blended.documents_lost
-    assert "runs as full prefill" in str(engine.explain(prompt))
+    explained = str(engine.explain(prompt))
+    assert "runs as full prefill: min_recompute" in explained  # nothing reused: none said
+    assert "reused)" not in explained and first.reused_tokens == 0
+    headed = engine.rag_segments("which river?", documents)  # its head is a cached prefix
+    explained = engine.explain(headed)
+    assert explained.reused_tokens > 0 and explained.fallback is not None
+    assert f"({explained.reused_tokens} tokens of the prompt head reused)" in str(explained)
 
 
 def test_a_prompt_without_documents_says_so_and_warns_nothing(
@@ -112,7 +118,7 @@ def test_a_prompt_without_documents_says_so_and_warns_nothing(
         stats = engine.prefill("Hi").stats
         engine.prefill("Given the conversation, rephrase the follow-up question: where?")
     assert [r.levelno for r in caplog.records] == [logging.INFO]  # once a minute, no warning
-    assert f"no known document in the prompt ({len(engine.documents)} known)" in caplog.text
+    assert f"no known document in the prompt ({len(engine.library.registry)} known)" in caplog.text
     assert stats.documents_found == 0 and stats.near_miss is None
     assert stats.fallback == NO_DOCUMENTS and stats.fallback.startswith("no_documents: ")
     assert stats.strategy == "attention" and stats.strategy_run == "full"

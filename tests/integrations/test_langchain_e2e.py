@@ -243,7 +243,7 @@ def test_retriever_returns_tagged_copies_and_precomputes() -> None:
     assert found[1].metadata == {"n": 2} and found[2].id == "x"
     for document in (found[0], found[2]):
         assert engine.store.contains(document.metadata[SEGMENT_ID_KEY])
-        assert document.page_content in engine.documents
+        assert engine.is_known(document.page_content)
     assert len(retriever.invoke("bees", k=1)) == 1  # cut even when the base ignores k
     reordered = BlendRetriever(
         retriever=FixedRetriever(documents=originals), engine=engine, order="most_relevant_last"
@@ -261,7 +261,7 @@ def test_retriever_background_precompute() -> None:
     )
     found = retriever.invoke("lamp")
     ids = segment_ids(found)
-    assert all(d.page_content in engine.documents for d in docs)  # findable at once
+    assert all(engine.is_known(d.page_content) for d in docs)  # findable at once
     retriever.wait_precomputed(timeout=60)
     assert all(engine.store.contains(segment_id) for segment_id in ids)
 

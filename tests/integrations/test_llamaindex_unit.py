@@ -455,3 +455,36 @@ def test_plain_query_engine_keeps_working(
     response = index.as_query_engine(llm=llm, similarity_top_k=1).query("When?")
     assert isinstance(response, Response) and response.response
     assert DOC_C in text_of(prompts[-1])  # the default (compact) QA prompt reached the engine
+
+
+def test_a_query_engine_response_carries_the_reuse_figures(
+    engine: BlendEngine, prompts: list[list[Segment]]
+) -> None:
+    index = VectorStoreIndex(
+        [node.node for node in nodes(DOC_A, DOC_C)], embed_model=MockEmbedding(embed_dim=8)
+    )
+    llm = BlendLLM(engine=engine, max_tokens=3)
+    query_engine = blend_query_engine(index, llm, similarity_top_k=2, text_qa_template=TEMPLATE)
+    response = query_engine.query("Where?")
+    direct = llm.complete(text_of(prompts[-1]), formatted=True).raw
+    figures = response.metadata["kvblend"]
+    assert figures["documents_found"] == 2 and figures["prompt_tokens"] > 0
+    assert {"reused_tokens", "recomputed_tokens", "computed_tokens", "fallback"} <= set(figures)
+    assert response.metadata["usage"]["prompt_tokens"] == direct["usage"]["prompt_tokens"]
+    assert all(item.node.node_id in response.metadata for item in response.source_nodes)
+    streamed = blend_query_engine(
+        index, llm, similarity_top_k=2, text_qa_template=TEMPLATE, streaming=True
+    ).query("Where?")
+    assert "kvblend" not in streamed.metadata  # known once the stream is read
+    "".join(streamed.response_gen)
+    assert streamed.metadata["kvblend"]["documents_found"] == 2
+
+
+async def test_an_async_query_carries_the_reuse_figures(engine: BlendEngine) -> None:
+    index = VectorStoreIndex(
+        [node.node for node in nodes(DOC_A, DOC_C)], embed_model=MockEmbedding(embed_dim=8)
+    )
+    llm = BlendLLM(engine=engine, max_tokens=3)
+    query_engine = blend_query_engine(index, llm, similarity_top_k=2, text_qa_template=TEMPLATE)
+    response = await query_engine.aquery("Where?")
+    assert response.metadata["kvblend"]["documents_found"] == 2

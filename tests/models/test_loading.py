@@ -121,3 +121,26 @@ def test_gguf_conversion_is_keyed_by_the_whole_content(tmp_path: Path) -> None:
         path.write_bytes(b"GGUF" + b"\x00" * (3 << 20) + last)  # same name, size, first MiB
     assert converted_gguf_folder(one) != converted_gguf_folder(two)
     assert converted_gguf_folder(one).name.startswith("model-")
+
+
+@pytest.mark.parametrize(
+    ("family", "tied", "dtype"),
+    [("llama", True, torch.float32), ("mistral", False, torch.bfloat16),
+     ("qwen2", True, torch.bfloat16), ("qwen3", False, torch.float32)],
+)  # fmt: skip
+def test_a_checkpoint_read_a_weight_at_a_time_has_the_loaded_models_fingerprint(
+    tmp_path: Path, family: str, tied: bool, dtype: torch.dtype
+) -> None:
+    """vLLM's connector keys entries without loading the model a second time: the same key."""
+    from kvblend.models.checkpoint import checkpoint_fingerprint
+
+    model = tiny_model(family)
+    model.config.tie_word_embeddings = tied
+    model.tie_weights()
+    folder = tmp_path / family
+    model.save_pretrained(folder, max_shard_size="100KB")  # sharded: an index file
+    tokenizer = byte_tokenizer()
+    loaded = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    expected = model_fingerprint(loaded, tokenizer, dtype)
+    assert checkpoint_fingerprint(folder, tokenizer, dtype, dtype) == expected
+    assert checkpoint_fingerprint(tmp_path / "none", tokenizer, dtype, dtype) is None

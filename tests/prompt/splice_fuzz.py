@@ -215,7 +215,7 @@ def check_prompt(engine: BlendEngine, prompt: str, counts: Counter[str]) -> None
     assert plan.token_ids.tolist() == ids, ("plan ids", prompt)
     segments = engine.segments_for(prompt)
     pieces = cached_pieces(segments)
-    layouts = {(p.start, p.end): engine.segment_kv.layout(prompt[p.start : p.end])
+    layouts = {(p.start, p.end): engine.library.segment_kv.layout(prompt[p.start : p.end])
                for p in pieces}  # fmt: skip
     tokens = prompt_tokens(tokenizer, prompt, layouts)
     assert tokens.ids.tolist() == ids and tokens.offsets.tolist() == offsets, ("tokens", prompt)

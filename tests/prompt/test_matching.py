@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvblend import Segment
-from kvblend.matching import DocumentMatch, find_documents, split_prompt
+from kvblend.matching import split_prompt
 
 
 def pieces(segments: list[Segment]) -> list[tuple[str, bool]]:
@@ -85,14 +85,18 @@ def test_user_prefix_before_each_document() -> None:
     ]
 
 
+def cached(segments: list[Segment]) -> list[str]:
+    return [s.text for s in segments if s.cache]
+
+
 def test_substring_document_prefers_the_longest_match() -> None:
     short = "Lisbon is sunny."
     long = "Marta lives in Lisbon. Lisbon is sunny."
     prompt = f"{long}\n\n{short}"
-    matches = find_documents(prompt, [short, long])
-    assert matches == [
-        DocumentMatch(0, len(long), long),
-        DocumentMatch(len(long) + 2, len(prompt), short),
+    assert pieces(split_prompt(prompt, [short, long])) == [
+        (long, True),
+        ("\n\n", False),
+        (short, True),
     ]
 
 
@@ -100,12 +104,12 @@ def test_overlapping_documents_keep_the_longer_one() -> None:
     left = "one two three four"
     right = "three four five six seven eight"  # longer, overlaps the end of `left`
     prompt = "one two three four five six seven eight"
-    assert find_documents(prompt, [left, right]) == [DocumentMatch(8, len(prompt), right)]
+    assert pieces(split_prompt(prompt, [left, right])) == [("one two ", False), (right, True)]
 
 
 def test_equal_length_overlap_keeps_the_earlier() -> None:
-    prompt = "abcdefghij"
-    assert find_documents(prompt, ["defghi", "abcdef"]) == [DocumentMatch(0, 6, "abcdef")]
+    prompt = "abcdefghijklmnop"
+    assert cached(split_prompt(prompt, ["efghijklmn", "abcdefghij"])) == ["abcdefghij"]
 
 
 def test_no_known_document_gives_one_uncached_segment() -> None:
@@ -115,12 +119,15 @@ def test_no_known_document_gives_one_uncached_segment() -> None:
 
 
 def test_short_blank_and_duplicate_documents() -> None:
-    prompt = "x: ab, y: ab"
-    assert [m.start for m in find_documents(prompt, ["ab", "ab", "", "  ", "\n"])] == [3, 10]
+    """Texts under 8 characters are no documents, as in the registry; duplicates count once."""
+    prompt = "x: abcdefgh, y: abcdefgh, z: ab"
+    segments = split_prompt(prompt, ["abcdefgh", "abcdefgh", "ab", "", "  ", "\n"])
+    assert cached(segments) == ["abcdefgh", "abcdefgh"]
+    assert joined(segments) == prompt
 
 
 def test_document_longer_than_prompt_is_ignored() -> None:
-    assert find_documents("short", ["short and longer"]) == []
+    assert pieces(split_prompt("short one", ["short one and longer"])) == [("short one", False)]
 
 
 def test_prefix_role_marks_leading_text() -> None:

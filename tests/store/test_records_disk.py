@@ -49,7 +49,7 @@ def test_a_fresh_process_over_a_read_only_or_full_folder_finds_its_documents(
             assert engine.is_known(doc)
             stats = engine.prefill(_question(doc), BlendConfig("reuse")).stats
             assert stats.documents_reused == 1 and stats.segments_precomputed == 0
-        assert engine.documents.rebuilds == 0  # read from the log, not rebuilt from entries
+        assert engine.library.registry.rebuilds == 0  # read from the log, not rebuilt from entries
         engine.register(["A document the folder cannot take. " * 3])  # append fails: warned
         store.close()
         assert _without_sqlite_scratch(_snapshot(view)) == _without_sqlite_scratch(before)

@@ -203,7 +203,7 @@ def _intact(url: str, folder: str, store_key: str) -> dict[str, int]:
     found = {}
     for tier, store in (("disk", DiskKVStore(folder)), ("redis", RedisKVStore(url))):
         engine = _engine(store)
-        found[tier] = sum(engine.segment_kv.intact(engine.segment_id(d)) for d in DOCUMENTS)
+        found[tier] = sum(engine.library.segment_kv.intact(engine.segment_id(d)) for d in DOCUMENTS)
         store.close()
     return found
 

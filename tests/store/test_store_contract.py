@@ -123,7 +123,7 @@ def test_precompute_counts_seven_hits_of_eight_when_one_entry_does_not_fit(
     stats, tier = engine.store.stats(), _tier(engine.store, kind)
     assert (stats.hits, stats.misses) == (7, 1)  # 8 found, 7 real
     assert tier is not None and (tier.hits, tier.misses, tier.corrupt_dropped) == (7, 1, 1)
-    assert engine.segment_kv.intact(key)  # the precompute stored a whole entry again
+    assert engine.library.segment_kv.intact(key)  # the precompute stored a whole entry again
     got = engine.prefill(prompt, BlendConfig("reuse"))
     assert got.stats.segments_precomputed == 0 and got.stats.documents_reused == 1
     assert torch.allclose(got.logits, expected, atol=1e-5, rtol=0)

@@ -133,7 +133,7 @@ def test_a_row_naming_another_keys_file_never_costs_the_first_keys_file(
     assert (folder / own).exists() and (folder / other).exists()  # neither file deleted
     assert _indexed_files(folder) == _files(folder)
     _assert_reuses_every_document(engine, answers)
-    assert engine.store.stats().corrupt_dropped == 0 and engine.segment_kv.dropped == 0
+    assert engine.store.stats().corrupt_dropped == 0 and engine.library.segment_kv.dropped == 0
     engine.store.close()
 
 
@@ -189,7 +189,7 @@ def test_an_engine_recomputes_a_redis_entry_replaced_mid_prompt(
         store=default_store(tmp_path / "b", redis_url=redis_server.url),
     )
     reader.register([doc])
-    spans, computed = open_spans(reader.segment_kv, reader.plan(prompt))
+    spans, computed = open_spans(reader.library.segment_kv, reader.plan(prompt))
     assert computed == 0 and len(spans) == 1
     key = writer.segment_id(doc)
     replaced = {"kv": clean_kv + 1e-7}  # another process's force=True rewrite, other bits

@@ -27,6 +27,7 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.documents.blend_plan import open_spans
 from kvblend.store import DiskKVStore, KVStore, MemoryKVStore, default_store
+from read_only_folder import read_only_folder as _read_only
 
 DOC = "Marta Quill keeps forty hives on the roof of an old printing house. "
 PROMPT = f"Context: {DOC}\nQuestion: where are the hives?"
@@ -124,7 +125,7 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     reader = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
     reader.register([DOC])
     plan = reader.plan(PROMPT)
-    spans, computed = open_spans(reader.segment_kv, plan)
+    spans, computed = open_spans(reader.library.segment_kv, plan)
     for index in range(reader.decoder.shape.num_layers):  # as the blend loop reads them
         for span in spans:
             span.source.layer(index)
@@ -134,7 +135,7 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     assert got.stats.documents_found == 1
     error = (got.logits - expected).abs().max().item()
     assert torch.allclose(got.logits, expected, atol=1e-4, rtol=0), f"max error {error:.3g}"
-    assert _corrupt_dropped(reader.store) + reader.segment_kv.dropped >= 1
+    assert _corrupt_dropped(reader.store) + reader.library.segment_kv.dropped >= 1
     stored = reader.store.get(key)
     assert stored is not None and _fits({n: stored[n] for n in stored}, tensors)  # healed
 
@@ -143,9 +144,9 @@ def test_a_crafted_entry_is_dropped_recomputed_and_never_used(
     writer.put(key, CRAFTED[case](tensors), metadata)
     writer.close()
     fresh = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=open_store())
-    assert not fresh.segment_kv.intact(key, len(fresh.segment_kv.layout(DOC).ids))
+    assert not fresh.library.segment_kv.intact(key, len(fresh.library.segment_kv.layout(DOC).ids))
     fresh.precompute([DOC])
-    assert fresh.segment_kv.intact(key, len(fresh.segment_kv.layout(DOC).ids))
+    assert fresh.library.segment_kv.intact(key, len(fresh.library.segment_kv.layout(DOC).ids))
     again = fresh.prefill(PROMPT, BlendConfig("reuse"))
     assert again.stats.segments_precomputed == 0  # reuse is back after one rebuild
     assert torch.allclose(again.logits, expected, atol=1e-4, rtol=0)
@@ -310,9 +311,9 @@ def test_two_rows_naming_one_file_never_delete_the_file_the_other_owns(tmp_path:
     for doc in reversed(DOCS):  # the second first: its row is dropped, the file is kept
         got = engine.prefill(_question(doc), BlendConfig("reuse"))
         assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
-    assert (folder / owned).exists() and engine.segment_kv.intact(first)
+    assert (folder / owned).exists() and engine.library.segment_kv.intact(first)
     assert engine.store.stats().corrupt_dropped == 1
-    assert engine.segment_kv.intact(second)  # recomputed and stored again
+    assert engine.library.segment_kv.intact(second)  # recomputed and stored again
 
 
 def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Path) -> None:
@@ -345,31 +346,6 @@ def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Pat
         got = engine.prefill(_question(doc), BlendConfig("reuse"))
         assert got.stats.segments_precomputed == 0
         assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
-
-
-@contextlib.contextmanager
-def _read_only(folder: Path) -> Iterator[Path]:
-    """`folder`, made read-only: by permissions for a user, a read-only bind mount for root."""
-    if os.geteuid() != 0:
-        paths = [folder, *folder.rglob("*")]
-        for path in paths:
-            path.chmod(0o500 if path.is_dir() else 0o400)
-        try:
-            yield folder
-        finally:
-            for path in paths:
-                path.chmod(0o700 if path.is_dir() else 0o600)
-        return
-    view = folder.parent / "read-only-view"
-    view.mkdir()
-    mounted = subprocess.run(["mount", "--bind", str(folder), str(view)], check=False)
-    if mounted.returncode != 0:
-        pytest.skip("root without mount: a read-only folder cannot be made here")
-    try:
-        subprocess.run(["mount", "-o", "remount,bind,ro", str(view)], check=True)
-        yield view
-    finally:
-        subprocess.run(["umount", "--lazy", str(view)], check=False)  # open handles: detach now
 
 
 @contextlib.contextmanager

@@ -114,7 +114,7 @@ def test_prompt_strings_find_every_document_on_a_read_only_store(
                 assert got.stats.documents_found == 1 and got.stats.documents_reused == 1
                 assert got.stats.segments_precomputed == 0
                 assert torch.allclose(got.logits, answers[doc], atol=1e-5, rtol=0)
-            assert engine.documents.rebuilds == (1 if records == "deleted" else 0)
+            assert engine.library.registry.rebuilds == (1 if records == "deleted" else 0)
             assert store.stats().corrupt_dropped == 0
             store.close()
         assert _snapshot(view) == before

@@ -59,7 +59,7 @@ def test_stored_rows_are_views_into_the_memory_tiers_tensor() -> None:
     engine = BlendEngine(tiny_model("qwen2"), byte_tokenizer(), store=store)
     engine.prefill(prompt((2, 0, 1)))  # stores the prefix and every document
     blobs = stored_blobs(store, store.keys())
-    spans, computed = open_spans(engine.segment_kv, engine.plan(prompt((2, 0, 1))))
+    spans, computed = open_spans(engine.library.segment_kv, engine.plan(prompt((2, 0, 1))))
     assert computed == 0 and len(spans) == 1 + len(DOCS)
     for span in spans:
         rows = span.source.layer(1)
@@ -128,7 +128,7 @@ def test_a_host_tier_entry_reaches_the_gpu_through_the_loops_group_copies() -> N
     for where, engine in engines.items():
         engine.precompute(DOCS, progress=False)
         engine.prefill(prompt((2, 0, 1)))  # stores the prompt head too
-        spans, computed = open_spans(engine.segment_kv, engine.plan(prompt((2, 0, 1))))
+        spans, computed = open_spans(engine.library.segment_kv, engine.plan(prompt((2, 0, 1))))
         assert computed == 0
         devices = {span.source.layers().device.type for span in spans}
         assert devices == ({"cpu"} if where == "host" else {"cuda"})

@@ -15,13 +15,18 @@ vLLM environment (``.venv-vllm``, `scripts/install_vllm.sh`), and runs every pro
 - a damaged entry, then a stopped Redis, give vanilla vLLM's answer;
 - requests cancelled while (or after) the connector blends them leave blocks that later
   requests reuse with vanilla vLLM's answers, and requests preempted after their blend answer
-  as vanilla vLLM, their record kept and their preemption counted.
+  as vanilla vLLM, their record kept and their preemption counted;
+- vLLM's metrics (``LLM.get_metrics``) count the bench's prompts (`kvblend.bench.vllm`) as
+  their records say, and the counts add up;
+- every use kvblend makes of vLLM beyond its public API (`kvblend.vllm.compat.USES`) holds on
+  the vLLM CI installs, the version pyproject.toml pins.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -109,6 +114,12 @@ def _prompts(engine: Any) -> dict[str, list[str]]:
     def prompt(question: str, documents: list[str]) -> str:
         return "".join(segment.text for segment in engine.rag_segments(question, documents))
 
+    # `kvblend bench vllm`'s prompts at 0.5K and 1K tokens (documents in another order than
+    # stored); their documents are precomputed with the others
+    from kvblend.bench.vllm import build_jobs
+
+    ttft, _, bench_documents = build_jobs(engine, (512, 1024), 1, 256, 256)
+    bench = [item["prompt"] for item in ttft]
     order = [3, 7, 1, 5, 0, 6, 2, 4]
     batch_docs = [
         [docs[5], docs[2], docs[6]], [docs[6], docs[2], UNKNOWN[0]], [docs[7], docs[0]],
@@ -127,6 +138,8 @@ def _prompts(engine: Any) -> dict[str, list[str]]:
             prompt("What is Rafael Soto's boat called?", [REDIS_ONLY[1], REDIS_ONLY[0]])
         ],
         "exact": [prompt(questions[2], [LONG, docs[6], docs[1], docs[4], docs[0]])],
+        "bench": bench,
+        "stored": [text for text in bench_documents if any(text in p for p in bench)],
     }
 
 
@@ -165,9 +178,9 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
         store = default_store(folder / "precompute-disk", redis_url=server.url)
         engine = BlendEngine.from_pretrained(str(model), store=store)
         documents = [document["text"] for document in sample_corpus()["documents"]]
-        engine.precompute(documents + [DAMAGED, *REDIS_ONLY, LONG])
-        damage_entry(server, engine.segment_id(DAMAGED))
         prompts = _prompts(engine)
+        engine.precompute(documents + [DAMAGED, *REDIS_ONLY, LONG] + prompts.pop("stored"))
+        damage_entry(server, engine.segment_id(DAMAGED))
         env = {
             **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
             "KVBLEND_STORE_DIR": str(folder / "vllm-disk"), "KVBLEND_REDIS_URL": server.url,
@@ -243,12 +256,21 @@ def _kvblend_job(model: Path, prompts: dict[str, list[str]], server: RedisServer
         _step("refused", prompts["full"][:1], kv_transfer_params=REFUSED, refused=True),
         _step("exact_blend", prompts["exact"], kv_transfer_params=DEFAULT, reset_prefix_cache=True),
         _step("exact_full", prompts["exact"], kv_transfer_params={"kvblend": False}, logprobs=5),
+        _step("bench", prompts["bench"], reset_prefix_cache=True, metrics=True),
+        _step(
+            "bench_always",
+            prompts["bench"],
+            kv_transfer_params=DEFAULT,
+            reset_prefix_cache=True,
+            metrics=True,
+        ),  # fmt: skip
         _step("redis_down", prompts["redis_down"], kv_transfer_params=DEFAULT, kill_pid=server.pid),
     ]
     return {
         "model": str(model), "kv_transfer_config": connector, "steps": steps,
         # what `pip install kvblend[vllm]` registers (vllm.logits_processors), named here
         "logits_processors": ["kvblend.vllm.options:KVBlendOptions"],
+        "log_stats": True, "check_uses": True,
     }  # fmt: skip
 
 
@@ -413,3 +435,58 @@ def test_start_up_names_the_store_and_calibrates_the_cost_model(
     log = vllm_runs["kvblend"]["log"]
     assert "kvblend: store disk " in log and " entries of model " in log and "Redis" in log
     assert "kvblend: cost model calibrated on this machine" in log
+
+
+@pytest.mark.parametrize("step", ["bench", "bench_always"])
+def test_the_metrics_count_the_bench_prompts_as_their_records_say(
+    vllm_runs: dict[str, Any], step: str
+) -> None:
+    """Requests blended and left to vLLM (by reason), their tokens and blend time: the sums of
+    the requests' records; and every prompt token is in one place (prefix cache, reused from
+    the store, computed). ``bench``: the server chooses (on this machine, under load, often
+    vLLM's own prefill); ``bench_always``: every prompt blends."""
+    results = vllm_runs["kvblend"]["steps"][step]
+    added = vllm_runs["kvblend"]["metrics"][step]  # offline, counters read as integers
+    records = [_record(result) for result in results]
+
+    def counted(name: str) -> float:
+        return float(added.get(f"vllm:kvblend_{name}", 0.0))
+
+    blended = [record for record in records if record["fallback"] is None]
+    assert len(blended) == len(records) or step == "bench", records
+    assert counted("blended_requests") == len(blended)
+    left = {key: value for key, value in added.items() if "vllm_requests{reason=" in key and value}
+    expected: dict[str, int] = {}
+    for record in records:
+        if record["fallback"] is not None:
+            key = f"vllm:kvblend_vllm_requests{{reason={record['reason']}}}"
+            expected[key] = expected.get(key, 0) + 1
+    assert left == expected, (left, records)
+    prefix = sum(record["vllm_prefix_tokens"] for record in records)
+    cached = sum(record["cached_tokens"] for record in records)
+    prompt = sum(record["prompt_tokens"] for record in records)
+    assert counted("prompt_tokens") == prompt
+    assert counted("prefix_cached_tokens") == prefix
+    assert counted("reused_tokens") == cached - prefix
+    assert counted("computed_tokens") == prompt - cached
+    assert counted("prefix_cached_tokens") + counted("reused_tokens") + counted(
+        "computed_tokens"
+    ) == counted("prompt_tokens")
+    assert counted("recomputed_tokens") == sum(r["recomputed_tokens"] for r in records)
+    assert counted("escalated_tokens") == 0  # no guard escalates yet
+    assert counted("blend_seconds_count") == len(blended)
+    assert abs(counted("blend_seconds_sum") - sum(r["blend_s"] for r in blended)) < 1e-3
+    assert [result["num_cached_tokens"] for result in results] == [
+        record["cached_tokens"] for record in records
+    ]
+
+
+def test_every_use_of_vllm_internals_holds_on_the_vllm_ci_installs(
+    vllm_runs: dict[str, Any],
+) -> None:
+    """`kvblend.vllm.compat.USES` checked in the engine's process, on the pinned vLLM."""
+    uses = vllm_runs["kvblend"]["uses"]
+    pinned = re.search(r'"vllm-cpu==([^"]+)"', (ROOT / "pyproject.toml").read_text("utf-8"))
+    assert pinned is not None, "pyproject.toml pins no vllm-cpu version"
+    assert uses["version"] == pinned.group(1) and uses["version"] in uses["checked_on"], uses
+    assert uses["changed"] == [] and uses["count"] >= 20, uses

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import random
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -21,22 +20,25 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.errors import BlendCancelledError
 from kvblend.store import MemoryKVStore
+from kvblend.vllm.blending import WorkerModel
 from kvblend.vllm.costs import CostModel, blend_features, step_features, vllm_features
 from kvblend.vllm.pacing import SliceRunner, Task, ThreadChoice
 from kvblend.vllm.planning import plan_request
-from kvblend.vllm.scheduler import KVBlendMetadata
+from kvblend.vllm.requests import BlendJob, StepMetadata
 from kvblend.vllm.settings import ConnectorSettings
-from kvblend.vllm.worker import BlendJob
+from kvblend.vllm.worker import Worker
 
 TOY = {"short_document": 0, "min_recompute": 0, "full_above": 1.0}
 BLOCK = 16
 
 
 def _steps(count: int, seconds: float) -> Any:
-    def work(checkpoint: Any) -> int:
+    def work(pause: Any, cancel: Any) -> int:
         for _ in range(count):
             time.sleep(seconds)
-            checkpoint()
+            pause()
+            if cancel.is_set():
+                raise BlendCancelledError("cancelled")
         return count
 
     return work
@@ -72,8 +74,8 @@ def test_a_cancelled_task_stops_at_its_next_checkpoint() -> None:
 
 
 def test_a_failing_task_is_reported_with_its_error_and_whole_mode_runs_everything() -> None:
-    def fails(checkpoint: Any) -> None:
-        checkpoint()
+    def fails(pause: Any, cancel: Any) -> None:
+        pause()
         raise RuntimeError("out of memory")
 
     runner = SliceRunner(whole=True)
@@ -88,11 +90,11 @@ def test_a_paused_task_leaves_the_engine_threads_torch_state_alone() -> None:
     """Slices run inside vLLM's inference mode; the blend's own mode holds across pauses."""
     runner = SliceRunner()
 
-    def work(checkpoint: Any) -> bool:
+    def work(pause: Any, cancel: Any) -> bool:
         with torch.inference_mode():
-            checkpoint()
+            pause()
             time.sleep(0.01)
-            checkpoint()
+            pause()
             return torch.is_inference_mode_enabled()
 
     runner.submit(Task("a", work))
@@ -173,17 +175,13 @@ def test_the_fit_finds_the_calibrations_costs_and_each_path_follows_its_own_runs
     assert (model.vllm.weights >= 0).all() and (model.blend.weights >= 0).all()
 
 
-def test_a_blend_must_win_by_the_margin_and_clearly_while_vllm_is_untimed() -> None:
+def test_a_blend_must_win_by_the_margin() -> None:
     model, _, _ = _calibrated(np.array([0.0, 1e-3, 0.0]), np.array([0.0, 1e-3, 0.0, 0.0]))
     win = model.forecast(2000, 0, 1400)  # 0.7 of vLLM's time
     assert win.blend_wins
     close = model.forecast(2000, 0, 1700)  # 0.85 of vLLM's: not sure enough
     assert close.blend_s < close.vllm_s and not close.blend_wins
-    assert model.check_vllm(win, idle=True)  # vLLM's prefill never timed: it prefills this one
-    assert not model.check_vllm(win, idle=False)  # not while others would wait behind it
-    assert not model.check_vllm(model.forecast(2000, 0, 600), idle=True)  # a clear win
-    model.observe(model.vllm, vllm_features(2000, 0), 1.5)  # now timed (faster than thought)
-    assert not model.check_vllm(win, idle=True)
+    model.observe(model.vllm, vllm_features(2000, 0), 1.5)  # vLLM timed, faster than thought
     assert model.forecast(2000, 0, 1400).vllm_s == pytest.approx(1.5, rel=0.3)
 
 
@@ -224,21 +222,16 @@ class _PagedLayer:
             flat[slot // BLOCK, 1, slot % BLOCK] = value[row].reshape(-1)
 
 
-def _hooks(engine: BlendEngine, slice_s: float) -> tuple[Any, list[_PagedLayer]]:
-    from kvblend.vllm.sides import WorkerHooks
-    from kvblend.vllm.worker import WorkerSide
-
+def _worker(engine: BlendEngine, slice_s: float) -> tuple[Worker, list[_PagedLayer]]:
     shape = engine.decoder.shape
     layers = [_PagedLayer(shape.num_kv_heads, shape.head_dim, 64) for _ in range(shape.num_layers)]
     decoder: Any = engine.decoder  # as `VLLMAdapter` without tensor parallelism
     decoder.attention_layers, decoder.tp_size = layers, 1
     decoder.kv_heads = slice(0, shape.num_kv_heads)
     decoder.gather_ranks = lambda values: values.float().reshape(1, -1)
-    hooks = WorkerHooks(ConnectorSettings(slice_s=slice_s), SimpleNamespace(), None)
-    hooks.side = WorkerSide(decoder, engine.library, BLOCK)
-    hooks._verdict = (True, "passed")
-    hooks._runner = SliceRunner()
-    return hooks, layers
+    worker = Worker(ConnectorSettings(slice_s=slice_s, parity=False, when="always"), None, None)
+    worker.register(lambda: WorkerModel(decoder, engine.library, BLOCK))
+    return worker, layers
 
 
 def test_a_blend_in_slices_writes_what_a_blend_in_one_go_writes(engine: BlendEngine) -> None:
@@ -250,15 +243,15 @@ def test_a_blend_in_slices_writes_what_a_blend_in_one_go_writes(engine: BlendEng
     blocks = list(range(2, 2 + len(ids) // BLOCK + 1))
     written = []
     for slice_s in (1e-6, 60.0):  # a layer per step, then all in one step
-        hooks, layers = _hooks(engine, slice_s)
+        worker, layers = _worker(engine, slice_s)
         job = BlendJob("r", plan.plan, BlendConfig(**TOY), 0, len(ids) - 1, blocks)
-        hooks.start(KVBlendMetadata(jobs=[job]))
+        worker.start(StepMetadata(jobs=[job]))
         steps = 1
-        while not hooks.transfers(set())[0]:
-            hooks.bind()
-            hooks.start(KVBlendMetadata(step=[(1, 100)]))  # another request's decode step
+        while not worker.transfers()[0]:
+            worker.bind()
+            worker.start(StepMetadata(step=[(1, 100)]))  # another request's decode step
             steps += 1
-        report = hooks.report()
+        report = worker.report()
         assert report is not None and len(report.steps) == steps - 1  # each forward timed
         (outcome,) = report.outcomes
         assert outcome.error is None and outcome.rows > 0 and outcome.compute_s > 0
@@ -274,15 +267,15 @@ def test_a_blend_cancelled_mid_way_is_reported_done_and_writes_no_more(
     texts = TEXTS
     ids = engine.encode("".join(s.text for s in engine.rag_segments("Which?", texts)))
     plan = plan_request(engine.library, ids, 0, BlendConfig(**TOY))
-    hooks, layers = _hooks(engine, 1e-6)
+    worker, layers = _worker(engine, 1e-6)
     blocks = list(range(2, 2 + len(ids) // BLOCK + 1))
-    hooks.start(KVBlendMetadata(jobs=[BlendJob("c", plan.plan, BlendConfig(**TOY), 0,
-                                               len(ids) - 1, blocks)]))  # fmt: skip
-    assert hooks.transfers(set()) == (set(), set())
-    hooks.start(KVBlendMetadata(cancel=["c"]))
-    done, failed = hooks.transfers(set())
+    worker.start(StepMetadata(jobs=[BlendJob("c", plan.plan, BlendConfig(**TOY), 0,
+                                             len(ids) - 1, blocks)]))  # fmt: skip
+    assert worker.transfers() == (set(), set())
+    worker.start(StepMetadata(stop=["c"]))
+    done, failed = worker.transfers()
     assert done == {"c"} and failed == set()  # vLLM may free its blocks now
-    report = hooks.report()
+    report = worker.report()
     assert report is not None and report.outcomes[0].cancelled
     assert not any(layer.kv_cache.any() for layer in layers)  # stopped before writing
     with pytest.raises(BlendCancelledError):

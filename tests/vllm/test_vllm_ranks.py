@@ -3,8 +3,8 @@
 `_RankAdapter` is one tensor-parallel rank of the tiny Llama (4 query heads, 2 KV heads): its
 query and KV heads are its share of the model's, its ``o_proj`` is the matching columns, and
 the partial outputs are summed across the ranks (as vLLM's row-parallel layers all-reduce), so
-is every selection score (`reduce_scores`). Each rank runs its own `WorkerSide` over the same
-store; together they must write, head by head, what one process writes.
+is every selection score (`reduce_scores`). Each rank runs its own blends (`blending.run_job`)
+over the same store; together they must write, head by head, what one process writes.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from kvblend.blend.adapter import DecoderShape
 from kvblend.models.decoder import Decoder
 from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
+from kvblend.vllm.blending import WorkerModel, gate, run_job
 from kvblend.vllm.planning import plan_request
-from kvblend.vllm.scheduler import KVBlendWorkerMeta
-from kvblend.vllm.worker import BlendJob, BlendOutcome, WorkerSide
+from kvblend.vllm.requests import BlendJob, BlendOutcome, WorkerReport
 from test_vllm_sides import BLOCK, TOY, _document, _PagedLayer, _prompt, _worker
 
 RANKS = 2
@@ -125,10 +125,10 @@ def setup() -> tuple[BlendEngine, list[str]]:
     return engine, documents
 
 
-def _ranks(engine: BlendEngine) -> tuple[list[WorkerSide], _Group]:
+def _ranks(engine: BlendEngine) -> tuple[list[WorkerModel], _Group]:
     group = _Group(RANKS)
     adapters = [_RankAdapter(engine.decoder, rank, group) for rank in range(RANKS)]
-    return [WorkerSide(a, engine.library, BLOCK) for a in adapters], group  # type: ignore[arg-type]
+    return [WorkerModel(a, engine.library, BLOCK) for a in adapters], group  # type: ignore[arg-type]
 
 
 def _job(engine: BlendEngine, documents: list[str], config: BlendConfig) -> BlendJob:
@@ -146,10 +146,10 @@ def test_each_rank_writes_its_heads_of_what_one_process_writes(
     config = BlendConfig(**TOY) if strategy == "attention" else BlendConfig("cacheblend")
     job = _job(engine, documents, config)
     single, layers = _worker(engine)
-    alone = single.run(job)
+    alone = run_job(single, job)
     assert alone.error is None and 0 < alone.recomputed < alone.reused + alone.recomputed
     workers, _ = _ranks(engine)
-    outcomes = _on_ranks(lambda rank: workers[rank].run(job))
+    outcomes = _on_ranks(lambda rank: run_job(workers[rank], job))
     for rank, outcome in enumerate(outcomes):
         assert outcome.error is None and not outcome.lost, outcome
         assert (outcome.reused, outcome.recomputed) == (alone.reused, alone.recomputed)
@@ -174,27 +174,27 @@ def test_ranks_agree_on_the_entries_they_use(setup: tuple[BlendEngine, list[str]
         return None if key == first_key else real(key, tokens, device)
 
     segment_kv.open_entry = missing_first  # type: ignore[method-assign]
-    workers[1].library = copy.copy(engine.library)
-    workers[1].library.segment_kv = segment_kv
-    outcomes = _on_ranks(lambda rank: workers[rank].run(job))
+    library = copy.copy(engine.library)
+    library.segment_kv = segment_kv
+    workers[1] = workers[1]._replace(library=library)
+    outcomes = _on_ranks(lambda rank: run_job(workers[rank], job))
     assert outcomes[0].reused == outcomes[1].reused
     assert outcomes[0].recomputed == outcomes[1].recomputed
     assert any("another tensor-parallel rank" in line for line in outcomes[0].lost)
     alone, _ = _worker(engine)
-    full = alone.run(_job(engine, documents, BlendConfig(**TOY)))
+    full = run_job(alone, _job(engine, documents, BlendConfig(**TOY)))
     assert outcomes[0].reused < full.reused
 
 
 def test_a_failed_blend_is_not_run_again_on_a_rank(setup: tuple[BlendEngine, list[str]]) -> None:
-    """A rank never runs a pass alone: its blocks are failed loads, which vLLM computes."""
+    """A rank never runs a pass alone: its request is a failed load, which vLLM computes."""
     engine, documents = setup
     job = _job(engine, documents, BlendConfig(**TOY))
     job.block_ids = job.block_ids[:1]  # too few blocks: the write fails after the loop
     workers, _ = _ranks(engine)
-    outcomes = _on_ranks(lambda rank: workers[rank].run(job))
-    for worker, outcome in zip(workers, outcomes, strict=True):
+    outcomes = _on_ranks(lambda rank: run_job(workers[rank], job))
+    for outcome in outcomes:
         assert outcome.failed and "not run again under tensor parallelism" in str(outcome.error)
-        assert worker.take_failed_blocks() == set(job.block_ids)
 
 
 def test_the_gate_verdict_is_the_same_on_every_rank(setup: tuple[BlendEngine, list[str]]) -> None:
@@ -205,11 +205,11 @@ def test_the_gate_verdict_is_the_same_on_every_rank(setup: tuple[BlendEngine, li
         with torch.inference_mode():
             return engine.model(torch.tensor([ids])).logits[0, -1].float()
 
-    verdicts = _on_ranks(lambda rank: workers[rank].gate(forward))
+    verdicts = _on_ranks(lambda rank: gate(workers[rank], forward))
     assert all(passed for passed, _ in verdicts) and verdicts[0] == verdicts[1], verdicts
     # one rank's reference is off: both refuse, with the same worst error
     verdicts = _on_ranks(
-        lambda rank: workers[rank].gate(lambda ids: forward(ids) * (1.5 if rank else 1.0))
+        lambda rank: gate(workers[rank], lambda ids: forward(ids) * (1.5 if rank else 1.0))
     )
     assert not any(passed for passed, _ in verdicts) and verdicts[0] == verdicts[1], verdicts
     assert "does not reproduce" in verdicts[0][1]
@@ -218,19 +218,27 @@ def test_the_gate_verdict_is_the_same_on_every_rank(setup: tuple[BlendEngine, li
 def test_a_rank_stores_no_document_and_says_why_once(
     setup: tuple[BlendEngine, list[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
+    from kvblend.vllm.requests import StepMetadata
+    from kvblend.vllm.settings import ConnectorSettings
+    from kvblend.vllm.worker import Worker
+
     engine, _ = setup
     workers, _ = _ranks(engine)
+    worker = Worker(ConnectorSettings(parity=False, when="always"), None, None)
+    worker.register(lambda: workers[0])
+    stored = len(list(engine.store.keys()))
     with caplog.at_level(logging.WARNING, logger="kvblend"):
-        assert workers[0].fill([("A new document.", "context")]) == 0
-        assert workers[0].fill([("Another one.", "context")]) == 0
+        worker.start(StepMetadata(store=[("A new document, not stored.", "context")]))
+        worker.start(StepMetadata(store=[("Another one, not stored.", "context")]))
     said = [r.getMessage() for r in caplog.records if "tensor_parallel_size=2" in r.getMessage()]
     assert len(said) == 1 and "kvblend precompute" in said[0]
+    assert len(list(engine.store.keys())) == stored
 
 
 def test_the_ranks_reports_keep_one_outcome_per_request() -> None:
     fine, fell_back = BlendOutcome("r", reused=5), BlendOutcome("r", error="boom")
-    merged = KVBlendWorkerMeta((True, "ok"), [fine, BlendOutcome("s")]).merge(
-        KVBlendWorkerMeta((True, "ok"), [fell_back, BlendOutcome("s")])
+    merged = WorkerReport((True, "ok"), [fine, BlendOutcome("s")]).aggregate(
+        WorkerReport((True, "ok"), [fell_back, BlendOutcome("s")])
     )
     assert sorted(o.request_id for o in merged.outcomes) == ["r", "s"]
     assert next(o for o in merged.outcomes if o.request_id == "r") is fell_back

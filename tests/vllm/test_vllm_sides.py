@@ -2,17 +2,18 @@
 
 `kvblend.vllm.planning` and `kvblend.vllm.scheduler` decide from token ids alone; they are
 checked here against the engine's own forecast (`BlendEngine.explain`) over tiny models.
-`kvblend.vllm.worker.WorkerSide` runs the blend loop through any model adapter; here a
-transformers `Decoder` stands in for vLLM's modules and a toy paged cache for vLLM's, and the K/V
-it writes is checked against transformers' own cache of the same prompt. `tests/vllm/test_vllm.py`
-checks the same code inside vLLM.
+`kvblend.vllm.blending` runs the blend loop through any model adapter; here a transformers
+`Decoder` stands in for vLLM's modules and a toy paged cache for vLLM's, and the K/V it writes is
+checked against transformers' own cache of the same prompt. `tests/vllm/test_vllm.py` checks the
+same code inside vLLM.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 import re
-import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,10 +24,14 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.prompt.plan import TokenKind
 from kvblend.store import MemoryKVStore
+from kvblend.vllm import compat
+from kvblend.vllm.admission import BlendTimed, Calibrated, admission
+from kvblend.vllm.blending import WorkerModel, gate, run_job
+from kvblend.vllm.costs import CostModel, blend_features, vllm_features
 from kvblend.vllm.planning import plan_request, restrict
-from kvblend.vllm.scheduler import KVBlendWorkerMeta, SchedulerSide
+from kvblend.vllm.requests import BlendJob, BlendOutcome, RequestStatus, WorkerReport
+from kvblend.vllm.scheduler import SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings, check_options, request_config
-from kvblend.vllm.worker import BlendJob, BlendOutcome, WorkerSide
 
 WORDS = "alpha beta gamma delta river stone cloud maple copper violin lisbon harbor".split()
 TOY = {"short_document": 0, "min_recompute": 0, "full_above": 1.0}
@@ -91,10 +96,12 @@ def test_a_long_prefix_hit_leaves_the_prompt_to_vllm(
     last = plan_request(engine.library, ids, 0, BlendConfig(**TOY)).plan.spans[-1]
     side = _side(engine, when="faster")
     _calibrate_per_row(side)
-    plan = side._plan(_request("r", ids), last.start + 3)
-    assert plan.claimed == 0 and str(plan.fallback).startswith("vllm_faster")
+    assert side.matched(_request("r", ids), last.start + 3) == (0, False)
+    plan = side.requests["r"].plan
+    assert str(plan.fallback).startswith("vllm_faster")
     assert plan.forecast is not None and plan.forecast.vllm_s < plan.forecast.blend_s
-    fresh = side._plan(_request("s", ids), 0)  # from the start, the blend computes fewer rows
+    side.matched(_request("s", ids), 0)  # from the start, the blend computes fewer rows
+    fresh = side.requests["s"].plan
     assert fresh.claimed == len(ids) - 1 and fresh.forecast is not None
     assert fresh.forecast.blend_s < fresh.forecast.vllm_s
     whole = plan_request(engine.library, ids, len(ids) - 1, BlendConfig(**TOY))
@@ -184,6 +191,51 @@ def test_restrict_drops_spans_and_clips_them_at_the_prefix_hit(
     assert plan.kinds[-1] == TokenKind.COMPUTE
 
 
+def test_a_registered_strategy_is_costed_by_vllm_from_its_own_forecast(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """The rows a blend computes come from the strategy's forecast (recomputed rows and a
+    probe's share of the layers), the forecast ``explain`` reports: no second forecast."""
+    import numpy as np
+
+    from kvblend.blend import selectors
+    from kvblend.blend.selectors.base import MOVED, Forecast, Selection, Selector
+
+    class ProbingLastTokens(Selector):
+        """Recompute the last 3 moved rows of each document, after a probe of half the layers."""
+
+        name = "probing-last-tokens"
+
+        def forecast(self, kinds: Any, spans: Any) -> Forecast:
+            moved = np.asarray(kinds) == MOVED
+            rows = sum(int(moved[max(s.start, s.end - 3) : s.end].sum()) for s in spans)
+            probe = int((np.asarray(kinds) != MOVED).sum()) * 0.5
+            return Forecast(rows, partial_rows=probe)
+
+        def select(self, context: Any) -> Selection:  # pragma: no cover - not run here
+            return Selection(context.uncached.nonzero().squeeze(1))
+
+    selectors.register(ProbingLastTokens)
+    try:
+        config = BlendConfig("probing-last-tokens")
+        prompt = _prompt(engine, documents[::-1])
+        plan = plan_request(engine.library, engine.encode(prompt), 0, config)
+        uncached = int((plan.plan.kinds == TokenKind.COMPUTE).sum())
+        partial = int((plan.plan.kinds != TokenKind.MOVED).sum()) * 0.5
+        assert plan.fallback is None and plan.recomputed > 0
+        assert plan.recomputed == engine.explain(prompt, config).recomputed_tokens
+        assert plan.rows == round(uncached + plan.recomputed + partial)
+        costs = CostModel()
+        costs.calibrate(
+            [(vllm_features(n, 0), 1e-3 * n) for n in (128, 512, 2048)],
+            [(blend_features(n, 4 * n), 1e-3 * n) for n in (128, 512, 2048)],
+        )
+        decided = admission("faster", costs).decide(plan, "faster").forecast
+        assert decided == costs.forecast(plan.total, 0, plan.rows)
+    finally:
+        del selectors.SELECTORS["probing-last-tokens"]
+
+
 def test_settings_and_request_choices() -> None:
     settings = ConnectorSettings.from_extra_config(
         {"strategy": "epic", "settings": {"epic_tokens": 4}, "when": "always", "slice_s": 0.5}
@@ -232,16 +284,31 @@ def test_request_options_in_another_form_are_refused(params: dict[str, Any], say
 # ---------------------------------------------------------------- scheduler side
 
 
+@dataclass
+class _PrefillStats:
+    """vLLM's ``PrefillStats`` of a request (its fields and ``set``)."""
+
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_local_cached_tokens: int = 0
+    num_external_cached_tokens: int = 0
+
+    def set(self, num_prompt_tokens: int, num_local: int, num_external: int) -> None:
+        self.num_prompt_tokens, self.num_local_cached_tokens = num_prompt_tokens, num_local
+        self.num_external_cached_tokens = num_external
+        self.num_cached_tokens = num_local + num_external
+        self.num_computed_tokens = num_prompt_tokens - self.num_cached_tokens
+
+
 def _request(request_id: str, ids: list[int], **fields: Any) -> SimpleNamespace:
-    stats = SimpleNamespace(
-        num_prompt_tokens=len(ids), num_cached_tokens=0, num_computed_tokens=len(ids),
-        num_local_cached_tokens=0, num_external_cached_tokens=0,
-    )  # fmt: skip
+    stats = _PrefillStats(len(ids), num_computed_tokens=len(ids))
     hashes = [bytes([index]) * 32 for index in range(len(ids) // BLOCK)]  # vLLM's own, one a block
     values = dict(
         request_id=request_id, prompt_token_ids=ids, num_preemptions=0,
         sampling_params=SimpleNamespace(prompt_logprobs=None), lora_request=None,
         mm_features=[], kv_transfer_params=None, prefill_stats=stats, block_hashes=hashes,
+        _block_hasher=None,
     )  # fmt: skip
     values.update(fields)
     return SimpleNamespace(**values)
@@ -255,9 +322,23 @@ class _Blocks:
         return (self.ids,)
 
 
-def _side(engine: BlendEngine, *, parity: bool = False, when: str = "always") -> SchedulerSide:
+class _Clock:
+    """A clock the test moves (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _side(
+    engine: BlendEngine, *, parity: bool = False, when: str = "always", clock: Any = None
+) -> SchedulerSide:
     settings = ConnectorSettings(config=BlendConfig(**TOY), parity=parity, when=when)
-    return SchedulerSide(settings, engine.library, block_size=BLOCK)
+    clock = clock or _Clock()
+    policy = admission(when, CostModel(clock))
+    return SchedulerSide(settings, engine.library, policy, block_size=BLOCK, clock=clock)
 
 
 def _calibrate_per_row(
@@ -267,19 +348,17 @@ def _calibrate_per_row(
 
     ``blend_start_s``: what a blend costs before its first row.
     """
-    from kvblend.vllm.costs import blend_features, vllm_features
-
     rows = (128, 512, 1024, 2048)
-    side.costs.calibrate(
-        [(vllm_features(n, 0), n * seconds_per_row) for n in rows],
-        [(blend_features(n, 2 * n), blend_start_s + n * seconds_per_row) for n in rows],
-    )
+    side.admission.observe(Calibrated(
+        [(vllm_features(n, 0).tolist(), n * seconds_per_row) for n in rows],
+        [(blend_features(n, 2 * n).tolist(), blend_start_s + n * seconds_per_row) for n in rows],
+    ))  # fmt: skip
 
 
-def _deciding_side(engine: BlendEngine, **calibration: float) -> SchedulerSide:
+def _deciding_side(engine: BlendEngine, clock: Any = None, **calibration: float) -> SchedulerSide:
     """A side choosing by forecast, its gate passed and its cost model calibrated."""
-    side = _side(engine, when="faster")
-    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    side = _side(engine, when="faster", clock=clock)
+    side.worker_output(WorkerReport(verdict=(True, "passed")))
     _calibrate_per_row(side, **calibration)
     return side
 
@@ -287,8 +366,21 @@ def _deciding_side(engine: BlendEngine, **calibration: float) -> SchedulerSide:
 def _scheduled(*request_ids: str) -> SimpleNamespace:
     return SimpleNamespace(
         scheduled_new_reqs=[SimpleNamespace(req_id=i, num_computed_tokens=0) for i in request_ids],
-        num_scheduled_tokens=dict.fromkeys(request_ids, 1),
-    )
+        num_scheduled_tokens=dict.fromkeys(request_ids, 1), scheduled_cached_reqs=None,
+    )  # fmt: skip
+
+
+def _blend_through(side: SchedulerSide, request: Any, outcome: BlendOutcome) -> dict[str, Any]:
+    """Run a claimed request through allocation, its blend and its end; return its record."""
+    claimed, _ = side.matched(request, 0)
+    side.allocated(request, _Blocks(list(range(1, 64))), claimed or 0)
+    side.metadata(_scheduled())
+    side.worker_output(WorkerReport(outcomes=[outcome]))
+    side.allocated(request, _Blocks(list(range(1, 64))), 0)  # scheduled once its KV is there
+    params = side.finished(request)
+    assert params is not None
+    record: dict[str, Any] = params["kvblend"]
+    return record
 
 
 def test_the_scheduler_waits_for_the_gate_then_loads_asynchronously(
@@ -298,25 +390,52 @@ def test_the_scheduler_waits_for_the_gate_then_loads_asynchronously(
     ids = engine.encode(_prompt(engine, documents[::-1]))
     request = _request("r1", ids)
     assert side.matched(request, 0) == (None, False)  # no verdict yet: asked again
-    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    side.worker_output(WorkerReport(verdict=(True, "passed")))
     claimed, asynchronous = side.matched(request, 0)
     assert claimed == len(ids) - 1 and asynchronous  # the request waits for its KV
+    assert side.requests["r1"].status is RequestStatus.CLAIMED
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
+    assert side.requests["r1"].status is RequestStatus.SENT
     reused = engine.explain(engine.tokenizer.decode(ids), BlendConfig(**TOY)).reused_tokens
     assert request.prefill_stats.num_cached_tokens == reused
     assert request.prefill_stats.num_computed_tokens == len(ids) - reused
     meta = side.metadata(_scheduled())  # not scheduled itself: it waits, its job goes out
     (job,) = meta.jobs
     assert (job.start, job.stop, job.block_ids) == (0, len(ids) - 1, list(range(1, 9)))
+    assert side.requests["r1"].status is RequestStatus.BLENDING
     assert side.metadata(_scheduled()).jobs == []
     outcome = BlendOutcome("r1", reused=reused, rows=90, total=len(ids), compute_s=0.5)
-    side.worker_output(KVBlendWorkerMeta(outcomes=[outcome]))
+    side.worker_output(WorkerReport(outcomes=[outcome]))
+    assert side.requests["r1"].status is RequestStatus.DONE
     side.allocated(request, _Blocks(list(range(1, 9))), 0)  # scheduled once its KV is there
     assert side.metadata(_scheduled("r1")).jobs == []
     params = side.finished(request)
     assert params is not None and params["kvblend"]["cached_tokens"] == reused
     assert params["kvblend"]["blend_s"] == 0.5
-    assert side.tracked() == set()
+    assert side.requests == {}
+
+
+def test_the_gate_is_waited_for_from_the_first_request_however_long_the_server_idled(
+    engine: BlendEngine, documents: list[str]
+) -> None:
+    """The workers' verdict comes with a step's output, and no step runs before a request: a
+    server idle for an hour before its first prompt still waits for it, then blends."""
+    from kvblend.vllm.scheduler import GATE_WAIT_S
+
+    clock = _Clock()
+    side = _side(engine, parity=True, clock=clock)
+    clock.now += 3600  # started, then idle
+    request = _request("late", engine.encode(_prompt(engine, documents[::-1])))
+    assert side.matched(request, 0) == (None, False)
+    clock.now += GATE_WAIT_S / 2
+    assert side.matched(request, 0) == (None, False)  # still waiting: the steps run now
+    side.worker_output(WorkerReport(verdict=(True, "passed")))
+    assert side.matched(request, 0)[0] > 0
+    never = _side(engine, parity=True, clock=clock)
+    assert never.matched(request, 0) == (None, False)
+    clock.now += GATE_WAIT_S + 1  # no verdict in time: vLLM prefills everything
+    assert never.matched(request, 0) == (0, False)
+    assert never.gate is not None and not never.gate[0]
 
 
 def test_the_faster_path_is_chosen_and_both_forecasts_reported(
@@ -325,20 +444,17 @@ def test_the_faster_path_is_chosen_and_both_forecasts_reported(
     ids = engine.encode(_prompt(engine, documents[::-1]))
     side = _side(engine, when="faster")
     request = _request("f1", ids)
-    side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+    side.worker_output(WorkerReport(verdict=(True, "passed")))
     assert side.matched(request, 0) == (None, False)  # no calibration yet: asked again
     _calibrate_per_row(side)  # rows cost the same: the blend computes fewer, it wins
-    side.costs.vllm.timed_at = time.monotonic()  # vLLM's prefill timed lately
     claimed, _ = side.matched(request, 0)
     assert claimed == len(ids) - 1
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
-    record = side._records["f1"]
-    assert record["forecast_blend_s"] < record["forecast_vllm_s"]
+    record = side.requests["f1"].record
+    assert record is not None and record["forecast_blend_s"] < record["forecast_vllm_s"]
     # blends observed 10x slower per row than calibrated: vLLM prefills the next one
-    from kvblend.vllm.costs import blend_features
-
     for _ in range(40):
-        side.costs.observe(side.costs.blend, blend_features(500, 1000), 5.0)
+        side.admission.observe(BlendTimed(500, 1000, 5.0))
     other = _request("f2", ids)
     assert side.matched(other, 0) == (0, False)
     side.allocated(other, _Blocks([1]), 0)
@@ -348,36 +464,49 @@ def test_the_faster_path_is_chosen_and_both_forecasts_reported(
     assert record["strategy"] == "vllm" and record["fallback"].startswith("vllm_faster")
     assert record["forecast_blend_s"] > record["forecast_vllm_s"] > 0
     counts = side.take_counts()
-    assert counts["vllm"] == 1 and counts["forecast_blend_ms"] > counts["forecast_vllm_ms"]
+    assert counts["vllm"] == 1 and counts["vllm_reasons"] == {"vllm_faster": 1}
+    assert counts["forecast_blend_ms"] > counts["forecast_vllm_ms"]
 
 
-def test_vllm_is_timed_on_a_blendable_prompt_only_while_nothing_else_is_in_flight(
-    engine: BlendEngine, documents: list[str], monkeypatch: pytest.MonkeyPatch
+@pytest.fixture(scope="module")
+def long_documents(engine: BlendEngine) -> list[str]:
+    rng = random.Random(9)
+    texts = [_document(rng, 80) for _ in range(8)]  # about 500 tokens each (bytes)
+    engine.precompute(texts)
+    return texts
+
+
+def test_a_fresh_servers_first_rag_prompt_is_blended_and_so_is_each_one_minutes_apart(
+    engine: BlendEngine, long_documents: list[str]
 ) -> None:
-    """Handing a long prompt to vLLM's chunked prefill would hold up the others: only when idle."""
-    from kvblend.vllm.costs import Forecast
-
-    ids = engine.encode(_prompt(engine, documents[::-1]))
-    side = _deciding_side(engine)
-    # a win, but not a clear one, and vLLM's prefill never timed
-    monkeypatch.setattr(side.costs, "forecast", lambda *_: Forecast(0.6, 1.0, 0.8))
-    stream = _request("stream", ids[:20])  # another request in flight (no document)
-    side.matched(stream, 0)
-    side.allocated(stream, _Blocks([1]), 0)
-    busy = _request("busy", ids)
-    claimed, _ = side.matched(busy, 0)
-    assert claimed == len(ids) - 1  # blended: vLLM would stall the stream
-    side.allocated(busy, _Blocks(list(range(1, 9))), claimed)
-    side.metadata(_scheduled())
-    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("busy", rows=90, total=len(ids))]))
-    side.allocated(busy, _Blocks(list(range(1, 9))), 0)
-    side.finished(busy)
-    side.finished(stream)
-    idle = _request("idle", ids)
-    assert side.matched(idle, 0) == (0, False)  # nothing else in flight: vLLM is timed
-    side.allocated(idle, _Blocks([1]), 0)
-    params = side.finished(idle)
-    assert params is not None and params["kvblend"]["fallback"].startswith("vllm_check")
+    """Learning vLLM's speed never costs a waiting user: a prompt the blend is forecast to win
+    is blended on a server that never timed vLLM on one, and with 6 minutes between prompts
+    (vLLM's correction long faded back to its calibration), each is blended too."""
+    clock = _Clock()
+    side = _side(engine, when="faster", clock=clock)
+    side.worker_output(WorkerReport(verdict=(True, "passed")))
+    # this machine: 4 ms a row computed, a blend 1.5 ms more a prompt token (read, moved,
+    # written): a 4K blend is forecast at 0.5-0.8 of vLLM's prefill, a win but no clear one
+    side.admission.observe(Calibrated(
+        [(vllm_features(n, 0).tolist(), 4e-3 * n) for n in (256, 1024, 2048, 4096)],
+        [(blend_features(r, n).tolist(), 4e-3 * r + 1.5e-3 * n)
+         for r, n in ((384, 384), (300, 1024), (600, 2048), (1100, 4096))],
+    ))  # fmt: skip
+    for number in range(5):
+        order = long_documents[number:] + long_documents[:number]  # never as stored
+        ids = engine.encode(_prompt(engine, order[::-1]))
+        assert 3800 < len(ids) < 4400
+        request = _request(f"q{number}", ids)
+        forecast = side.admission.decide(plan_request(
+            engine.library, ids, 0, BlendConfig(**TOY)), "faster").forecast  # fmt: skip
+        assert forecast is not None and 0.5 < forecast.blend_s / forecast.vllm_s < 0.8
+        outcome = BlendOutcome(request.request_id, rows=1200, total=len(ids),
+                               compute_s=forecast.blend_s)  # fmt: skip
+        record = _blend_through(side, request, outcome)
+        assert record["fallback"] is None and record["strategy"] == "attention", record
+        clock.now += 360  # 6 minutes to the next question
+    counts = side.take_counts()
+    assert counts["blended"] == 5 and counts["vllm"] == 0
 
 
 def test_a_prompt_no_blend_can_win_is_not_planned(
@@ -411,17 +540,16 @@ def test_a_blend_is_observed_by_its_own_slices_not_its_wait(
     engine: BlendEngine, documents: list[str]
 ) -> None:
     """A blend that waited behind others must not make the next blend's forecast longer."""
-    from kvblend.vllm.costs import blend_features
-
     side = _side(engine, when="faster")
     _calibrate_per_row(side)
+    costs = side.admission.costs  # type: ignore[attr-defined]
     rows, total = 500, 1000
-    own = side.costs.blend.base(blend_features(rows, total))
+    own = costs.blend.base(blend_features(rows, total))
     for number in range(5):
         outcome = BlendOutcome(f"b{number}", rows=rows, total=total, compute_s=own)
         outcome.blend_s = 10 * own  # from its arrival: most of it waiting behind other blends
-        side._outcome(outcome)
-    assert side.costs.blend.residual == pytest.approx(1.0, rel=1e-3)
+        side.worker_output(WorkerReport(outcomes=[outcome]))
+    assert costs.blend.residual == pytest.approx(1.0, rel=1e-3)
 
 
 def test_blocks_of_approximate_kv_get_salted_hashes_exact_ones_keep_vllms(
@@ -433,7 +561,7 @@ def test_blocks_of_approximate_kv_get_salted_hashes_exact_ones_keep_vllms(
     request = _request("h1", ids)
     own = list(request.block_hashes)
     claimed, _ = side.matched(request, 0)
-    plan = side._plans["h1"][1]
+    plan = side.requests["h1"].plan
     first = plan.approximate_from // BLOCK
     moved = [i for i, kind in enumerate(plan.plan.kinds) if kind == TokenKind.MOVED]
     assert claimed > 0 and plan.approximate_from == moved[0] > 0
@@ -442,10 +570,10 @@ def test_blocks_of_approximate_kv_get_salted_hashes_exact_ones_keep_vllms(
     again = _request("h2", ids)  # the same prompt blended again: salted apart from the first
     side.matched(again, 0)
     assert set(again.block_hashes[first:]).isdisjoint(request.block_hashes[first:])
-    # a request vLLM prefills after all gets its own hashes back
-    side._plans.pop("h2")
+    # a request vLLM prefills after all (planned again: vLLM's prefix hit grew) gets its own
+    # hashes back
     again.kv_transfer_params = {"kvblend": False}
-    assert side.matched(again, 0) == (0, False)
+    assert side.matched(again, BLOCK) == (0, False)
     assert again.block_hashes == own
     # strategy full computes every row exactly: nothing salted
     exact = _request("h3", ids, kv_transfer_params={"kvblend": {"strategy": "full"}})
@@ -460,7 +588,6 @@ def test_blocks_filled_after_the_prompt_are_salted_from_the_first_approximate_on
     import hashlib
 
     ids = engine.encode(_prompt(engine, documents[::-1]))
-    side = _side(engine, when="always")
 
     def hasher(request: Any) -> list[bytes]:  # vLLM's: each new full block, chained
         out, parent = [], (request.block_hashes or [b""])[-1]
@@ -478,17 +605,15 @@ def test_blocks_filled_after_the_prompt_are_salted_from_the_first_approximate_on
     grow(plain, ids + [7] * 3 * BLOCK)  # vLLM's own hashes of the prompt and 3 blocks more
     request = _request("g1", ids, block_hashes=[], tokens=[], _block_hasher=hasher)
     grow(request, ids)
-    plan = side._plan(request, 0)
-    plan.approximate_from = (len(ids) // BLOCK) * BLOCK + 1  # in the last, partial block
-    side._salt(request, plan)
-    first = len(ids) // BLOCK
+    first = len(ids) // BLOCK  # the first approximate row is in the last, partial block
+    own = compat.salt_hashes(request, first)
     assert request.block_hashes == plain.block_hashes[:first]  # the prompt's full blocks: exact
     grow(request, [7] * 3 * BLOCK)  # the answer fills that block, then two more
     assert request.block_hashes[:first] == plain.block_hashes[:first]
     assert len(request.block_hashes) == len(plain.block_hashes)
     salted = request.block_hashes[first:]
     assert set(salted).isdisjoint(plain.block_hashes)
-    side._unsalt(request)  # vLLM prefills it after all: its own hasher back
+    compat.unsalt_hashes(request, own)  # vLLM prefills it after all: its own hasher back
     assert request._block_hasher is hasher
 
 
@@ -511,7 +636,7 @@ def test_requests_vllm_must_prefill_itself_are_not_claimed(
     params = side.finished(request)
     assert params is not None and reason in params["kvblend"]["fallback"]
     assert params["kvblend"].get("refused", False) == ("refused" in reason)
-    assert side.take_counts()["refused"] == int("refused" in reason)
+    assert side.take_counts()["vllm_reasons"].get("refused", 0) == int("refused" in reason)
 
 
 def test_a_request_resumed_after_preemption_is_not_claimed_again(
@@ -536,7 +661,7 @@ def test_a_blend_that_reused_less_reports_its_true_count(
     assert request.prefill_stats.num_cached_tokens > 0
     side.metadata(_scheduled())
     lost = BlendOutcome("r2", reused=0, lost=["entry 0123 unusable (checksum mismatch)"])
-    side.worker_output(KVBlendWorkerMeta(outcomes=[lost]))
+    side.worker_output(WorkerReport(outcomes=[lost]))
     assert request.prefill_stats.num_cached_tokens == 0
     assert request.prefill_stats.num_computed_tokens == len(ids)
     params = side.finished(request)
@@ -556,11 +681,12 @@ def test_a_request_cancelled_mid_blend_stops_it_and_leaves_no_state(
     (job,) = side.metadata(_scheduled()).jobs  # the worker starts blending it
     params = side.finished(request)  # aborted while it blends
     assert params is not None and params["kvblend"]["cached_tokens"] > 0
-    assert side.tracked() == {"c1"}  # only until the outcome arrives
-    assert side.metadata(_scheduled()).cancel == ["c1"]  # the worker is told to stop it
-    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("c1", cancelled=True)]))
-    assert side.tracked() == set() and params["kvblend"]["cancelled"]
-    assert side.take_counts()["requests"] == 1
+    assert set(side.requests) == {"c1"}  # only until the outcome arrives
+    assert side.metadata(_scheduled()).stop == ["c1"]  # the worker is told to stop it
+    side.worker_output(WorkerReport(outcomes=[BlendOutcome("c1", cancelled=True)]))
+    assert side.requests == {} and params["kvblend"]["cancelled"]
+    counts = side.take_counts()
+    assert counts["requests"] == counts["blended"] == 1
     assert side.metadata(_scheduled()).jobs == []  # nothing is ever blended for it again
 
 
@@ -571,14 +697,14 @@ def test_a_request_cancelled_before_its_blend_leaves_no_state(
     side = _side(engine, parity=True)
     request = _request("c2", engine.encode(_prompt(engine, documents[::-1])))
     if when != "waiting for the gate":
-        side.worker_output(KVBlendWorkerMeta(verdict=(True, "passed")))
+        side.worker_output(WorkerReport(verdict=(True, "passed")))
     claimed, _ = side.matched(request, 0)
     if when == "allocated":
         side.allocated(request, _Blocks(list(range(1, 9))), claimed or 0)
     side.finished(request)
-    assert side.tracked() == set()
+    assert side.requests == {}
     meta = side.metadata(_scheduled())
-    assert meta.jobs == [] and meta.cancel == []
+    assert meta.jobs == [] and meta.stop == []
 
 
 def test_a_preempted_request_keeps_its_first_record_and_is_not_claimed_again(
@@ -590,7 +716,7 @@ def test_a_preempted_request_keeps_its_first_record_and_is_not_claimed_again(
     claimed, _ = side.matched(request, 0)
     side.allocated(request, _Blocks(list(range(1, 9))), claimed)
     side.metadata(_scheduled())
-    side.worker_output(KVBlendWorkerMeta(outcomes=[BlendOutcome("p1", reused=7, blend_s=0.5)]))
+    side.worker_output(WorkerReport(outcomes=[BlendOutcome("p1", reused=7, blend_s=0.5)]))
     side.allocated(request, _Blocks(list(range(1, 9))), 0)  # its KV arrived: scheduled
     cached = request.prefill_stats.num_cached_tokens
     assert cached > 0
@@ -604,14 +730,14 @@ def test_a_preempted_request_keeps_its_first_record_and_is_not_claimed_again(
     record = params["kvblend"]
     assert record["preemptions"] == 1 and record["fallback"] is None
     assert record["cached_tokens"] == cached and record["strategy"] == "attention"
-    assert side.tracked() == set()
+    assert side.requests == {}
     counts = side.take_counts()
     assert counts["blended"] == 1 and counts["vllm"] == 0
 
 
 def test_a_failed_gate_claims_nothing(engine: BlendEngine, documents: list[str]) -> None:
     side = _side(engine, parity=True)
-    side.worker_output(KVBlendWorkerMeta(verdict=(False, "does not reproduce vLLM")))
+    side.worker_output(WorkerReport(verdict=(False, "does not reproduce vLLM")))
     request = _request("r", engine.encode(_prompt(engine, documents)))
     assert side.matched(request, 0) == (0, False)
 
@@ -623,7 +749,7 @@ def test_each_reason_for_finding_nothing_is_its_own(documents: list[str]) -> Non
     def reason(engine: BlendEngine, text: str, summary: StoreSummary) -> str:
         side = SchedulerSide(
             ConnectorSettings(config=BlendConfig(**TOY), parity=False, when="always"),
-            engine.library, block_size=BLOCK, store_summary=summary,
+            engine.library, admission("always"), block_size=BLOCK, store_summary=summary,
         )  # fmt: skip
         request = _request("x", engine.encode(_prompt(engine, [text])))
         assert side.matched(request, 0) == (0, False)
@@ -680,14 +806,14 @@ class _PagedLayer:
         ]
 
 
-def _worker(engine: BlendEngine) -> tuple[WorkerSide, list[_PagedLayer]]:
+def _worker(engine: BlendEngine) -> tuple[WorkerModel, list[_PagedLayer]]:
     shape = engine.decoder.shape
     layers = [_PagedLayer(shape.num_kv_heads, shape.head_dim, 64) for _ in range(shape.num_layers)]
     decoder: Any = engine.decoder  # as `VLLMAdapter` without tensor parallelism
     decoder.attention_layers, decoder.tp_size = layers, 1
     decoder.kv_heads = slice(0, shape.num_kv_heads)
     decoder.gather_ranks = lambda values: values.float().reshape(1, -1)
-    return WorkerSide(engine.decoder, engine.library, BLOCK), layers  # type: ignore[arg-type]
+    return WorkerModel(engine.decoder, engine.library, BLOCK), layers  # type: ignore[arg-type]
 
 
 def _reference_kv(engine: BlendEngine, ids: list[int]) -> Any:
@@ -705,7 +831,7 @@ def test_full_writes_the_models_own_kv_into_the_paged_cache(
     blocks = list(range(10, 10 + len(ids) // BLOCK + 1))[::-1]  # any blocks, any order
     start = 5
     job = BlendJob("r", plan.plan, BlendConfig("full"), start, len(ids) - 1, blocks)
-    outcome = worker.run(job)
+    outcome = run_job(worker, job)
     assert outcome.error is None and not outcome.failed
     cache = _reference_kv(engine, ids)
     for layer, paged in enumerate(layers):
@@ -732,7 +858,7 @@ def test_a_damaged_entry_is_computed_in_full(documents: list[str]) -> None:
     for key in list(engine.store.keys()):  # every entry now holds a wrong shape: unusable
         engine.store.put(key, {"kv": torch.zeros(1, 2, 3)}, {})
     blocks = list(range(1, len(ids) // BLOCK + 2))
-    outcome = worker.run(BlendJob("r", plan.plan, BlendConfig(**TOY), 0, len(ids) - 1, blocks))
+    outcome = run_job(worker, BlendJob("r", plan.plan, BlendConfig(**TOY), 0, len(ids) - 1, blocks))
     assert len(outcome.lost) == 2 and outcome.reused == 0 and outcome.error is None
     cache = _reference_kv(engine, ids)  # every row computed: the model's own KV
     position = len(ids) - 2
@@ -748,13 +874,13 @@ def test_blocks_of_a_cancelled_request_get_the_next_requests_own_kv(
     blocks = list(range(4, 60))[::-1]
     first = engine.encode(_prompt(engine, documents[::-1]))
     plan = plan_request(engine.library, first, 0, BlendConfig(**TOY)).plan
-    assert not worker.run(
-        BlendJob("gone", plan, BlendConfig(**TOY), 0, len(first) - 1, blocks)
+    assert not run_job(
+        worker, BlendJob("gone", plan, BlendConfig(**TOY), 0, len(first) - 1, blocks)
     ).failed
     ids = engine.encode(_prompt(engine, documents[:2], "Which river?"))
     plan = plan_request(engine.library, ids, 0, BlendConfig("full")).plan
-    assert not worker.run(
-        BlendJob("next", plan, BlendConfig("full"), 0, len(ids) - 1, blocks)
+    assert not run_job(
+        worker, BlendJob("next", plan, BlendConfig("full"), 0, len(ids) - 1, blocks)
     ).failed
     cache = _reference_kv(engine, ids)
     for layer, paged in enumerate(layers):
@@ -775,10 +901,8 @@ def test_a_blend_that_cannot_write_reports_its_blocks(
     ids = engine.encode(_prompt(engine, documents))
     plan = plan_request(engine.library, ids, 0, BlendConfig("full"))
     job = BlendJob("r", plan.plan, BlendConfig("full"), 0, len(ids) - 1, [1])  # too few blocks
-    outcome = worker.run(job)
-    assert outcome.failed and outcome.error
-    assert worker.take_failed_blocks() == {1}
-    assert worker.take_failed_blocks() == set()
+    outcome = run_job(worker, job)
+    assert outcome.failed and outcome.error  # reported as its request's failed load
 
 
 def test_the_gate_passes_on_the_models_forward_and_fails_otherwise(engine: BlendEngine) -> None:
@@ -788,15 +912,15 @@ def test_the_gate_passes_on_the_models_forward_and_fails_otherwise(engine: Blend
         with torch.inference_mode():
             return engine.model(torch.tensor([ids])).logits[0, -1].float()
 
-    passed, message = worker.gate(forward)
+    passed, message = gate(worker, forward)
     assert passed, message
-    passed, message = worker.gate(lambda ids: forward(ids) * 1.5)
+    passed, message = gate(worker, lambda ids: forward(ids) * 1.5)
     assert not passed and "does not reproduce" in message
 
     def broken(ids: list[int]) -> torch.Tensor:
         raise RuntimeError("no backend")
 
-    passed, message = worker.gate(broken)
+    passed, message = gate(worker, broken)
     assert not passed and "no backend" in message
 
 
@@ -809,18 +933,20 @@ def test_core_kvblend_does_not_import_vllm() -> None:
 
 
 def test_pipeline_parallel_vllm_is_refused_with_what_is_unsupported() -> None:
-    from kvblend.vllm.sides import WorkerHooks, _unsupported
+    from kvblend.vllm.sides import unsupported, worker_model
+    from kvblend.vllm.worker import Worker
 
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)
-    hooks = WorkerHooks(ConnectorSettings(), SimpleNamespace(parallel_config=parallel), None)
-    hooks.register({})
-    report = hooks.report()
+    config = SimpleNamespace(parallel_config=parallel)
+    worker = Worker(ConnectorSettings(), config, None)
+    worker.register(functools.partial(worker_model, ConnectorSettings(), config))
+    report = worker.report()
     assert report is not None and report.verdict is not None
     passed, message = report.verdict
     assert not passed and "pipeline_parallel_size=2" in message and "could not start" in message
     # tensor parallelism is blended, each rank with its own heads (tests/vllm/test_vllm_ranks.py)
     tensor = SimpleNamespace(tensor_parallel_size=3, pipeline_parallel_size=1)
-    assert _unsupported(SimpleNamespace(parallel_config=tensor)) is None
+    assert unsupported(SimpleNamespace(parallel_config=tensor)) is None
 
 
 def test_vllms_default_failure_policy_is_warned_about() -> None:

@@ -8,7 +8,9 @@ each step: ``{"name", "prompts": [...], "max_tokens", "kv_transfer_params": {...
 "one_at_a_time": bool, "reset_prefix_cache": bool, "kill_pid": pid or null, "abort": [...] or
 null, "preempt": bool, "logprobs": n or null, "refused": bool}`` (``refused``: the engine is
 expected to refuse the request; its error is the result); the job may name
-``logits_processors``. Every prompt's result: the generated text and token ids,
+``logits_processors``, ``log_stats`` (vLLM's metrics on: ``metrics`` in a step records the
+kvblend metrics before and after it) and ``check_uses`` (`kvblend.vllm.compat.check_uses` on
+this vLLM). Every prompt's result: the generated text and token ids,
 ``num_cached_tokens``, ``kv_transfer_params`` and the top-``logprobs`` of each generated
 token.
 
@@ -126,6 +128,23 @@ def _preempted(llm: Any, step: dict[str, Any], params: Any) -> list[dict[str, An
     return [_result(done[request_id]) for request_id in ids]
 
 
+def _kvblend_metrics(llm: Any) -> dict[str, float]:
+    """Return vLLM's kvblend metrics now (``name{label=value}``: value; a histogram's count and
+    sum as ``name_count`` and ``name_sum``)."""
+    values: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if not metric.name.startswith("vllm:kvblend_"):
+            continue
+        extra = {k: v for k, v in metric.labels.items() if k not in ("engine", "model_name")}
+        key = metric.name + "".join(f"{{{k}={v}}}" for k, v in sorted(extra.items()))
+        if hasattr(metric, "count"):  # a histogram
+            values[f"{key}_count"] = values.get(f"{key}_count", 0) + float(metric.count)
+            values[f"{key}_sum"] = values.get(f"{key}_sum", 0) + float(metric.sum)
+        else:
+            values[key] = values.get(key, 0) + float(metric.value)
+    return values
+
+
 def main(job_path: str, result_path: str) -> None:
     from vllm import LLM
 
@@ -141,12 +160,24 @@ def main(job_path: str, result_path: str) -> None:
         enforce_eager=True, enable_prefix_caching=True, seed=0,
         kv_transfer_config=job.get("kv_transfer_config"), **parallel,
         logits_processors=job.get("logits_processors"),
+        disable_log_stats=not job.get("log_stats", False),
     )  # fmt: skip
     results: dict[str, Any] = {"startup_s": time.perf_counter() - started, "steps": {}}
+    if job.get("check_uses"):  # kvblend's uses of vLLM beyond its public API, on this vLLM
+        import vllm
+        from kvblend.vllm import compat
+
+        results["uses"] = {"version": vllm.__version__, "checked_on": list(compat.CHECKED_ON),
+                           "changed": compat.check_uses(), "count": len(compat.USES)}  # fmt: skip
     for step in job["steps"]:
         began = time.perf_counter()
+        before = _kvblend_metrics(llm) if step.get("metrics") else None
         results["steps"][step["name"]] = _run_step(llm, step)
         results[f"{step['name']}_s"] = time.perf_counter() - began
+        if before is not None:  # what the step added to each metric
+            after = _kvblend_metrics(llm)
+            added = {key: after[key] - before.get(key, 0.0) for key in after}
+            results.setdefault("metrics", {})[step["name"]] = added
     with open(result_path, "w", encoding="utf-8") as handle:
         json.dump(results, handle)
 

@@ -2,7 +2,8 @@
 
 ``kvblend bench <command>`` (``kvblend bench --help`` lists them; ``python -m kvblend.bench``
 runs the same); see docs/benchmarks.md. `main(argv)` is the entry point. The results go to
-``benchmarks/results/`` of the working folder (the repository's, run from its root).
+``kvblend-bench/`` of the working folder (``$KVBLEND_BENCH_DIR``, or ``--output``); the ones
+the project records are in ``benchmarks/results/``, written there only when asked.
 """
 
 from __future__ import annotations

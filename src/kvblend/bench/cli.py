@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kvblend.bench.commands import (
     HEAD_CHOICES,
+    RECORDED_DIR,
     RESULTS_DIR,
     cmd_doc_context,
     cmd_figures,
@@ -131,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     ops = sub.add_parser("ops", help="aten ops per layer and host syncs of a prefill (CPU)")
     add_ops_arguments(ops)
     ops.set_defaults(func=cmd_ops)
+
+    from kvblend.bench.headline import add_headline_arguments, cmd_headline
+
+    headline = sub.add_parser(
+        "headline", help="the README's figures table from benchmarks/results (print/write/check)"
+    )
+    add_headline_arguments(headline)
+    headline.set_defaults(func=cmd_headline)
     nq_strategies = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
 
     def retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:
@@ -204,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     registry.set_defaults(func=cmd_registry)
 
     report = sub.add_parser("report", help="markdown tables and PNG plots from saved results")
-    report.add_argument("--ttft", default=str(RESULTS_DIR / "ttft.json"))
-    report.add_argument("--quality", default=str(RESULTS_DIR / "quality.json"))
+    report.add_argument("--ttft", default=str(RECORDED_DIR / "ttft.json"))
+    report.add_argument("--quality", default=str(RECORDED_DIR / "quality.json"))
     report.add_argument("--img-dir", default="docs/img")
     report.set_defaults(func=cmd_report)
 
@@ -255,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--max-new-tokens", type=int, default=32, help="--nq: answer tokens")
     vllm.add_argument("--seed", type=int, default=0, help="--nq: seed of the bootstrap")
     vllm.add_argument(
-        "--output", default=None, help="default: benchmarks/results/vllm.json (--nq: vllm_nq.json)"
+        "--output", default=None, help=f"default: {RESULTS_DIR}/vllm.json (--nq: vllm_nq.json)"
     )
     vllm.set_defaults(func=cmd_vllm)
     for name, (_, what) in SCRIPTS.items():  # listed here; `main` hands them their options

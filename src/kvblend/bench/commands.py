@@ -3,7 +3,13 @@
 Every ``cmd_*`` takes the parsed arguments of its subcommand (`kvblend.bench.cli.build_parser`),
 loads the engine the way the docs tell users to (`_engine`), runs the benchmark of its module
 (``kvblend.bench.ttft``, ``quality``, ``nq``...) and writes the result as JSON, with the machine
-it ran on, and as a Markdown table beside it (`_write`), which it also prints.
+it ran on and the command that ran it, and as a Markdown table beside it (`_write`), which it
+also prints.
+
+Results go to `RESULTS_DIR`: ``$KVBLEND_BENCH_DIR``, else ``kvblend-bench/`` in the current
+folder, so a run from a clone never overwrites the results the project records in
+``benchmarks/results/`` (`RECORDED_DIR`, tracked by git): recording one there takes
+``--output benchmarks/results/NAME.json``.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -19,8 +26,29 @@ from typing import Any
 
 import torch
 
-#: Where results go by default.
-RESULTS_DIR = Path("benchmarks") / "results"
+#: Environment variable naming the folder results go to by default.
+BENCH_DIR_ENV = "KVBLEND_BENCH_DIR"
+#: The results the project records (tracked): read by `report` and `headline`, written only
+#: when a command is given ``--output`` there.
+RECORDED_DIR = Path("benchmarks") / "results"
+
+
+def results_dir() -> Path:
+    """Return ``$KVBLEND_BENCH_DIR``, else ``kvblend-bench`` in the current folder."""
+    override = os.environ.get(BENCH_DIR_ENV)
+    return Path(override).expanduser() if override else Path("kvblend-bench")
+
+
+#: Where results go by default (never `RECORDED_DIR`, unless asked for).
+RESULTS_DIR = results_dir()
+
+
+def command_line() -> str:
+    """Return the running command as a user would type it (recorded with each result)."""
+    arguments = sys.argv[1:]
+    if Path(sys.argv[0]).name == "kvblend":
+        return shlex.join(["kvblend", *arguments])
+    return shlex.join(["python", "-m", "kvblend.bench", *arguments])
 
 
 def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
@@ -53,6 +81,7 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
         args.model, store=store, device=args.device, dtype=args.dtype,
         system_prompt=system_prompt if engine_system is None else engine_system,
         doc_prefix=None if doc_prefix == "bos" else "auto",
+        threads=args.threads or None,  # else a count equal to torch's own is not kept
     )  # fmt: skip
 
 
@@ -72,6 +101,10 @@ def _machine(engine: Any) -> dict[str, Any]:
 
 
 def _write(result: dict[str, Any], path: Path, table: str) -> None:
+    from kvblend.blend.config import BlendConfig
+
+    result.setdefault("command", command_line())
+    result.setdefault("default_config", repr(BlendConfig()))  # what "default" meant
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     path.with_suffix(".md").write_text(table + "\n")

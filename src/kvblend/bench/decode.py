@@ -3,8 +3,8 @@
 For each prompt length, one full prefill of synthetic prose; then `engine.generate` from that
 prefill with ``KVBLEND_DECODE_CACHE=static`` and ``=dynamic``, alternated in every repeat.
 Decode tokens/s is the tokens after the first over the time after the first (the cache's
-construction included); greedy outputs are checked equal. Writes
-``benchmarks/results/decode.json`` and ``decode.md``.
+construction included); greedy outputs are checked equal. Writes ``decode.json`` and
+``decode.md`` into the results folder (``kvblend-bench/``, see `kvblend.bench.commands`).
 
     kvblend bench decode [--lengths 512,2048,4096] [--tokens 32] [--repeats 5] [--threads 1]
         [--device cuda] [--output-dir DIR]
@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.model_shape:
         engine = shaped_engine(args.model_shape, args.model, args.tokenizer, args.device)
     else:
-        engine = BlendEngine.from_pretrained(args.model, MemoryKVStore(), device=args.device)
+        engine = BlendEngine.from_pretrained(
+            args.model, MemoryKVStore(), device=args.device, threads=args.threads
+        )
     lengths = [int(x) for x in args.lengths.split(",")]
     rows = run(engine, lengths, args.tokens, args.repeats, exact=args.model_shape is None)
     result = results(engine, args, rows)

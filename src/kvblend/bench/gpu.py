@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.ingest import ingest_table, run_ingest
 from kvblend.bench.random_models import MODEL_SHAPES
 from kvblend.bench.strategies import parse_strategies
@@ -65,7 +66,7 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=None,
                         help="with --model-shape: a folder of tokenizer files to use instead of "
                              "loading --model (no weights needed)")  # fmt: skip
-    parser.add_argument("--output", default="benchmarks/results/gpu.json")
+    parser.add_argument("--output", default=str(RESULTS_DIR / "gpu.json"))
 
 
 def shaped_engine(args: argparse.Namespace) -> BlendEngine:

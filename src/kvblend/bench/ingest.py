@@ -41,12 +41,12 @@ def _fresh(engine: BlendEngine) -> BlendEngine:
 
 def one_by_one(engine: BlendEngine, texts: Sequence[str]) -> None:
     """Compute and store each text alone through the blend loop, as precompute used to."""
-    segment_kv = engine.segment_kv
+    segment_kv = engine.library.segment_kv
     for text in texts:
         layout = segment_kv.layout(text)
         key = segment_kv.key(text)
         segment_kv.compute(key, layout.context_ids, layout.ids)
-        engine.documents.add([text])
+        engine.library.registry.add([text])
 
 
 def run_ingest(
@@ -83,7 +83,7 @@ def run_ingest(
         for name, run in settings:
             target = _fresh(engine)
             for text in texts:
-                target.segment_kv.layout(text)  # tokenizing is not what is compared
+                target.library.segment_kv.layout(text)  # tokenizing is not what is compared
             _synchronize(engine)
             started, cpu_started = time.perf_counter(), time.process_time()
             run(target)
@@ -101,7 +101,7 @@ def run_ingest(
         "benchmark": "ingest",
         "documents": documents,
         "doc_tokens": doc_tokens,
-        "context_tokens": len(engine.segment_kv.layout(texts[0]).context_ids),
+        "context_tokens": len(engine.library.segment_kv.layout(texts[0]).context_ids),
         "repeats": repeats,
         "rows": rows,
         "summary": summarize_ingest(rows),

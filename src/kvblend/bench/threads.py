@@ -9,7 +9,8 @@ kvblend left in place before it chose) and kvblend's (`kvblend.engine.threads.de
 the cores the last minute's load leaves idle), read after the burners started. Repeats
 interleave every setting. ``--busy N`` starts N processes that each burn a CPU for the run (and
 waits ``--settle`` seconds first, so the load average sees them); they are stopped at the end.
-Appends the run to ``benchmarks/results/threads.json`` and prints a table.
+Appends the run to ``threads.json`` in the results folder (``kvblend-bench/``) and prints a
+table.
 
     kvblend bench threads [--busy 1] [--repeats 5] [--settle 60] [--label busy]
 """

@@ -17,9 +17,13 @@ rows are computed and where the loop runs:
   additive mask of exactly that key range, so a chunk skips the causal upper triangle beyond
   it. FlexAttention runs eagerly there only by materialising every score (several times
   slower), and compiled it costs seconds per shape, more than it saves on one prefill
-  (docs/benchmarks.md). The key ranges come from host bounds of the rows' positions
-  (`RowSet.bounds`: exact when the host chose them, order-statistic bounds when a probe chose
-  them on the device), so no row is read back; a row set with no bounds is read back once.
+  (docs/benchmarks.md). The key ranges come from the rows' positions on the host: exact when
+  the host chose them, and on the CPU, where the device's memory is the host's, read in place
+  (a view: nothing copied, nothing waited for); elsewhere from order-statistic bounds when a
+  probe chose them on the device (`RowSet.bounds`), so no row is read back; a row set with no
+  bounds is read back once. A chunk's keys past a row's position are computed and masked out
+  (`masked_share`: 9% of the default's pairs at 4K, 4.5% at 7.5K); the chunks' outputs are
+  joined, then laid out once.
 
 ``KVBLEND_ATTENTION=flex`` (or ``chunks``) forces one of the last two. Masks of the chunks are
 kept for the whole pass while they fit in ``mask_budget`` bytes and built per call beyond it.
@@ -34,8 +38,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvblend.blend.flex import FlexRows
+from kvblend.blend.flex import FlexRows, compiled_flex
 from kvblend.blend.io import RowSet
+from kvblend.blend.threads import ELEMENT_WORK, big
 
 # Query rows per attention call when the computed rows are sparse: smaller chunks skip more of
 # the causal upper triangle but keep SDPA's kernels from running at full speed; on a CPU, 256
@@ -82,15 +87,41 @@ def sdpa(
     None for plain causal attention over aligned queries and keys (``causal=False``: every
     key). Keys and values may hold the KV heads only (GQA).
     """
+    out = sdpa_heads(queries, keys, values, scale, mask, causal)
+    return out.transpose(0, 1).reshape(queries.shape[1], -1)
+
+
+def sdpa_heads(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """`sdpa` before its rows are laid out: ``[heads, queries, head_dim]`` (one op fewer)."""
     groups = queries.shape[0] // keys.shape[0]  # 1 when the caller expanded the heads
     if groups > 1 and not sdpa_takes_gqa(mask is not None, keys.device):
         keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
-    out = F.scaled_dot_product_attention(
-        queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-        attn_mask=None if mask is None else mask[None, None], is_causal=mask is None and causal,
-        scale=scale, enable_gqa=queries.shape[0] != keys.shape[0],
-    )  # fmt: skip
-    return out[0].transpose(0, 1).reshape(queries.shape[1], -1)
+    with big(attention_work(queries, keys, mask is None and causal)):
+        out = F.scaled_dot_product_attention(
+            queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=None if mask is None else mask[None, None],
+            is_causal=mask is None and causal, scale=scale,
+            enable_gqa=queries.shape[0] != keys.shape[0],
+        )  # fmt: skip
+    return out[0]
+
+
+def attention_work(queries: torch.Tensor, keys: torch.Tensor, causal: bool = False) -> int:
+    """Return the multiply-adds of attention of ``queries`` over ``keys`` (both products).
+
+    ``[heads, rows, head_dim]`` over ``[kv_heads, keys, head_dim]``; ``causal``: aligned rows,
+    half the pairs.
+    """
+    heads, rows, head_dim = queries.shape
+    pairs = int(rows) * int(keys.shape[1]) // (2 if causal else 1)
+    return 2 * int(heads) * int(head_dim) * pairs
 
 
 class Masks:
@@ -184,14 +215,23 @@ CHUNK_STEP = 32
 #: ns from 32 to 512 rows a call, and about 80 us more per call (SmolLM2's shape, one thread).
 CALL_PAIRS = 4096
 
+#: SDPA's CPU kernel takes query blocks of 64 rows from this many rows a call, of 32 below:
+#: a pair then costs `SMALL_CALL` times as much (29.8 against 28.3 ns, SmolLM2's shape).
+SMALL_ROWS = 192
+SMALL_CALL = 1.06
 
-def query_chunks(lower: np.ndarray, upper: np.ndarray, window: int | None) -> list[QueryChunk]:
+
+def query_chunks(
+    lower: np.ndarray, upper: np.ndarray, window: int | None, calls: int | None = None
+) -> list[QueryChunk]:
     """Query chunks and the keys each reads, from host bounds of the rows' positions.
 
-    The boundaries are chosen to read the fewest query-key pairs (plus `CALL_PAIRS` a call)
-    with at most as many calls as chunks of `QUERY_CHUNK` rows would make, none over twice
-    that: where bounds are loose (rows a probe chose, early in the prompt) a short chunk ends
-    before them, and rows bunched at the end share one call.
+    The boundaries are chosen to read the fewest query-key pairs (plus `CALL_PAIRS` a call, a
+    pair of a call under `SMALL_ROWS` rows counted `SMALL_CALL` times) with at most ``calls``
+    calls (default `max_calls`), none over twice `QUERY_CHUNK` rows: where bounds are loose
+    (rows a probe chose, early in the prompt) a short chunk ends before them, and rows
+    bunched at the end share one call. A chunk's keys past a row's position are masked out:
+    more calls read fewer of them.
     """
     count = lower.size
     points = np.unique(np.concatenate(([0], np.arange(CHUNK_STEP, count, CHUNK_STEP), [count])))
@@ -204,13 +244,14 @@ def query_chunks(lower: np.ndarray, upper: np.ndarray, window: int | None) -> li
     best[0] = 0.0
     starts = []  # per number of calls: the best start of a chunk ending at each point
     totals = []
-    for _ in range(-(-count // QUERY_CHUNK)):
+    for _ in range(max_calls(count) if calls is None else calls):
         cost, start = np.full(points.size, np.inf), np.zeros(points.size, dtype=np.int64)
         for back in range(1, min(reach, points.size - 1) + 1):
             ends = np.arange(back, points.size)
             rows = points[ends] - points[ends - back]
             keys = key_end[ends - 1] - key_begin[ends - back]
-            candidate = best[ends - back] + rows * keys + CALL_PAIRS
+            pairs = rows * keys * np.where(rows < SMALL_ROWS, SMALL_CALL, 1.0)
+            candidate = best[ends - back] + pairs + CALL_PAIRS
             better = candidate < cost[ends]
             cost[ends[better]], start[ends[better]] = candidate[better], ends[better] - back
         best = cost
@@ -224,6 +265,29 @@ def query_chunks(lower: np.ndarray, upper: np.ndarray, window: int | None) -> li
                                  int(key_end[end - 1])))  # fmt: skip
         end = begin
     return chunks[::-1]
+
+
+def max_calls(count: int) -> int:
+    """Return the most query chunks of ``count`` rows: one per `QUERY_CHUNK` rows.
+
+    Each call is an op (on a GPU a launch) and a mask: more calls would read fewer masked keys
+    but dispatch more ops.
+    """
+    return max(1, -(-count // QUERY_CHUNK))
+
+
+def masked_share(chunks: list[QueryChunk], positions: np.ndarray, window: int | None) -> float:
+    """Return the share of the query-key pairs that ``chunks`` compute and then mask out.
+
+    ``positions``: the rows' sorted positions (on the host). A row needs the keys at or before
+    its position (and inside its window); every other key of its chunk's range is masked.
+    """
+    computed = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks)
+    first = np.zeros(positions.size, dtype=np.int64)
+    if window is not None:
+        first = np.maximum(0, positions.astype(np.int64) - window + 1)
+    needed = float((positions.astype(np.int64) + 1 - first).sum())
+    return (computed - needed) / computed if computed else 0.0
 
 
 def use_flex(device: torch.device, compiled: bool) -> bool:
@@ -265,6 +329,9 @@ class RowAttention:
         self.positions = rows.positions if padded is None else padded
         # decided here, not in a call: a compiled step sees booleans, never the prompt's length
         self.exact = padded is None or (length or total) == total  # keys sliced to the prompt's
+        # FlexAttention outside a compiled step even where its kernel is not compiled (the
+        # eager loop told to use it); a compiled loop's step run eagerly attends by chunks
+        self.fused = padded is None
         self.aligned = rows.count == total and self.positions.numel() == total  # rows 0, 1, ...
         self.total = total
         self.windows = windows
@@ -288,6 +355,18 @@ class RowAttention:
             return
         self._plan_chunks()
 
+    def graph_key(self) -> tuple[object, ...]:
+        """Return what a compiled step's graph takes from this object beside tensor sizes.
+
+        The paths `__call__` takes, decided here, and the chunks' bounds where it attends by
+        chunks: the compiled loop refuses a graph's compile by this key (`compiled.step_bucket`).
+        """
+        plans = {} if self.flex is not None else self.chunks  # planned for eager steps only
+        chunks = tuple((str(window), tuple(plan)) for window, plan in plans.items())
+        masked = tuple(sorted(str(window) for window in self.masked))
+        return (self.flex is not None, self.exact, self.aligned, self.dense, self.scatter,
+                masked, chunks)  # fmt: skip
+
     def _plan_chunks(self) -> None:
         """Plan the query chunks of every masked window, and keep their masks within budget.
 
@@ -304,6 +383,13 @@ class RowAttention:
             rows = RowSet(rows.positions, rows.host_positions())
             bounds = rows.bounds()
             assert bounds is not None
+        elif rows.host is None and rows.positions.device.type == "cpu":
+            # On the CPU the device's positions are in host memory: the chunks are planned
+            # from them exactly (a view, no copy and nothing to wait for; a loop on CUDA
+            # attends with FlexAttention and plans no chunks), which reads fewer masked keys
+            # than the bounds a probe's rows come with.
+            exact = rows.positions.numpy()
+            bounds = (exact, exact)
         if not extra:
             self.rows = rows
         self.chunk_positions = rows.positions
@@ -333,11 +419,12 @@ class RowAttention:
         prompt's length, so a compiled loop serves every prompt of its size bucket.
         """
         if self.flex is not None:
-            out = self.flex(window, queries, keys, values)
-            if out is not None:
-                return out
-            self.uncompiled += 1  # refused a compile: logged once (`COMPILE_LIMIT`)
-            if not self.chunks:
+            if self.fused or torch.compiler.is_compiling() or compiled_flex(keys.device):
+                out = self.flex(window, queries, keys, values)
+                if out is not None:
+                    return out
+                self.uncompiled += 1  # refused a compile: logged once (`COMPILE_REFUSALS`)
+            if not self.chunks:  # a compiled loop's step run eagerly: the eager loop's chunks
                 self._plan_chunks()
         if self.exact:
             keys, values = keys[:, : self.total], values[:, : self.total]
@@ -345,8 +432,9 @@ class RowAttention:
             if self.aligned:  # rows 0, 1, ...: causal attention aligned at the first key
                 return sdpa(queries, keys, values, self.scaling)
             heads, _, head_dim = queries.shape
-            scattered = queries.new_zeros(heads, keys.shape[1], head_dim)
-            scattered.index_copy_(1, self.positions, queries)
+            with big(heads * keys.shape[1] * head_dim * ELEMENT_WORK):
+                scattered = queries.new_zeros(heads, keys.shape[1], head_dim)
+                scattered.index_copy_(1, self.positions, queries)
             out = sdpa(scattered, keys, values, self.scaling)
             return out.index_select(0, self.positions)
         return self._chunked(window, queries, keys, values)
@@ -380,7 +468,7 @@ class RowAttention:
                 repeat_kv(values[:, :key_end], groups),
             )
         outputs = [
-            sdpa(
+            sdpa_heads(
                 queries[:, chunk.begin : chunk.end],
                 keys[:, chunk.key_begin : chunk.key_end],
                 values[:, chunk.key_begin : chunk.key_end],
@@ -388,8 +476,9 @@ class RowAttention:
                 kept[number] if kept is not None else self._mask(chunk, window),
             )
             for number, chunk in enumerate(chunks)
-        ]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+        ]  # each [heads, rows, head_dim]: joined, then laid out once (one copy, not one a call)
+        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        return out.transpose(0, 1).reshape(queries.shape[1], -1)
 
 
 class SequenceAttention:
@@ -437,8 +526,9 @@ class SequenceAttention:
             groups = heads // k.shape[1]
             if groups > 1 and not sdpa_takes_gqa(True, k.device):
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
-            enable_gqa=heads != k.shape[1],
-        )  # fmt: skip
+        with big(attention_work(queries, keys[:, :length], mask is None)):  # every sequence
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+                enable_gqa=heads != k.shape[1],
+            )  # fmt: skip
         return out.transpose(1, 2).reshape(rows, heads * head_dim)

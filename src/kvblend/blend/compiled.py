@@ -22,8 +22,14 @@ compiling costs seconds per bucket, more than the step's launches cost on one pr
 the CPU the compiled step was not faster (docs/benchmarks.md). On CUDA, sparse rows attend
 with FlexAttention in both loops; the eager loop compiles that kernel alone (per
 `flex.key_bucket` and `flex.query_bucket`), so its buffer is a key bucket long.
-A compile refused by dynamo's recompile limit runs the step eagerly, logged once and counted
-(`flex.COMPILE_LIMIT`, ``stats.uncompiled_calls``).
+A compile the backend refuses never reaches the caller: whatever compiling a bucket's graph
+raises (dynamo's recompile limit, a lowering or codegen the backend refuses, such as torch
+2.11's CPU inductor with FlexAttention, a torch version that lacks something), or its first
+run (`flex.PROVEN_RUNS`), that bucket's steps run eagerly from then on, logged once per kind
+and counted (`flex.COMPILE_REFUSALS`, ``stats.uncompiled_calls``). A step writes the layer's
+K/V in place (the fresh rows, the correction's shift), so an untrusted run first keeps a copy
+of the layer's K/V and a run that fails halfway puts it back before the eager step runs from
+the same inputs: the answer is the eager loop's.
 """
 
 from __future__ import annotations
@@ -38,16 +44,10 @@ from typing import Any
 
 import torch
 
+from kvblend.blend import flex
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.attention import use_flex
-from kvblend.blend.flex import (
-    BLOCK,
-    COMPILE_LIMIT,
-    compiled_flex,
-    key_bucket,
-    limit_errors,
-    size_bucket,
-)
+from kvblend.blend.flex import BLOCK, PROVEN_RUNS, compiled_flex, key_bucket, size_bucket
 from kvblend.blend.layer_step import FULL, layer_step
 
 #: Environment variable forcing the compiled (``1``) or the eager (``0``) layer loop.
@@ -82,17 +82,43 @@ def _graphs_kept() -> Iterator[None]:
         yield
 
 
+def step_bucket(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Return the bucket of a compiled step's graph for ``args`` (as `layer_step`'s).
+
+    The sizes (a size bucket's), the mode, the layer's window, the model's shape, whether a
+    correction runs (and its sizes) and the attention's own flags (`RowAttention.graph_key`).
+    """
+    view, index, mode, hidden, layer_kv, rows, _, correction, attention = args
+    shapes = None if correction is None else tuple(tuple(t.shape) for t in correction)
+    graph_key = getattr(attention, "graph_key", None)
+    return (
+        "step", hidden.device.type, hidden.dtype, type(view).__name__, view.shape,
+        view.windows[index], mode, tuple(hidden.shape), tuple(layer_kv.shape), rows.numel(),
+        shapes, graph_key() if graph_key is not None else type(attention).__name__,
+    )  # fmt: skip
+
+
 def compiled_step(*args: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`layer_step` compiled for the device of its hidden states (``args`` as `layer_step`'s).
 
-    None when dynamo refused a compile (its recompile limit): logged once, then run eagerly.
+    None when the compile of its bucket was refused (logged once, counted): the caller runs
+    the step eagerly, from the same inputs (the layer's K/V as it was before the call).
     """
-    try:
+    device = args[3].device.type
+    layer_kv: torch.Tensor = args[4]
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
         with _graphs_kept():
-            return _compiled_step(args[3].device.type)(*args)
-    except limit_errors() as error:
-        COMPILE_LIMIT.hit("the compiled layer step", error)
-        return None
+            out: tuple[torch.Tensor, torch.Tensor] = _compiled_step(device)(*args)
+            return out
+
+    def keep() -> Callable[[], Any]:
+        kept = layer_kv.clone()
+        return lambda: layer_kv.copy_(kept)
+
+    bucket, layer = step_bucket(args), (id(args[0]), args[1])
+    proven = PROVEN_RUNS.get(device, 1)
+    return flex.COMPILE_REFUSALS.run("the compiled layer step", bucket, call, proven, keep, layer)
 
 
 _VIEWS: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
@@ -170,7 +196,7 @@ def step_runner(adapter: ModelAdapter, total: int) -> StepRunner:
     device = adapter.device
     if compile_loop():
         return StepRunner(True, size_bucket(total + 1), compiled=True)
-    flex = use_flex(device, compiled=False)
-    if flex and compiled_flex(device):  # the kernel is compiled per shape: a key bucket long
-        return StepRunner(flex, key_bucket(total), zero_to=-(-total // BLOCK) * BLOCK)
-    return StepRunner(flex, total)
+    flex_rows = use_flex(device, compiled=False)
+    if flex_rows and compiled_flex(device):  # the kernel is compiled per shape: a key bucket long
+        return StepRunner(flex_rows, key_bucket(total), zero_to=-(-total // BLOCK) * BLOCK)
+    return StepRunner(flex_rows, total)

@@ -17,8 +17,11 @@ are made few, whatever the prompts: the K/V buffer is a `key_bucket` long (a pow
 the queries are padded to a `query_bucket` (an eighth, a quarter, half or all of it) by blocks that
 visit no key and are written nowhere. Prompts from 512 to 16K tokens then need at most 20
 kernels (5 key buckets x 4), about 10 in practice (the probe's rows and the main pass's).
-Dynamo's refusal of a compile (its recompile limit) is never silent: the call returns None,
-the caller attends by query chunks instead, and `COMPILE_LIMIT` logs it once and counts it.
+A compile refused for a shape (dynamo's recompile limit, a lowering or codegen the backend
+refuses, anything the kernel's first run raises) is never silent and never reaches the
+caller: the call returns None, the caller attends by query chunks instead, and
+`COMPILE_REFUSALS` logs it once and counts it (`CompileRefusals`: that shape is not compiled
+again).
 """
 
 from __future__ import annotations
@@ -26,11 +29,14 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Queries and keys per block of the block mask (FlexAttention's default).
 BLOCK = 128
@@ -177,44 +183,131 @@ def limit_errors() -> tuple[type[BaseException], ...]:
     return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
 
 
-class CompileLimit:
-    """Compiles refused by dynamo's recompile limit: said once in the log, counted always."""
+#: Modules whose errors are the compiler's own (dynamo's tracing and limits, a backend's
+#: lowering or codegen, fake-tensor propagation): raised before the graph runs.
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "torch._subclasses", "torch._functorch")
+
+
+def compiler_error(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the compiler (before its graph ran), not by running it."""
+    return isinstance(error, limit_errors()) or any(
+        type(error).__module__.startswith(module) for module in COMPILER_MODULES
+    )
+
+
+#: Runs of a bucket until it is trusted, by device type: before, any error of a compiled call
+#: is taken as the compiler's refusal. CUDA graphs are recorded at a graph's second run (the
+#: first warms up), so there the second run must pass too; elsewhere the first runs the code.
+PROVEN_RUNS = {"cuda": 2}
+
+
+def reason(error: BaseException) -> str:
+    """One line saying why a compile was refused: the error's type and message, cut short."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 300 else text[:299] + "…"
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class CompileRefusals:
+    """Compiles the backend refused, by bucket: each kind said once in the log, every call counted.
+
+    A bucket is what one compiled graph (or kernel) serves: the shapes and flags it is traced
+    with. The first runs of a bucket (`PROVEN_RUNS`) may raise whatever compiling raises
+    (dynamo's recompile limit, a lowering or codegen the backend refuses, a torch version that
+    lacks something) or the compiled code's first run raises; `run` then takes the bucket as
+    refused: that call and every later one of the bucket run uncompiled, without trying to
+    compile it again. A bucket that ran is trusted: an error of a later run reaches the caller
+    unless the compiler raised it (a new graph, refused before it ran).
+    """
 
     def __init__(self) -> None:
-        self.refused = 0
+        self.refused = 0  # calls run uncompiled because their bucket's compile was refused
+        self.buckets: dict[Hashable, str] = {}  # refused bucket -> why
+        self._runs: dict[tuple[Hashable, Hashable], int] = {}  # runs of (bucket, part) so far
+        self._said: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
-    def hit(self, what: str, error: BaseException) -> None:
-        """Count a refused compile of ``what``; log the first one."""
+    def run(
+        self,
+        what: str,
+        bucket: Hashable,
+        call: Callable[[], _T],
+        proven: int = 1,
+        keep: Callable[[], Callable[[], Any]] | None = None,
+        part: Hashable = None,
+    ) -> _T | None:
+        """Return ``call()`` (a compiled call of ``bucket``), or None when its compile is refused.
+
+        None: the caller runs the same work uncompiled. ``proven``: runs before the bucket is
+        trusted, counted per ``part`` (a layer: CUDA graphs record one per layer). ``keep``:
+        called before an untrusted run, returns what restores the inputs that the call writes
+        in place, so a run that fails halfway leaves them as they were.
+        """
+        if bucket in self.buckets:
+            with self._lock:
+                self.refused += 1
+            return None
+        runs = self._runs.get((bucket, part), 0)
+        trusted = runs >= proven
+        restore = keep() if keep is not None and not trusted else None
+        try:
+            out = call()
+        except Exception as error:
+            if trusted and not compiler_error(error):
+                raise
+            if restore is not None:
+                restore()
+            self.hit(what, bucket, error)
+            return None
+        if not trusted:
+            with self._lock:
+                self._runs[bucket, part] = runs + 1
+        return out
+
+    def hit(self, what: str, bucket: Hashable, error: BaseException) -> None:
+        """Refuse ``bucket`` (its compile raised ``error``): counted, each kind logged once."""
+        why = reason(error)
+        kind = (what, type(error).__name__)
         with self._lock:
             self.refused += 1
-            first = self.refused == 1
+            self.buckets[bucket] = why
+            first = kind not in self._said
+            self._said.add(kind)
         if first:
             logger.warning(
-                "%s: dynamo refused another compile (%s); this call and any other refused one "
-                "run uncompiled, counted in stats.uncompiled_calls", what, error,
+                "%s: the compiler refused it (%s); that shape runs uncompiled from now on "
+                "(and any other shape refused the same way, said here once), counted in "
+                "stats.uncompiled_calls", what, why,
             )  # fmt: skip
 
 
 #: The process's refused compiles (FlexAttention and the compiled layer step).
-COMPILE_LIMIT = CompileLimit()
+COMPILE_REFUSALS = CompileRefusals()
 
 
-def run_compiled_flex(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+def run_compiled_flex(window: int | None, *args: Any, **kwargs: Any) -> torch.Tensor | None:
     """Return the compiled kernel's ``flex_attention(*args, **kwargs)``; None if refused a compile.
 
+    ``window``: the sliding window of the block mask's ``mask_mod`` (a constant of the kernel).
+
     ``fullgraph=True`` makes dynamo raise where it would otherwise run the unfused eager
-    function (which materialises every score) in silence.
+    function (which materialises every score) in silence. A shape whose compile (or first
+    run) raised is refused (`COMPILE_REFUSALS`): the caller attends another way. The kernel
+    writes nothing in place, so a failed run changes nothing.
     """
     config: Any = torch._dynamo.config
     limits = {"recompile_limit": FLEX_RECOMPILE_LIMIT,
               "accumulated_recompile_limit": FLEX_RECOMPILE_LIMIT}  # fmt: skip
-    try:
+
+    def call() -> torch.Tensor:
         with config.patch(limits):
             return _compiled_flex()(*args, **kwargs)
-    except limit_errors() as error:
-        COMPILE_LIMIT.hit("FlexAttention", error)
-        return None
+
+    query = args[0]
+    bucket = ("flex", query.device.type, query.dtype,
+              *(tuple(x.shape) for x in args[:3]), window)  # fmt: skip
+    proven = PROVEN_RUNS.get(query.device.type, 1)
+    return COMPILE_REFUSALS.run("FlexAttention", bucket, call, proven)
 
 
 class FlexRows:
@@ -276,7 +369,7 @@ class FlexRows:
 
             out = flex_attention(*args, **options)  # traced into a compiled step, or eager
         else:
-            out = run_compiled_flex(*args, **options)
+            out = run_compiled_flex(window, *args, **options)
             if out is None:
                 return None
         return out[0, :, : self.count].transpose(0, 1).reshape(self.count, -1)

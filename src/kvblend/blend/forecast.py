@@ -33,6 +33,10 @@ class BlendForecast:
     fallback: str | None = None  # why the blend does not run as asked
     estimated_cost: float = 0.0  # the strategy's cost estimate, a share of full prefill's
     documents_lost: list[str] = field(default_factory=list)  # found, not reused: why
+    #: rows the prefill computes, summed over its passes, a pass through part of the layers
+    #: counted by its share of them (`Selector.forecast`'s ``partial_rows``): what vLLM's
+    #: connector forecasts a blend's time from
+    computed_rows: float = 0.0
 
 
 def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
@@ -44,11 +48,13 @@ def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
 
 def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
     """Forecast the prefill of ``plan`` with ``config`` (a pure function: no model runs)."""
+    total = len(plan.kinds)
     if not config.reads_cache:
-        return BlendForecast(config.strategy, 0)
+        return BlendForecast(config.strategy, 0, computed_rows=total)
     if not any(row.role == "document" for row in plan.report):  # a prompt head at most
-        return BlendForecast("full", 0, NO_DOCUMENTS, 1.0)
+        return BlendForecast("full", 0, NO_DOCUMENTS, 1.0, computed_rows=total)
     moved = int(np.count_nonzero(plan.kinds == TokenKind.MOVED))
+    uncached = int(np.count_nonzero(plan.kinds == TokenKind.COMPUTE))
     forecast = selector_class(config.strategy)(config.settings).forecast(plan.kinds, plan.spans)
     recomputed, fallback = forecast.recomputed, forecast.fallback
     lost = []
@@ -65,4 +71,5 @@ def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
         ):
             lost.append(f"document {number}: recomputed whole ({row.reused} tokens, short)")
     strategy_run = "full" if fallback is not None else config.strategy
-    return BlendForecast(strategy_run, recomputed, fallback, forecast.cost, lost)
+    rows = uncached + (moved if fallback is not None else recomputed + forecast.partial_rows)
+    return BlendForecast(strategy_run, recomputed, fallback, forecast.cost, lost, rows)

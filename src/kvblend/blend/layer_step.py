@@ -14,6 +14,10 @@ the window size of a layer is read from the adapter, never from an index into th
 
 A pass's first layers may stop after step 1 (``WRITE``: a probe's last layer, whose K/V is
 all that is kept).
+
+On the CPU the loop runs a layer on one thread (`threads.small_ops`); here the adapter's
+matmuls, and the RoPE and writes of many rows, get every thread back when their work pays for
+it (`threads.big`: a no-op inside a compiled step).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.correction import CorrectionTensors, apply_correction
 from kvblend.blend.rope import rotate, rotate_
+from kvblend.blend.threads import ELEMENT_WORK, big
 
 #: What a step does after writing the layer's K/V: attention and MLP of every computed row
 #: (``FULL``), of the last row only (``LAST``, for the logits), or nothing (``WRITE``).
@@ -44,13 +49,30 @@ def write_fresh(
 
     ``layer_kv``: the layer's ``[2, kv_heads, length, head_dim]`` K/V (written in place).
     """
-    queries, fresh = adapter.project_rows(layer, hidden)
-    queries = rotate(queries, row_table)
-    rotate_(fresh[:, 0], row_table.unsqueeze(1))
-    if correction is not None:  # before the fresh K/V overwrite the cached ones
-        apply_correction(correction, layer_kv, fresh)
-    layer_kv.index_copy_(2, rows, fresh.permute(1, 2, 0, 3))
+    with big(matmul_work(hidden)):  # queries, keys and values: about one width's products
+        queries, fresh = adapter.project_rows(layer, hidden)
+    moved = 0 if correction is None else correction.moved.numel()  # rows the correction moves
+    with big((queries.numel() + (fresh.shape[0] + moved) * fresh[0].numel()) * ELEMENT_WORK):
+        queries = rotate(queries, row_table)
+        rotate_(fresh[:, 0], row_table.unsqueeze(1))
+        if correction is not None:  # before the fresh K/V overwrite the cached ones
+            apply_correction(correction, layer_kv, fresh)
+        layer_kv.index_copy_(2, rows, fresh.permute(1, 2, 0, 3))
     return queries
+
+
+#: `matmul_work` units of ``o_proj`` and the MLP: 1 + 3 x intermediate / hidden (SmolLM2 and
+#: Qwen2.5: 2.7; Llama-3.1-8B: 3.5), taken low.
+MLP_WORK = 8
+
+
+def matmul_work(hidden: torch.Tensor) -> int:
+    """Return the multiply-adds of projecting ``hidden`` ``[rows, width]`` to its own width.
+
+    A lower bound of an adapter step's work (its projections, its MLP).
+    """
+    rows, width = hidden.shape
+    return int(rows) * int(width) * int(width)
 
 
 def attend_and_mlp(
@@ -63,8 +85,9 @@ def attend_and_mlp(
 ) -> torch.Tensor:
     """Step 2: the computed rows attend over the whole patched K/V, then the MLP."""
     attended = attention(adapter.windows[layer], queries, layer_kv[0], layer_kv[1])
-    hidden = hidden + adapter.attention_output(layer, attended)
-    return adapter.feed_forward(layer, hidden)
+    with big(matmul_work(hidden) * MLP_WORK):  # o_proj and the MLP
+        hidden = hidden + adapter.attention_output(layer, attended)
+        return adapter.feed_forward(layer, hidden)
 
 
 def last_row(

@@ -24,9 +24,10 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 
 The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
-segment is exact. Read `io.py` for the token kinds. A prefill can be cancelled between layers
-(``cancel``: a `threading.Event`, or any `CancelFlag`; the vLLM connector's also pauses the loop
-there until the engine's next step); a pass that stops orders the compute stream after every
+segment is exact. Read `io.py` for the token kinds. A prefill can pause between layers
+(``pause``: the vLLM connector's blends yield there until the engine's next step) and be
+cancelled there (``cancel``: a `threading.Event`, or any `CancelFlag`); a pass that stops orders
+the compute stream after every
 copy it issued before its buffer is handed back (`LayerLoads.fence`). On CUDA, `device_times`
 reads the device's own time of a blend (CUDA events) once its logits are queued.
 
@@ -70,10 +71,12 @@ from kvblend.blend.layer_step import FULL, LAST, WRITE
 from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
 from kvblend.blend.selectors import Selection, SelectionContext, Selector, selector_class
 from kvblend.blend.selectors.base import Narrowing, PassObserver
+from kvblend.blend.threads import ELEMENT_WORK, big, small_ops
 from kvblend.errors import BlendCancelledError
 
 __all__ = [
     "CancelFlag",
+    "Pause",
     "device_clock",
     "device_times",
     "run_blend",
@@ -83,11 +86,7 @@ __all__ = [
 
 
 class CancelFlag(Protocol):
-    """What the loop asks between layers whether to stop (a `threading.Event` is one).
-
-    ``is_set()`` may also block: the vLLM connector's flag pauses the blend there until the
-    engine's next step (`kvblend.vllm.pacing`).
-    """
+    """What the loop asks between layers whether to stop (a `threading.Event` is one)."""
 
     def is_set(self) -> bool:
         """Whether the prefill is cancelled."""
@@ -193,10 +192,22 @@ def begin_pass(
     return state
 
 
-def stop_if_cancelled(cancel: CancelFlag | None) -> None:
-    """Raise `BlendCancelledError` once ``cancel`` is set (a host flag: no device sync)."""
+#: Called between layers (and between entries read): returns when the prefill may go on, after
+#: a while when it yields (the vLLM connector's pacing, `kvblend.vllm.pacing`).
+Pause = Callable[[], None]
+
+
+def stop_if_cancelled(cancel: CancelFlag | None, pause: Pause | None = None) -> None:
+    """Raise `BlendCancelledError` once ``cancel`` is set, before and after a ``pause`` there.
+
+    ``cancel`` is a host flag: no device sync.
+    """
     if cancel is not None and cancel.is_set():
         raise BlendCancelledError("the prefill was cancelled")
+    if pause is not None:
+        pause()
+        if cancel is not None and cancel.is_set():
+            raise BlendCancelledError("the prefill was cancelled")
 
 
 def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> None:
@@ -212,7 +223,8 @@ def load_cached(state: PassState, layer: int, refine_layers: frozenset[int]) -> 
     if not loads.issued(layer) and (not state.every_row or layer in refine_layers):
         loaded = time.perf_counter()
         stop = state.adapter.shape.num_layers if not state.every_row else layer + 1
-        loads.issue(range(layer, stop))
+        with big(state.kv.data[layer:stop].numel() * ELEMENT_WORK):  # copies and rotations
+            loads.issue(range(layer, stop))
         state.load_s += time.perf_counter() - loaded
     loads.wait(layer)
 
@@ -251,6 +263,7 @@ def run_layers(
     need_logits: bool,
     cancel: CancelFlag | None = None,
     stop: int | None = None,
+    pause: Pause | None = None,
 ) -> torch.Tensor | None:
     """Run the layer loop of a pass; return its logits (None when not needed).
 
@@ -259,15 +272,20 @@ def run_layers(
     """
     refine_layers = selector.refine_layers if selector is not None else frozenset()
     last = (state.adapter.shape.num_layers if stop is None else stop) - 1
+    device = state.adapter.device
     for layer in range(last + 1):
-        stop_if_cancelled(cancel)
-        load_cached(state, layer, refine_layers)  # step 1
-        if layer in refine_layers:  # step 2
-            assert selector is not None
-            refine(state, selector, layer)
-        mode = FULL if layer < last else (LAST if need_logits else WRITE)
-        compute_layer(state, layer, mode, observer)  # step 3
-    return state.adapter.logits(state.hidden) if need_logits else None
+        stop_if_cancelled(cancel, pause)  # the thread count is the caller's here (a pause point)
+        with small_ops(device):  # one CPU thread but for the big ops (`threads.big`)
+            load_cached(state, layer, refine_layers)  # step 1
+            if layer in refine_layers:  # step 2
+                assert selector is not None
+                refine(state, selector, layer)
+            mode = FULL if layer < last else (LAST if need_logits else WRITE)
+            compute_layer(state, layer, mode, observer)  # step 3
+    if not need_logits:
+        return None
+    with small_ops(device):
+        return state.adapter.logits(state.hidden)
 
 
 def run_pass(
@@ -283,6 +301,7 @@ def run_pass(
     layers: int | None = None,
     corrected: bool | None = None,
     after_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    pause: Pause | None = None,
 ) -> BlendOutput:
     """One pass over the layers: compute ``selection.computed``, read the other rows' KV.
 
@@ -311,9 +330,10 @@ def run_pass(
     runner = pass_runner(adapter, blend_input)
     corrected = share > 0 if corrected is None else corrected
     runner.begin(adapter.device)
-    state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
+    with small_ops(adapter.device):  # its rows' embedding, RoPE table, masks, correction
+        state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
     try:
-        logits = run_layers(state, selector, observer, need_logits, cancel, layers)
+        logits = run_layers(state, selector, observer, need_logits, cancel, layers, pause)
     except BaseException:
         state.loads.fence()  # copies into the buffer may still run: the next user waits
         state.kv.release()  # a static buffer is handed back, not copied out
@@ -418,6 +438,7 @@ def selection_context(
     cancel: CancelFlag | None = None,
     tables: RopeTables | None = None,
     correction: float = 0.0,
+    pause: Pause | None = None,
 ) -> SelectionContext:
     """Return what a selector sees of a prompt (``blend_input`` on the adapter's device).
 
@@ -441,7 +462,7 @@ def selection_context(
         return run_pass(
             adapter, blend_input, selection, observer=observer, need_logits=logits,
             cancel=cancel, tables=tables, layers=layers,
-            corrected=correction > 0 or not every_uncached,
+            corrected=correction > 0 or not every_uncached, pause=pause,
         )  # fmt: skip
 
     kinds = torch.from_numpy(blend_input.host_kinds)
@@ -457,10 +478,12 @@ def run_blend(
     *,
     need_logits: bool = True,
     cancel: CancelFlag | None = None,
+    pause: Pause | None = None,
 ) -> BlendOutput:
     """Run the blended prefill of one prompt and return logits and the fused KV cache.
 
-    ``cancel``: checked between layers; once set, `BlendCancelledError` is raised.
+    ``pause``: called between layers, where the prefill may yield for a while; ``cancel``:
+    checked there after it; once set, `BlendCancelledError` is raised.
     """
     blend_input = on_host(blend_input)
     device = adapter.device
@@ -471,7 +494,7 @@ def run_blend(
     selector = selector_class(config.strategy)(config.settings)
     tables = prompt_tables(adapter, blend_input)
     started = time.perf_counter()
-    context = selection_context(adapter, blend_input, cancel, tables, selector.correction)
+    context = selection_context(adapter, blend_input, cancel, tables, selector.correction, pause)
     selection = selector.select(context)
     select_s = time.perf_counter() - started
     guard = selector.guard_inputs if need_logits else None
@@ -482,7 +505,7 @@ def run_blend(
         after_logits = functools.partial(_guard_signals, probe_logits, stale_mass)
     out = run_pass(
         adapter, blend_input, selection, selector=selector, need_logits=need_logits,
-        cancel=cancel, tables=tables, after_logits=after_logits,
+        cancel=cancel, tables=tables, after_logits=after_logits, pause=pause,
     )  # fmt: skip
     passes = [selection.start] if selection.start is not None else []
     report = None
@@ -490,7 +513,7 @@ def run_blend(
         report = guard_report(out.extra, tolerance)
         if report.escalated:  # every row but the prompt head, from the blend's buffer
             passes.append(out)
-            out = escalate(adapter, blend_input, out, cancel, tables)
+            out = escalate(adapter, blend_input, out, cancel, tables, pause)
     out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
     out.stats["probe_s"] = select_s if selection.start is not None else 0.0
     for earlier in passes:  # the first pass's (and an escalated blend's) work counts too
@@ -514,6 +537,7 @@ def escalate(
     blend: BlendOutput,
     cancel: CancelFlag | None,
     tables: RopeTables,
+    pause: Pause | None = None,
 ) -> BlendOutput:
     """Run the guard's escalation: every row but the prompt head, from ``blend``'s buffer.
 
@@ -524,5 +548,5 @@ def escalate(
     rows = np.flatnonzero(blend_input.host_kinds != PREFIX)
     return run_pass(
         adapter, blend_input, Selection(rows, start=blend), cancel=cancel, tables=tables,
-        corrected=False,
+        corrected=False, pause=pause,
     )  # fmt: skip

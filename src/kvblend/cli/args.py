@@ -23,7 +23,11 @@ DEFAULT_CORRECTION = 0.5
 
 
 class CLIError(Exception):
-    """A user mistake: printed as one line, exit status 2."""
+    """A user mistake (exit status 2), or work that could not be kept (`status` 1): one line."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class OneLineParser(argparse.ArgumentParser):

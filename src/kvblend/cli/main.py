@@ -28,7 +28,14 @@ from kvblend.cli.args import (
     positive_int,
     printable,
 )
-from kvblend.cli.precompute import DocumentFiles, fitting_documents, list_files, precompute_each
+from kvblend.cli.precompute import (
+    DocumentFiles,
+    fitting_documents,
+    list_files,
+    not_kept,
+    precompute_each,
+    unstored_files,
+)
 from kvblend.cli.store import add_store_parser
 
 if TYPE_CHECKING:
@@ -101,13 +108,16 @@ def _config(args: argparse.Namespace) -> BlendConfig:
         raise ValueError(message) from None
 
 
-def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
+def _engine(
+    args: argparse.Namespace, system: str | None = None, *, keeps: bool = False
+) -> BlendEngine:
+    """Load the engine over the command's store (``keeps``: the command is there to fill it)."""
     import torch
 
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT, BlendEngine
 
     _quiet_transformers()
-    store = _store(args)
+    store = _store(args, keeps=keeps)
     print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
     started = time.perf_counter()
     if args.system is not None:
@@ -131,12 +141,47 @@ def _engine(args: argparse.Namespace, system: str | None = None) -> BlendEngine:
     return engine
 
 
-def _store(args: argparse.Namespace):  # noqa: ANN202
-    from kvblend.store import MemoryKVStore, default_store
+def _store(args: argparse.Namespace, *, keeps: bool = False):  # noqa: ANN202
+    """Return the command's store: memory in front of the folder, which must be usable.
+
+    A command writes what it computes into the folder (the engine and the adapters, serving,
+    fall back to memory instead: there answering matters more). So a folder that cannot be
+    used fails the command at once, in one line, before the model loads, and so does a
+    read-only one for a command that is there to fill it (``keeps``); the others read a
+    read-only folder, saying that nothing they compute is kept.
+    """
+    from kvblend.store import MemoryKVStore, StoreError, default_store, default_store_dir
 
     if getattr(args, "memory_only", False):
         return MemoryKVStore()
-    return default_store(getattr(args, "store_dir", None))
+    folder = getattr(args, "store_dir", None) or default_store_dir()
+    try:
+        store = default_store(folder, disk_required=True)
+    except StoreError as error:
+        raise CLIError(
+            f"{error}; nothing computed here could be kept (--memory-only keeps KV in memory, "
+            "for this command only)"
+        ) from None
+    if store.disk is not None and store.disk.read_only:
+        if keeps:
+            raise CLIError(
+                f"the KV store in {store.disk.directory} is read-only: nothing precomputed "
+                "could be kept"
+            )
+        logger.warning("the KV store in %s is read-only: what is computed here is not kept",
+                       store.disk.directory)  # fmt: skip
+    return store
+
+
+def _check_kept(engine: BlendEngine, files: DocumentFiles, *, fail: bool) -> None:
+    """Name what the store did not keep: fail (status 1) with ``fail``, else warn."""
+    lost = unstored_files(files, not_kept(engine.store, files.stored))
+    if lost is None:
+        return
+    message = f"not stored: {lost} (see the warnings above)"
+    if fail:
+        raise CLIError(message, status=1)
+    logger.warning(printable(message))
 
 
 def _read(paths: Sequence[str], files: DocumentFiles) -> list[tuple[str, str]]:
@@ -153,6 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
     questions = corpus["questions"][: args.questions]
     engine = _engine(args, corpus.get("system"))
     engine.precompute(documents, progress=True)
+    _say_where(engine)
     config = _config(args)
     from kvblend.blend.config import BlendConfig
 
@@ -189,6 +235,19 @@ def cmd_demo(args: argparse.Namespace) -> None:
     )
 
 
+def _say_where(engine: BlendEngine) -> None:
+    """Say where the demo's KV is kept, how much the store holds, and how to remove it."""
+    disk = getattr(engine.store, "disk", None)
+    if disk is None:
+        return
+    size = disk.stats().bytes / 2**20
+    print(
+        f"the documents' KV is kept in {disk.directory} (the store there holds {size:.0f} MiB; "
+        "`kvblend store clear` deletes it, --memory-only keeps it in memory)",
+        file=sys.stderr,
+    )
+
+
 def cmd_precompute(args: argparse.Namespace) -> None:
     """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
     files = DocumentFiles()
@@ -198,10 +257,11 @@ def cmd_precompute(args: argparse.Namespace) -> None:
         named += [(f"sample: {document['title']}", document["text"]) for document in corpus]
     if not named and not files.skipped:
         raise CLIError("nothing to precompute: name text files or folders, or --samples")
-    engine = _engine(args)
+    engine = _engine(args, keeps=True)
     started = time.perf_counter()
     documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
     stored = precompute_each(engine, documents, files)
+    _check_kept(engine, files, fail=True)
     skipped = len(files.skipped)
     print(
         f"precomputed {stored} documents in {time.perf_counter() - started:.1f} s"
@@ -217,6 +277,7 @@ def cmd_ask(args: argparse.Namespace) -> None:
     engine = _engine(args)
     named = fitting_documents(engine, read, chunk=args.chunk, files=files)
     precompute_each(engine, named, files)
+    _check_kept(engine, files, fail=False)
     documents = [text for _, text in named]
     if not documents:
         raise CLIError("no document fits the model (named above)")
@@ -267,6 +328,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     if named:
         fitting = fitting_documents(engine, named, chunk=args.chunk, files=files)
         precompute_each(engine, fitting, files)
+        _check_kept(engine, files, fail=False)
     print(engine.explain(prompt, _config(args)))
 
 
@@ -379,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         message = " ".join(str(error).split())  # one line, whatever the error holds
         print(printable(f"kvblend: error: {message}"), file=sys.stderr)
-        return 2
+        return error.status if isinstance(error, CLIError) else 2
     except SystemExit as exit_:  # argparse: --help (0) or a one-line usage error (2)
         return exit_.code if isinstance(exit_.code, int) else 2
     except KeyboardInterrupt:

@@ -7,10 +7,13 @@ file over `MAX_FILE_BYTES` is named without being read. Once the model is loaded
 `fitting_documents` skips a file longer than its context window (with the document context it
 is precomputed behind) without tokenizing it whole: by its characters when no window could hold
 them (a 10 MiB file costs nothing), else by tokenizing about a window of it; with ``--chunk``
-it splits such a file at token boundaries into documents that fit. `precompute_each` stores
-them; a file the engine refuses for another reason is named and skipped too: one bad file never
-costs the rest of the batch. Every skipped file is named on its own line and counted in
-`DocumentFiles.skipped`.
+it splits such a file at token boundaries into chunks whose exact token count, tokenized as
+they are stored (behind the document context), fits the window; the chunks joined are the
+file's text, character for character. `precompute_each` stores them; a file the engine refuses
+for another reason is named and skipped too: one bad file never costs the rest of the batch.
+Every skipped file is named on its own line and counted in `DocumentFiles.skipped`.
+`not_kept` then says which documents the store did not keep (`kvblend precompute` fails naming
+them, and names a chunked file that was not stored whole).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvblend.cli.args import CLIError, printable
 
@@ -41,6 +44,10 @@ class DocumentFiles:
 
     def __init__(self) -> None:
         self.skipped: list[str] = []
+        #: (name, segment id) of every document stored, chunks named ``FILE [chunk N]``.
+        self.stored: list[tuple[str, str]] = []
+        #: Files split with ``--chunk``: name -> number of chunks.
+        self.chunked: dict[str, int] = {}
 
     def skip(self, name: str, reason: str) -> None:
         """Name a skipped file (or folder) and why, in one line."""
@@ -154,23 +161,45 @@ def _blocks(text: str, size: int) -> Iterator[str]:
     yield text[start:]
 
 
-def chunks(engine: BlendEngine, text: str, room: int) -> list[str]:
-    """Split ``text`` at token boundaries into pieces of at most ``room`` tokens.
+def document_tokens(engine: BlendEngine, text: str) -> int:
+    """Tokens of ``text`` as the engine stores it: behind its document context, with it."""
+    library = engine.library
+    layout = library.segment_kv.layout(text, library.context)
+    return len(layout.context_ids) + len(layout.ids)
 
-    The text is tokenized in blocks of `CHUNK_BLOCK_CHARS` characters, so a file of megabytes
-    never becomes one tokenizer call.
+
+def chunks(engine: BlendEngine, text: str, room: int) -> list[str]:
+    """Split ``text`` at token boundaries into pieces that fit the context window as stored.
+
+    Cut every ``room`` tokens of the text's own tokenization, then each piece is tokenized as
+    it will be stored (`document_tokens`: behind the document context, which may join or split
+    tokens at its edges differently) and a piece over the window is cut again, shorter. Nothing
+    is stripped: the pieces joined are ``text``. The text is tokenized in blocks of
+    `CHUNK_BLOCK_CHARS` characters, so a file of megabytes never becomes one tokenizer call.
     """
-    pieces = []
+    limit = engine.context_window or room
+    pieces: list[str] = []
     for block in _blocks(text, CHUNK_BLOCK_CHARS):
-        encoded = engine.tokenizer(block, add_special_tokens=False, return_offsets_mapping=True)
-        offsets = encoded["offset_mapping"]
-        start = 0
-        for first in range(room, len(offsets), room):
-            cut = offsets[first][0]
-            pieces.append(block[start:cut])
-            start = cut
-        pieces.append(block[start:])
-    return [piece.strip() for piece in pieces if piece.strip()]
+        pieces += _fitting_pieces(engine, block, room, limit)
+    return pieces
+
+
+def _fitting_pieces(engine: BlendEngine, text: str, room: int, limit: int) -> list[str]:
+    """``text`` cut every ``room`` tokens; a piece over ``limit`` as stored is cut shorter."""
+    encoded = engine.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoded["offset_mapping"]
+    cuts = [0, *(offsets[first][0] for first in range(room, len(offsets), room)), len(text)]
+    fitting = []
+    for start, end in zip(cuts, cuts[1:], strict=False):
+        piece = text[start:end]
+        if not piece:
+            continue  # two cuts inside one character's tokens
+        excess = document_tokens(engine, piece) - limit
+        if excess > 0 and room > 1:
+            fitting += _fitting_pieces(engine, piece, max(1, room - excess - 8), limit)
+        else:
+            fitting.append(piece)
+    return fitting
 
 
 def fitting_documents(
@@ -205,7 +234,8 @@ def fitting_documents(
         if chunk:
             pieces = chunks(engine, text, room)
             logger.warning(printable(f"{name}: {count}, split into {len(pieces)} chunks"))
-            fitting += [(f"{name} [chunk {i + 1}]", piece) for i, piece in enumerate(pieces)]
+            fitting += [(chunk_name(name, i), piece) for i, piece in enumerate(pieces)]
+            files.chunked[name] = len(pieces)
         else:
             files.skip(
                 name,
@@ -215,6 +245,11 @@ def fitting_documents(
     return fitting
 
 
+def chunk_name(name: str, index: int) -> str:
+    """Return the name of chunk ``index`` (from 0) of file ``name``: ``name [chunk N]``."""
+    return f"{name} [chunk {index + 1}]"
+
+
 def precompute_each(
     engine: BlendEngine,
     documents: Sequence[tuple[str, str]],
@@ -222,21 +257,68 @@ def precompute_each(
 ) -> int:
     """Precompute ``documents`` in batches; on a refusal, one by one, naming each failure.
 
-    Returns how many documents are stored.
+    Returns how many documents are stored; `DocumentFiles.stored` lists them with their ids.
     """
+    files = files if files is not None else DocumentFiles()
     if not documents:
         return 0
     try:
-        return len(engine.precompute([text for _, text in documents], progress=True))
+        ids = engine.precompute([text for _, text in documents], progress=True)
     except ValueError:
         pass  # find the file at fault; the others are kept
-    files = files or DocumentFiles()
+    else:
+        files.stored += [(name, id_) for (name, _), id_ in zip(documents, ids, strict=True)]
+        return len(ids)
     stored = 0
     for name, text in documents:
         try:
-            engine.precompute([text], progress=False)
+            (id_,) = engine.precompute([text], progress=False)
         except ValueError as error:
             files.skip(name, " ".join(str(error).split()))
         else:
+            files.stored.append((name, id_))
             stored += 1
     return stored
+
+
+def not_kept(store: Any, stored: Sequence[tuple[str, str]]) -> list[str]:  # noqa: ANN401
+    """Names of the ``(name, segment id)`` documents no lasting tier of ``store`` holds.
+
+    A lasting tier is the disk tier and a remote (Redis) one; a document counts as kept when
+    one of them holds an entry of it this process can read (its header verified, under this
+    process's store key). A store without such tiers (``--memory-only``) keeps nothing by
+    design: nothing is reported.
+    """
+    from kvblend.store import StoreError
+
+    tiers = [tier for tier in (getattr(store, "disk", None), getattr(store, "remote", None))
+             if tier is not None]  # fmt: skip
+    if not tiers:
+        return []
+    missing = []
+    for name, key in stored:
+        for tier in tiers:
+            try:
+                if tier.metadata(key) is not None:
+                    break
+            except StoreError:
+                continue
+        else:
+            missing.append(name)
+    return missing
+
+
+def unstored_files(files: DocumentFiles, missing: Sequence[str]) -> str | None:
+    """One line naming what was not stored: each chunked file not stored whole, other files."""
+    lost = set(missing) | set(files.skipped)
+    parts = []
+    for name, count in files.chunked.items():
+        gone = [index + 1 for index in range(count) if chunk_name(name, index) in lost]
+        if gone:
+            listed = ", ".join(str(number) for number in gone[:10])
+            more = f" and {len(gone) - 10} more" if len(gone) > 10 else ""
+            parts.append(f"{name} (chunks {listed}{more} of {count})")
+    chunks_of = {chunk_name(name, index) for name, count in files.chunked.items()
+                 for index in range(count)}  # fmt: skip
+    parts += [name for name in missing if name not in chunks_of]
+    return ", ".join(parts) if parts else None

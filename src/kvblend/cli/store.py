@@ -31,10 +31,17 @@ def add_store_parser(sub: Any) -> None:  # noqa: ANN401 - argparse's private sub
         choices=["stats", "clear", "repair"],
         help="stats: what the folder holds; clear: delete every entry; repair: set a damaged "
         "index aside and rebuild it from the entry files, drop index rows without a valid file, "
-        "take whole entry files no row names back into the index and delete the partial or "
-        "unusable ones",
+        "take whole entry files no row names back into the index, delete the partial or "
+        "unusable ones, and read every indexed entry whole (size, header, checksums), deleting "
+        "the damaged ones",
     )
     store.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
+    store.add_argument(
+        "--other-keys",
+        action="store_true",
+        help="with clear: delete only the entries this process cannot verify, those signed with "
+        "another store key than $KVBLEND_STORE_KEY or with none (needs the key)",
+    )
     store.set_defaults(func=cmd_store)
 
 
@@ -62,13 +69,21 @@ def cmd_store(args: argparse.Namespace) -> None:
     from kvblend.store import DiskKVStore, StoreError, default_store_dir
 
     directory = Path(args.store_dir).expanduser() if args.store_dir else default_store_dir()
+    if args.other_keys and args.action != "clear":
+        raise _user_error("--other-keys goes with clear")
     try:
         if not _check_folder(directory, args.action):
             print(f"no KV store at {directory}: nothing to clear")
             return
         store = DiskKVStore(directory)
         try:
-            if args.action == "clear":
+            if args.action == "clear" and args.other_keys:
+                dropped = store.clear_other_keys()
+                print(
+                    f"cleared {dropped} entries of another store key (or none) from {directory}; "
+                    f"{store.stats().entries} entries left"
+                )
+            elif args.action == "clear":
                 before = store.stats().entries
                 store.clear()
                 print(f"cleared {before} entries from {directory}")
@@ -128,7 +143,20 @@ def _print_repair(directory: Path, store: DiskKVStore) -> None:
         f"unusable files deleted (partial, damaged or duplicate): {report.orphans_deleted} "
         f"({report.orphan_bytes:,} bytes)"
     )
+    print(
+        f"indexed entries read whole (size, header, checksums): {report.entries_checked}; "
+        f"damaged ones deleted: {report.entries_damaged} ({report.damaged_bytes:,} bytes)"
+    )
+    if report.other_key_entries:
+        print(_other_keys_line(report))
     print(f"entries: {report.entries}, bytes: {report.bytes:,}")
+
+
+def _other_keys_line(report: RepairReport) -> str:
+    return (
+        f"entries of another store key (or none), kept: {report.other_key_entries} "
+        "(`kvblend store clear --other-keys` deletes them)"
+    )
 
 
 def _print_survey(report: RepairReport) -> None:
@@ -137,6 +165,15 @@ def _print_survey(report: RepairReport) -> None:
     print(f"index: {'damaged, left as it is' if report.index_damaged else 'ok'}")
     print(f"index rows without a valid file: {report.rows_broken}")
     print(f"value files no index row names: {report.files_unindexed}")
+    print(
+        f"indexed entries read whole (size, header, checksums): {report.entries_checked}; "
+        f"failing a check, left: {report.entries_damaged} ({report.damaged_bytes:,} bytes)"
+    )
+    if report.other_key_entries:
+        print(_other_keys_line(report))
     print(f"entries: {report.entries}, bytes: {report.bytes:,}")
-    healthy = not (report.index_damaged or report.rows_broken or report.files_unindexed)
+    healthy = not (
+        report.index_damaged or report.rows_broken or report.files_unindexed
+        or report.entries_damaged
+    )  # fmt: skip
     print("healthy" if healthy else "run repair where the folder can be written to fix these")

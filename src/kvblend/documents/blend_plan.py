@@ -11,8 +11,9 @@ the two is a parameter, not a second copy:
   (the store checks its checksum, shape, dtype and finite values as it reads), so one that is
   missing or cannot be used has its rows computed by the blend in full, as vLLM would compute
   them, and is listed in ``lost`` (vLLM stores it after its step).
-- ``cancel`` (vLLM): asked between two entries read whole, as the loop asks it between layers
-  (the connector's flag pauses there until the engine's next step, `kvblend.vllm.pacing`).
+- ``pause`` and ``cancel``: between two entries opened, as the loop between layers, the prefill
+  may pause (the vLLM connector's blends yield there until the engine's next step,
+  `kvblend.vllm.pacing`) and is stopped once ``cancel`` is set.
 - ``ranks`` (vLLM, read whole): the tensor-parallel ranks agree on the entries they use (one a
   rank could not read is computed on every rank), each reads its own KV heads of an entry, and
   none recomputes an entry alone: a rank's failed read fails the blend instead.
@@ -33,7 +34,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
-from kvblend.blend.loop import CancelFlag, run_blend, stop_if_cancelled
+from kvblend.blend.loop import CancelFlag, Pause, run_blend, stop_if_cancelled
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan
@@ -41,7 +42,7 @@ from kvblend.prompt.segments import KV_NAME, segment_key
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PlanBlend", "Ranks", "blend_plan", "open_spans", "read_spans"]
+__all__ = ["PlanBlend", "Ranks", "blend_plan", "open_spans"]
 
 
 class Ranks(Protocol):
@@ -78,85 +79,89 @@ def blend_plan(
     lost: list[str] | None = None,
     need_logits: bool = True,
     cancel: CancelFlag | None = None,
-    spans: list[CachedSpan] | None = None,
+    pause: Pause | None = None,
 ) -> PlanBlend:
     """Open ``plan``'s entries from ``segment_kv``'s store, then run the blend loop on ``adapter``.
 
     ``read_whole`` and ``ranks``: how entries are read (see the module); ``lost``: where the
     entries read whole but not used are listed, and why, as they are found. The plan is left
-    as planned. ``need_logits`` and ``cancel`` go to `run_blend`. ``spans``: the plan's entries
-    already opened (the vLLM connector's calibration blends synthetic ones), read as they are.
+    as planned. ``need_logits``, ``cancel`` and ``pause`` go to `run_blend`.
     """
     began = time.perf_counter()
     kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: rows of a lost entry become COMPUTE
+    spans: list[CachedSpan] = []
     computed = 0
-    if not config.reads_cache:  # the strategy computes every row
-        spans = []
-    elif spans is None and read_whole:
-        spans = read_spans(
-            segment_kv, plan, kinds, adapter, ranks, [] if lost is None else lost, cancel
+    if config.reads_cache:  # else the strategy computes every row
+        device = adapter.device if read_whole else None
+        spans, computed = open_spans(
+            segment_kv,
+            plan,
+            kinds,
+            device=device,
+            ranks=ranks,
+            lost=lost,
+            cancel=cancel,
+            pause=pause,
         )
-    elif spans is None:
-        spans, computed = open_spans(segment_kv, plan)
     token_ids = torch.from_numpy(np.array(plan.token_ids, dtype=np.int64))
     opened = time.perf_counter()
     blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
-    out = run_blend(adapter, blend_input, config, need_logits=need_logits, cancel=cancel)
+    out = run_blend(
+        adapter, blend_input, config, need_logits=need_logits, cancel=cancel, pause=pause
+    )
     # entries that failed while their layers were read, recomputed in place
     computed += sum(bool(getattr(span.source, "recomputed", False)) for span in spans)
     loop_s = time.perf_counter() - opened
     return PlanBlend(out, kinds, spans, computed, opened - began, loop_s)
 
 
-def open_spans(segment_kv: SegmentKV, plan: PrefillPlan) -> tuple[list[CachedSpan], int]:
-    """Open each planned span's entry, computing missing or unreadable ones.
-
-    Entries are opened where the store keeps them (host memory, pinned when CUDA is
-    available, or a device): the blend loop copies each layer group's rows straight into
-    its buffer on the device, on a side stream while earlier layers compute, instead of
-    the whole entry being copied before the first layer. Returns the spans for the blend
-    loop and how many entries were computed now.
-    """
-    spans, computed = [], 0
-    for span in plan.spans:
-        key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
-        try:
-            entry = segment_kv.open_entry(key, len(span.cached_ids))
-        except Exception as error:  # noqa: BLE001 - an unreadable entry is recomputed
-            logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
-            segment_kv.drop(key)
-            entry = None
-        if entry is None:
-            entry = segment_kv.compute(key, span.context_ids, span.cached_ids)
-            computed += 1
-        spans.append(_cached_span(segment_kv, span, key, entry, None))
-    return spans, computed
-
-
-def read_spans(
+def open_spans(
     segment_kv: SegmentKV,
     plan: PrefillPlan,
-    kinds: np.ndarray,
-    adapter: ModelAdapter,
-    ranks: Ranks | None,
-    lost: list[str],
+    kinds: np.ndarray | None = None,
+    *,
+    device: torch.device | None = None,
+    ranks: Ranks | None = None,
+    lost: list[str] | None = None,
     cancel: CancelFlag | None = None,
-) -> list[CachedSpan]:
-    """Read the plan's entries whole onto ``adapter``'s device; compute unusable ones' rows.
+    pause: Pause | None = None,
+) -> tuple[list[CachedSpan], int]:
+    """Open each planned span's entry (`_open_entry`); return the loop's spans and entries computed.
 
-    The rows of an entry that is missing or cannot be used (on any of the ``ranks``) become
-    ``COMPUTE`` in ``kinds``, and the entry is listed in ``lost`` with the reason. ``cancel`` is
-    asked before each entry.
+    ``device=None`` (the engine): entries are opened where the store keeps them (host memory,
+    pinned when CUDA is available, or a device), and the blend loop copies each layer group's
+    rows straight into its buffer on the device, on a side stream while earlier layers compute;
+    a missing or unreadable entry is computed (and stored) now.
+
+    ``device`` given (vLLM): entries are read whole onto it; the rows of one that is missing or
+    cannot be used (on any of the ``ranks``) become ``COMPUTE`` in ``kinds`` and the entry is
+    listed in ``lost`` with the reason. Before each entry the prefill may ``pause`` and stops
+    once ``cancel`` is set.
     """
-    opened = []
+    whole = device is not None
+    kinds = np.array(plan.kinds, dtype=np.int8) if kinds is None else kinds
+    lost = [] if lost is None else lost
+    opened: list[tuple[str, Mapping[str, torch.Tensor] | None]] = []
+    computed = 0
     for span in plan.spans:
-        stop_if_cancelled(cancel)
-        opened.append(_read_entry(segment_kv, span, adapter.device, lost))
-    usable = torch.tensor([entry is not None for _, entry in opened], dtype=torch.float32)
+        stop_if_cancelled(cancel, pause)
+        key, entry, error = _open_entry(segment_kv, span, device)
+        if entry is None and not whole:
+            if error is not None:
+                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
+            entry = segment_kv.compute(key, span.context_ids, span.cached_ids)
+            computed += 1
+        elif entry is None:
+            lost.append(
+                f"entry {key[:12]} " + (f"unusable ({error})" if error else "not in the store")
+            )
+        opened.append((key, entry))
+    usable = [float(entry is not None) for _, entry in opened]
     if ranks is not None and opened:  # an entry any rank could not read is used by none
-        usable = ranks.gather_ranks(usable).min(dim=0).values
+        gathered = ranks.gather_ranks(torch.tensor(usable, dtype=torch.float32))
+        usable = gathered.min(dim=0).values.tolist()
     spans = []
-    for span, (key, entry), agreed in zip(plan.spans, opened, usable.tolist(), strict=True):
+    for span, (key, entry), agreed in zip(plan.spans, opened, usable, strict=True):
         if entry is not None and not agreed:
             lost.append(f"entry {key[:12]} unusable on another tensor-parallel rank")
             entry = None
@@ -164,40 +169,42 @@ def read_spans(
             kinds[span.start : span.end] = int(COMPUTE)
             continue
         spans.append(_cached_span(segment_kv, span, key, entry, ranks))
-    return spans
+    return spans, computed
 
 
-def _read_entry(
-    segment_kv: SegmentKV, span: PlannedSpan, device: torch.device, lost: list[str]
-) -> tuple[str, torch.Tensor | None]:
-    """Read one span's entry whole (None: missing or unusable, said in ``lost``)."""
+def _open_entry(
+    segment_kv: SegmentKV, span: PlannedSpan, device: torch.device | None
+) -> tuple[str, Mapping[str, torch.Tensor] | None, Exception | None]:
+    """Open one span's entry: its key, the entry (None: not usable) and why not (None: a miss).
+
+    With ``device``, the entry is read whole (and checked) now; without, where the store keeps
+    it. An entry that cannot be opened or read is dropped from the store.
+    """
     key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
     try:
         entry = segment_kv.open_entry(key, len(span.cached_ids), device)
-        if entry is None:
-            lost.append(f"entry {key[:12]} not in the store")
-            return key, None
-        return key, entry[KV_NAME]  # read (and checked) now
+        if entry is not None and device is not None:
+            entry = {KV_NAME: entry[KV_NAME]}  # read (and checked) now
+        return key, entry, None
     except Exception as error:  # noqa: BLE001 - damaged or foreign: computed instead
         segment_kv.drop(key)
-        lost.append(f"entry {key[:12]} unusable ({error})")
-        return key, None
+        return key, None, error
 
 
 def _cached_span(
     segment_kv: SegmentKV,
     span: PlannedSpan,
     key: str,
-    entry: Mapping[str, torch.Tensor] | torch.Tensor,
+    entry: Mapping[str, torch.Tensor],
     ranks: Ranks | None,
 ) -> CachedSpan:
-    """Return the loop's span over an opened entry (a mapping) or a read one (``kv``).
+    """Return the loop's span over an opened (or read) entry.
 
     With ``ranks``, the rows of this rank's KV heads; an entry failing its check mid-prompt is
     recomputed (and stored again) unless several ranks read it.
     """
     dtype, shape = segment_kv.entry_shape(len(span.cached_ids))
-    tensors = {KV_NAME: entry} if isinstance(entry, torch.Tensor) else entry
+    tensors = entry
     if ranks is not None:  # this rank's heads of the entry (read whole)
         heads = ranks.kv_heads
         tensors = {KV_NAME: tensors[KV_NAME][:, :, heads]}

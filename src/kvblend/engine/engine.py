@@ -34,7 +34,13 @@ from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DEFAULT_CAPACITY
 from kvblend.engine.explain import Explanation, FallbackLog
-from kvblend.engine.parity import PARITY_TEXT, parity_error, parity_tolerance, require_parity
+from kvblend.engine.parity import (
+    PARITY_TEXT,
+    forward_logits,
+    parity_error,
+    parity_tolerance,
+    require_parity,
+)
 from kvblend.engine.results import BlendStats, PrefillResult, count_tokens
 from kvblend.engine.threads import use_threads
 from kvblend.errors import BlendCancelledError
@@ -149,11 +155,6 @@ class BlendEngine:
             doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
             window=self._window, capacity=max_documents,
         )  # fmt: skip
-        #: Computes, checks and opens the store entries of segment KV.
-        self.segment_kv = self.library.segment_kv
-        #: The documents this engine finds in prompt strings, shared with every engine over the
-        #: same store and model, whatever their document context (see `kvblend.documents.registry`).
-        self.documents = self.library.registry
 
     @classmethod
     def from_pretrained(
@@ -301,7 +302,10 @@ class BlendEngine:
     # ------------------------------------------------------------------ parity
     def check_parity(self) -> float:
         """Compare the blend loop (strategy ``full``) with the model's forward; store the error."""
-        error = parity_error(self.model, self.decoder, self.encode(PARITY_TEXT))
+        ids = self.encode(PARITY_TEXT)
+        error = parity_error(
+            self.decoder, forward_logits(self.model, ids, self.decoder.device), ids
+        )
         self.parity_error = error
         tolerance = parity_tolerance(self.decoder.dtype)
         if not error <= tolerance:
@@ -321,7 +325,7 @@ class BlendEngine:
         text = "".join(segment.text for segment in items)
         self._window.check_chars(len(text))
         pieces = cached_pieces(items)
-        layouts = {(p.start, p.end): self.segment_kv.layout(text[p.start : p.end])
+        layouts = {(p.start, p.end): self.library.segment_kv.layout(text[p.start : p.end])
                    for p in pieces if p.role == "document"}  # fmt: skip
         tokens = early.result() if early else prompt_tokens(self.tokenizer, text, layouts, rules)
         self._window.check_length(tokens.ids.size)
@@ -344,7 +348,7 @@ class BlendEngine:
         plan = self.plan(items)
         text = "".join(segment.text for segment in items)
         return Explanation(
-            text, plan, self.library.stored_spans(plan), len(self.documents),
+            text, plan, self.library.stored_spans(plan), len(self.library.registry),
             forecast_blend(plan, config), config.strategy, self.library.near_miss(prompt, items),
             config.settings.get("guard"),
         )  # fmt: skip
@@ -387,7 +391,7 @@ class BlendEngine:
         stats.near_miss = self.library.near_miss(prompt, items)
         clock = device_clock(self.decoder.device)
         # entries opened lazily; a missing, unreadable or failing one computed (and stored)
-        blended = blend_plan(self.decoder, self.segment_kv, plan, config, cancel=cancel)
+        blended = blend_plan(self.decoder, self.library.segment_kv, plan, config, cancel=cancel)
         out = blended.out
         assert out.logits is not None
         stats.segments_cached, stats.segments_precomputed = len(blended.spans), blended.computed
@@ -399,7 +403,7 @@ class BlendEngine:
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, config.reads_cache)
         escalation(stats, plan, out.guard)
-        self._fallback_log.report(stats, len(self.documents))
+        self._fallback_log.report(stats, len(self.library.registry))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
 
     # ------------------------------------------------------------------ generation

@@ -136,7 +136,9 @@ class Explanation:
             f"{self.documents_found} document(s) found ({self.known_documents} known)"
         ]
         if self.fallback is not None:
-            lines.append(f"  runs as full prefill (prompt head reused): {self.fallback}")
+            head = self.reused_tokens
+            reused = f" ({head} tokens of the prompt head reused)" if head else ""
+            lines.append(f"  runs as full prefill{reused}: {self.fallback}")
         elif self.guard is not None:
             lines.append(
                 f"  guarded (tolerance {self.guard:g}): computed in full after the blend if it "

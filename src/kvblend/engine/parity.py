@@ -1,10 +1,13 @@
 """The parity self-check: kvblend's layer loop must reproduce the model's own forward pass.
 
-`parity_error` runs one fixed text through the model's forward and through `run_blend` with
-strategy ``full`` (every token computed, nothing read from a cache) and returns the largest
-difference of their last logits, relative to the largest logit. `BlendEngine` runs it when built
-and logs an error above `parity_tolerance`; `require_parity` then refuses every blend that reads
-a cache, rather than produce wrong text from a model whose layers the loop does not reproduce.
+`parity_error` runs one fixed text (`PARITY_TEXT`) through `run_blend` with strategy ``full``
+(every token computed, nothing read from a cache) on any model adapter and returns the largest
+difference of its last logits from the model's own forward's (``expected``), relative to the
+largest logit. It is the one check both runtimes use: `BlendEngine` compares the loop with
+transformers' forward (`forward_logits`) when built and logs an error above `parity_tolerance`
+(`require_parity` then refuses every blend that reads a cache, rather than produce wrong text
+from a model whose layers the loop does not reproduce); the vLLM connector's worker compares it
+with vLLM's own forward and claims nothing unless it passes (`kvblend.vllm.worker`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
+from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput
 from kvblend.blend.loop import run_blend
 from kvblend.errors import BlendUnavailableError
-from kvblend.models.decoder import Decoder
 
 #: The text the self-check runs (any text would do; this one mixes words, digits and symbols).
 PARITY_TEXT = (
@@ -31,14 +34,26 @@ def parity_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 3e-2
 
 
-def parity_error(model: torch.nn.Module, decoder: Decoder, ids: Sequence[int]) -> float:
-    """Relative error of the blend loop's last logits against ``model``'s forward on ``ids``."""
-    token_ids = torch.tensor(ids, dtype=torch.long)
+def forward_logits(
+    model: torch.nn.Module, ids: Sequence[int], device: torch.device
+) -> torch.Tensor:
+    """Float32 last logits ``[vocab]`` of a transformers model's own forward over ``ids``."""
+    token_ids = torch.tensor([list(ids)], dtype=torch.long, device=device)
     with torch.inference_mode():
-        expected = model(token_ids[None].to(decoder.device)).logits[0, -1].float()
+        return model(token_ids).logits[0, -1].float()
+
+
+def parity_error(adapter: ModelAdapter, expected: torch.Tensor, ids: Sequence[int]) -> float:
+    """Relative error of the blend loop's (``full``) last logits on ``adapter`` over ``ids``.
+
+    ``expected``: the float32 last logits the model's own forward gives for the same ``ids``
+    (transformers' `forward_logits`, or vLLM's forward for the connector).
+    """
+    token_ids = torch.tensor(list(ids), dtype=torch.long)
     kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-    got = run_blend(decoder, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
+    got = run_blend(adapter, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
     assert got is not None
+    expected = expected.to(got.device).float()
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))
 
 

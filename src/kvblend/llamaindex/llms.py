@@ -3,13 +3,18 @@
 Its fields, their checks, its engine and the merging of decoding options are
 `BlendLLMSettings`' (`kvblend.llamaindex._settings`); this module answers LlamaIndex's calls:
 the completion and chat API (sync, streaming, async), prompts rendered with the model's chat
-template, and the responses with their usage and kvblend stats.
+template, and the responses with their usage and kvblend stats. `reporting_raw` hands each
+response's ``raw`` to whoever asked for it around a call that returns text only (LlamaIndex's
+``predict`` and ``stream``), which is how `BlendSynthesizer` puts the reuse figures into a query
+engine's ``Response.metadata``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.generic_utils import (
@@ -37,6 +42,32 @@ from kvblend.integrations.conventions import check_context_window, load_engine
 from kvblend.integrations.runs import BlendRun, run_prompt, stream_prompt
 from kvblend.integrations.shared import prompt_segments
 from kvblend.llamaindex._settings import BlendLLMSettings
+
+#: Called with each response's ``raw`` (usage, kvblend stats) while `reporting_raw` is active.
+_RAW_SINK: contextvars.ContextVar[Callable[[dict[str, Any]], None] | None] = contextvars.ContextVar(
+    "kvblend_llamaindex_raw_sink", default=None
+)
+
+
+@contextlib.contextmanager
+def reporting_raw(sink: Callable[[dict[str, Any]], None]) -> Iterator[None]:
+    """Hand ``sink`` the ``raw`` of every `BlendLLM` response made within (this context).
+
+    For callers of LlamaIndex APIs that return text only (``llm.predict``, ``llm.stream``): a
+    stream started within reports when it ends, wherever it is read.
+    """
+    token = _RAW_SINK.set(sink)
+    try:
+        yield
+    finally:
+        _RAW_SINK.reset(token)
+
+
+def _report(raw: dict[str, Any], sink: Callable[[dict[str, Any]], None] | None = None) -> None:
+    sink = sink if sink is not None else _RAW_SINK.get()
+    if sink is not None:
+        sink(raw)
+
 
 _ROLES = {
     MessageRole.SYSTEM: "system",
@@ -170,7 +201,9 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
     def _complete(self, prompt: str, options: dict[str, Any]) -> CompletionResponse:
         engine, segments = self._prepared(prompt, options)
         run = run_prompt(engine, segments, self.blend_config, options)
-        return CompletionResponse(text=run.text, raw=self._raw(run))
+        raw = self._raw(run)
+        _report(raw)
+        return CompletionResponse(text=run.text, raw=raw)
 
     async def _acomplete(self, prompt: Any, kwargs: dict[str, Any]) -> CompletionResponse:
         """`_complete` from asyncio, decoded together with the loop's concurrent calls.
@@ -184,18 +217,35 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
         options = self._options(kwargs)
         engine, segments = self._prepared(prompt(), options)
         run = await gather_prompt(engine, segments, self.blend_config, options)
-        return CompletionResponse(text=run.text, raw=self._raw(run))
+        raw = self._raw(run)
+        _report(raw)
+        return CompletionResponse(text=run.text, raw=raw)
 
-    def _stream(self, prompt: str, options: dict[str, Any]) -> CompletionResponseGen:
-        """Responses as text is decoded; a last one with an empty delta carries ``raw``."""
-        engine, segments = self._prepared(prompt, options)
-        text = ""
-        for item in stream_prompt(engine, segments, self.blend_config, options):
-            if isinstance(item, BlendRun):
-                yield CompletionResponse(text=text, delta="", raw=self._raw(item))
-            else:
-                text += item
-                yield CompletionResponse(text=text, delta=item)
+    def _stream(
+        self,
+        prompt: str,
+        options: dict[str, Any],
+        sink: Callable[[dict[str, Any]], None] | None = None,
+    ) -> CompletionResponseGen:
+        """Responses as text is decoded; a last one with an empty delta carries ``raw``.
+
+        ``sink`` (default: `reporting_raw`'s, as the stream is started) receives ``raw`` then.
+        """
+        sink = sink if sink is not None else _RAW_SINK.get()
+
+        def responses() -> CompletionResponseGen:
+            engine, segments = self._prepared(prompt, options)
+            text = ""
+            for item in stream_prompt(engine, segments, self.blend_config, options):
+                if isinstance(item, BlendRun):
+                    raw = self._raw(item)
+                    _report(raw, sink)
+                    yield CompletionResponse(text=text, delta="", raw=raw)
+                else:
+                    text += item
+                    yield CompletionResponse(text=text, delta=item)
+
+        return responses()
 
     def _complete_body(
         self, prompt: str, formatted: bool, kwargs: dict[str, Any]
@@ -235,7 +285,8 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
         """Like `stream_complete`; the engine runs in a thread feeding the event loop."""
         options = self._options(kwargs)
         text = await asyncio.to_thread(self._completion_prompt, prompt, formatted)
-        return iterate_in_thread(lambda: self._stream(text, options))
+        sink = _RAW_SINK.get()
+        return iterate_in_thread(lambda: self._stream(text, options, sink))
 
     # ------------------------------------------------------------------ chat API
     @llm_chat_callback()
@@ -261,7 +312,8 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
         """Like `stream_chat`; the engine runs in a thread feeding the event loop."""
         options = self._options(kwargs)
         prompt = await asyncio.to_thread(self._chat_prompt, messages)
-        return iterate_in_thread(lambda: _chat_stream(self._stream(prompt, options)))
+        sink = _RAW_SINK.get()
+        return iterate_in_thread(lambda: _chat_stream(self._stream(prompt, options, sink)))
 
 
 def _chat_response(response: CompletionResponse) -> ChatResponse:

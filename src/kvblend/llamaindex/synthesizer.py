@@ -3,11 +3,17 @@
 LlamaIndex's default ``compact`` synthesizer strips each node, joins them and re-splits the text
 to a token budget, so a document can be cut across several LLM calls and its precomputed KV no
 longer matches. `BlendSynthesizer` instead formats the QA template once with the node texts
-joined by a separator, byte for byte as the node postprocessor precomputed them.
+joined by a separator, byte for byte as the node postprocessor precomputed them. With a
+`BlendLLM`, the `Response` it returns carries the prefill's reuse figures in its ``metadata``:
+``response.metadata["kvblend"]`` (the stats `BlendLLM` puts in ``raw["kvblend"]``: reused,
+recomputed and computed tokens, documents found and reused, the fallback reason...) and
+``response.metadata["usage"]`` (prompt, completion and cached tokens); a streaming response
+gets them once its stream has been read to the end.
 """
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -21,10 +27,31 @@ from llama_index.core.prompts.default_prompt_selectors import DEFAULT_TEXT_QA_PR
 from llama_index.core.prompts.mixin import PromptDictType
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer
+from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 
-from kvblend.llamaindex.llms import BlendLLM
+from kvblend.llamaindex.llms import BlendLLM, reporting_raw
 from kvblend.llamaindex.postprocessor import BlendNodePostprocessor
+
+#: The figures of the answer just synthesized in this context, for `_prepare_response_output`.
+_FIGURES: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
+    "kvblend_llamaindex_figures", default=None
+)
+
+
+def _collect() -> dict[str, Any]:
+    """Return a fresh dict for this call's figures, which `BlendLLM` fills as it answers."""
+    figures: dict[str, Any] = {}
+    _FIGURES.set(figures)
+    return figures
+
+
+def _fill(figures: dict[str, Any]) -> Any:  # noqa: ANN401 - a `reporting_raw` context
+    def sink(raw: dict[str, Any]) -> None:
+        figures["kvblend"] = raw.get("kvblend", {})
+        figures["usage"] = raw.get("usage", {})
+
+    return reporting_raw(sink)
 
 
 class BlendSynthesizer(BaseSynthesizer):
@@ -87,9 +114,10 @@ class BlendSynthesizer(BaseSynthesizer):
     ) -> RESPONSE_TEXT_TYPE:
         """Answer ``query_str`` from all ``text_chunks`` in one LLM call."""
         template, context = self._prompt(query_str, text_chunks)
-        if self._streaming:
-            return self._llm.stream(template, context_str=context, **response_kwargs)
-        answer = self._llm.predict(template, context_str=context, **response_kwargs)
+        with _fill(_collect()):
+            if self._streaming:
+                return self._llm.stream(template, context_str=context, **response_kwargs)
+            answer = self._llm.predict(template, context_str=context, **response_kwargs)
         return answer or self._empty_response
 
     async def aget_response(
@@ -97,10 +125,26 @@ class BlendSynthesizer(BaseSynthesizer):
     ) -> RESPONSE_TEXT_TYPE:
         """Async `get_response` (the LLM's async methods, which `BlendLLM` runs in threads)."""
         template, context = self._prompt(query_str, text_chunks)
-        if self._streaming:
-            return await self._llm.astream(template, context_str=context, **response_kwargs)
-        answer = await self._llm.apredict(template, context_str=context, **response_kwargs)
+        with _fill(_collect()):
+            if self._streaming:
+                return await self._llm.astream(template, context_str=context, **response_kwargs)
+            answer = await self._llm.apredict(template, context_str=context, **response_kwargs)
         return answer or self._empty_response
+
+    def _prepare_response_output(
+        self, response_str: RESPONSE_TEXT_TYPE | None, source_nodes: list[NodeWithScore]
+    ) -> Any:  # noqa: ANN401 - LlamaIndex's RESPONSE_TYPE
+        """LlamaIndex's response, its ``metadata`` holding this answer's reuse figures.
+
+        A streaming response's metadata is the very dict `BlendLLM` fills when the stream ends.
+        """
+        response = super()._prepare_response_output(response_str, source_nodes)
+        figures = _FIGURES.get()
+        _FIGURES.set(None)
+        if figures is not None and hasattr(response, "metadata"):
+            figures.update(response.metadata or {})
+            response.metadata = figures
+        return response
 
 
 def blend_query_engine(

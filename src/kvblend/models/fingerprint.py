@@ -10,11 +10,41 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
 
-__all__ = ["config_identity", "model_fingerprint", "tokenizer_identity", "weights_digest"]
+__all__ = [
+    "config_identity", "digest_weights", "fingerprint_of", "model_fingerprint",
+    "tokenizer_identity", "weights_digest",
+]  # fmt: skip
+
+
+#: One weight as `weights_digest` hashes it: its name, dtype, shape, the key of its storage (tied
+#: weights share one: the second is hashed as a reference to the first) and its values.
+Weight = tuple[str, torch.dtype, tuple[int, ...], Hashable, Callable[[], torch.Tensor]]
+
+
+def digest_weights(weights: Iterable[Weight]) -> str:
+    """sha256 over ``weights`` in name order: each storage hashed once, by its first name."""
+    digest = hashlib.sha256()
+    seen: dict[Hashable, str] = {}
+    for name, dtype, shape, storage, values in sorted(weights, key=lambda weight: weight[0]):
+        digest.update(f"{name}|{dtype}|{shape};".encode())
+        numel = math.prod(shape)
+        if numel and storage in seen:
+            digest.update(f"={seen[storage]};".encode())
+            continue
+        seen[storage] = name
+        data = values().to("cpu").contiguous().reshape(-1)
+        digest.update(data.view(torch.uint8).numpy().data if numel else b"")
+    return digest.hexdigest()
+
+
+def _given(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -23,19 +53,12 @@ def weights_digest(model: torch.nn.Module) -> str:
     The tensors themselves are hashed (each storage once: tied weights are named, not hashed
     twice), so the identity is what the model computes with, wherever its files came from.
     """
-    digest = hashlib.sha256()
-    seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...]], str] = {}
-    for name, tensor in sorted(model.state_dict().items()):
+    weights: list[Weight] = []
+    for name, tensor in model.state_dict().items():
         tensor = tensor.detach()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)};".encode())
-        alias = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
-        if tensor.numel() and alias in seen:
-            digest.update(f"={seen[alias]};".encode())
-            continue
-        seen[alias] = name
-        data = tensor.to("cpu").contiguous().reshape(-1)
-        digest.update(data.view(torch.uint8).numpy().data if data.numel() else b"")
-    return digest.hexdigest()
+        storage = (tensor.data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.stride())
+        weights.append((name, tensor.dtype, tuple(tensor.shape), storage, _given(tensor)))
+    return digest_weights(weights)
 
 
 #: Config fields that name or locate a model, or record the library that saved it: not part of
@@ -103,10 +126,16 @@ def model_fingerprint(model: torch.nn.Module, tokenizer: object, kv_dtype: torch
     from two folders, two machines or two conversions of one GGUF file gets the same one (no
     path or name is part of it), so they share every entry.
     """
+    config = getattr(model, "config", None)
+    return fingerprint_of(config, weights_digest(model), tokenizer, kv_dtype)
+
+
+def fingerprint_of(config: Any, weights: str, tokenizer: object, kv_dtype: torch.dtype) -> str:
+    """Return the fingerprint of a ``config``, a weights digest (`digest_weights`), a tokenizer."""
     digest = hashlib.sha256(b"kvblend-model/2|")
-    digest.update(config_identity(getattr(model, "config", None)).encode())
+    digest.update(config_identity(config).encode())
     digest.update(f"|kv={kv_dtype}|".encode())
-    digest.update(weights_digest(model).encode())
+    digest.update(weights.encode())
     digest.update(b"|tokenizer=")
     digest.update(tokenizer_identity(tokenizer).encode())
     return digest.hexdigest()[:32]

@@ -12,6 +12,7 @@ from kvblend.store.base import (
     CorruptEntryError,
     EntryReplacedError,
     KVStore,
+    OtherStoreKeyError,
     StoreError,
     StoreStats,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "KVStore",
     "LazyTensors",
     "MemoryKVStore",
+    "OtherStoreKeyError",
     "RepairReport",
     "RedisKVStore",
     "RemoteTieredKVStore",

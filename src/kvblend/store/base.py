@@ -58,6 +58,24 @@ class CorruptEntryError(StoreError):
         self.reason = reason
 
 
+class OtherStoreKeyError(StoreError):
+    """An entry this store cannot verify because another store key, or none, signed it.
+
+    Not damage: with ``$KVBLEND_STORE_KEY`` set, an entry written by a process with another key
+    (or, `replaceable`, without one, or by a version whose entries did not name their key) is a
+    miss for this store, left in place for the processes it belongs to, and never counted as
+    corrupt (`StoreStats.other_key` counts it). `put()` raises it when the entry it would
+    replace is one of another key still in use (`replaceable` False).
+    """
+
+    def __init__(self, key: str, reason: str, *, replaceable: bool = False) -> None:
+        super().__init__(f"KV store entry {key!r} {reason}")
+        self.key = key
+        self.reason = reason
+        #: Whether this store may write over the entry (unsigned, or of an earlier version).
+        self.replaceable = replaceable
+
+
 class EntryReplacedError(StoreError):
     """An entry was replaced or evicted while it was read (another process wrote the key).
 
@@ -81,9 +99,11 @@ class RemoteUnavailableError(StoreError):
 class StoreStats:
     """A snapshot of a store's counters.
 
-    `hits`, `misses`, `evictions`, `corrupt_dropped` and `put_errors` count what this store
-    object saw since it was built (per process). `entries` and `bytes` describe the current
-    content, which for a disk store includes what other processes wrote. `hit_rate` is
+    `hits`, `misses`, `evictions`, `corrupt_dropped`, `put_errors` and `other_key` count what
+    this store object saw since it was built (per process); `other_key` counts the lookups (and
+    refused writes) that found an entry signed with another store key or none
+    (`OtherStoreKeyError`): misses, and the entry left in place. `entries` and `bytes` describe
+    the current content, which for a disk store includes what other processes wrote. `hit_rate` is
     `hits / (hits + misses)`, 0.0 before the first lookup. A tiered store fills `tiers` with
     one `StoreStats` per tier ("memory", "disk"). `read_only`: the store (a tiered store: its
     disk tier) was opened read-only, its entries are read and writes fail.
@@ -99,6 +119,7 @@ class StoreStats:
     capacity_bytes: int | None = None
     tiers: Mapping[str, StoreStats] = field(default_factory=dict)
     read_only: bool = False
+    other_key: int = 0
     hit_rate: float = field(init=False)
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ def default_store(
     disk_retry_s: float = DEFAULT_DISK_RETRY_S,
     redis_url: str | None = None,
     redis_ttl_s: float | None = None,
+    disk_required: bool = False,
 ) -> TieredKVStore:
     """Build the default store: 2 GiB in memory in front of 20 GiB on disk, then Redis if set.
 
@@ -38,7 +39,9 @@ def default_store(
     `default_store_dir`); it is private unless `shared` (see `DiskKVStore`). `device` places
     the memory tier (e.g. "cuda"). If the folder cannot be opened (read-only, not a folder), a
     warning is logged, the store works from memory, and the folder is tried again every
-    `disk_retry_s` seconds. With `redis_url`, else `$KVBLEND_REDIS_URL`, a `RedisKVStore`
+    `disk_retry_s` seconds; with `disk_required` (a command whose whole point is to keep what
+    it computes, such as ``kvblend precompute``) it raises that `StoreError` instead. With
+    `redis_url`, else `$KVBLEND_REDIS_URL`, a `RedisKVStore`
     (entries expiring after `redis_ttl_s`, if given) becomes a third, shared tier
     (`RemoteTieredKVStore`).
     """
@@ -50,6 +53,8 @@ def default_store(
     try:
         disk: DiskKVStore | None = open_disk()
     except StoreError as error:
+        if disk_required:
+            raise
         logger.warning(
             "KV store disk tier unavailable, using memory only and trying again every %g s: %s",
             disk_retry_s,

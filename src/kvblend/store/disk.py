@@ -12,11 +12,18 @@ The folder is private to its owner unless opened as shared, and no file in it th
 later, is rebuilt from the entry files (`index`, `rebuild`), so the disk tier heals instead of
 failing or recomputing everything. A folder that cannot be written is served read-only
 (`readonly`); `repair()` then only reports.
+
+Opening an entry does not count as using it: only a verified hit renews its place in the least
+recently used order (diskcache's `get` would renew whatever it opens). So an entry signed with
+another store key (`OtherStoreKeyError`), read here as a miss and left in place, ages as if
+nobody read it: evicted first when the folder fills, and written over by this store once no
+process of its own key has read it for `other_key_idle_s` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -34,13 +41,19 @@ from kvblend.store.base import (
     CorruptEntryError,
     EntrySpec,
     KVStore,
+    OtherStoreKeyError,
     StoreError,
     StoreStats,
     validate_entry,
     validate_key,
 )
-from kvblend.store.entry_format import Payload, check_expected, encode_entry, read_header
-from kvblend.store.entry_mac import load_store_key
+from kvblend.store.entry_format import (
+    Payload,
+    check_expected,
+    encode_entry,
+    read_header,
+)
+from kvblend.store.entry_mac import OtherKeyWarnings, load_store_key
 from kvblend.store.files import ForeignValueError, file_modes, looks_read_only, prepare_folder
 from kvblend.store.index import (
     ORPHAN_GRACE_S,
@@ -55,7 +68,13 @@ from kvblend.store.index import (
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.readonly import ReadOnlyIndex, record_logs
-from kvblend.store.rebuild import adopt_files, delete_unless_replaced, survey, sweep_if_due
+from kvblend.store.rebuild import (
+    adopt_files,
+    check_entries,
+    delete_unless_replaced,
+    survey,
+    sweep_if_due,
+)
 from kvblend.store.records import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
@@ -68,6 +87,17 @@ DEFAULT_DISK_BYTES = 20 << 30
 _STORAGE_ERRORS = (OSError, sqlite3.Error, diskcache.Timeout)
 #: Seconds between attempts at opening writable a folder opened read-only.
 READ_ONLY_RETRY_S = 30.0
+#: An entry of another store key nobody of that key has read for this long is written over.
+OTHER_KEY_IDLE_S = 24 * 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """An entry's value as opened, without renewing its place in the eviction order."""
+
+    payload: Payload
+    rowid: int
+    access_time: float
 
 
 def default_store_dir() -> Path:
@@ -85,9 +115,11 @@ class DiskKVStore(KVStore):
     `default_store_dir()`. The folder is private (``0700``, files ``0600``) unless `shared` is
     True (group access, ``0770``/``0660``); `shared=None` reads ``$KVBLEND_STORE_SHARED``.
     `store_key` (default ``$KVBLEND_STORE_KEY``) makes entries carry a keyed MAC and refuses
-    those without a valid one (`kvblend.store.entry_mac`). Raises `StoreError` if the folder
-    cannot be created or opened (a folder that can only be read opens `read_only`); `put()`
-    raises `StoreError` when the disk is full or read-only.
+    those without a valid one (`kvblend.store.entry_mac`); an entry of another key is a miss
+    left in place (`OtherStoreKeyError`), and `put()` writes over it only once nobody of its
+    key has read it for `other_key_idle_s` seconds (default one day). Raises `StoreError` if
+    the folder cannot be created or opened (a folder that can only be read opens `read_only`);
+    `put()` raises `StoreError` when the disk is full or read-only.
     """
 
     def __init__(
@@ -99,11 +131,14 @@ class DiskKVStore(KVStore):
         timeout: float = 60.0,
         shared: bool | None = None,
         store_key: str | None = None,
+        other_key_idle_s: float = OTHER_KEY_IDLE_S,
     ) -> None:
         if size_limit <= 0:
             raise ValueError(f"size_limit must be > 0, got {size_limit}")
         self._store_key = load_store_key(store_key)
+        self.other_key_idle_s = float(other_key_idle_s)
         self.directory = Path(directory) if directory is not None else default_store_dir()
+        self._other_key = OtherKeyWarnings(f"the KV store in {self.directory}")
         self.size_limit = int(size_limit)
         self.modes = file_modes(shared)
         self._prefetch_ahead = prefetch_ahead
@@ -210,9 +245,10 @@ class DiskKVStore(KVStore):
         """
         validate_key(key)
         target = torch.device(device) if device is not None else None
-        payload = self._open(key)
+        stored = self._open(key)
         header = None
-        if payload is not None:
+        if stored is not None:
+            payload = stored.payload
             try:
                 header = read_header(payload, key, self._store_key)
                 check_expected(header, expect)
@@ -220,13 +256,19 @@ class DiskKVStore(KVStore):
                 header = None  # a miss, counted as one: never a mapping over a closed file
                 payload.close()
                 self._drop_corrupt(key, payload.identity, error)
+            except OtherStoreKeyError as error:
+                header = None  # another key's: a miss, left in place and not renewed
+                payload.close()
+                self._other_key.found(error)
         with self._lock:
             if header is None:
                 self._misses += 1
             else:
                 self._hits += 1
-        if payload is None or header is None:
+        if stored is None or header is None:
             return None
+        self._touch(stored.rowid)
+        payload = stored.payload
         identity = payload.identity
         return lazy_entry(
             payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
@@ -241,6 +283,8 @@ class DiskKVStore(KVStore):
         validate_key(key)
         checked, user_metadata = validate_entry(tensors, metadata)
         data = encode_entry(key, checked, user_metadata, self._store_key)
+        if self._store_key is not None:
+            self._refuse_other_key(key)
         if len(data) > self.size_limit:
             raise StoreError(
                 f"entry {key!r} is {len(data)} bytes, more than the size limit "
@@ -252,6 +296,33 @@ class DiskKVStore(KVStore):
             evicted = evict_until_under(cache, self.size_limit, keep=key)
         with self._lock:
             self._evictions += evicted
+
+    def _refuse_other_key(self, key: str) -> None:
+        """Raise `OtherStoreKeyError` if `key` holds another key's entry still in use.
+
+        In use: read by a process of its key (or one without a key) within `other_key_idle_s`
+        seconds; an idle one is written over (logged).
+        """
+        stored = self._open(key)
+        if stored is None:
+            return
+        try:
+            read_header(stored.payload, key, self._store_key)
+        except OtherStoreKeyError as error:
+            if error.replaceable:
+                return
+            idle = time.time() - stored.access_time
+            if idle >= self.other_key_idle_s:
+                logger.info("writing over %s: unread for %.0f s by its key", error, idle)
+                return
+            self._other_key.found(error)
+            raise OtherStoreKeyError(
+                key, f"not written: {error.reason} and read by it {idle:.0f} s ago"
+            ) from None
+        except CorruptEntryError:
+            return  # written over
+        finally:
+            stored.payload.close()
 
     def contains(self, key: str) -> bool:
         """Return True if the folder has an entry under `key` (not verified)."""
@@ -274,13 +345,17 @@ class DiskKVStore(KVStore):
     def metadata(self, key: str) -> dict[str, str] | None:
         """Return the caller's metadata of `key`, reading only the entry's header."""
         validate_key(key)
-        payload = self._open(key)
-        if payload is None:
+        stored = self._open(key)
+        if stored is None:
             return None
+        payload = stored.payload
         try:
             return read_header(payload, key, self._store_key).metadata
         except CorruptEntryError as error:
             self._drop_corrupt(key, payload.identity, error)
+            return None
+        except OtherStoreKeyError as error:
+            self._other_key.found(error)
             return None
         finally:
             payload.close()
@@ -300,6 +375,7 @@ class DiskKVStore(KVStore):
                 corrupt_dropped=self._corrupt,
                 capacity_bytes=self.size_limit,
                 read_only=self.read_only,
+                other_key=self._other_key.count,
             )
 
     def clear(self) -> None:
@@ -308,6 +384,35 @@ class DiskKVStore(KVStore):
             self._index().clear(retry=True)
             self._records.clear()
 
+    def clear_other_keys(self) -> int:
+        """Delete every entry this store cannot verify: of another store key, or of none.
+
+        Needs the store key (``$KVBLEND_STORE_KEY``; `ValueError` without one): the entries it
+        signed, and damaged ones (left to `repair`), are kept. Returns how many were deleted.
+        What a store whose key changed for good does at once; otherwise such entries age out
+        by themselves (docs/store.md, "Entry authentication").
+        """
+        if self._store_key is None:
+            raise ValueError(
+                "no store key: set $KVBLEND_STORE_KEY to the key whose entries to keep"
+            )
+        deleted = 0
+        for key in self.keys():
+            stored = self._open(key)
+            if stored is None:
+                continue
+            try:
+                read_header(stored.payload, key, self._store_key)
+            except OtherStoreKeyError:
+                with self._storage_errors(f"delete {key!r}"):
+                    delete_unless_replaced(self._index(), key, stored.payload.identity)
+                deleted += 1
+            except CorruptEntryError:
+                pass  # damage: `repair` reports and deletes it
+            finally:
+                stored.payload.close()
+        return deleted
+
     def repair(self) -> RepairReport:
         """Check the folder and fix what can be fixed; safe while other processes use it.
 
@@ -315,12 +420,20 @@ class DiskKVStore(KVStore):
         `kvblend.store.rebuild`), drops index rows whose file is missing or lies outside the
         folder, takes whole entry files no row names back into the index and deletes the other
         value files no row names (unless younger than `ORPHAN_GRACE_S`: they may be entries
-        being written). On a `read_only` store nothing is changed: the report says what was
-        found (`RepairReport.read_only`). Raises `StoreError` if the folder cannot be used.
+        being written). Then every indexed entry is read whole, as a reader would (size,
+        header, every tensor's checksum, or MAC under this store's key), and a damaged one is
+        deleted (`rebuild.check_entries`); entries of another store key are checked by their
+        checksums and kept. On a `read_only` store nothing is changed: the report says what
+        was found (`RepairReport.read_only`). Raises `StoreError` if the folder cannot be used.
         """
         if self.read_only:
             with self._storage_errors("check the KV store"):
-                return survey(self._cache, self.directory)
+                found = survey(self._cache, self.directory)
+                checked = check_entries(self._cache, self._store_key, drop=False)
+            return dataclasses.replace(
+                found, entries_checked=checked.checked, entries_damaged=checked.damaged,
+                damaged_bytes=checked.damaged_bytes, other_key_entries=checked.other_key,
+            )  # fmt: skip
         with self._storage_errors("repair the KV store"):
             moment = None
             with self._reopen_lock:
@@ -331,6 +444,7 @@ class DiskKVStore(KVStore):
             dropped = drop_broken_rows(cache, self.directory)
             older_than = moment if moment is not None else time.time() - ORPHAN_GRACE_S
             swept = adopt_files(cache, self.directory, older_than)
+            checked = check_entries(cache, self._store_key, drop=True)
             entries, volume = len(cache), cache.volume()
         return RepairReport(
             index_set_aside=self._set_aside > 0 or moment is not None,
@@ -341,6 +455,10 @@ class DiskKVStore(KVStore):
             bytes=volume,
             files_adopted=swept.adopted + self._rebuilt_files,
             index_rebuilt=self._rebuilt_files > 0,
+            entries_checked=checked.checked,
+            entries_damaged=checked.damaged,
+            damaged_bytes=checked.damaged_bytes,
+            other_key_entries=checked.other_key,
         )
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:
@@ -360,20 +478,43 @@ class DiskKVStore(KVStore):
         if isinstance(self._records, DiskRecordLogs):
             self._records.close()
 
-    def _open(self, key: str) -> Payload | None:
-        """Fetch the stored value of `key` as a `Payload`, or None (miss or foreign value)."""
+    def _open(self, key: str) -> _Stored | None:
+        """Open the stored value of `key`, or None (a miss, a foreign value, gone meanwhile).
+
+        Reads the index row and opens its value as diskcache's `get` does, but changes
+        nothing: a verified hit renews the entry's place in the eviction order (`_touch`).
+        """
         try:
             with self._storage_errors(f"read entry {key!r}"):
-                value = self._index().get(key, read=True, retry=True)
+                cache = self._index()
+                rows = cache._sql(  # noqa: SLF001 - a read that leaves the access time alone
+                    "SELECT rowid, access_time, mode, filename, value FROM Cache WHERE key = ? "
+                    "AND raw = 1 AND (expire_time IS NULL OR expire_time > ?)",
+                    (key, time.time()),
+                ).fetchall()
+                if not rows:
+                    return None
+                rowid, access_time, mode, filename, stored = rows[0]
+                try:
+                    value = cache.disk.fetch(mode, filename, stored, True)
+                except OSError:  # deleted meanwhile (as diskcache's own get reads it: a miss)
+                    return None
         except ForeignValueError as error:
             self._drop_corrupt(key, None, CorruptEntryError(key, f"foreign value ({error})"))
             return None
-        if value is None:
-            return None
         if isinstance(value, (bytes, io.BufferedIOBase)):
-            return Payload(value)
+            return _Stored(Payload(value), int(rowid), float(access_time or 0.0))
         self._drop_corrupt(key, None, CorruptEntryError(key, "foreign value"))
         return None
+
+    def _touch(self, rowid: int) -> None:
+        """Renew a verified hit's place in the least recently used order (never fails a read)."""
+        try:
+            self._index()._sql(  # noqa: SLF001 - what diskcache's get does on a hit
+                "UPDATE Cache SET access_time = ? WHERE rowid = ?", (time.time(), rowid)
+            )
+        except (*_STORAGE_ERRORS, StoreError) as error:  # read-only, locked: the read stands
+            logger.debug("could not renew entry %d in %s: %s", rowid, self.directory, error)
 
     def _drop_corrupt(self, key: str, identity: str | None, error: CorruptEntryError) -> None:
         """Count a corrupt entry and delete it, unless another process replaced it meanwhile."""

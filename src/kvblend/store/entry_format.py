@@ -16,8 +16,9 @@ items next to the caller's own:
 - ``kvblend.layers`` / ``kvblend.tokens``: layer and token counts when the entry is the
   engine's: one tensor ``kv`` of ``[layers, 2, kv_heads, tokens, head_dim]``.
 - ``kvblend.header_checksum``: checksum of all the other metadata items, canonically encoded.
-- ``kvblend.macs`` / ``kvblend.mac``: with a store key (``$KVBLEND_STORE_KEY``), keyed MACs of
-  each tensor and of the metadata (`entry_mac`); a reader with the key requires them.
+- ``kvblend.macs`` / ``kvblend.key_id`` / ``kvblend.mac``: with a store key
+  (``$KVBLEND_STORE_KEY``), keyed MACs of each tensor and of the metadata, and the key's
+  fingerprint (`entry_mac`); a reader with the key uses only entries whose MACs verify.
 
 The header is parsed here (8-byte length, then JSON) rather than by safetensors, so that a
 tensor is read straight from an open file into its own buffer and checked as it lands. The
@@ -35,6 +36,7 @@ import threading
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -44,11 +46,12 @@ from kvblend.store.base import (
     SAFETENSORS_DTYPES,
     CorruptEntryError,
     EntrySpec,
+    OtherStoreKeyError,
     StoreError,
     layer_order,
     non_finite,
 )
-from kvblend.store.entry_mac import StoreKey, verify_header
+from kvblend.store.entry_mac import OtherKeyEntry, StoreKey, verify_header
 from kvblend.store.transfer import HOST_TO_DEVICE, PendingCopy
 
 FORMAT_VERSION = "1"
@@ -221,17 +224,18 @@ def read_header(payload: Payload, key: str, mac_key: StoreKey | None = None) -> 
     """Parse and verify the header of `payload` stored under `key`.
 
     With `mac_key`, the entry must carry MACs made with that key (`entry_mac`); each tensor is
-    then verified by its MAC as it is read.
+    then verified by its MAC as it is read. An entry of another key (or none) raises
+    `OtherStoreKeyError`, not damage.
 
     Raises `CorruptEntryError` if the bytes are not a kvblend entry for `key`, the header is
     damaged, tensors overlap or leave gaps, the payload is truncated or has trailing bytes, or
     decoding fails in any other way (a crafted header may make the JSON parser or an integer
     conversion raise anything): whatever the bytes, no other error leaves this function, except
-    `StoreError` for a payload that was already closed.
+    `OtherStoreKeyError` and `StoreError` for a payload that was already closed.
     """
     try:
         return _parse_header(payload, key, mac_key)
-    except (CorruptEntryError, StoreError):
+    except (CorruptEntryError, OtherStoreKeyError, StoreError):
         raise
     except Exception as error:  # noqa: BLE001 - any decoding failure means a damaged entry
         reason = f"undecodable header ({type(error).__name__}: {error})"
@@ -271,6 +275,8 @@ def _parse_header(payload: Payload, key: str, mac_key: StoreKey | None) -> Entry
     try:
         listing = json.loads(metadata["kvblend.tensors"])
         macs = verify_header(mac_key, metadata, len(listing)) if mac_key else [None] * len(listing)
+    except OtherKeyEntry as other:
+        raise OtherStoreKeyError(key, str(other), replaceable=other.replaceable) from None
     except (ValueError, KeyError, TypeError) as error:
         raise corrupt(str(error)) from None
     try:
@@ -376,6 +382,50 @@ def _decode_tensor(
     elif checksum(view, info.algorithm) != info.checksum:
         raise CorruptEntryError(key, f"tensor {info.name!r} checksum mismatch")
     return buffer.view(info.dtype).reshape(info.shape)
+
+
+class _Crc32:
+    """`zlib.crc32` fed in pieces, shaped like `xxhash`'s streaming digests."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes | memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value & 0xFFFFFFFF:08x}"
+
+
+def verify_tensors(payload: Payload, header: EntryHeader, piece: int = 16 << 20) -> None:
+    """Read every tensor of an entry in pieces of `piece` bytes and check it, keeping none.
+
+    Each tensor against its MAC when the header gave one (`read_header` with the store key),
+    else its checksum; raises `CorruptEntryError` on a mismatch or a short read. What
+    `kvblend store repair` reads every indexed entry with: memory stays at one piece whatever
+    the entry's size.
+    """
+    buffer = bytearray(piece)
+    view = memoryview(buffer)
+    for info in header.tensors:
+        hasher: Any
+        if info.mac is not None and info.mac_key is not None:
+            hasher = info.mac_key.tensor_mac(info.name)
+        elif info.algorithm == "crc32":
+            hasher = _Crc32()
+        else:
+            hasher = xxhash.xxh3_64()
+        done = 0
+        while done < info.nbytes:
+            size = min(piece, info.nbytes - done)
+            if payload.read_into(info.offset + done, view[:size]) != size:
+                raise CorruptEntryError(header.key, f"tensor {info.name!r} truncated")
+            hasher.update(view[:size])
+            done += size
+        expected = info.mac if info.mac is not None and info.mac_key is not None else info.checksum
+        if not hmac.compare_digest(hasher.hexdigest(), expected):
+            kind = "MAC" if info.mac is not None and info.mac_key is not None else "checksum"
+            raise CorruptEntryError(header.key, f"tensor {info.name!r} {kind} mismatch")
 
 
 def entry_key(payload: Payload) -> str | None:

@@ -9,7 +9,8 @@ An index deleted or emptied to 0 bytes (any index with no entry at all) is lost 
 rebuilt when opened, whenever the last sweep was.
 
 `repair()` does the same on demand and more: it drops index rows whose file is missing or whose
-file name lies outside the folder, and adopts or deletes value files no row names. A value file
+file name lies outside the folder, adopts or deletes value files no row names, and reads every
+indexed entry whole (`rebuild.check_entries`), deleting the damaged ones. A value file
 is written just before its row is committed, so a file younger than `ORPHAN_GRACE_S` may be an
 entry another process is writing and is kept. Only names diskcache writes (``ab/cd/x.val``)
 are ever considered: the ``records`` sub-folder and anything else in the folder is left alone.
@@ -67,6 +68,13 @@ class RepairReport:
     index_damaged: bool = False  # found damaged and left (read-only); else it was set aside
     rows_broken: int = 0  # read-only: index rows without a valid file, left
     files_unindexed: int = 0  # read-only: value files no row names, left
+    #: Indexed entries read whole (size, header, every tensor's checksum or MAC).
+    entries_checked: int = 0
+    #: Indexed entries found damaged: deleted (read-only: found and left).
+    entries_damaged: int = 0
+    damaged_bytes: int = 0
+    #: Indexed entries signed with another store key (or none): checked by checksum, kept.
+    other_key_entries: int = 0
 
 
 def is_damage(error: BaseException) -> bool:

@@ -34,7 +34,9 @@ from typing import Any
 import diskcache
 from diskcache.core import MODE_BINARY
 
-from kvblend.store.entry_format import Payload, entry_key
+from kvblend.store.base import CorruptEntryError, OtherStoreKeyError
+from kvblend.store.entry_format import Payload, entry_key, read_header, verify_tensors
+from kvblend.store.entry_mac import StoreKey
 from kvblend.store.files import FileModes, ForeignValueError, confined_path, open_no_follow
 from kvblend.store.index import ORPHAN_GRACE_S, RepairReport
 
@@ -178,6 +180,79 @@ def adopt_files(cache: diskcache.Cache, directory: Path, older_than: float) -> A
             directory, adopted, deleted, freed, folders,
         )  # fmt: skip
     return Adoption(adopted, deleted, freed, folders)
+
+
+@dataclass(frozen=True)
+class EntryCheck:
+    """What reading every indexed entry whole found: checked, damaged, of another key."""
+
+    checked: int = 0
+    damaged: int = 0  # dropped, unless the folder is read-only
+    damaged_bytes: int = 0
+    other_key: int = 0  # signed with another store key (or none): checked by checksum, kept
+
+
+def check_entries(cache: Any, store_key: StoreKey | None, *, drop: bool) -> EntryCheck:  # noqa: ANN401
+    """Read every entry the index names, whole, as a reader would; drop (`drop`) the damaged.
+
+    Each entry's size, header (checksum, key, listing) and every tensor's checksum, or its MAC
+    when `store_key` signed it, are checked (`entry_format.verify_tensors`, in pieces: memory
+    stays small whatever the entry's size). An entry of another store key (or none) is checked
+    by its checksums and kept. Nothing renews an entry's place in the eviction order. A damaged
+    entry is deleted unless another process replaced it meanwhile (`delete_unless_replaced`).
+    """
+    rows = cache._sql(  # noqa: SLF001 - every row, without diskcache's access-time update
+        "SELECT key, mode, filename, value, size FROM Cache WHERE raw = 1"
+    ).fetchall()
+    checked = damaged = damaged_bytes = other = 0
+    problem: CorruptEntryError | OtherStoreKeyError | None
+    for key, mode, filename, stored, size in rows:
+        if not isinstance(key, str):
+            continue
+        try:
+            value = cache.disk.fetch(mode, filename, stored, True)
+        except ForeignValueError as error:
+            value, problem = None, CorruptEntryError(key, f"foreign value ({error})")
+        except OSError:
+            continue  # gone meanwhile, or a row without a file: `drop_broken_rows`' business
+        checked += 1
+        identity = None
+        if value is not None:
+            if not isinstance(value, (bytes, io.BufferedIOBase)):
+                problem = CorruptEntryError(key, "foreign value")
+            else:
+                payload = Payload(value)
+                identity = payload.identity
+                try:
+                    problem = _entry_problem(payload, key, store_key)
+                finally:
+                    payload.close()
+                if problem is None:
+                    continue
+                if isinstance(problem, OtherStoreKeyError):
+                    other += 1
+                    continue
+        logger.warning("KV store in %s: %s", cache.directory, problem)
+        damaged, damaged_bytes = damaged + 1, damaged_bytes + int(size or 0)
+        if drop:
+            delete_unless_replaced(cache, key, identity)
+    return EntryCheck(checked, damaged, damaged_bytes, other)
+
+
+def _entry_problem(
+    payload: Payload, key: str, store_key: StoreKey | None
+) -> CorruptEntryError | OtherStoreKeyError | None:
+    """Return what is wrong with one entry read whole (None: nothing)."""
+    try:
+        try:
+            header = read_header(payload, key, store_key)
+        except OtherStoreKeyError as other:
+            verify_tensors(payload, read_header(payload, key))  # damage is damage, any key's
+            return other
+        verify_tensors(payload, header)
+    except CorruptEntryError as error:
+        return error
+    return None
 
 
 def survey(cache: Any, directory: Path) -> RepairReport:

@@ -3,15 +3,22 @@
 Each entry is one Redis string holding exactly the bytes the disk tier writes (`entry_format`:
 safetensors with per-tensor checksums and, with a store key, MACs), under
 ``<prefix>kv:v<format>:<key>``: nothing is pickled, and a damaged or foreign value is detected
-and dropped like on disk. `get()` costs one round trip (the entry's length and its first 64 KiB,
-which hold the header) and returns a `LazyTensors`; each tensor is then fetched with its own
+and dropped like on disk. `get()` costs one round trip (the entry's length, its first 64 KiB,
+which hold the header, and its expiry), a second one on a hit with `ttl_s` (renewing it only
+once the header verified), and returns a `LazyTensors`; each tensor is then fetched with its own
 ``GETRANGE`` (`redis_payload`) on the store's prefetch threads, so the blend loop starts on
 layer 0 while later layers are still on the wire.
 
 Redis bounds the size itself: ``maxmemory`` with ``maxmemory-policy allkeys-lru`` (or
 ``volatile-lru`` with `ttl_s`) evicts old entries; with ``noeviction`` a full server refuses
 writes, which `put()` reports as `StoreError`. `ttl_s` sets an expiry on every entry, renewed
-on each hit.
+on each verified hit (never by a read that finds the entry damaged or of another key).
+
+An entry signed with another store key (`OtherStoreKeyError`) is a miss, left in place, and
+`put()` does not write over it; reading one gives it an expiry of `OTHER_KEY_IDLE_S` (one day)
+if it has none, which every verified hit by a process of its own key pushes back to a day at
+least: an entry of a key nobody uses any more expires, and the key's slot is then free for
+this store's own entry.
 
 Record logs (`append_records` / `read_records`) live on the server too, as a counter and a list
 per log changed by Lua scripts (`kvblend.store.redis_records`), so every process sees one
@@ -41,6 +48,7 @@ from kvblend.store.base import (
     CorruptEntryError,
     EntrySpec,
     KVStore,
+    OtherStoreKeyError,
     RemoteUnavailableError,
     StoreError,
     StoreStats,
@@ -54,7 +62,7 @@ from kvblend.store.entry_format import (
     encode_entry,
     read_header,
 )
-from kvblend.store.entry_mac import load_store_key
+from kvblend.store.entry_mac import OtherKeyWarnings, load_store_key
 from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DEFAULT_MAX_RECORDS
 from kvblend.store.redis_access import redacted, warn_if_open
@@ -81,6 +89,8 @@ _HEAD_BYTES = 64 << 10
 _CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 #: Reads of an entry's head before one that does not parse is taken for damage.
 _OPEN_ATTEMPTS = 3
+#: Expiry given to an entry of another store key when it is read (renewed by its key's hits).
+OTHER_KEY_IDLE_S = 24 * 3600
 _T = TypeVar("_T")
 
 # Delete an entry only if it still starts with the header that was read: KEYS = entry;
@@ -129,6 +139,7 @@ class RedisKVStore(KVStore):
             raise ValueError(f"ttl_s must be > 0 or None, got {ttl_s}")
         self._store_key = load_store_key(store_key)
         self.url = redacted(url)
+        self._other_key = OtherKeyWarnings(f"the KV store on {self.url}")
         warn_if_open(url)
         self.prefix = prefix
         self.ttl_s = ttl_s
@@ -188,7 +199,7 @@ class RedisKVStore(KVStore):
         Returns None on a miss or a corrupt entry, or one not as `expect` describes it (dropped
         and counted). Raises `StoreError` if the server cannot be reached.
         """
-        opened = self._open(key, expect)
+        opened = self._open(key, expect, touch=True)
         with self._lock:
             if opened is None:
                 self._misses += 1
@@ -205,45 +216,82 @@ class RedisKVStore(KVStore):
         )  # fmt: skip
 
     def _open(
-        self, key: str, expect: EntrySpec | None = None
+        self, key: str, expect: EntrySpec | None = None, *, touch: bool = False
     ) -> tuple[RangePayload, EntryHeader] | None:
         """Fetch the length and head of `key`'s entry and verify its header (None: a miss).
 
         The length and the head are two commands: an entry replaced between them reads as
         damaged, so a damaged head is fetched again, and only one that reads the same twice is
-        corrupt (dropped and counted).
+        corrupt (dropped and counted). An entry of another store key is a miss, left in place
+        (`_other_key_found`). With `touch` (a lookup), a verified hit renews the entry's expiry.
         """
         redis_key = self._entry_key(key)
 
-        def fetch() -> tuple[int, bytes]:
+        def fetch() -> tuple[int, bytes, int]:
             pipe = self.client.pipeline(transaction=False)
             pipe.strlen(redis_key)
             pipe.getrange(redis_key, 0, _HEAD_BYTES - 1)
-            if self.ttl_s is not None:
-                pipe.expire(redis_key, int(max(1, self.ttl_s)))
-            size, head = pipe.execute()[:2]
-            return int(size), bytes(head)
+            pipe.pttl(redis_key)
+            size, head, pttl = pipe.execute()
+            return int(size), bytes(head), int(pttl)
 
         fetched = self._call(f"read entry {key!r}", fetch)
         for attempt in range(_OPEN_ATTEMPTS):
-            if not fetched[0]:
+            size, head, pttl = fetched
+            if not size:
                 return None
             payload = RangePayload(
-                self._call, self.client, redis_key, *fetched, on_replaced=self._count_replaced
+                self._call, self.client, redis_key, size, head, on_replaced=self._count_replaced
             )
             try:
                 header = read_header(payload, key, self._store_key)
                 check_expected(header, expect)
             except CorruptEntryError as error:
                 again = self._call(f"read entry {key!r}", fetch)
-                if again != fetched and attempt + 1 < _OPEN_ATTEMPTS:
+                if again[:2] != fetched[:2] and attempt + 1 < _OPEN_ATTEMPTS:
                     fetched = again  # replaced while read: read the new value
                     continue
-                self._drop_corrupt(key, fetched[1], error)
+                self._drop_corrupt(key, head, error)
                 return None
-            payload.header = fetched[1][: 8 + int.from_bytes(fetched[1][:8], "little")]
+            except OtherStoreKeyError as error:
+                self._other_key_found(redis_key, error)
+                return None
+            payload.header = head[: 8 + int.from_bytes(head[:8], "little")]
+            if touch:
+                self._renew(key, redis_key, pttl)
             return payload, header
         return None
+
+    def _renew(self, key: str, redis_key: str, pttl: int) -> None:
+        """After a verified hit: renew `ttl_s`, or push an other-key expiry back to a day."""
+        try:
+            if self.ttl_s is not None:
+                seconds = int(max(1, self.ttl_s))
+                self._call(f"renew {key!r}", lambda: self.client.expire(redis_key, seconds))
+            elif pttl >= 0:  # an expiry a reader of another key gave it: its key still uses it
+                self._call(
+                    f"renew {key!r}",
+                    lambda: self.client.expire(redis_key, OTHER_KEY_IDLE_S, gt=True),
+                )
+        except StoreError as error:  # the hit stands
+            logger.debug("could not renew entry %r: %s", key, error)
+
+    def _other_key_found(self, redis_key: str, error: OtherStoreKeyError) -> None:
+        """Count and report another key's entry; give it an expiry if it has none.
+
+        Its key's verified hits keep pushing that expiry back (`_renew`), so only an entry
+        nobody of its key reads any more expires.
+        """
+        self._other_key.found(error)
+        if error.replaceable:
+            return  # written over by this store's own entry
+        try:
+            self._call(
+                "age an entry of another store key",
+                lambda: self.client.expire(redis_key, OTHER_KEY_IDLE_S, nx=True),
+            )
+        except StoreError as failure:
+            logger.debug("could not give %s an expiry: %s", redis_key, failure)
 
     def put(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
@@ -252,11 +300,38 @@ class RedisKVStore(KVStore):
         redis_key = self._entry_key(key)
         checked, user_metadata = validate_entry(tensors, metadata)
         data = encode_entry(key, checked, user_metadata, self._store_key)
+        if self._store_key is not None:
+            self._refuse_other_key(key, redis_key)
         expiry = int(max(1, self.ttl_s)) if self.ttl_s is not None else None
         self._call(
             f"write entry {key!r} ({len(data)} bytes)",
             lambda: self.client.set(redis_key, data, ex=expiry),
         )
+
+    def _refuse_other_key(self, key: str, redis_key: str) -> None:
+        """Raise `OtherStoreKeyError` if the server holds another key's entry under `key`."""
+
+        def fetch() -> tuple[int, bytes]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.strlen(redis_key)
+            pipe.getrange(redis_key, 0, _HEAD_BYTES - 1)
+            size, head = pipe.execute()
+            return int(size), bytes(head)
+
+        size, head = self._call(f"read entry {key!r}", fetch)
+        if not size:
+            return
+        payload = RangePayload(self._call, self.client, redis_key, size, head, lambda: None)
+        try:
+            read_header(payload, key, self._store_key)
+        except OtherStoreKeyError as error:
+            if not error.replaceable:
+                self._other_key.found(error)
+                raise OtherStoreKeyError(key, f"not written: {error.reason}") from None
+        except CorruptEntryError:
+            pass  # written over
+        finally:
+            payload.close()
 
     def contains(self, key: str) -> bool:
         """Return True if the server holds an entry under `key` (not verified)."""
@@ -335,6 +410,7 @@ class RedisKVStore(KVStore):
                 evictions=evictions,
                 corrupt_dropped=self._corrupt,
                 capacity_bytes=maxmemory or None,
+                other_key=self._other_key.count,
             )
 
     def clear(self) -> None:

@@ -17,12 +17,12 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 logger = logging.getLogger(__name__)
 
-#: Commands kvblend runs on a Redis server: entries (STRLEN, GETRANGE, SET, EXPIRE, EXISTS,
-#: DEL, UNLINK, SCAN, INFO), Lua scripts (EVALSHA, loaded by SCRIPT LOAD, or EVAL) and, inside
-#: them, the record logs' GET, SET, DEL, LLEN, RPUSH, LTRIM, LRANGE; and PING. (redis-py also
-#: sends CLIENT SETINFO on connecting, and goes on when it is refused.)
+#: Commands kvblend runs on a Redis server: entries (STRLEN, GETRANGE, PTTL, SET, EXPIRE,
+#: EXISTS, DEL, UNLINK, SCAN, INFO), Lua scripts (EVALSHA, loaded by SCRIPT LOAD, or EVAL)
+#: and, inside them, the record logs' GET, SET, DEL, LLEN, RPUSH, LTRIM, LRANGE; and PING.
+#: (redis-py also sends CLIENT SETINFO on connecting, and goes on when it is refused.)
 REQUIRED_COMMANDS = (
-    "get set del unlink strlen getrange expire exists scan info "
+    "get set del unlink strlen getrange pttl expire exists scan info "
     "llen rpush ltrim lrange evalsha eval script|load ping"
 ).split()
 

@@ -30,6 +30,7 @@ import torch
 from kvblend.store.base import (
     EntrySpec,
     KVStore,
+    OtherStoreKeyError,
     RemoteUnavailableError,
     StoreError,
     StoreStats,
@@ -149,6 +150,8 @@ class RemoteTieredKVStore(TieredKVStore):
         super().put(key, tensors, metadata)
         try:
             self.remote.put(key, tensors, metadata)
+        except OtherStoreKeyError:
+            pass  # another key's entry, in use: kept locally (the remote tier says so)
         except StoreError as error:
             with self._remote_lock:
                 self._remote_put_errors += 1
@@ -219,6 +222,7 @@ class RemoteTieredKVStore(TieredKVStore):
             misses=misses,
             evictions=backing.evictions,
             corrupt_dropped=sum(tier.corrupt_dropped for tier in tiers.values()),
+            other_key=sum(tier.other_key for tier in tiers.values()),
             put_errors=put_errors,
             capacity_bytes=backing.capacity_bytes,
             tiers=tiers,

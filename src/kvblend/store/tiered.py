@@ -21,6 +21,7 @@ import torch
 from kvblend.store.base import (
     EntrySpec,
     KVStore,
+    OtherStoreKeyError,
     StoreError,
     StoreStats,
     validate_entry,
@@ -165,6 +166,8 @@ class TieredKVStore(KVStore):
         if disk is not None:
             try:
                 disk.put(key, tensors, metadata)
+            except OtherStoreKeyError:
+                pass  # another key's entry, in use: kept in memory only (the disk tier says so)
             except StoreError as error:
                 self._count_put_error("disk", error)
 
@@ -249,6 +252,7 @@ class TieredKVStore(KVStore):
                 capacity_bytes=backing.capacity_bytes,
                 tiers=tiers,
                 read_only="disk" in tiers and tiers["disk"].read_only,
+                other_key=sum(tier.other_key for tier in tiers.values()),
             )
 
     def append_records(self, log: str, records: Sequence[bytes]) -> None:

@@ -12,17 +12,20 @@ work, in seconds:
   the whole prompt) and ``total`` (every row's K/V read, rotated, written into vLLM's cache),
   plus the step that computes the last prompt token once the blend is done.
 
-The worker side calibrates both at start-up (`calibrate`: vLLM's own forward and the blend loop
-over a few synthetic prompts, interleaved, on the model and the cores that will serve) and then
-reports every engine step's forward time with its tokens, and every blend's own time (its
+The worker side calibrates both at start-up (`calibration`: vLLM's own forward and the blend
+loop over a few synthetic prompts, interleaved, on the model and the cores that will serve) and
+then reports every engine step's forward time with its tokens, and every blend's own time (its
 slices, not the steps between them nor its wait behind other blends) with its rows;
 `CostModel` keeps the calibrated shapes and learns, per path, how far its recent runs were from
-them (another job taking a core moves that path's forecasts within a few runs).
+them (another job taking a core moves that path's forecasts within a few runs). vLLM's path is
+learnt from the prompts vLLM prefills anyway (no stored document, too short, a chat's next
+turn, mostly in its prefix cache): never from a prompt a blend is forecast to win.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,19 +71,21 @@ class LinearFit:
     #: for good.
     HALF_LIFE_S = 300.0
 
-    def __init__(self, size: int, forget: float = 0.8) -> None:
+    def __init__(
+        self, size: int, forget: float = 0.8, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.size = size
         self.forget = forget
+        self.clock = clock
         self.weights = np.zeros(size)
         self._observed = self._forecast = self.PRIOR_S
-        self._at = time.monotonic()
-        self.timed_at = -float("inf")  # when this path's last run was observed (never: -inf)
+        self._at = clock()
         self.observed = 0
 
     @property
     def residual(self) -> float:
         """Seconds observed per second forecast, over this model's own recent runs."""
-        fade = 0.5 ** ((time.monotonic() - self._at) / self.HALF_LIFE_S)
+        fade = 0.5 ** ((self.clock() - self._at) / self.HALF_LIFE_S)
         return 1.0 + (self._observed / self._forecast - 1.0) * fade
 
     def set_prior(self, weights: np.ndarray) -> None:
@@ -103,7 +108,7 @@ class LinearFit:
         residual = self.residual  # faded: the sums restart from it
         self._observed = self.forget * residual * self._forecast + seconds
         self._forecast = self.forget * self._forecast + forecast
-        self._at = self.timed_at = time.monotonic()
+        self._at = self.clock()
         self.observed += 1
 
 
@@ -153,22 +158,21 @@ class CostModel:
     this project's 2 cores shared with other jobs, vLLM's prefill kept its speed while the
     blend loop (many small torch ops, each a parallel region whose threads all wait for the
     slowest) ran up to 2-4 times slower than calibrated; so neither path's runs move the other's
-    forecast. A path that is not chosen is not observed: its forecast stays its last, and a
-    blend must be forecast faster by `MARGIN` before it is chosen, so that an unsure choice is
-    vLLM's prefill, never slower than vLLM itself. Steps of fewer than `MIN_TOKENS` tokens
-    (decodes, the last prompt token after a blend) or shorter than `MIN_S` say too little about
-    a prefill and are left out.
+    forecast. A path that is not chosen is not observed: its correction fades back to its
+    calibration (`LinearFit.HALF_LIFE_S`), and a blend must be forecast faster by `MARGIN`
+    before it is chosen, so that an unsure choice is vLLM's prefill, never slower than vLLM
+    itself. Steps of fewer than `MIN_TOKENS` tokens (decodes, the last prompt token after a
+    blend) or shorter than `MIN_S` say too little about a prefill and are left out. ``clock``:
+    the time the corrections fade with (tests pass a fake one).
     """
 
     MIN_TOKENS = 32
     MIN_S = 0.02
     MARGIN = 0.8
-    #: A blend forecast under this share of vLLM's prefill needs no check of vLLM's forecast.
-    CLEAR_WIN = 0.5
 
-    def __init__(self) -> None:
-        self.vllm = LinearFit(3)
-        self.blend = LinearFit(4)
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.vllm = LinearFit(3, clock=clock)
+        self.blend = LinearFit(4, clock=clock)
         self.calibrated = False
 
     def calibrate(
@@ -180,21 +184,6 @@ class CostModel:
         self.vllm.set_prior(self.vllm.fit_points(vllm_points))
         self.blend.set_prior(self.blend.fit_points(blend_points))
         self.calibrated = True
-
-    def check_vllm(self, forecast: Forecast, idle: bool) -> bool:
-        """Whether vLLM should prefill a request the blend wins, to time vLLM's prefill.
-
-        Choosing vLLM is never slower than vLLM, and it is the only way to learn how far its
-        calibration is off when every prompt blends (a calibration too high would make prompts
-        blend that vLLM prefills faster). So a blend that is not a clear win (forecast at
-        `CLEAR_WIN` of vLLM's or more) yields to vLLM when vLLM's prefill has not been timed for
-        `LinearFit.HALF_LIFE_S` seconds, and only on an ``idle`` server (no other request in
-        flight): vLLM's chunked prefill of a long prompt would hold up every other request's
-        steps, which a blend, paced between them, does not.
-        """
-        if not idle or forecast.blend_s < self.CLEAR_WIN * forecast.vllm_s:
-            return False
-        return time.monotonic() - self.vllm.timed_at > self.vllm.HALF_LIFE_S
 
     def predict(self, model: LinearFit, features: np.ndarray) -> float:
         """Forecast seconds of ``features`` on ``model``'s path."""

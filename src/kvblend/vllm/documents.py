@@ -2,11 +2,12 @@
 
 Both sides of the connector build a `DocumentLibrary` over the store every kvblend process shares
 (``$KVBLEND_STORE_DIR`` / ``$KVBLEND_REDIS_URL``, or the connector's settings), for the model
-vLLM serves. Entries are keyed by the engine's model fingerprint, computed the way
-`BlendEngine` computes it (transformers' model over the same folder, in vLLM's dtype), so a
+vLLM serves. Entries are keyed by the engine's model fingerprint, the one `BlendEngine` computes
+(transformers' model over the same folder, in vLLM's dtype), read from the folder's checkpoint
+a weight at a time (`kvblend.models.checkpoint`: no second copy of the model in memory), so a
 store filled by ``kvblend precompute --model FOLDER`` serves the connector and the other way
-round. The fingerprint is remembered on disk, keyed by the folder files' content hashes, so it is
-computed once per model, not at every start.
+round. The fingerprint is remembered on disk, keyed by the folder files' content hashes, so it
+is computed once per model, not at every start.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from kvblend.blend.adapter import DecoderShape
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.registry import DEFAULT_CAPACITY
+from kvblend.models.checkpoint import checkpoint_fingerprint
 from kvblend.models.fingerprint import model_fingerprint
 from kvblend.models.loading import cache_dir, file_digest
 from kvblend.prompt.templates import rag_prefix
@@ -51,9 +53,9 @@ def open_tokenizer(model_config: Any) -> Any:
     """Load the Hugging Face tokenizer of the model vLLM serves (the files vLLM reads)."""
     from transformers import AutoTokenizer
 
-    source = getattr(model_config, "tokenizer", None) or model_config.model
-    revision = getattr(model_config, "tokenizer_revision", None)
-    trust = bool(getattr(model_config, "trust_remote_code", False))
+    source = model_config.tokenizer or model_config.model
+    revision = model_config.tokenizer_revision
+    trust = bool(model_config.trust_remote_code)
     return AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust)
 
 
@@ -98,23 +100,32 @@ def _write_memo(key: str, fingerprint: str) -> None:
 def folder_fingerprint(model_config: Any, tokenizer: Any, kv_dtype: torch.dtype) -> str:
     """Return the engine's `model_fingerprint` of the model vLLM serves, in vLLM's dtype.
 
-    transformers loads the same folder (on the CPU) once; the result is remembered under the
-    folder files' content hashes.
+    Read from the folder's checkpoint a weight at a time (`checkpoint_fingerprint`: no second
+    copy of the model in memory); a folder that cannot be read so is loaded by transformers
+    (on the CPU) once. Either way the result is remembered under the folder files' content
+    hashes, so it is computed once per model, not at every start.
     """
-    from transformers import AutoModelForCausalLM
-
     dtype = model_config.dtype
     folder = Path(str(model_config.model)).expanduser()
     key = _memo_key(folder, dtype, kv_dtype)
     if key is not None and key in (memo := _read_memo()):
         return memo[key]
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_config.model), dtype=dtype, device_map="cpu",
-        revision=getattr(model_config, "revision", None),
-        trust_remote_code=bool(getattr(model_config, "trust_remote_code", False)),
-    )  # fmt: skip
-    fingerprint = model_fingerprint(model, tokenizer, kv_dtype)
-    del model
+    trust = bool(model_config.trust_remote_code)
+    fingerprint = None
+    if model_config.revision is None:  # a folder, not a hub revision
+        fingerprint = checkpoint_fingerprint(
+            folder, tokenizer, dtype, kv_dtype, trust_remote_code=trust
+        )
+    if fingerprint is None:
+        from transformers import AutoModelForCausalLM
+
+        logger.info("kvblend: loading %s once to compute its fingerprint", folder)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_config.model), dtype=dtype, device_map="cpu",
+            revision=model_config.revision, trust_remote_code=trust,
+        )  # fmt: skip
+        fingerprint = model_fingerprint(model, tokenizer, kv_dtype)
+        del model
     if key is not None:
         _write_memo(key, fingerprint)
     return fingerprint
@@ -140,9 +151,9 @@ def open_library(
     )  # fmt: skip
 
 
-def config_shape(model_config: Any, parallel_config: Any) -> DecoderShape:
+def config_shape(model_config: Any) -> DecoderShape:
     """Return the model's `DecoderShape` as the store keeps it: every KV head."""
-    config = model_config.hf_config
+    config = model_config.hf_config  # transformers' config: its optional fields read as such
     heads = int(config.num_attention_heads)
     return DecoderShape(
         num_layers=int(config.num_hidden_layers),

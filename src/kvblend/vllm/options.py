@@ -26,7 +26,7 @@ class KVBlendOptions(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
         """Refuse a request whose ``kv_transfer_params["kvblend"]`` has another form."""
-        extra = getattr(sampling_params, "extra_args", None) or {}
+        extra = sampling_params.extra_args or {}
         try:
             check_options(extra.get("kv_transfer_params"))
         except (TypeError, ValueError) as error:

@@ -20,13 +20,17 @@ thread-local torch state the two share is the same on both sides of a switch; th
 differs, a GPU blend's side stream, is set and unset at every switch (`Task.on_switch`), and
 so is the CPU thread count a slice runs with (`ThreadChoice`).
 
-A task whose request was cancelled stops at its next checkpoint (`BlendCancelledError`) and is
-reported done, so that vLLM frees its blocks only once nothing writes them any more.
+A task's work gets two things: its ``pause`` (`kvblend.blend.loop.Pause`), which it calls
+between its steps and which returns at once while its slice lasts, or in the next step's slice
+once it is spent; and its ``cancel`` flag, set when its request is cancelled: the work stops at
+its next step (`BlendCancelledError`) and the task is reported done, so that vLLM frees the
+request's blocks only once nothing writes them any more.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,19 +48,20 @@ __all__ = ["SliceRunner", "Task", "ThreadChoice"]
 
 @dataclass(eq=False)
 class Task:
-    """One piece of work of the worker side: ``work(checkpoint)``, run in slices.
+    """One piece of work of the worker side: ``work(pause, cancel)``, run in slices.
 
-    ``work`` calls ``checkpoint()`` between its steps; it raises `BlendCancelledError` once the
-    task is cancelled. ``compute_s`` is the time the task ran (its slices, not the pauses).
+    ``work`` calls ``pause()`` between its steps and stops (`BlendCancelledError`) once
+    ``cancel`` is set. ``compute_s`` is the time the task ran (its slices, not the pauses).
     ``on_switch(running)`` is called as the task is resumed (True) or paused (False).
     """
 
     key: str
-    work: Callable[[Callable[[], None]], Any]
+    work: Callable[[Callable[[], None], threading.Event], Any]
     on_switch: Callable[[bool], None] | None = None
     result: Any = None
     error: BaseException | None = None
-    cancelled: bool = False
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False  # it stopped because of ``cancel``
     compute_s: float = 0.0
     done: bool = field(default=False, init=False)
     _coroutine: Any = field(default=None, init=False, repr=False)
@@ -86,7 +91,7 @@ class SliceRunner:
         """Cancel the tasks of ``key``: a queued one is dropped, a running one stops soon."""
         for task in self._tasks:
             if task.key == key:
-                task.cancelled = True
+                task.cancel.set()
 
     @property
     def busy(self) -> bool:
@@ -104,7 +109,8 @@ class SliceRunner:
         self._deadline = float("inf") if self.whole else began + budget_s
         while self._tasks:
             task = self._tasks[0]
-            if task.cancelled and task._coroutine is None:  # never started: nothing to stop
+            if task.cancel.is_set() and task._coroutine is None:  # never started: nothing to stop
+                task.cancelled = True
                 self._finish(task)
                 continue
             if task._coroutine is None:
@@ -132,19 +138,17 @@ class SliceRunner:
         task.done, task._coroutine = True, None
         self._done.append(task)
 
+    def pause(self) -> None:
+        """Pause the running task here once its slice is spent, until the next slice."""
+        if time.perf_counter() >= self._deadline:
+            parent = greenlet.getcurrent().parent
+            assert parent is not None
+            parent.switch()
+
     def _body(self, task: Task) -> None:
         """Run the task's work as its coroutine, keeping what it returned or raised."""
-
-        def checkpoint() -> None:
-            if time.perf_counter() >= self._deadline:
-                parent = greenlet.getcurrent().parent
-                assert parent is not None
-                parent.switch()  # paused here until the next slice
-            if task.cancelled:
-                raise BlendCancelledError(f"the request {task.key} was cancelled")
-
         try:
-            task.result = task.work(checkpoint)
+            task.result = task.work(self.pause, task.cancel)
         except BlendCancelledError:
             task.cancelled = True
         except BaseException as error:  # noqa: BLE001 - reported with the task

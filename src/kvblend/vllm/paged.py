@@ -3,8 +3,9 @@
 vLLM's attention layers write their K/V with ``impl.do_kv_cache_update(layer, key, value,
 kv_cache, slot_mapping)`` (FlashAttention's ``reshape_and_cache_flash`` on a GPU, the CPU
 backend's ``cpu_attn_reshape_and_cache``; fp8 caches quantize there). The connector calls the
-same method of each layer's own backend, so the cache layout, its dtype and any quantization
-stay vLLM's business. A slot is ``block_id * block_size + offset`` for the request's blocks.
+same method of each layer's own backend (`compat.write_kv`), so the cache layout, its dtype and
+any quantization stay vLLM's business. A slot is ``block_id * block_size + offset`` for the
+request's blocks.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from kvblend.vllm.compat import write_kv
 
 __all__ = ["slot_mapping", "write_rows"]
 
@@ -29,12 +32,6 @@ def slot_mapping(
     return slots.to(device)
 
 
-def _cache_of(layer: Any) -> torch.Tensor:
-    """Return the paged cache an attention layer reads (older vLLM: one per virtual engine)."""
-    cache = layer.kv_cache
-    return cache[0] if isinstance(cache, (list, tuple)) else cache
-
-
 def write_rows(
     attention_layer: Any,
     keys: torch.Tensor,
@@ -46,9 +43,8 @@ def write_rows(
     """Write rows ``start..stop-1`` of one layer's rotated keys and values into vLLM's cache.
 
     ``keys`` / ``values`` are the blend's ``[kv_heads, tokens, head_dim]``; the backend takes
-    ``[rows, kv_heads, head_dim]`` in the model's dtype.
+    ``[rows, kv_heads, head_dim]`` in the model's dtype (`compat.write_kv`).
     """
-    cache = _cache_of(attention_layer)
     key_rows = keys[:, start:stop].transpose(0, 1).contiguous()
     value_rows = values[:, start:stop].transpose(0, 1).contiguous()
-    attention_layer.impl.do_kv_cache_update(attention_layer, key_rows, value_rows, cache, slots)
+    write_kv(attention_layer, key_rows, value_rows, slots)

@@ -11,7 +11,9 @@ rows (`restrict`), and the engine's budget rule (`forecast_blend`) decides on wh
 
 The result, a `RequestPlan`, says how many tokens the connector provides (all but the last
 prompt token, from vLLM's prefix hit on) or, with ``fallback``, why vLLM prefills the prompt
-itself.
+itself; and the rows a blend computes, from the strategy's own forecast (`forecast_blend`'s
+``computed_rows``, the same forecast ``explain`` and the engine's stats report), which the
+admission policy (`admission`) turns into a forecast time.
 """
 
 from __future__ import annotations
@@ -26,11 +28,6 @@ import numpy as np
 
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.forecast import forecast_blend
-from kvblend.blend.selectors.attention import (
-    attention_budget,
-    early_layer_count,
-    probe_layer_count,
-)
 from kvblend.prompt.plan import (
     PlannedSpan,
     PrefillPlan,
@@ -49,7 +46,6 @@ __all__ = [
     "NO_DOCUMENT",
     "RequestPlan",
     "approximate_from",
-    "blend_rows",
     "plan_request",
     "restrict",
 ]
@@ -74,9 +70,9 @@ class RequestPlan:
     fallback: str | None = None  # why vLLM prefills the prompt itself (None: the connector blends)
     #: found documents whose KV is not stored yet: (text, document context), filled after the blend
     missing: list[tuple[str, str]] = field(default_factory=list)
-    #: rows the blend computes, summed over its passes (probe included): its cost model's input
+    #: rows the blend computes, summed over its passes, a pass through part of the layers
+    #: counted by its share of them (the strategy's forecast): the cost model's input
     rows: int = 0
-    layers: int = 1  # the model's layers (the share of them a probe runs counts in ``rows``)
     #: the first row whose blended KV may differ from what a full prefill computes (a moved
     #: document's first row; ``total`` when every row is exact): blocks from there on are kept
     #: out of vLLM's prefix cache for requests computing in full
@@ -197,7 +193,6 @@ def plan_request(
     request.unreachable = failed
     why = f"the store could not be asked: {failed}" if failed else "not in the store yet"
     request.plan = restrict(plan, start, missing, f"{why}: computed")
-    request.layers = int(library.segment_kv.decoder.shape.num_layers)
     _decide(request)
     return request
 
@@ -243,29 +238,6 @@ def _missing_documents(
     return found
 
 
-def blend_rows(plan: PrefillPlan, config: BlendConfig, recomputed: int, layers: int) -> int:
-    """Rows a blend of ``plan`` computes, summed over its passes (a probe counts its share).
-
-    The attention strategy's probe pass computes the uncached rows over ``probe_layers`` of the
-    layers, and its funnel the early rows over ``early_layers``; other strategies compute the
-    uncached rows and the recomputed ones (strategy ``full``: every row).
-    """
-    total = len(plan.token_ids)
-    uncached = int(np.count_nonzero(plan.kinds == TokenKind.COMPUTE))
-    if not config.reads_cache:
-        return total
-    if config.strategy != "attention":
-        return uncached + recomputed
-    budget = attention_budget(plan.kinds, plan.spans, dict(config.settings))
-    if budget.recompute_all:
-        return uncached + recomputed
-    probe = budget.probe * probe_layer_count(config.probe_layers, layers) / layers
-    early = early_layer_count(config.early_layers, layers) / layers
-    return round(
-        uncached + budget.lead + budget.keep + (budget.early - budget.keep) * early + probe
-    )
-
-
 def approximate_from(plan: PrefillPlan, config: BlendConfig) -> int:
     """Return the first row whose blended KV may differ from a full prefill's (``total``: none).
 
@@ -303,5 +275,5 @@ def _decide(request: RequestPlan) -> None:
         return
     request.recomputed = forecast.recomputed_tokens
     request.reused = start + (cached - request.recomputed if config.reads_cache else 0)
-    request.rows = blend_rows(plan, config, request.recomputed, request.layers)
+    request.rows = round(forecast.computed_rows)
     request.approximate_from = approximate_from(plan, config)

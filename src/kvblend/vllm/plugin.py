@@ -3,18 +3,18 @@
 vLLM's KV connector API never gives a connector the model (its worker side sees the paged KV
 cache and the attention layers only), and the connector is built after the model is loaded.
 This plugin, registered under the ``vllm.general_plugins`` entry point, runs in every vLLM
-process before any model is loaded and wraps the model loaders' ``load_model`` (vLLM's
-``BaseModelLoader``, which every weight format's loader inherits) so that the target model each
-worker loads is recorded here; the connector's worker side takes it from `loaded_model`. No vLLM
-file is changed: the wrapper calls the original method and only keeps a reference to its result.
+process before any model is loaded and has vLLM's model loaders report the target model each
+worker loads (`compat.on_model_loaded`); the connector's worker side takes it from
+`loaded_model`. No vLLM file is changed.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from typing import Any
+
+from kvblend.vllm.compat import on_model_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,7 @@ __all__ = ["loaded_model", "register"]
 
 _LOCK = threading.Lock()
 _MODEL: Any = None
-_PATCHED = False
+_REGISTERED = False
 
 
 def loaded_model() -> Any:
@@ -33,36 +33,23 @@ def loaded_model() -> Any:
 def _remember(model: Any, vllm_config: Any, model_config: Any) -> None:
     """Keep ``model`` when it is the engine's target model (not a draft or an encoder)."""
     global _MODEL
-    if model_config is getattr(vllm_config, "model_config", model_config):
+    if model_config is vllm_config.model_config:
         with _LOCK:
             _MODEL = model
 
 
 def register() -> None:
-    """Wrap vLLM's ``BaseModelLoader.load_model`` once per process (the plugin's entry point).
+    """Have vLLM's loaders report the models they load, once per process (the entry point).
 
-    vLLM may call a plugin several times in one process; the wrapper is installed once. A vLLM
+    vLLM may call a plugin several times in one process; the hook is installed once. A vLLM
     without that loader leaves the connector without a model, and it then refuses to blend with
     one log line.
     """
-    global _PATCHED
+    global _REGISTERED
     with _LOCK:
-        if _PATCHED:
+        if _REGISTERED:
             return
-        _PATCHED = True
-    try:
-        from vllm.model_executor.model_loader.base_loader import BaseModelLoader
-    except ImportError as error:  # another vLLM layout: the connector says so when it starts
-        logger.warning("kvblend cannot hand the model to its connector: %s", error)
-        return
-    original = BaseModelLoader.load_model
-
-    @functools.wraps(original)
-    def load_model(
-        self: Any, vllm_config: Any, model_config: Any, *args: Any, **kwargs: Any
-    ) -> Any:
-        model = original(self, vllm_config, model_config, *args, **kwargs)
-        _remember(model, vllm_config, model_config)
-        return model
-
-    BaseModelLoader.load_model = load_model
+        _REGISTERED = True
+    why = on_model_loaded(_remember)
+    if why is not None:  # another vLLM layout: the connector says so when it starts
+        logger.warning("kvblend cannot hand the model to its connector: %s", why)

@@ -1,344 +1,248 @@
-"""The connector's worker side: blend each claimed request before vLLM's forward, write its KV.
+"""The connector's worker side: one `Worker` per vLLM worker process, across vLLM's step hooks.
 
-For every request the scheduler side claimed (`BlendJob`), ``start_load_kv`` runs the engine's
-own blend loop (`kvblend.blend.loop.run_blend`) over the whole prompt, with the request's
-`BlendConfig`, through `VLLMAdapter` (vLLM's loaded modules), and writes the rows vLLM did not
-compute itself (``[start, stop)``) into its paged cache through the attention backend's own
-cache-write op (`paged.write_rows`), layer by layer. vLLM's forward then computes the last
-prompt token over that cache.
+When the KV caches are registered it builds what it blends with (`sides.worker_model`), runs
+the parity gate (`blending.gate`) and, when the gate passed and the server chooses by forecast,
+the start-up calibration (`calibration.CalibrationJob`). Each step (``start_load_kv``, after the
+step's forward) it times the forward for the cost model, queues the step's jobs as `pacing.Task`
+objects, stops those whose request finished, and runs the queue for one slice (`pacing`); a
+finished job's request is reported through ``get_finished`` (its KV has arrived, or, failed,
+vLLM computes it) and its outcome in the next `WorkerReport`. Under tensor parallelism every
+rank runs each blend whole, in the engine thread (the ranks' collectives must pair up, which
+slices of a time budget would not).
 
-Faults never reach an answer: an entry that is missing or cannot be opened (damaged, of another
-shape, a store outage) makes its rows computed by the blend in full, which is what vLLM would
-compute; an entry that fails while being read is recomputed in place (`StoredRows`); a blend
-that fails for any other reason is run again with strategy ``full`` (exact), and if even that
-fails the claimed blocks are reported to vLLM as failed loads. Documents found but not stored
-yet are computed and stored after the step's forward (``fill``), so the next prompt reuses them.
-
-The parity gate runs when the KV caches are registered: the blend loop with strategy ``full``
-against vLLM's own forward (`reference.vllm_logits`) on the engine's parity text. Its verdict
-goes to the scheduler side, which claims nothing until it has one and nothing ever if it failed.
+On a GPU the blends' kernels run on a stream of their own, set while a slice runs
+(`SideStream`): a slice only launches them, and a blend reports done once they have finished,
+so vLLM never reads a block before its KV is written. On the CPU the blends' slices run on the
+thread count that runs the loop's ops faster now (`pacing.ThreadChoice`); vLLM's own count is
+set back before its forward.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
+from torch import _C as torch_c  # set_num_threads: the builtin (vLLM's CPU worker replaces torch's)
 
-from kvblend.blend.config import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
-from kvblend.blend.loop import run_blend
-from kvblend.documents.blend_plan import blend_plan
-from kvblend.documents.library import DocumentLibrary
-from kvblend.engine.parity import PARITY_TEXT, parity_tolerance
-from kvblend.errors import BlendCancelledError
-from kvblend.prompt.plan import PrefillPlan, TokenKind
-from kvblend.prompt.segments import segment_key
-from kvblend.prompt.tokens import encode_prompt
-from kvblend.vllm.adapter import VLLMAdapter
-from kvblend.vllm.paged import slot_mapping, write_rows
+from kvblend.blend.loop import stop_if_cancelled
+from kvblend.vllm.blending import WorkerModel, gate, run_job, store
+from kvblend.vllm.calibration import CalibrationJob
+from kvblend.vllm.compat import reference_logits
+from kvblend.vllm.costs import step_features
+from kvblend.vllm.pacing import SliceRunner, Task, ThreadChoice, layer_ops
+from kvblend.vllm.requests import BlendJob, BlendOutcome, StepMetadata, WorkerReport
+from kvblend.vllm.settings import ConnectorSettings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("kvblend.vllm")
 
-__all__ = ["BlendJob", "BlendOutcome", "WorkerSide", "parity_verdict"]
+__all__ = ["SideStream", "Worker"]
 
 
-@dataclass
-class BlendJob:
-    """One request the scheduler side claimed: its plan and where its KV goes."""
+class SideStream:
+    """On a GPU, the stream the blends' kernels run on, set while a slice runs; else nothing."""
 
-    request_id: str
-    plan: PrefillPlan
-    config: BlendConfig
-    start: int  # rows below are vLLM's own prefix-cache hit
-    stop: int  # rows [start, stop) are written; vLLM computes the rest
-    block_ids: list[int]
+    def __init__(self, device: torch.device | None) -> None:
+        self.stream: Any = None
+        self._previous: Any = None
+        if device is not None and device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device)
 
+    def switch(self, running: bool) -> None:
+        """Make the side stream current while a blend runs, vLLM's own otherwise."""
+        if self.stream is None:
+            return
+        if running:
+            self._previous = torch.cuda.current_stream(self.stream.device)
+            torch.cuda.set_stream(self.stream)
+        elif self._previous is not None:
+            torch.cuda.set_stream(self._previous)
 
-@dataclass
-class BlendOutcome:
-    """What the worker did with one job (sent back to the scheduler side)."""
-
-    request_id: str
-    reused: int = 0  # rows read from the store and not recomputed
-    recomputed: int = 0
-    lost: list[str] = field(default_factory=list)  # entries that could not be used, and why
-    error: str | None = None  # why the blend ran as ``full`` (or failed)
-    failed: bool = False  # nothing written: the blocks were reported as failed loads
-    cancelled: bool = False  # the request was cancelled while its blend was under way
-    blend_s: float = 0.0  # from the job's arrival to its end (slices and the steps between)
-    compute_s: float = 0.0  # the blend's own time (its slices only)
-    rows: int = 0  # rows computed, summed over the passes (the cost model's input)
-    total: int = 0  # prompt tokens
-    #: where the time went: reading entries, the blend loop (its probe pass apart), writing KV
-    timings: dict[str, float] = field(default_factory=dict)
+    def done(self) -> None:
+        """Wait for the kernels the blends launched."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
-class Checkpoints:
-    """The blend loop's ``cancel`` flag over a `pacing` checkpoint: each check may pause."""
+class Worker:
+    """The worker side's state in one vLLM worker process (see the module)."""
 
-    def __init__(self, checkpoint: Callable[[], None]) -> None:
-        self.checkpoint = checkpoint
+    def __init__(self, settings: ConnectorSettings, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.model: WorkerModel | None = None
+        self.verdict: tuple[bool, str] | None = None
+        self.runner = SliceRunner()
+        self.stream = SideStream(None)
+        self.threads: ThreadChoice | None = None  # the blends' thread count (CPU, no TP)
+        self._report = WorkerReport()  # what the next report says
+        self._reported = False  # the verdict went out
+        self._loaded: set[str] = set()  # requests whose load ended since the last call
+        self._failed: set[str] = set()  # of which nothing was written
+        self._arrived: dict[str, float] = {}  # request -> when its job arrived
+        self._bound_at: float | None = None
+        self._refused_store = False
 
-    def is_set(self) -> bool:
-        """Pause here if the slice is spent (raises `BlendCancelledError` once cancelled)."""
-        self.checkpoint()
-        return False
+    @property
+    def working(self) -> bool:
+        """Whether it blends (built, and its gate passed)."""
+        return self.model is not None and self.verdict is not None and self.verdict[0]
 
-
-def _no_pause() -> None:
-    """Never pause (the checkpoint of a blend run in one go)."""
-
-
-class _Tensors:
-    """A cached span's KV held in memory (the calibration's synthetic documents)."""
-
-    def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = kv
-
-    def layer(self, index: int) -> torch.Tensor:
-        """One layer's keys and values."""
-        return self.kv[index]
-
-    def layers(self) -> torch.Tensor:
-        """Every layer's keys and values."""
-        return self.kv
-
-
-#: Prompt lengths of vLLM's forward the calibration times (about 5 s on 2 CPU cores)...
-CALIBRATION_TOKENS = (256, 1024, 2048)
-#: ... and of the blends, with their strategies (None: the server's; about 4 s).
-CALIBRATION_BLENDS = ((384, "full"), (1024, None), (2048, None))
-#: Runs of each, the shortest kept (about 18 s in all on 2 idle cores).
-CALIBRATION_RUNS = 2
-
-
-def parity_verdict(adapter: VLLMAdapter, reference: torch.Tensor, ids: list[int]) -> float:
-    """Relative error of the blend loop's (``full``) last logits against vLLM's ``reference``."""
-    token_ids = torch.tensor(ids, dtype=torch.long)
-    kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-    got = run_blend(adapter, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
-    assert got is not None
-    return float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-6))
-
-
-class WorkerSide:
-    """Blends claimed requests into vLLM's paged cache in one worker process."""
-
-    def __init__(self, adapter: VLLMAdapter, library: DocumentLibrary, block_size: int) -> None:
-        self.adapter = adapter
-        self.library = library
-        self.block_size = block_size
-        self.failed_blocks: set[int] = set()
-        self.fill_refused = False  # said once: documents are not stored under tensor parallelism
-
-    def gate(self, reference_logits: Any) -> tuple[bool, str]:
-        """Run the parity gate; ``reference_logits(ids)`` is vLLM's own forward.
-
-        Under tensor parallelism every rank computes the logits (vLLM gathers them to every
-        rank on this platform) and the verdict is taken on the worst rank's error, so every
-        rank reaches the same one.
-        """
-        ids = encode_prompt(self.library.segment_kv.tokenizer, PARITY_TEXT).ids.tolist()
-        failed = None
+    # ------------------------------------------------------------------ start-up
+    def register(self, build: Callable[[], WorkerModel]) -> None:
+        """Build what it blends with (``build()``); run the parity gate and the calibration."""
         try:
-            error = parity_verdict(self.adapter, reference_logits(ids), ids)
-        except Exception as failure:  # noqa: BLE001 - any failure closes the gate
-            error, failed = float("inf"), failure
-        try:
-            worst = float(self.adapter.gather_ranks(torch.tensor([error])).max())
-        except Exception as failure:  # noqa: BLE001 - the ranks could not agree: closed
-            return False, f"the parity gate could not compare the ranks' verdicts: {failure}"
-        if failed is not None or worst == float("inf"):
-            why = failed if failed is not None else "it failed on another tensor-parallel rank"
-            return False, f"the parity gate could not run vLLM's forward: {why}"
-        tolerance = parity_tolerance(self.adapter.dtype)
-        if not worst <= tolerance:
-            return False, (
-                f"kvblend's layer loop does not reproduce vLLM's forward pass (relative logit "
-                f"error {worst:.3g} > {tolerance:g}): refusing to blend"
-            )
-        return True, f"parity gate passed (relative logit error {worst:.3g})"
-
-    @torch.inference_mode()
-    def calibrate(
-        self,
-        vllm_forward: Callable[[list[int]], Any],
-        config: BlendConfig,
-        threads: Callable[[bool], None] | None = None,
-    ) -> dict[str, list[tuple[list[float], float]]]:
-        """Time vLLM's forward and the blend loop on synthetic prompts (the cost model's prior).
-
-        vLLM's own forward (``vllm_forward(ids)``, the parity gate's) at `CALIBRATION_TOKENS`
-        tokens; the blend loop with ``config`` (the server's strategy) over prompts of moved
-        documents at `CALIBRATION_BLENDS` tokens, and with ``full``, its KV written into the
-        same free blocks the gate uses. A few seconds, once, at start-up; the values are random
-        (only the time counts). ``threads(blending)`` sets the CPU thread count of a blend
-        (True) or of vLLM's forward (False), as the worker's slices do.
-        """
-        from kvblend.vllm.costs import blend_features, vllm_features
-
-        generator = torch.Generator().manual_seed(0)
-        vocab = int(self.library.segment_kv.tokenizer.vocab_size)
-
-        def ids(count: int) -> list[int]:
-            return torch.randint(0, vocab, (count,), generator=generator).tolist()
-
-        vllm_points, blend_points = [], []
-        for count, (total, strategy) in zip(CALIBRATION_TOKENS, CALIBRATION_BLENDS, strict=True):
-            # one of each in turn, so a change of load on a shared machine touches both alike;
-            # twice, the shorter time kept: a burst of another job's work stretches one run
-            token_ids = ids(count)
-            chosen = config if strategy is None else BlendConfig(strategy)
-            job = self._synthetic_job(ids(total), chosen, generator)
-            forward_s, blend_s, rows = float("inf"), float("inf"), 0
-            for _ in range(CALIBRATION_RUNS):
-                began = time.perf_counter()
-                vllm_forward(token_ids)
-                forward_s = min(forward_s, time.perf_counter() - began)
-                outcome = BlendOutcome(job.request_id, total=total)
-                if threads is not None:
-                    threads(True)
-                try:
-                    began = time.perf_counter()
-                    self._blend(job, chosen, outcome, spans=job.spans)
-                    blend_s = min(blend_s, time.perf_counter() - began)
-                finally:
-                    if threads is not None:
-                        threads(False)
-                rows = outcome.rows
-            vllm_points.append((vllm_features(count, 0).tolist(), forward_s))
-            blend_points.append((blend_features(rows, total).tolist(), blend_s))
-        return {"vllm": vllm_points, "blend": blend_points}
-
-    def _synthetic_job(
-        self, token_ids: list[int], config: BlendConfig, generator: torch.Generator
-    ) -> Any:
-        """Return a job over ``token_ids``: head and question computed, moved documents between."""
-        total = len(token_ids)
-        kinds = np.full(total, int(TokenKind.COMPUTE), dtype=np.int8)
-        spans: list[CachedSpan] = []
-        shape = self.adapter.shape
-        for start in range(32, total - 32 - 255, 256):
-            kinds[start : start + 256] = int(TokenKind.MOVED)
-            kv = torch.randn(
-                shape.num_layers, 2, shape.num_kv_heads, 256, shape.head_dim, generator=generator
-            ).to(self.adapter.dtype)
-            spans.append(CachedSpan(start, start + 256, _Tensors(kv), int(TokenKind.MOVED)))
-        plan = PrefillPlan(np.asarray(token_ids, dtype=np.int64), kinds)
-        blocks = list(range(1, 2 + total // self.block_size))  # free at start-up (the gate's)
-        job = BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks)
-        job.spans = spans  # type: ignore[attr-defined]
-        return job
-
-    def run(self, job: BlendJob, checkpoint: Callable[[], None] = _no_pause) -> BlendOutcome:
-        """Blend one job and write its rows; never raises, except when cancelled.
-
-        ``checkpoint`` is called between the blend's steps (`pacing`): it may pause the blend
-        until the next engine step, or raise `BlendCancelledError` (the job then ends there).
-
-        A blend that fails runs again as ``full``; under tensor parallelism it does not (a
-        rank running a pass the others do not would mismatch their collectives): its blocks
-        are reported as failed loads at once, and vLLM computes them on every rank.
-        """
-        outcome = BlendOutcome(job.request_id, total=len(job.plan.token_ids))
-        started = time.perf_counter()
-        try:
-            self._blend(job, job.config, outcome, checkpoint)
-        except BlendCancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the exact computation takes over
-            outcome.error = f"{type(error).__name__}: {error}"
-            outcome.reused = outcome.recomputed = 0
+            self.model = model = build()
+        except Exception as error:  # noqa: BLE001 - no blending, said once
+            self.verdict = (False, f"the worker side could not start: {error}")
+            return
+        adapter = model.adapter
+        self.runner = SliceRunner(whole=adapter.tp_size > 1)
+        self.stream = SideStream(adapter.device)
+        own = int(torch.get_num_threads())
+        if adapter.device.type == "cpu" and adapter.tp_size == 1 and own > 1:
+            shape = adapter.shape
+            measure = functools.partial(
+                layer_ops, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
+                head_dim=shape.head_dim,
+            )  # fmt: skip
+            self.threads = ThreadChoice((own, 1), measure)
+        if not self.settings.parity:
+            self.verdict = (True, "parity gate off (kv_connector_extra_config parity=false)")
+        else:
+            self.verdict = gate(model, self._reference)
+        if self.verdict[0] and self.settings.when == "faster":
             try:
-                if self.adapter.tp_size > 1:
-                    raise RuntimeError("not run again under tensor parallelism") from error
-                self._blend(job, BlendConfig("full"), outcome, checkpoint)
-            except BlendCancelledError:
-                raise
-            except Exception as again:  # noqa: BLE001 - vLLM recomputes the claimed blocks
-                outcome.failed = True
-                outcome.error += f"; computing in full failed too: {again}"
-                self.failed_blocks.update(self._blocks(job))
-        outcome.blend_s = time.perf_counter() - started
+                job = CalibrationJob()
+                calibration = job.run(
+                    model, self._reference, self.settings.config, self._blend_threads
+                )
+                self._report.calibration = calibration
+            except Exception as error:  # noqa: BLE001 - no forecast: vLLM prefills everything
+                self.verdict = (False, f"the cost model's calibration failed: {error}")
+
+    def _reference(self, token_ids: list[int]) -> torch.Tensor:
+        """Return vLLM's own forward's last logits after ``token_ids`` (gate, calibration)."""
+        assert self.model is not None
+        vllm_model = self.model.adapter.model
+        return reference_logits(vllm_model, self.vllm_config, self.kv_cache_config, token_ids)
+
+    def _blend_threads(self, blending: bool) -> None:
+        """Set the thread count for a blend (the one `ThreadChoice` picks now) or vLLM's own."""
+        choice = self.threads
+        if choice is not None:
+            count = choice.choose("kvblend-calibration")[0] if blending else choice.counts[0]
+            torch_c.set_num_threads(count)
+
+    # ------------------------------------------------------------------ each step
+    def bind(self) -> None:
+        """Note that the step's metadata is bound: its forward starts now."""
+        self._bound_at = time.perf_counter()
+
+    def start(self, meta: StepMetadata) -> None:
+        """After the step's forward: time it, stop, queue, then run a slice of the blends."""
+        from kvblend.vllm.admission import StepTimed
+
+        now = time.perf_counter()
+        if meta.step and self._bound_at is not None:
+            features = step_features(meta.step).tolist()
+            self._report.steps.append(StepTimed(features, now - self._bound_at))
+        self._bound_at = None
+        for request_id in meta.stop:
+            self.runner.cancel(request_id)
+        for job in meta.jobs:
+            self._queue(job, now)
+        if meta.store:
+            self._queue_store(meta.store)
+        if self.runner.busy:
+            self._slice()
+            self._collect()
+
+    def _queue(self, job: BlendJob, now: float) -> None:
+        if self.model is None or not self.working:
+            # claimed without a working worker side: nothing written, vLLM computes it
+            self._ended(BlendOutcome(job.request_id, error="no worker side", failed=True))
+            return
+        self._arrived[job.request_id] = now
+        work = functools.partial(self._run, job)
+        self.runner.submit(Task(job.request_id, work, self.stream.switch))
+
+    def _run(self, job: BlendJob, pause: Callable[[], None], cancel: threading.Event) -> Any:
+        assert self.model is not None
+        stop_if_cancelled(cancel, pause)  # its first slice may be the next step's
+        outcome = run_job(self.model, job, pause, cancel)
+        self.stream.done()
         return outcome
 
-    def _blocks(self, job: BlendJob) -> list[int]:
-        first, last = job.start // self.block_size, (job.stop - 1) // self.block_size
-        return job.block_ids[first : last + 1]
-
-    @torch.inference_mode()
-    def _blend(
-        self,
-        job: BlendJob,
-        config: BlendConfig,
-        outcome: BlendOutcome,
-        checkpoint: Callable[[], None] = _no_pause,
-        spans: list[CachedSpan] | None = None,
-    ) -> None:
-        # entries read whole before the loop (a checkpoint between two), the ranks agreeing on
-        # those they use; an unusable entry's rows are computed in full, as vLLM would compute
-        # them. ``spans``: entries already opened (the calibration's synthetic ones)
-        blended = blend_plan(
-            self.adapter, self.library.segment_kv, job.plan, config, read_whole=True,
-            ranks=self.adapter, lost=outcome.lost, need_logits=False,
-            cancel=Checkpoints(checkpoint), spans=spans,
-        )  # fmt: skip
-        out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
-        outcome.rows = round(out.stats.get("token_layers", 0) / self.adapter.shape.num_layers)
-        outcome.timings = {
-            "open_s": blended.open_s, "loop_s": blended.loop_s,
-            "probe_s": float(out.stats.get("probe_s", 0.0)),
-        }  # fmt: skip
-        if config.reads_cache:
-            cached = int((kinds != int(TokenKind.COMPUTE)).sum())
-            outcome.recomputed = int(out.stats.get("recomputed_tokens", 0))
-            outcome.reused = cached - outcome.recomputed
-        device = self.adapter.device
-        slots = slot_mapping(job.block_ids, self.block_size, job.start, job.stop, device)
-        for layer, attention in enumerate(self.adapter.attention_layers):
-            checkpoint()
-            write_rows(attention, out.keys[layer], out.values[layer], job.start, job.stop, slots)
-        outcome.timings["write_s"] = time.perf_counter() - looped
-
-    def fill(
-        self, documents: list[tuple[str, str]], checkpoint: Callable[[], None] = _no_pause
-    ) -> int:
-        """Compute and store the KV of documents found but not stored; return how many.
-
-        Not under tensor parallelism: a rank computes its own KV heads only, and an entry holds
-        every one (said once; such documents come from ``kvblend precompute``, or from a server
-        without tensor parallelism, over the same store).
-        """
-        if self.adapter.tp_size > 1:
-            if not self.fill_refused and self.adapter.tp_rank == 0:  # every rank would say it
-                self.fill_refused = True
+    def _queue_store(self, documents: list[tuple[str, str]]) -> None:
+        """Store documents found but not stored, after the blends (not under TP: said once)."""
+        if self.model is None or not self.working:
+            return
+        adapter = self.model.adapter
+        if adapter.tp_size > 1:
+            if not self._refused_store and adapter.tp_rank == 0:  # every rank would say it
+                self._refused_store = True
                 logger.warning(
                     "kvblend: documents not stored yet are not stored by a tensor-parallel "
                     "server (tensor_parallel_size=%d: each rank computes only its own KV heads); "
                     "store them with `kvblend precompute`",
-                    self.adapter.tp_size,
+                    adapter.tp_size,
                 )
-            return 0
-        segment_kv, done = self.library.segment_kv, 0
-        for text, context in dict.fromkeys(documents):
-            checkpoint()
-            try:
-                layout = segment_kv.layout(text, context)
-                key = segment_key(segment_kv.fingerprint, layout.context_ids, layout.ids)
-                if not self.library.store.contains(key):
-                    segment_kv.compute(key, layout.context_ids, layout.ids)
-                    done += 1
-            except Exception as error:  # noqa: BLE001 - stored next time, or never: not an answer
-                logger.warning("could not store a document's KV: %s", error)
-        return done
+            return
+        work = functools.partial(store, self.model, list(documents))
+        self.runner.submit(Task("", work, self.stream.switch))
 
-    def take_failed_blocks(self) -> set[int]:
-        """Blocks whose claimed rows could not be written since the last call."""
-        failed, self.failed_blocks = self.failed_blocks, set()
-        return failed
+    def _slice(self) -> None:
+        """Run one slice, on the thread count `ThreadChoice` picks (on the CPU)."""
+        choice = self.threads
+        if choice is None:
+            self.runner.run(self.settings.slice_s)
+            return
+        threads, changed = choice.choose(self.runner.current)
+        if changed is not None:
+            logger.info("%s", changed)
+        torch_c.set_num_threads(threads)
+        try:
+            self.runner.run(self.settings.slice_s)
+        finally:
+            torch_c.set_num_threads(choice.counts[0])  # vLLM's own, for its forward
+
+    def _collect(self) -> None:
+        """Take the finished tasks: their outcomes, and their requests' loads as ended."""
+        for task in self.runner.take_done():
+            if not task.key:  # storing documents
+                continue
+            outcome = task.result
+            if outcome is None:  # cancelled, or an error the job did not catch
+                outcome = BlendOutcome(task.key, cancelled=task.cancelled)
+                if not task.cancelled:
+                    outcome.error, outcome.failed = f"{task.error}", True
+            outcome.compute_s = task.compute_s
+            outcome.blend_s = time.perf_counter() - self._arrived.pop(task.key, time.perf_counter())
+            self._ended(outcome)
+
+    def _ended(self, outcome: BlendOutcome) -> None:
+        self._report.outcomes.append(outcome)
+        self._loaded.add(outcome.request_id)
+        if outcome.failed:
+            self._failed.add(outcome.request_id)
+
+    def transfers(self) -> tuple[set[str], set[str]]:
+        """Return the requests whose load ended since the last call, and those it failed for."""
+        done, failed = self._loaded, self._failed
+        self._loaded, self._failed = set(), set()
+        return done, failed
+
+    def report(self) -> WorkerReport | None:
+        """Return the verdict and calibration (first report only), outcomes and step times."""
+        report, self._report = self._report, WorkerReport()
+        if not self._reported and self.verdict is not None:  # the calibration goes with it
+            report.verdict, self._reported = self.verdict, True
+        if report.verdict is None and not report.outcomes and not report.steps:
+            return None
+        return report

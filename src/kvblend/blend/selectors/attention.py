@@ -291,7 +291,10 @@ class AttentionSelector(Selector):
         moved = int(np.count_nonzero(np.asarray(kinds) == MOVED))
         recomputed = moved if budget.recompute_all else budget.recomputed
         lead, short = self.options["lead_tokens"], self.options["short_document"]
-        return Forecast(recomputed, budget.cost, budget.fallback, lead, short)
+        # the probe's rows through its layers, the funnel's extra rows through the early ones
+        partial = (budget.probe * self.options["probe_layers"]
+                   + (budget.early - budget.keep) * self.options["early_layers"])  # fmt: skip
+        return Forecast(recomputed, budget.cost, budget.fallback, lead, short, partial)
 
     def select(self, context: SelectionContext) -> Selection:
         """Run the probe and pick the moved rows scoring most (`attention_budget` says how many)."""

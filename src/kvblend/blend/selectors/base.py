@@ -106,7 +106,11 @@ class Forecast(NamedTuple):
     makes no estimate); ``fallback``: why every moved row is recomputed instead of blending,
     None when the blend runs as asked; ``lead_rows``: leading rows of each moved document the
     strategy recomputes, and ``short_document``: the reused length at or below which a document
-    counts as recomputed whole (both only to say which documents end up not reused).
+    counts as recomputed whole (both only to say which documents end up not reused);
+    ``partial_rows``: rows computed through part of the layers only (a probe pass, the early
+    layers of a funnel), each counted by the share of the layers it runs through, so that the
+    rows a blend computes are the uncached ones, ``recomputed`` and these (what vLLM's
+    connector forecasts a blend's time from).
     """
 
     recomputed: int
@@ -114,6 +118,7 @@ class Forecast(NamedTuple):
     fallback: str | None = None
     lead_rows: int = 0
     short_document: int = 0
+    partial_rows: float = 0.0
 
 
 def moved_count(kinds: np.ndarray) -> int:

@@ -1,0 +1,446 @@
+"""The README's figures table, written from the results the project records.
+
+Every speed and quality figure the README states is a row of one table, generated from
+``benchmarks/results/*.json`` by ``kvblend bench headline``: printed as Markdown, written into
+the README between its markers (``--write README.md``), or checked against them (``--check
+README.md``: exit status 1 when they differ; ``tests/bench/test_bench_headline.py`` runs the
+same check, so the README cannot drift from the results).
+
+`FIGURES` is the one list of what the table shows. Each `Figure` names a result file, which
+number in it (`kind` and its selectors) and what the row is about; the rest comes from the
+result itself. To add a row: record the result (``kvblend bench ... --output
+benchmarks/results/NAME.json``), add a `Figure` to `FIGURES`, run ``kvblend bench headline
+--write README.md``. A row that replaces an older one replaces its `Figure`.
+
+Each row names its run: the date, the machine, the thread count and the model are the
+result's own (the ``machine`` every bench command records); for a result recorded without
+them, the date is the day of the last commit that changed the file (the one that recorded its
+content), marked "(git)", and the thread count is derived from the result's fields where they
+imply it (vLLM's forward: the cores less those vLLM reserves), marked so. The command is the
+one the result recorded (``command``; every result written since records it), else the one
+the `Figure` gives. The setting of a ``default`` row is the default the result recorded
+(``default_config``, else the `Figure`'s), compared with today's `BlendConfig()`: a row measured
+under an older default says what differed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BEGIN",
+    "END",
+    "FIGURES",
+    "Figure",
+    "add_headline_arguments",
+    "cmd_headline",
+    "headline_table",
+    "readme_table",
+]
+
+#: The README's markers around the generated table.
+BEGIN = "<!-- figures:begin (written by `kvblend bench headline --write README.md`) -->"
+END = "<!-- figures:end -->"
+
+#: Today's default as the results of the days it did not yet record it ran it (checked against
+#: the code: `BlendConfig()` has not changed since 2026-11-25).
+_DEFAULT_SINCE_2026_11_25 = (
+    "BlendConfig('attention', recompute_ratio=0.2, early_ratio=0.4, early_layers=0.0, "
+    "probe_layers=1.0, min_recompute=256, lead_tokens=8, short_document=32, full_above=0.8, "
+    "correction=0.5)"
+)
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One row of the README's figures table: which number of which recorded result.
+
+    `kind` says how the number is read: ``"ttft"`` (TTFT of `strategy` as a share of full
+    prefill's at `tokens` target tokens, documents in memory: ``kvblend bench ttft`` /
+    ``figures`` / ``gpu``), ``"quality"`` (accuracy of `strategy` as a share of full prefill's,
+    with its paired-bootstrap 95% interval and n: ``kvblend bench shapes``; `shape` None reads
+    the pooled row, `head` the engine told the prompt head or not), ``"vllm-ttft"`` (vLLM with
+    kvblend's TTFT as a share of vanilla vLLM's at `tokens`: ``kvblend bench vllm``) or
+    ``"vllm-stall"`` (the streaming client's longest pause, as a share of vanilla's).
+    `command` and `default_config` are for results that did not record them; `note` is
+    anything else the row must say.
+    """
+
+    what: str
+    result: str
+    kind: str
+    strategy: str = "default"
+    tokens: int | None = None
+    shape: str | None = None
+    head: str | None = None
+    command: str | None = None
+    default_config: str | None = None
+    note: str = ""
+
+
+#: What the README's figures table shows, in order. Add rows here (see the module's doc).
+FIGURES: tuple[Figure, ...] = (
+    Figure(
+        what="CPU TTFT, 1K-token RAG prompt (2 x 512-token documents)",
+        result="ttft_1k.json",
+        kind="ttft",
+        tokens=1024,
+        note="median of 5 repeats on a busy machine",
+    ),
+    Figure(
+        what="CPU TTFT, 4K-token RAG prompt (8 x 512-token documents)",
+        result="ttft_4k_final.json",
+        kind="ttft",
+        tokens=4096,
+        command="kvblend bench ttft --lengths 4096 --strategies "
+        "full,default,cacheblend-value-0.15,reuse --repeats 3 --no-disk --decode-tokens 0 "
+        "--threads 1",
+        default_config=_DEFAULT_SINCE_2026_11_25,
+        note="median of 3 repeats",
+    ),
+    Figure(
+        what="CPU TTFT, 4K-token RAG prompt, CacheBlend's setting",
+        result="ttft_4k_final.json",
+        kind="ttft",
+        strategy="cacheblend-value-0.15",
+        tokens=4096,
+        command="kvblend bench ttft --lengths 4096 --strategies "
+        "full,default,cacheblend-value-0.15,reuse --repeats 3 --no-disk --decode-tokens 0 "
+        "--threads 1",
+        note="median of 3 repeats",
+    ),
+    Figure(
+        what="GPU TTFT, 4K-token RAG prompt",
+        result="gpu.json",
+        kind="ttft",
+        tokens=4096,
+        command="kvblend bench gpu --model qwen.gguf --device cuda",
+        default_config="BlendConfig('attention', recompute_ratio=0.2, lead_tokens=8, "
+        "short_document=32, full_above=0.7, correction=0.5)",
+        note="before the hot path's rewrite; not measured again",
+    ),
+    Figure(
+        what="Answer accuracy, NQ-open, 10 retrieved passages",
+        result="shapes_smollm2_probe_layers.json",
+        kind="quality",
+        shape="nq-10",
+        head="told",
+        command="kvblend bench shapes --threads 1 --shapes nq-10,nq-20 --questions 24 --heads "
+        "head --strategies full,default,default+probe_layers=0.5,default+probe_layers=0.25",
+    ),
+    Figure(
+        what="Answer accuracy, NQ-open, 10 retrieved passages",
+        result="shapes_qwen2.5-0.5b_probe_layers.json",
+        kind="quality",
+        shape="nq-10",
+        head="untold",
+        command="kvblend bench shapes --model qwen2.5-0.5b.gguf --threads 1 --shapes "
+        "nq-10,nq-20 --questions 12 --heads auto --strategies "
+        "full,default,default+probe_layers=0.5,default+probe_layers=0.25",
+    ),
+    Figure(
+        what="Answer accuracy, six prompt shapes pooled (NQ 5/10/20 passages, QA task, "
+        "records, long documents)",
+        result="shapes_smollm2.json",
+        kind="quality",
+        head="told",
+        command="kvblend bench shapes --data nq_open_gold_2000.jsonl.gz --threads 1 --strategies "
+        "full,default --heads both --shapes S --questions 40 (25 for nq-20), four runs merged",
+        note="pooled over runs of different days: the long-document rows ran before "
+        "short_document and full_above existed",
+    ),
+    Figure(
+        what="Answer accuracy, six prompt shapes pooled (NQ 5/10/20 passages, QA task, "
+        "records, long documents)",
+        result="shapes_qwen2.5-0.5b.json",
+        kind="quality",
+        head="untold",
+        command="kvblend bench shapes --model qwen2.5-0.5b.gguf --data nq_open_gold_2000.jsonl.gz "
+        "--threads 1 --strategies full,default --heads auto --shapes S --questions 20 (12 for "
+        "nq-20), three runs merged",
+        note="pooled over runs of different days: the long-document rows ran before "
+        "short_document and full_above existed",
+    ),
+    Figure(
+        what="vLLM TTFT, 4K-token RAG prompt",
+        result="vllm.json",
+        kind="vllm-ttft",
+        tokens=4096,
+        command=".venv-vllm/bin/kvblend bench vllm --repeats 5",
+        default_config=_DEFAULT_SINCE_2026_11_25,
+        note="both servers' forwards on the same cores, prefix caching on",
+    ),
+    Figure(
+        what="vLLM stall: a streaming client's longest pause while three 4.2K-token prompts arrive",
+        result="vllm.json",
+        kind="vllm-stall",
+        command=".venv-vllm/bin/kvblend bench vllm --repeats 5",
+        default_config=_DEFAULT_SINCE_2026_11_25,
+    ),
+)
+
+_COLUMNS = ("figure", "measured", "setting", "model", "machine; threads", "date", "run")
+
+
+class HeadlineError(Exception):
+    """A `Figure` that its result file cannot answer (a missing file, strategy or length)."""
+
+
+def _load(results: Path, name: str) -> dict[str, Any]:
+    path = results / name
+    try:
+        loaded = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as error:
+        raise HeadlineError(f"cannot read the recorded result {path}: {error}") from None
+    if not isinstance(loaded, dict):
+        raise HeadlineError(f"{path} does not hold a result (a JSON object)")
+    return loaded
+
+
+def _one(rows: Sequence[Mapping[str, Any]], figure: Figure, **match: Any) -> Mapping[str, Any]:  # noqa: ANN401
+    found = [row for row in rows if all(row.get(key) == value for key, value in match.items())]
+    if len(found) != 1:
+        wanted = ", ".join(f"{key} {value}" for key, value in match.items())
+        raise HeadlineError(f"{figure.result}: {len(found)} rows with {wanted}, expected one")
+    return found[0]
+
+
+def _ttft(result: Mapping[str, Any], figure: Figure) -> str:
+    summary = result.get("summary") or (result.get("ttft") or {}).get("summary") or []
+    row = _one(summary, figure, target_tokens=figure.tokens, strategy=figure.strategy,
+               store="memory")  # fmt: skip
+    full = _one(summary, figure, target_tokens=figure.tokens, strategy="full", store="memory")
+    return (
+        f"**{row['ttft_vs_full']:.2f}** of full prefill's TTFT (medians "
+        f"{row['ttft_median_s']:.2f} s vs {full['ttft_median_s']:.2f} s, "
+        f"{row['prompt_tokens']:,} tokens)"
+    )
+
+
+def _quality(result: Mapping[str, Any], figure: Figure) -> str:
+    rows = result.get("pooled", []) if figure.shape is None else result.get("summary", [])
+    match: dict[str, Any] = {"strategy": figure.strategy, "shape": figure.shape or "all"}
+    if figure.head is not None:
+        match["head"] = figure.head
+    row = _one(rows, figure, **match)
+    low, high = row["share_of_full_ci"]
+    return (
+        f"**{row['share_of_full']:.0%}** of full prefill's accuracy (95% interval "
+        f"{low:.0%}-{high:.0%}; {row['accuracy']:.1%} vs {row['full_accuracy']:.1%}), "
+        f"n = {row['n']}"
+    )
+
+
+def _vllm_ttft(result: Mapping[str, Any], figure: Figure) -> str:
+    row = _one(result.get("summary", {}).get("ttft", []), figure, length=figure.tokens)
+    return (
+        f"**{row['ratio']:.2f}** of vanilla vLLM's TTFT ({row['kvblend_s']:.2f} s vs "
+        f"{row['vanilla_s']:.2f} s, {row['prompt_tokens']:,} tokens)"
+    )
+
+
+def _vllm_stall(result: Mapping[str, Any], figure: Figure) -> str:
+    try:
+        pause = result["summary"]["stall"]["longest_pause_s"]
+    except (KeyError, TypeError):
+        raise HeadlineError(f"{figure.result}: no stall test in its summary") from None
+    return (
+        f"**{pause['ratio']:.2f}** of vanilla vLLM's pause ({pause['kvblend']:.2f} s vs "
+        f"{pause['vanilla']:.2f} s)"
+    )
+
+
+_READERS: dict[str, Callable[[Mapping[str, Any], Figure], str]] = {
+    "ttft": _ttft,
+    "quality": _quality,
+    "vllm-ttft": _vllm_ttft,
+    "vllm-stall": _vllm_stall,
+}
+
+_CONFIG_ITEM = re.compile(r"(\w+)=('[^']*'|[^,)]+)")
+#: Fields newer than some results whose value today does what versions without them did: at
+#: these values they are no difference (``early_ratio`` is used only with ``early_layers``).
+_AS_BEFORE = {
+    "early_layers": "0.0",
+    "probe_layers": "1.0",
+    "probe_tail": "False",
+    "guard": "None",
+}
+
+
+def config_fields(text: str) -> dict[str, str]:
+    """Return the fields of a recorded ``BlendConfig(...)`` repr (any version's), as text."""
+    fields = dict(_CONFIG_ITEM.findall(text))
+    positional = re.match(r"BlendConfig\('(\w+)'", text)
+    if positional:
+        fields["strategy"] = f"'{positional.group(1)}'"
+    return {name: value.strip("'") for name, value in fields.items()}
+
+
+def _setting(result: Mapping[str, Any], figure: Figure) -> str:
+    """Say what was measured; for the default, how it differs from today's `BlendConfig()`."""
+    if figure.strategy != "default":
+        return figure.strategy
+    from kvblend.blend.config import BlendConfig
+
+    recorded = result.get("default_config") or figure.default_config
+    if recorded is None:
+        raise HeadlineError(f"{figure.result}: no default_config recorded; give the Figure one")
+    then, now = config_fields(str(recorded)), config_fields(repr(BlendConfig()))
+    changed = [f"{name} {then[name]} (now {value})" for name, value in now.items()
+               if name in then and then[name] != value]  # fmt: skip
+    unchanged = {name for name, value in _AS_BEFORE.items() if now.get(name) == value}
+    if "early_layers" in unchanged:
+        unchanged.add("early_ratio")
+    missing = [f"{name} (now {value})" for name, value in now.items()
+               if name not in then and name not in unchanged]  # fmt: skip
+    if not changed and not missing:
+        return "`BlendConfig()`, today's default"
+    parts = changed + ([f"without {', '.join(missing)}"] if missing else [])
+    return "an older default: " + "; ".join(parts)
+
+
+_MODEL_SUFFIX = re.compile(r"(\.Q\d\w*)?(-[0-9a-f]{16})?(-v\d+)?$")
+
+
+def _model(result: Mapping[str, Any]) -> str:
+    machine = result.get("machine") or {}
+    name = str(machine.get("model") or result.get("model") or "unknown")
+    return _MODEL_SUFFIX.sub("", Path(name).name) or name
+
+
+def _threads(result: Mapping[str, Any]) -> str:
+    machine = result.get("machine") or {}
+    if machine.get("torch_threads"):
+        return str(machine["torch_threads"])
+    cores, reserved = machine.get("cpu_count"), result.get("reserved_cpus")
+    if cores and reserved is not None:
+        return f"{cores - reserved} (vLLM's forward: {cores} cores less {reserved} reserved)"
+    return "not recorded"
+
+
+def _machine(result: Mapping[str, Any]) -> str:
+    machine = result.get("machine") or {}
+    if machine.get("gpu"):
+        where = f"{machine['gpu']} ({machine.get('cpu_count', '?')} CPU cores)"
+    else:
+        arch = "x86_64" if "x86_64" in str(machine.get("platform", "")) else "CPU"
+        where = f"{machine.get('cpu_count', '?')}-core {arch} CPU".replace(" CPU CPU", " CPU")
+    load = result.get("load_average_at_start")
+    busy = ", a core kept busy" if result.get("busy_core") else ""
+    loaded = f", load {load[0]:.1f} at its start" if load else ""
+    return f"{where}{busy}{loaded}; threads: {_threads(result)}"
+
+
+def _git_date(results: Path, name: str) -> str:
+    """Return the day of the last commit that changed ``name`` (it recorded the content)."""
+    try:
+        done = subprocess.run(
+            ["git", "log", "-1", "--format=%ad", "--date=short", "--", name],
+            cwd=results, capture_output=True, text=True, timeout=30, check=False,
+        )  # fmt: skip
+    except OSError:
+        return "not recorded (no git)"
+    day = done.stdout.strip()
+    return f"{day} (git)" if done.returncode == 0 and day else "not recorded (not in git)"
+
+
+def _date(results: Path, result: Mapping[str, Any], figure: Figure) -> str:
+    date = (result.get("machine") or {}).get("date")
+    return str(date).split(" ")[0] if date else _git_date(results, figure.result)
+
+
+def _command(result: Mapping[str, Any], figure: Figure) -> str:
+    command = result.get("command") or figure.command
+    if not command:
+        raise HeadlineError(f"{figure.result}: no command recorded; give the Figure one")
+    return f"`{command}`"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def headline_rows(results: Path, figures: Sequence[Figure] = FIGURES) -> list[list[str]]:
+    """Return the table's cells, a list per `Figure`, read from the result files in ``results``."""
+    rows = []
+    for figure in figures:
+        reader = _READERS.get(figure.kind)
+        if reader is None:
+            raise HeadlineError(f"unknown kind {figure.kind!r} (one of {', '.join(_READERS)})")
+        result = _load(results, figure.result)
+        measured = reader(result, figure) + (f"; {figure.note}" if figure.note else "")
+        run = f"{_command(result, figure)} ([{figure.result}](benchmarks/results/{figure.result}))"
+        rows.append([
+            figure.what, measured, _setting(result, figure), _model(result), _machine(result),
+            _date(results, result, figure), run,
+        ])  # fmt: skip
+    return rows
+
+
+def headline_table(results: Path, figures: Sequence[Figure] = FIGURES) -> str:
+    """Return the README's figures table (Markdown) from the recorded results in ``results``."""
+    lines = [
+        "| " + " | ".join(_COLUMNS) + " |",
+        "|" + "---|" * len(_COLUMNS),
+        *("| " + " | ".join(_cell(cell) for cell in row) + " |"
+          for row in headline_rows(results, figures)),
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def readme_table(text: str) -> tuple[int, int]:
+    """Where the generated table lies in a README's ``text``: its start and end offsets."""
+    begin, end = text.find(BEGIN), text.find(END)
+    if begin < 0 or end < begin:
+        raise HeadlineError(f"the README has no figures table between {BEGIN!r} and {END!r}")
+    return begin + len(BEGIN), end
+
+
+def add_headline_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``kvblend bench headline``."""
+    from kvblend.bench.commands import RECORDED_DIR
+
+    parser.add_argument("--results", default=str(RECORDED_DIR),
+                        help="folder of the recorded results (default %(default)s)")  # fmt: skip
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--write", metavar="README",
+                       help="replace the table between the README's markers")  # fmt: skip
+    where.add_argument("--check", metavar="README",
+                       help="exit 1 when the README's table differs from the results")  # fmt: skip
+
+
+def cmd_headline(args: argparse.Namespace) -> None:
+    """Print, write or check the README's figures table."""
+    try:
+        table = headline_table(Path(args.results))
+        if args.write is None and args.check is None:
+            print(table)
+            return
+        path = Path(args.write or args.check)
+        text = path.read_text("utf-8")
+        start, end = readme_table(text)
+    except (HeadlineError, OSError) as error:
+        print(f"kvblend bench headline: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    wanted = text[:start] + "\n" + table + "\n" + text[end:]
+    if args.check is not None:
+        if wanted != text:
+            print(
+                f"kvblend bench headline: {path}'s figures table is not what {args.results} "
+                f"gives; run kvblend bench headline --write {path}",
+                file=sys.stderr,
+            )
+            raise SystemExit(1)
+        print(f"{path}: the figures table matches {args.results}")
+        return
+    path.write_text(wanted, "utf-8")
+    print(f"wrote the figures table into {path}", file=sys.stderr)

@@ -1,0 +1,108 @@
+"""The README's figures table is what ``kvblend bench headline`` writes from the recorded results.
+
+And every row names its run; a row under an older default says so; a result recorded without
+its date takes it from git and says so; ``kvblend bench`` never writes over the recorded
+results unless asked.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvblend.bench.cli import build_parser
+from kvblend.bench.commands import RECORDED_DIR, RESULTS_DIR
+from kvblend.bench.headline import (
+    BEGIN,
+    END,
+    FIGURES,
+    Figure,
+    HeadlineError,
+    config_fields,
+    headline_rows,
+    headline_table,
+    readme_table,
+)
+from kvblend.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_the_readme_table_is_what_the_recorded_results_give() -> None:
+    text = (ROOT / "README.md").read_text("utf-8")
+    start, end = readme_table(text)
+    assert text[start:end].strip() == headline_table(RESULTS), (
+        "README.md's figures table differs from benchmarks/results: run "
+        "`kvblend bench headline --write README.md`"
+    )
+
+
+def test_every_row_names_its_run() -> None:
+    kinds = {figure.kind for figure in FIGURES}
+    assert {"ttft", "quality", "vllm-ttft", "vllm-stall"} <= kinds
+    for figure, row in zip(FIGURES, headline_rows(RESULTS), strict=True):
+        _, measured, setting, model, machine, date, run = row
+        assert measured.startswith("**") and model and "threads: " in machine, row
+        assert date[:4].isdigit() and run.startswith(("`kvblend", "`.venv")), row
+        assert f"(benchmarks/results/{figure.result})" in run
+        if figure.kind == "quality":
+            assert "n = " in measured and "95% interval" in measured
+        if figure.strategy == "default":
+            assert "today's default" in setting or setting.startswith("an older default: ")
+
+
+def test_an_older_default_is_labelled_with_what_differed() -> None:
+    old = "BlendConfig(strategy='attention', recompute_ratio=0.3, check_layer=1, epic_tokens=16)"
+    assert config_fields(old)["strategy"] == "attention"
+    figure = Figure("x", "ttft_4k_final.json", "ttft", tokens=4096, command="c", default_config=old)
+    (row,) = headline_rows(RESULTS, [figure])
+    assert "recompute_ratio 0.3 (now 0.2)" in row[2] and "without min_recompute (now 256)" in row[2]
+    assert "early_layers" not in row[2]  # at today's value it does what versions without it did
+
+
+def test_a_date_not_recorded_comes_from_git_and_says_so(tmp_path: Path) -> None:
+    result = json.loads((RESULTS / "vllm.json").read_text())
+    del result["machine"]["date"]
+    (tmp_path / "old.json").write_text(json.dumps(result))
+    env = {"GIT_AUTHOR_DATE": "2026-01-02T03:04:05Z", "GIT_COMMITTER_DATE": "2026-01-02T03:04:05Z"}
+    commit = ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a run"]
+    for command in (["init", "-q"], ["add", "old.json"], commit):
+        subprocess.run(
+            ["git", *command], cwd=tmp_path, check=True, env={**env, "PATH": "/usr/bin:/bin"}
+        )
+    figure = Figure("x", "old.json", "vllm-stall", command="c", default_config="BlendConfig()")
+    (row,) = headline_rows(tmp_path, [figure])
+    assert row[5] == "2026-01-02 (git)"
+    assert "threads: 1 (vLLM's forward: 2 cores less 1 reserved)" in row[4]
+
+
+def test_a_figure_its_result_cannot_answer_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(HeadlineError, match="0 rows with"):
+        headline_rows(RESULTS, [Figure("x", "ttft_4k_final.json", "ttft", tokens=999)])
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{BEGIN}\n| stale |\n{END}\n")
+    assert main(["bench", "headline", "--check", str(readme), "--results", str(RESULTS)]) == 1
+    assert main(["bench", "headline", "--write", str(readme), "--results", str(RESULTS)]) == 0
+    assert main(["bench", "headline", "--check", str(readme), "--results", str(RESULTS)]) == 0
+    assert readme.read_text().startswith("# x\n\n" + BEGIN + "\n| figure |")
+
+
+def test_bench_results_never_go_to_the_recorded_folder_by_default() -> None:
+    assert RESULTS_DIR.resolve() != RECORDED_DIR.resolve()
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "ttft" in a.choices)
+    checked = 0
+    for name, sub in subparsers.choices.items():
+        for action in sub._actions:
+            if action.dest in ("output", "output_dir", "out") and action.default:
+                assert not str(action.default).startswith(str(RECORDED_DIR)), (name, action)
+                checked += 1
+    assert checked >= 8
+    from kvblend.bench import decode, gpu_suite
+
+    assert not str(decode.RESULTS).startswith(str(RECORDED_DIR))
+    assert not str(gpu_suite.DEFAULT_OUT).startswith(str(RECORDED_DIR))
