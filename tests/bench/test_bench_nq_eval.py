@@ -17,7 +17,7 @@ from conftest import byte_tokenizer, tiny_model
 from conftest_langchain import requires_rag_stack
 from kvblend import BlendEngine
 from kvblend.bench.baselines import Baseline, BaselineCache
-from kvblend.bench.guard_calibration import at_limit, choose_limit, sweep
+from kvblend.bench.guard_calibration import at_limit, choose_limit, separation, sweep
 from kvblend.bench.nq import PLACES, gold_place, place_index, with_gold
 from kvblend.bench.nq_eval import (
     RunOptions,
@@ -136,6 +136,13 @@ def test_the_calibration_sweep_counts_what_a_limit_would_escalate() -> None:
     best = choose_limit(table, budget=0.6)
     assert best is not None and best["compute"] <= 0.6
     assert choose_limit(table, budget=0.1) is None
+    # the differing answers' risks (0.9, 0.4) against the agreeing ones' (0.5, 0.1): 3 of 4 above
+    found = separation(rows, "shift", resamples=50)
+    assert found["auc"] == 0.75 and found["differ"] == 2 and found["n"] == 4
+    assert 0 <= found["auc_ci"][0] <= found["auc_ci"][1] <= 1
+    assert separation(rows, "margin", resamples=0)["auc"] == 0.75  # low margin is risk
+    first = [{**row, "top1_agrees": True} for row in rows]
+    assert math.isnan(separation(first, "shift", target="top1_agrees", resamples=0)["auc"])
 
 
 @requires_rag_stack

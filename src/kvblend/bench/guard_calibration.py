@@ -15,7 +15,12 @@ computes the prompt in full, the head read in place), the others keep the blend'
 - ``share_of_full``: accuracy of the guarded answers over full's.
 
 ``choose_limit`` picks the lowest limit (most escalations) whose mean compute stays within a
-budget: the most agreement the budget buys with that signal.
+budget: the most agreement the budget buys with that signal. ``separation`` says whether a
+signal tells the questions apart at all: the probability that a question whose blended answer
+differed from full's has a higher risk than one whose answer agreed (the area under the ROC
+curve: 0.5 is chance), with a bootstrap 95% interval over questions; a guard whose signal
+separates at chance escalates as a coin would, and its agreement per unit of compute is a
+coin's.
 """
 
 from __future__ import annotations
@@ -98,6 +103,52 @@ def sweep(
     return [at_limit(rows, signal, limit) for limit in limits]
 
 
+def _auc(risks: np.ndarray, differ: np.ndarray) -> float:
+    positive, negative = risks[differ], risks[~differ]
+    if positive.size == 0 or negative.size == 0:
+        return math.nan
+    above = (positive[:, None] > negative[None, :]).mean()
+    ties = (positive[:, None] == negative[None, :]).mean()
+    return float(above + 0.5 * ties)
+
+
+def separation(
+    rows: Sequence[dict[str, Any]],
+    signal: str,
+    *,
+    target: str = "agrees",
+    resamples: int = 2000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """How well ``signal`` ranks the rows whose ``target`` is false above the others (AUC).
+
+    ``target``: ``"agrees"`` (the whole answer equals full's) or ``"top1_agrees"`` (its first
+    token does). Returns the AUC, its paired-bootstrap 95% interval and the rows counted.
+    """
+    kept = [r for r in rows if math.isfinite(risk(r, signal))]
+    risks = np.asarray([risk(r, signal) for r in kept], dtype=float)
+    differ = np.asarray([not r[target] for r in kept], dtype=bool)
+    rng = np.random.default_rng(seed)
+    picks = (rng.integers(0, len(kept), len(kept)) for _ in range(resamples if kept else 0))
+    draws = [_auc(risks[i], differ[i]) for i in picks]
+    finite = [d for d in draws if math.isfinite(d)]
+    interval = [float(np.quantile(finite, q)) for q in (0.025, 0.975)] if finite else [math.nan] * 2
+    return {"signal": signal, "target": target, "n": len(kept), "differ": int(differ.sum()),
+            "auc": _auc(risks, differ), "auc_ci": interval}  # fmt: skip
+
+
+def separation_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown of `separation` rows."""
+    lines = ["| signal | predicts a differing | n | differing | AUC [95% CI] |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        what = "answer" if row["target"] == "agrees" else "first token"
+        low, high = row["auc_ci"]
+        lines.append(f"| {row['signal']} | {what} | {row['n']} | {row['differ']} | "
+                     f"{row['auc']:.2f} [{low:.2f}, {high:.2f}] |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def choose_limit(table: Sequence[dict[str, Any]], budget: float) -> dict[str, Any] | None:
     """Return the row of ``table`` with the most agreement within a mean compute ``budget``."""
     within = [row for row in table if row["compute"] <= budget]
@@ -124,16 +175,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--strategy", default="default+guard=inf")
     parser.add_argument("--budget", type=float, default=0.35, help="mean compute allowed")
     parser.add_argument("--signals", default=",".join(GUARD_SIGNALS))
+    parser.add_argument("--output", help="write the sweeps and separations as JSON (+ .md)")
     args = parser.parse_args(argv)
     result = json.loads(Path(args.result).read_text())
     rows = paired_rows(result["rows"], args.strategy)
     if not rows:
         parser.error(f"no {args.strategy} rows with guard signals and answers in {args.result}")
-    for signal in args.signals.split(","):
-        table = sweep(rows, signal)
-        print(f"\n{signal}:\n\n{calibration_table(table)}")
+    signals = args.signals.split(",")
+    separations = [separation(rows, signal, target=target)
+                   for target in ("agrees", "top1_agrees") for signal in signals]  # fmt: skip
+    text = [f"Guard signals of {args.strategy} on {len(rows)} questions of {args.result}: "
+            "how well each ranks the questions whose answer differed from full prefill's",
+            "", separation_table(separations)]  # fmt: skip
+    sweeps: dict[str, list[dict[str, Any]]] = {}
+    for signal in signals:
+        sweeps[signal] = table = sweep(rows, signal)
+        text += ["", f"{signal}:", "", calibration_table(table)]
         best = choose_limit(table, args.budget)
         if best is not None:
-            print(f"\nwithin compute {args.budget:g}: limit {best['limit']:.4g} (escalates "
-                  f"{best['escalated']:.0%}, agreement {best['agreement']:.0%})")  # fmt: skip
+            text += ["", f"within compute {args.budget:g}: limit {best['limit']:.4g} (escalates "
+                     f"{best['escalated']:.0%}, agreement {best['agreement']:.0%})"]  # fmt: skip
+    print("\n".join(text))
+    if args.output:
+        from kvblend.bench.commands import command_line
+
+        output = Path(args.output)
+        record = {
+            "benchmark": "guard", "command": command_line(), "source": args.result,
+            "source_command": result.get("command"), "machine": result.get("machine"),
+            "model": result.get("model"), "split": result.get("split"),
+            "file_range": result.get("file_range"), "strategy": args.strategy,
+            "budget": args.budget, "n": len(rows), "separation": separations, "sweeps": sweeps,
+        }  # fmt: skip
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(record, indent=1))
+        output.with_suffix(".md").write_text("\n".join(text) + "\n")
     return 0
