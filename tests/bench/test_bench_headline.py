@@ -49,7 +49,7 @@ def test_every_row_names_its_run() -> None:
         assert measured.startswith("**") and model and "threads: " in machine, row
         assert date[:4].isdigit() and run.startswith(("`kvblend", "`.venv")), row
         assert f"(benchmarks/results/{figure.result})" in run
-        if figure.kind == "quality":
+        if figure.kind in ("quality", "nq-quality"):
             assert "n = " in measured and "95% interval" in measured
         if figure.strategy == "default":
             assert "today's default" in setting or setting.startswith("an older default: ")

@@ -42,6 +42,7 @@ SCRIPTS = {
         "bytes, precompute/read speed per tier, TTFT per KV codec",
     ),
     "codec-quality": ("kvblend.bench.codec_quality", "accuracy and KL of every KV codec"),
+    "guard": ("kvblend.bench.guard_calibration", "guard signals vs answers unlike full's, limits"),
 }
 
 
@@ -155,16 +156,39 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--engine-system", default=None,
                        help="the system prompt of the engine not told the head")  # fmt: skip
         p.add_argument("--max-new-tokens", type=int, default=32)
-        p.add_argument("--gold-at", choices=["retrieved", "random"], default="retrieved",
+        p.add_argument("--gold-at", choices=["retrieved", "random", "places"],
+                       default="retrieved",
                        help="gold passage where the retriever ranked it (put in at a random "
-                            "place when missed), or always at a random place")  # fmt: skip
+                            "place when missed), always at a random place, or first, middle "
+                            "or last by the question (a third each; `nq`'s default)")  # fmt: skip
 
     nq = sub.add_parser("nq", help="accuracy and KL on NQ-open over retrieved passages")
     model_options(nq)
     retrieval_options(nq, required=True)
     nq.add_argument("--k", default="10", help="passages per prompt, comma list (e.g. 5,10,20)")
-    nq.add_argument("--questions", type=int, default=100)
-    nq.add_argument("--offset", type=int, default=0, help="first question of the file to use")
+    nq.add_argument("--questions", type=int, default=100, help="questions of the split to run")
+    nq.add_argument("--split", choices=["eval", "calibration", "all"], default="eval",
+                    help="eval: the file's first 500 questions (reported figures); calibration: "
+                         "those from 1000 on (choosing settings); all: the whole file")  # fmt: skip
+    nq.add_argument("--offset", type=int, default=0, help="first question to use, in the split")
+    nq.add_argument("--baselines", default=None,
+                    help="folder keeping full prefill's answers and logits for later runs "
+                         "(default: kvblend's cache folder, baselines/)")  # fmt: skip
+    nq.add_argument("--no-baselines", action="store_true", help="compute full prefill every time")
+    nq.add_argument("--store-dir", default=None,
+                    help="keep the documents' KV in this folder, so a later run reads them "
+                         "instead of precomputing them (default: in memory, per run)")  # fmt: skip
+    nq.add_argument("--time-every", type=int, default=10,
+                    help="time full prefill again on every N-th question for the TTFT shares "
+                         "(0: only where it is computed)")  # fmt: skip
+    nq.add_argument(
+        "--kl-only",
+        action="store_true",
+        help="prefill only: KL and first-token agreement, no answers (fast)",
+    )
+    nq.add_argument(
+        "--fresh", action="store_true", help="start over instead of continuing the rows in --output"
+    )
     nq.add_argument("--doc-prefix", choices=sorted(HEAD_CHOICES), default="auto",
                     help="documents precomputed behind: the engine's defaults, not told "
                          "the prompts' head (auto), their head (head), both, or BOS")  # fmt: skip
@@ -172,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     nq.add_argument("--write-prompts", metavar="FILE",
                     help="write the prompts to a JSONL file and run no strategy (the input of "
                          "`kvblend bench vllm --nq FILE`)")  # fmt: skip
-    nq.set_defaults(func=cmd_nq)
+    nq.set_defaults(func=cmd_nq, gold_at="places")
 
     shapes = sub.add_parser("shapes", help="every prompt shape in one report, head told or not")
     model_options(shapes)

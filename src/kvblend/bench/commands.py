@@ -71,8 +71,14 @@ def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
         torch.set_num_threads(args.threads)
     doc_prefix = getattr(args, "doc_prefix", "auto")
     engine_system = getattr(args, "engine_system", None)
+    store_dir = getattr(args, "store_dir", None)
+    store: Any = MemoryKVStore(8 << 30)
+    if store_dir:  # documents' KV kept on disk: a later run reads what an earlier one computed
+        from kvblend.store import default_store
+
+        store = default_store(store_dir, disk_bytes=64 << 30)
     return BlendEngine.from_pretrained(
-        args.model, store=MemoryKVStore(8 << 30), device=args.device, dtype=args.dtype,
+        args.model, store=store, device=args.device, dtype=args.dtype,
         system_prompt=system_prompt if engine_system is None else engine_system,
         doc_prefix=None if doc_prefix == "bos" else "auto",
         threads=args.threads or None,  # else a count equal to torch's own is not kept
@@ -273,39 +279,51 @@ def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 
 
 def cmd_nq(args: argparse.Namespace) -> None:
-    """Every strategy on NQ-open questions over retrieved Wikipedia passages."""
-    from kvblend.bench.compare import summary_table
-    from kvblend.bench.nq import nq_head, run_nq
+    """Every strategy on NQ-open questions over retrieved Wikipedia passages (resumable)."""
+    from kvblend.bench.baselines import BaselineCache
+    from kvblend.bench.nq import load_nq, nq_head, run_nq
+    from kvblend.bench.nq_eval import RunOptions, decided_table, run_decided, split_questions
     from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
     engines = _heads_engines(args, nq_head)
     engine = next(iter(engines.values()))
-    if args.write_prompts:
+    cache_dir = Path(args.cache_dir) if args.cache_dir else None
+    ks = [int(k) for k in args.k.split(",")]
+    if args.write_prompts:  # the split's questions, as a run would ask them
+        total = sum(1 for _ in load_nq(args.data)[1])
+        start, _ = split_questions(args.split, args.offset, args.questions, total)
         written = run_nq(
-            engines, args.data, [], ks=[int(k) for k in args.k.split(",")],
-            questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
-            cache_dir=Path(args.cache_dir) if args.cache_dir else None,
+            engines, args.data, [], ks=ks, questions=args.questions, offset=start,
+            seed=args.seed, gold_at=args.gold_at, cache_dir=cache_dir,
             prompts_file=Path(args.write_prompts),
         )  # fmt: skip
         recall = ", ".join(f"{v:.0%}" for v in written["recall"].values())
         print(f"wrote {written['prompts']} prompts to {args.write_prompts} (gold retrieved: "
               f"{recall})")  # fmt: skip
         return
-    result = run_nq(
-        engines, args.data, strategies, ks=[int(k) for k in args.k.split(",")],
-        questions=args.questions, offset=args.offset, seed=args.seed, gold_at=args.gold_at,
-        max_new_tokens=args.max_new_tokens, cache_dir=Path(args.cache_dir) if args.cache_dir
-        else None, output=Path(args.output), meta=_meta(args, engine),
-        log=lambda message: print(message, file=sys.stderr),
+    output = Path(args.output)
+    if args.fresh and output.exists():
+        output.unlink()
+    cache = None if args.no_baselines else BaselineCache(args.baselines)
+    options = RunOptions(args.max_new_tokens, args.kl_only, args.time_every)
+    result = run_decided(
+        engines, args.data, strategies, ks=ks, split=args.split, questions=args.questions,
+        offset=args.offset, seed=args.seed, gold_at=args.gold_at, options=options, cache=cache,
+        cache_dir=cache_dir, output=output, meta=_meta(args, engine),
+        log=lambda message: print(time.strftime("%H:%M:%S ") + message, file=sys.stderr,
+                                  flush=True),
     )  # fmt: skip
     recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
     title = (
-        f"NQ-open, {engine.name}, {result['questions']} questions, k = {args.k} "
-        f"(gold retrieved: {recall})"
+        f"NQ-open, {engine.name} ({result['dtype']}), {result['split']} questions "
+        f"{result['file_range'][0]}-{result['file_range'][1] - 1} of the file, k = {args.k}, "
+        f"gold {args.gold_at} (gold retrieved: {recall})"
     )
-    table = summary_table(result["summary"], ("k", "head"))
-    _write(result, Path(args.output), title + "\n\n" + table)
+    table = decided_table(result["summary"], ("k", "head"))
+    if result["by_place"]:
+        table += "\n\nBy gold place:\n\n" + decided_table(result["by_place"], ("k", "place"))
+    _write(result, output, title + "\n\n" + table)
 
 
 def cmd_shapes(args: argparse.Namespace) -> None:

@@ -67,7 +67,10 @@ class Figure:
     prefill's at `tokens` target tokens, documents in memory: ``kvblend bench ttft`` /
     ``figures`` / ``gpu``), ``"quality"`` (accuracy of `strategy` as a share of full prefill's,
     with its paired-bootstrap 95% interval and n: ``kvblend bench shapes``; `shape` None reads
-    the pooled row, `head` the engine told the prompt head or not), ``"vllm-ttft"`` (vLLM with
+    the pooled row, `head` the engine told the prompt head or not), ``"nq-quality"`` (the same
+    from a ``kvblend bench nq`` run at `k` passages, with agreement with full prefill's answer,
+    mean KL and compute beside it; `row` names the result's row when it is not `strategy`),
+    ``"vllm-ttft"`` (vLLM with
     kvblend's TTFT as a share of vanilla vLLM's at `tokens`: ``kvblend bench vllm``) or
     ``"vllm-stall"`` (the streaming client's longest pause, as a share of vanilla's).
     `command` and `default_config` are for results that did not record them; `note` is
@@ -81,6 +84,8 @@ class Figure:
     tokens: int | None = None
     shape: str | None = None
     head: str | None = None
+    k: int | None = None
+    row: str | None = None
     command: str | None = None
     default_config: str | None = None
     note: str = ""
@@ -128,13 +133,13 @@ FIGURES: tuple[Figure, ...] = (
         note="before the hot path's rewrite; not measured again",
     ),
     Figure(
-        what="Answer accuracy, NQ-open, 10 retrieved passages",
-        result="shapes_smollm2_probe_layers.json",
-        kind="quality",
-        shape="nq-10",
-        head="told",
-        command="kvblend bench shapes --threads 1 --shapes nq-10,nq-20 --questions 24 --heads "
-        "head --strategies full,default,default+probe_layers=0.5,default+probe_layers=0.25",
+        what="Answer accuracy, NQ-open evaluation questions, 10 retrieved passages (gold first, "
+        "middle or last)",
+        result="nq_eval_smollm2.json",
+        kind="nq-quality",
+        row="default+guard=inf",
+        k=10,
+        note="the default's answers with the guard's signals recorded (guard=inf never escalates)",
     ),
     Figure(
         what="Answer accuracy, NQ-open, 10 retrieved passages",
@@ -241,6 +246,22 @@ def _quality(result: Mapping[str, Any], figure: Figure) -> str:
     )
 
 
+def _nq_quality(result: Mapping[str, Any], figure: Figure) -> str:
+    match: dict[str, Any] = {"strategy": figure.row or figure.strategy, "k": figure.k or 10}
+    if figure.head is not None:
+        match["head"] = figure.head
+    row = _one(result.get("summary", []), figure, **match)
+    low, high = row["share_of_full_ci"]
+    agree_low, agree_high = row["agreement_ci"]
+    return (
+        f"**{row['share_of_full']:.0%}** of full prefill's accuracy (95% interval "
+        f"{low:.0%}-{high:.0%}; {row['accuracy']:.1%} vs {row['full_accuracy']:.1%}); the same "
+        f"answer as full prefill on {row['agreement']:.0%} ({agree_low:.0%}-{agree_high:.0%}), "
+        f"mean KL {row['kl_mean']:.3f}, compute {row['compute_fraction']:.2f} of full's; "
+        f"n = {row['n']}"
+    )
+
+
 def _vllm_ttft(result: Mapping[str, Any], figure: Figure) -> str:
     row = _one(result.get("summary", {}).get("ttft", []), figure, length=figure.tokens)
     return (
@@ -263,6 +284,7 @@ def _vllm_stall(result: Mapping[str, Any], figure: Figure) -> str:
 _READERS: dict[str, Callable[[Mapping[str, Any], Figure], str]] = {
     "ttft": _ttft,
     "quality": _quality,
+    "nq-quality": _nq_quality,
     "vllm-ttft": _vllm_ttft,
     "vllm-stall": _vllm_stall,
 }
@@ -270,7 +292,12 @@ _READERS: dict[str, Callable[[Mapping[str, Any], Figure], str]] = {
 _CONFIG_ITEM = re.compile(r"(\w+)=('[^']*'|[^,)]+)")
 #: Fields newer than some results whose value today does what versions without them did: at
 #: these values they are no difference (``early_ratio`` is used only with ``early_layers``).
-_AS_BEFORE = {"early_layers": "0.0", "probe_layers": "1.0"}
+_AS_BEFORE = {
+    "early_layers": "0.0",
+    "probe_layers": "1.0",
+    "probe_tail": "False",
+    "guard": "None",
+}
 
 
 def config_fields(text: str) -> dict[str, str]:

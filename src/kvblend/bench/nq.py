@@ -35,6 +35,8 @@ INSTRUCTION = (
     "Write a high-quality answer for the given question using only the provided search results "
     "(some of which might be irrelevant)."
 )
+#: Where the gold passage goes (`nq_items`).
+GOLD_AT = ("retrieved", "random", "places")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
@@ -149,19 +151,48 @@ class Retriever:
 
 
 def with_gold(
-    retrieved: Sequence[int], gold: int, k: int, rng: random.Random, *, move: bool = False
+    retrieved: Sequence[int],
+    gold: int,
+    k: int,
+    rng: random.Random,
+    *,
+    move: bool = False,
+    place: int | None = None,
 ) -> list[int]:
     """Return the top ``k`` of ``retrieved``; a missing ``gold`` replaces the last, anywhere.
 
     ``move``: the gold passage goes to a random place even when it was retrieved (the others
     keep their order), which spreads it over every position as "Lost in the Middle" does.
+    ``place``: the gold passage goes to that index, retrieved or not (the others keep their
+    order); ``rng`` is not drawn from.
     """
     chosen = list(retrieved[:k])
-    if gold in chosen and not move:
+    if gold in chosen and not move and place is None:
         return chosen
     chosen = [i for i in chosen if i != gold][: k - 1]
-    chosen.insert(rng.randint(0, len(chosen)), gold)
+    chosen.insert(rng.randint(0, len(chosen)) if place is None else min(place, len(chosen)), gold)
     return chosen
+
+
+#: Where ``gold_at="places"`` puts the gold passage, the three places of "Lost in the Middle"'s
+#: position study: first, middle (index ``(k - 1) // 2``: 4 of 10, 9 of 20) and last.
+PLACES = ("first", "middle", "last")
+
+
+def gold_place(question: str) -> str:
+    """Return where ``question``'s gold passage goes under ``gold_at="places"``.
+
+    First, middle or last, chosen by a hash of the question's text: the same for a question
+    wherever it comes from (another file, another order), and about a third of the questions
+    take each place.
+    """
+    digest = hashlib.sha256(question.encode("utf-8")).digest()
+    return PLACES[int.from_bytes(digest[:8], "big") % len(PLACES)]
+
+
+def place_index(place: str, k: int) -> int:
+    """Return the prompt index of ``place`` among ``k`` passages."""
+    return {"first": 0, "middle": (k - 1) // 2, "last": k - 1}[place]
 
 
 # ------------------------------------------------------------------------- prompts
@@ -204,15 +235,19 @@ def nq_items(
 ) -> list[PromptItem]:
     """Prompt items of ``questions``: top ``k`` retrieved passages, gold put in when missed.
 
-    ``gold_at="random"`` puts the gold passage at a seeded random place in every prompt.
+    ``gold_at="random"`` puts the gold passage at a seeded random place in every prompt;
+    ``"places"`` at the first, middle or last place (`gold_place`, a third each), the other
+    passages being the top ``k - 1`` others in retrieval order.
     """
-    if gold_at not in ("retrieved", "random"):
-        raise ValueError(f"gold_at must be 'retrieved' or 'random', got {gold_at!r}")
+    if gold_at not in GOLD_AT:
+        raise ValueError(f"gold_at must be one of {', '.join(GOLD_AT)}, got {gold_at!r}")
     rng = random.Random(seed)
     found = retriever.search([q.question for q in questions], k)
     items = []
     for question, retrieved in zip(questions, found, strict=True):
-        chosen = with_gold(retrieved, question.gold, k, rng, move=gold_at == "random")
+        place = gold_place(question.question) if gold_at == "places" else None
+        at = None if place is None else place_index(place, k)
+        chosen = with_gold(retrieved, question.gold, k, rng, move=gold_at == "random", place=at)
         passages = [corpus[i] for i in chosen]
         answers = question.answers
         items.append(
@@ -224,6 +259,7 @@ def nq_items(
                 meta={
                     "gold_position": chosen.index(question.gold) // group,
                     "gold_retrieved": question.gold in retrieved[:k],
+                    **({"place": place} if place is not None else {}),
                 },
             )
         )

@@ -81,6 +81,10 @@ class BlendOutput:
     loads: Any = field(default=None, repr=False)
     #: the RoPE tables of the buffer's rows (``inverse``: what undoes the keys' RoPE)
     tables: Any = field(default=None, repr=False)
+    #: values made from the logits and read back with the pass's rows (the guard's signals)
+    extra: list[float] | None = None
+    #: the guard's report (`kvblend.blend.guard.GuardReport` as a dict), when a guard ran
+    guard: dict[str, Any] | None = None
 
     @property
     def raw_kv(self) -> torch.Tensor | None:

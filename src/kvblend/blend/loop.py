@@ -38,6 +38,7 @@ RoPE table repeated) and attending to its own rows only (`SequenceAttention`), e
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,9 +52,11 @@ from kvblend.blend.attention import RowAttention, SequenceAttention
 from kvblend.blend.compiled import StepRunner, step_runner
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.correction import CorrectionTensors, stale_correction
+from kvblend.blend.guard import guard_report, guard_signals
 from kvblend.blend.io import (
     COMPUTE,
     MOVED,
+    PREFIX,
     BlendInput,
     BlendOutput,
     RowSet,
@@ -297,12 +300,15 @@ def run_pass(
     tables: RopeTables | None = None,
     layers: int | None = None,
     corrected: bool | None = None,
+    after_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
     pause: Pause | None = None,
 ) -> BlendOutput:
     """One pass over the layers: compute ``selection.computed``, read the other rows' KV.
 
     ``layers``: run the first ``layers`` layers only (a probe: no logits). ``corrected``:
     whether a stale-KV correction reads the pass's buffer (default: the selector's).
+    ``after_logits(logits)``: device values made from the logits (the guard's signals), read
+    back with the pass's rows (``stats["extra"]``).
     """
     share = selector.correction if selector is not None else 0.0
     start = selection.start
@@ -333,7 +339,8 @@ def run_pass(
         state.kv.release()  # a static buffer is handed back, not copied out
         raise
     out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
-    out.stats = pass_stats(state, blend_input)
+    extra = after_logits(logits) if after_logits is not None and logits is not None else None
+    out.stats, out.extra = pass_stats(state, blend_input, extra)
     return with_kv(out, state.kv)
 
 
@@ -348,19 +355,31 @@ def with_kv(out: BlendOutput, kv: PromptKV) -> BlendOutput:
     return out
 
 
-def pass_stats(state: PassState, blend_input: BlendInput) -> dict[str, float]:
-    """Return what a pass did, counted on the host after its last layer.
+def pass_stats(
+    state: PassState, blend_input: BlendInput, extra: torch.Tensor | None = None
+) -> tuple[dict[str, float], list[float] | None]:
+    """Return what a pass did, counted on the host after its last layer, and ``extra`` read.
 
     Rows chosen on the device are read back here, after the logits: the host learns which
-    rows were recomputed only once the prefill's work is queued.
+    rows were recomputed only once the prefill's work is queued. ``extra`` (a few device
+    values computed after the logits, the guard's signals) is read in the same read.
     """
-    computed = state.rows.host_positions()
+    rows = state.rows
+    values: list[float] | None = None
+    if extra is None:
+        computed = rows.host_positions()
+    elif rows.host is not None:
+        computed, values = rows.host, extra.tolist()
+    else:  # one read for both: the rows are exact in float64 up to 2**53
+        both = torch.cat((rows.positions.double(), extra.double().reshape(-1))).tolist()
+        computed = np.asarray(both[: rows.count], dtype=np.int64)
+        values = both[rows.count :]
     layers = state.adapter.shape.num_layers
-    stats = rows_read(state.host_kinds, blend_input.spans, computed)
+    stats: dict[str, float] = dict(rows_read(state.host_kinds, blend_input.spans, computed))
     uncompiled = state.uncompiled + state.attention.uncompiled + state.runner.uncompiled
-    return {"load_s": state.load_s, "token_layers": state.token_layers,
-            "token_layers_full": state.total * layers, "uncompiled_calls": uncompiled,
-            **stats}  # fmt: skip
+    stats.update(load_s=state.load_s, token_layers=state.token_layers,
+                 token_layers_full=state.total * layers, uncompiled_calls=uncompiled)  # fmt: skip
+    return stats, values
 
 
 def device_clock(device: torch.device) -> torch.cuda.Event | None:
@@ -431,15 +450,23 @@ def selection_context(
     assert blend_input.host_kinds is not None
 
     def first_pass(
-        computed: torch.Tensor, observer: PassObserver, layers: int | None = None
+        computed: torch.Tensor,
+        observer: PassObserver,
+        layers: int | None = None,
+        logits: bool = False,
     ) -> BlendOutput:
         selection = Selection(computed)
+        # the uncached rows a first pass leaves out are read as zeros (masked by nothing, they
+        # add nothing), and a correction reads every computed row's K/V: zeroed either way
+        every_uncached = np.array_equal(computed.numpy(), np.flatnonzero(uncached))
         return run_pass(
-            adapter, blend_input, selection, observer=observer, need_logits=False,
-            cancel=cancel, tables=tables, layers=layers, corrected=correction > 0, pause=pause,
+            adapter, blend_input, selection, observer=observer, need_logits=logits,
+            cancel=cancel, tables=tables, layers=layers,
+            corrected=correction > 0 or not every_uncached, pause=pause,
         )  # fmt: skip
 
     kinds = torch.from_numpy(blend_input.host_kinds)
+    uncached = blend_input.host_kinds == COMPUTE
     return SelectionContext(adapter, kinds, blend_input.spans, first_pass)
 
 
@@ -470,15 +497,56 @@ def run_blend(
     context = selection_context(adapter, blend_input, cancel, tables, selector.correction, pause)
     selection = selector.select(context)
     select_s = time.perf_counter() - started
+    guard = selector.guard_inputs if need_logits else None
+    tolerance = selector.guard_tolerance
+    after_logits = None
+    if guard is not None:
+        probe_logits, stale_mass = guard
+        after_logits = functools.partial(_guard_signals, probe_logits, stale_mass)
     out = run_pass(
         adapter, blend_input, selection, selector=selector, need_logits=need_logits,
-        cancel=cancel, tables=tables, pause=pause,
+        cancel=cancel, tables=tables, after_logits=after_logits, pause=pause,
     )  # fmt: skip
+    passes = [selection.start] if selection.start is not None else []
+    report = None
+    if guard is not None and out.extra is not None and tolerance is not None:
+        report = guard_report(out.extra, tolerance)
+        if report.escalated:  # every row but the prompt head, from the blend's buffer
+            passes.append(out)
+            out = escalate(adapter, blend_input, out, cancel, tables, pause)
     out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
-    out.stats["probe_s"] = 0.0
-    if selection.start is not None:  # the first pass's work and reads count too
-        out.stats["probe_s"] = select_s
-        out.stats["load_s"] += selection.start.stats["load_s"]
-        out.stats["token_layers"] += selection.start.stats["token_layers"]
-        out.stats["uncompiled_calls"] += selection.start.stats["uncompiled_calls"]
+    out.stats["probe_s"] = select_s if selection.start is not None else 0.0
+    for earlier in passes:  # the first pass's (and an escalated blend's) work counts too
+        out.stats["load_s"] += earlier.stats["load_s"]
+        out.stats["token_layers"] += earlier.stats["token_layers"]
+        out.stats["uncompiled_calls"] += earlier.stats["uncompiled_calls"]
+    if report is not None:
+        out.guard = report.to_dict()
     return out
+
+
+def _guard_signals(
+    probe_logits: torch.Tensor, stale_mass: torch.Tensor, logits: torch.Tensor
+) -> torch.Tensor:
+    return guard_signals(probe_logits, logits, stale_mass)
+
+
+def escalate(
+    adapter: ModelAdapter,
+    blend_input: BlendInput,
+    blend: BlendOutput,
+    cancel: CancelFlag | None,
+    tables: RopeTables,
+    pause: Pause | None = None,
+) -> BlendOutput:
+    """Run the guard's escalation: every row but the prompt head, from ``blend``'s buffer.
+
+    The rows are known on the host (no read); the prompt head's K/V, read in place, is what a
+    full prefill computes, so the result is full prefill's.
+    """
+    assert blend_input.host_kinds is not None
+    rows = np.flatnonzero(blend_input.host_kinds != PREFIX)
+    return run_pass(
+        adapter, blend_input, Selection(rows, start=blend), cancel=cancel, tables=tables,
+        corrected=False, pause=pause,
+    )  # fmt: skip

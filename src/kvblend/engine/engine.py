@@ -56,7 +56,7 @@ from kvblend.models.loading import (
     resolve_model,
 )
 from kvblend.prompt import templates
-from kvblend.prompt.plan import PrefillPlan, cached_pieces, plan_prefill
+from kvblend.prompt.plan import PrefillPlan, TokenKind, cached_pieces, plan_prefill
 from kvblend.prompt.segments import PromptLike, Segment, check_segments
 from kvblend.prompt.splice import splice_rules
 from kvblend.prompt.tokens import encode_in_background, encode_prompt, prompt_tokens
@@ -357,6 +357,7 @@ class BlendEngine:
         return Explanation(
             text, plan, self.library.stored_spans(plan), len(self.library.registry),
             forecast_blend(plan, config), config.strategy, self.library.near_miss(prompt, items),
+            config.settings.get("guard"),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ prefill
@@ -408,6 +409,7 @@ class BlendEngine:
         stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
         count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, config.reads_cache)
+        escalation(stats, plan, out.guard)
         self._fallback_log.report(stats, len(self.library.registry))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
 
@@ -528,6 +530,26 @@ class BlendEngine:
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")
             yield piece
+
+
+def escalation(stats: BlendStats, plan: PrefillPlan, guard: dict[str, Any] | None) -> None:
+    """Record the guard's report in ``stats``; an escalated blend ran as full prefill too.
+
+    Then ``strategy_run`` is ``"full"``, ``fallback`` says why (``"guard: ..."``) and every
+    moved document is listed in ``documents_lost`` as recomputed whole.
+    """
+    stats.guard = guard
+    if not guard or not guard.get("escalated"):
+        return
+    stats.strategy_run = "full"
+    stats.fallback = f"guard: {guard['reason']}"
+    lost = {int(line.split(":")[0].split()[1]): line for line in stats.documents_lost}
+    documents = [row for row in plan.report if row.role == "document"]
+    for number, row in enumerate(documents, start=1):
+        span = plan.spans[row.span] if row.span is not None else None
+        if row.reused and span is not None and span.kind == TokenKind.MOVED:
+            lost[number] = f"document {number}: recomputed whole (guard)"
+    stats.documents_lost = [lost[number] for number in sorted(lost)]
 
 
 def _check_call(prompt: object, config: object, cancel: object) -> None:

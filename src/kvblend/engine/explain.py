@@ -89,6 +89,7 @@ class Explanation:
     forecast: BlendForecast
     strategy: str = "attention"
     near_miss: str | None = None
+    guard: float | None = None  # the config's guard tolerance (None: no guard)
 
     def _count(self, kind: TokenKind) -> int:
         return int(np.count_nonzero(self.plan.kinds == kind))
@@ -138,6 +139,12 @@ class Explanation:
             head = self.reused_tokens
             reused = f" ({head} tokens of the prompt head reused)" if head else ""
             lines.append(f"  runs as full prefill{reused}: {self.fallback}")
+        elif self.guard is not None:
+            lines.append(
+                f"  guarded (tolerance {self.guard:g}): computed in full after the blend if it "
+                "moves the next-token distribution further from the cached prompt's; "
+                "stats.guard says whether it did"
+            )
         lines += [f"  not reused: {line}" for line in self.forecast.documents_lost]
         if self.near_miss is not None:
             lines.append(f"  near miss: {self.near_miss}")

@@ -53,6 +53,15 @@ class BlendStats:
     #: A known document that nearly occurs in the prompt (its start is there, its whole text
     #: is not: truncated or rewritten), described in one line; None when there is none.
     near_miss: str | None = None
+    #: What the blend's guard saw and did (`kvblend.blend.guard.GuardReport` as a dict:
+    #: ``escalated``, ``reason``, ``risk``, ``tolerance``, ``signals``); None when no guard ran
+    #: (guard off, another strategy, or a prompt computed in full anyway).
+    guard: dict[str, Any] | None = None
+
+    @property
+    def escalated(self) -> bool:
+        """Whether the guard computed the prompt in full after blending it."""
+        return bool(self.guard and self.guard.get("escalated"))
 
     @property
     def recompute_fraction(self) -> float:

@@ -33,8 +33,10 @@ from kvblend.blend.selectors.base import (
     Setting,
     SpanRows,
     chosen_rows,
+    flag,
     non_negative_int,
     ratio,
+    tolerance,
 )
 from kvblend.blend.selectors.tail_attention import TailAttention, tail_rows
 
@@ -53,6 +55,9 @@ def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.nd
             lead[span.start : min(span.end, span.start + rows)] = True
     return lead
 
+
+#: The guard's default tolerance (`kvblend.blend.guard`): None until calibrated.
+GUARD_TOLERANCE: float | None = None
 
 #: Cost of a row read from a cache relative to a computed row (loading, rotating and attending
 #: over it) and the blend loop's fixed cost in rows, fitted to the TTFTs of the shapes
@@ -117,6 +122,8 @@ def attention_budget(
     if options["early_layers"] > 0:
         early = min(max(round(options["early_ratio"] * moved), keep), candidates)
     probe = uncached if 0 < keep < candidates or 0 < early < candidates else 0
+    if probe and options["probe_tail"]:  # the probe computes the question's tail alone
+        probe = tail_rows(np.asarray(kinds)).size
     cached = len(kinds) - uncached - lead - keep
     funnel = (early - keep) * options["early_layers"]
     probed = probe * options["probe_layers"]
@@ -189,6 +196,21 @@ def ranked_candidates(score: torch.Tensor, candidates: np.ndarray, count: int) -
     return rows[torch.topk(score[rows], min(count, rows.numel()), sorted=True).indices]
 
 
+def stale_share(
+    scores: torch.Tensor, moved: np.ndarray, candidates: np.ndarray, ranked: torch.Tensor,
+    keep: int,
+) -> torch.Tensor:  # fmt: skip
+    """Return the share of the probe's scores of the moved rows left stale (on the device).
+
+    ``ranked``: the chosen candidates, best first, of which the first ``keep`` are recomputed
+    through every layer.
+    """
+    device = scores.device
+    total = scores[to_device(moved, device)].sum()
+    stale = scores[to_device(candidates, device)].sum() - scores[ranked[:keep]].sum()
+    return stale / total.clamp(min=1e-30)
+
+
 class AttentionSelector(Selector):
     """Recompute the moved tokens the probe's tail attention ranks first.
 
@@ -244,6 +266,18 @@ class AttentionSelector(Selector):
             "recomputed (1: never)",
         ),
         "correction": CORRECTION,
+        "probe_tail": Setting(
+            False,
+            flag,
+            "the probe computes only the question's tail (the text after the last document); "
+            "the text between documents is left out of its attention",
+        ),
+        "guard": Setting(
+            GUARD_TOLERANCE,
+            tolerance,
+            "how far (total variation) the blend may move the next-token distribution from "
+            "the cached prompt's before the prompt is computed in full (None: no guard)",
+        ),
     }
     refine_reads_cache = False  # the funnel narrows to rows chosen before the loop
 
@@ -280,17 +314,24 @@ class AttentionSelector(Selector):
         if not budget.probe:  # nothing to rank (no row, or every row, early; none later)
             computed[candidates[: budget.early]] = True
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
-        probe_rows = np.flatnonzero(uncached)
-        observer = TailAttention(context.decoder, probe_rows, tail_rows(kinds), kinds.size)
+        tail = tail_rows(kinds)
+        probe_rows = tail if self.options["probe_tail"] else np.flatnonzero(uncached)
+        observer = TailAttention(context.decoder, probe_rows, tail, kinds.size)
         num_layers = context.decoder.shape.num_layers
         layers = probe_layer_count(self.options["probe_layers"], num_layers)
+        guarded = self.guard_tolerance is not None and layers == num_layers
         start = context.run_pass(
-            torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None
-        )
+            torch.from_numpy(probe_rows), observer, layers if layers < num_layers else None,
+            logits=guarded,
+        )  # fmt: skip
         # summed over every tensor-parallel rank's heads, so every rank picks the same rows
         self.scores = scores = context.decoder.reduce_scores(observer.scores)
         # the chosen rows, best first, stay on the device: no read-back
         ranked = ranked_candidates(scores, candidates, budget.early)
+        if guarded:  # the probe's answer, and the question's reading left stale
+            assert start.logits is not None
+            self.guard_inputs = (start.logits, stale_share(scores, moved, candidates, ranked,
+                                                           budget.keep))  # fmt: skip
         base = np.flatnonzero(computed)
         rows = chosen_rows(base, ranked, candidates, context.decoder.device)
         layers = early_layer_count(self.options["early_layers"], num_layers)

@@ -46,6 +46,24 @@ def ratio(name: str, value: Any) -> float:
     return float(value) if isinstance(value, int) else value
 
 
+def flag(name: str, value: Any) -> bool:
+    """Check a yes/no setting: a bool, or 0 / 1 (as ``--set NAME=1`` gives it)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"{name} must be True or False (or 1 / 0), got {value!r}")
+
+
+def tolerance(name: str, value: Any) -> float | None:
+    """Check a guard tolerance: a number >= 0 (``inf``: signals only), or None / "off"."""
+    if value is None or (isinstance(value, str) and value.lower() in ("off", "none")):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ValueError(f"{name} must be a number >= 0 or None (off), got {value!r}")
+    return float(value)
+
+
 def non_negative_int(name: str, value: Any) -> int:
     """Check that ``value`` is an int >= 0."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -196,9 +214,18 @@ class Selector:
     reads_cache: ClassVar[bool] = True  # False: the prefill needs no cached KV at all
     refine_layers: frozenset[int] = frozenset()
     refine_reads_cache: ClassVar[bool] = True  # False: `refine` ignores ``cached``
+    #: What the guard compares the blend with, set by `select` when the guard is on (device
+    #: tensors: the probe's next-token logits and the share of its scores on stale rows).
+    guard_inputs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def __init__(self, settings: Mapping[str, Any]) -> None:
         self.options = dict(settings)
+
+    @property
+    def guard_tolerance(self) -> float | None:
+        """The guard's tolerance (None: no guard, or a strategy without one)."""
+        value = self.options.get("guard")
+        return None if value is None else float(value)
 
     @property
     def correction(self) -> float:

@@ -80,7 +80,10 @@ class TailAttention:
         self.decoder = decoder
         device = decoder.device
         local = np.searchsorted(computed, tail)  # the tail among the computed rows
-        self.local = to_device(local, device)
+        # None: the computed rows are the tail (a probe of the tail alone), nothing to select but
+        # the rows before a compiled loop's padding
+        self.local = None if local.size == computed.size else to_device(local, device)
+        self.rows = int(local.size)
         kv_heads = decoder.shape.num_kv_heads
         self.by_head = torch.zeros(kv_heads, total, device=device, dtype=torch.float32)
         groups = decoder.shape.num_heads // kv_heads
@@ -99,7 +102,10 @@ class TailAttention:
         self, layer: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Add this layer's tail attention to the scores."""
-        tail_queries = queries.index_select(1, self.local)
+        if self.local is None:  # a view: the rows past the tail are a bucket's padding
+            tail_queries = queries.narrow(1, 0, self.rows)
+        else:
+            tail_queries = queries.index_select(1, self.local)
         mask = self.masks[self.decoder.windows[layer]]
         weights = tail_weights(self.decoder, tail_queries, keys, mask)
         norms = torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
