@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+from langchain_core.language_models import LangSmithParams
 from langchain_core.messages.ai import InputTokenDetails, OutputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -55,6 +56,9 @@ class BlendSettings(EngineHolder, BaseModel):
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    #: What LangSmith's run metadata calls the model: a chat model or a completion LLM.
+    LS_MODEL_TYPE: ClassVar[Literal["chat", "llm"]] = "llm"
 
     engine: BlendEngine | None = Field(default=None, exclude=True)
     """A ready `BlendEngine` to use (share one between the LLM and `BlendRetriever`).
@@ -192,6 +196,27 @@ class BlendSettings(EngineHolder, BaseModel):
         engine = lazy_engine(self)
         check_window_fits(type(self).__name__, self.context_window, engine)
         return engine
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.model_name,
+            "max_tokens": self.max_new_tokens or self.max_tokens,
+            "temperature": self.temperature,
+            "blend_config": self.blend_config,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(
+            ls_provider="kvblend",
+            ls_model_name=str(kwargs.get("model") or self.model_name),
+            ls_model_type=self.LS_MODEL_TYPE,
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_new_tokens or self.max_tokens),
+        )
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` by the engine's own tokenizer (loads the model).

@@ -11,7 +11,7 @@ from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     CallbackManagerForLLMRun,
 )
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel
 from langchain_core.language_models.base import LanguageModelInput
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
@@ -40,30 +40,11 @@ class ChatBlend(BlendSettings, BaseChatModel):
             chat.invoke([("system", "Be brief."), ("human", "Context: ...\nQuestion: ...")])
     """
 
+    LS_MODEL_TYPE = "chat"
+
     @property
     def _llm_type(self) -> str:
         return "kvblend-chat"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "max_tokens": self.max_new_tokens or self.max_tokens,
-            "temperature": self.temperature,
-            "blend_config": self.blend_config,
-        }
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="kvblend",
-            ls_model_name=str(kwargs.get("model") or self.model_name),
-            ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_new_tokens or self.max_tokens),
-        )
-        if stop or self.stop:
-            params["ls_stop"] = stop or self.stop
-        return params
 
     def get_num_tokens_from_messages(
         self, messages: list[BaseMessage], tools: Sequence[Any] | None = None

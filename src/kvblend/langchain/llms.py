@@ -7,7 +7,7 @@ from functools import partial
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.language_models import BaseLLM
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
 from kvblend.integrations.background import iterate_in_thread, run_in_thread
@@ -39,27 +39,6 @@ class BlendLLM(BlendSettings, BaseLLM):
     @property
     def _llm_type(self) -> str:
         return "kvblend"
-
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.model_name,
-            "max_tokens": self.max_new_tokens or self.max_tokens,
-            "temperature": self.temperature,
-            "blend_config": self.blend_config,
-        }
-
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider="kvblend",
-            ls_model_name=str(kwargs.get("model") or self.model_name),
-            ls_model_type="llm",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_new_tokens or self.max_tokens),
-        )
-        if stop or self.stop:
-            params["ls_stop"] = stop or self.stop
-        return params
 
     def _prompt(self, prompt: str) -> str:
         if not self.chat_template:
