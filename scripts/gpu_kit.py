@@ -167,7 +167,7 @@ def size_mib(folder: Path) -> float:
 
 def run_notes(kit: str) -> str:
     """``RUN.md``: what to run on the GPU machine, in order, within its 10-minute commands."""
-    from kvblend.bench.gpu_suite import PARTS
+    from kvblend.bench.gpu.suite import PARTS
 
     full = "\n".join(
         f'    {SUITE.format(kit=kit)} --steps {steps} --out "$OUT/full{part}"'

@@ -1,7 +1,7 @@
 """A pytest plugin that keeps only the tests with a CUDA path: ``pytest -p cuda_only ...``.
 
 The GPU runs' ``tests`` steps (``tests/`` on ``PYTHONPATH``, so that ``-p cuda_only`` finds it)
-run the test files with CUDA paths (`kvblend.bench.gpu_suite.CUDA_TESTS`) with
+run the test files with CUDA paths (`kvblend.bench.gpu.suite.CUDA_TESTS`) with
 ``--device cuda``; their CPU-only tests ran on the CPU already, so on a GPU machine whose time
 is short this keeps the tests that take the ``compute_device`` fixture (directly or through
 ``device_engine``), that are skipped without CUDA, or whose code names CUDA; the others are

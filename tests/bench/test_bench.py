@@ -10,12 +10,12 @@ import pytest
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.bench import main as bench_main
-from kvblend.bench.qa import QUESTION_TYPES, generate_qa, normalize, score
-from kvblend.bench.quality import kl_divergence, run_quality, summarize
+from kvblend.bench.quality.qa import QUESTION_TYPES, generate_qa, normalize, score
+from kvblend.bench.quality.qa_bench import kl_divergence, run_quality, summarize
+from kvblend.bench.speed.synthetic import synthetic_text
+from kvblend.bench.speed.ttft import run_ttft
+from kvblend.bench.speed.ttft_summary import summarize_ttft
 from kvblend.bench.strategies import all_strategy_names, parse_strategies, strategy
-from kvblend.bench.synthetic import synthetic_text
-from kvblend.bench.ttft import run_ttft
-from kvblend.bench.ttft_summary import summarize_ttft
 from kvblend.store import MemoryKVStore
 
 
@@ -161,7 +161,7 @@ def test_quality_runner_end_to_end(engine, tmp_path):
 
 
 def test_quality_report_shows_agreement_from_the_rows(engine, tmp_path):
-    from kvblend.bench.quality import quality_report
+    from kvblend.bench.quality.qa_bench import quality_report
     from kvblend.bench.report import write_report
 
     items = generate_qa(3, seed=1, docs_per_prompt=(3, 3), styles=("record",))
@@ -208,7 +208,7 @@ def test_ttft_runner_end_to_end(engine, tmp_path):
 
 
 def test_doc_context_settings_name_their_strategy():
-    from kvblend.bench.doc_context import CONFIGS
+    from kvblend.bench.quality.doc_context import CONFIGS
 
     kinds = {"reuse": "reuse", "cb": "cacheblend", "att": "attention", "epic": "epic"}
     for name, config in CONFIGS.items():
@@ -226,7 +226,7 @@ def test_doc_context_settings_name_their_strategy():
 
 
 def test_doc_context_runner_end_to_end(engine, tmp_path):
-    from kvblend.bench.doc_context import run_doc_context
+    from kvblend.bench.quality.doc_context import run_doc_context
 
     items = generate_qa(2, seed=0, docs_per_prompt=(3, 3), styles=("record",))
     out = tmp_path / "doc_context.json"
@@ -248,7 +248,7 @@ def test_doc_context_runner_end_to_end(engine, tmp_path):
 
 
 def test_doc_context_agreement_from_answers_of_older_rows():
-    from kvblend.bench.doc_context import doc_context_table, summarize
+    from kvblend.bench.quality.doc_context import doc_context_table, summarize
 
     def row(qid, context, config, answer, **extra):
         return {"qid": qid, "context": context, "config": config, "correct": True, "kl": 0.0,

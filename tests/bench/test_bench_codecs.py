@@ -14,8 +14,8 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
-from kvblend.bench.codec_quality import KL_MARGIN, codec_engines, codec_summary, transcode
-from kvblend.bench.kv_codecs import bytes_table_rows, entry_files
+from kvblend.bench.quality.codec_quality import KL_MARGIN, codec_engines, codec_summary, transcode
+from kvblend.bench.speed.kv_codecs import bytes_table_rows, entry_files
 from kvblend.store import MemoryKVStore
 
 DOCS = [

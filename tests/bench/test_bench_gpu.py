@@ -20,11 +20,12 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
-from kvblend.bench import decode as bench_decode
-from kvblend.bench import gpu_suite, gpu_suite_summary
 from kvblend.bench.cli import build_parser
-from kvblend.bench.gpu import DEFAULT_LENGTHS, gpu_table, parse_lengths, run_gpu
-from kvblend.bench.ingest import ingest_table, run_ingest
+from kvblend.bench.gpu import decode as bench_decode
+from kvblend.bench.gpu import suite as gpu_suite
+from kvblend.bench.gpu import suite_summary as gpu_suite_summary
+from kvblend.bench.gpu.figures import DEFAULT_LENGTHS, gpu_table, parse_lengths, run_gpu
+from kvblend.bench.speed.ingest import ingest_table, run_ingest
 from kvblend.store import MemoryKVStore
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,7 +98,7 @@ def test_gpu_run_on_the_cpu(engine: BlendEngine, tmp_path: Path) -> None:
 
 def test_random_model_shapes() -> None:
     """The shapes are those of the named models; a tiny one runs a blend end to end."""
-    from kvblend.bench.random_models import MODEL_SHAPES, random_model
+    from kvblend.bench.gpu.random_models import MODEL_SHAPES, random_model
 
     eight = MODEL_SHAPES["llama-8b"]
     assert (eight["num_hidden_layers"], eight["hidden_size"], eight["num_key_value_heads"]) == (
@@ -125,7 +126,7 @@ def test_ingest_runs_every_setting_interleaved(engine: BlendEngine) -> None:
 
 
 def test_a_qwen2_shape_builds_a_qwen2_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvblend.bench.random_models import MODEL_SHAPES, random_model
+    from kvblend.bench.gpu.random_models import MODEL_SHAPES, random_model
 
     qwen = MODEL_SHAPES["qwen2.5-0.5b"]
     assert (qwen["num_hidden_layers"], qwen["hidden_size"], qwen["num_key_value_heads"]) == (
@@ -280,7 +281,7 @@ def test_the_suite_plans_every_step_and_refuses_unknown_steps(
 
 
 def test_a_shape_run_reads_a_tokenizer_folder_alone(tmp_path: Path) -> None:
-    from kvblend.bench.gpu import shape_tokenizer, shaped_engine
+    from kvblend.bench.gpu.figures import shape_tokenizer, shaped_engine
 
     byte_tokenizer().save_pretrained(tmp_path / "tok")
     args = build_parser().parse_args(["gpu", "--device", "cpu", "--dtype", "float32",

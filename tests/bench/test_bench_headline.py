@@ -102,7 +102,8 @@ def test_bench_results_never_go_to_the_recorded_folder_by_default() -> None:
                 assert not str(action.default).startswith(str(RECORDED_DIR)), (name, action)
                 checked += 1
     assert checked >= 8
-    from kvblend.bench import decode, gpu_suite
+    from kvblend.bench.gpu import decode
+    from kvblend.bench.gpu import suite as gpu_suite
 
     assert not str(decode.RESULTS).startswith(str(RECORDED_DIR))
     assert not str(gpu_suite.DEFAULT_OUT).startswith(str(RECORDED_DIR))

@@ -14,8 +14,8 @@ from conftest import byte_tokenizer, tiny_model
 from conftest_langchain import requires_model, requires_rag_stack
 from kvblend import BlendConfig, BlendEngine
 from kvblend.bench import main as bench_main
-from kvblend.bench.compare import PromptItem, evaluate_item, summarize_rows, summary_table
-from kvblend.bench.nq import (
+from kvblend.bench.quality.compare import PromptItem, evaluate_item, summarize_rows, summary_table
+from kvblend.bench.quality.nq import (
     Passage,
     Retriever,
     best_subspan_em,
@@ -25,10 +25,10 @@ from kvblend.bench.nq import (
     nq_segments,
     with_gold,
 )
-from kvblend.bench.qa import generate_qa
-from kvblend.bench.quality import run_quality
-from kvblend.bench.shapes import parse_shapes, qa_items
-from kvblend.bench.stats import paired_stats, paired_table, strategy_stats
+from kvblend.bench.quality.qa import generate_qa
+from kvblend.bench.quality.qa_bench import run_quality
+from kvblend.bench.quality.shapes import parse_shapes, qa_items
+from kvblend.bench.quality.stats import paired_stats, paired_table, strategy_stats
 from kvblend.bench.strategies import parse_strategies
 from kvblend.store import MemoryKVStore
 
@@ -243,7 +243,7 @@ def test_bench_nq_end_to_end_writes_json(nq_file: Path, tmp_path: Path):
 
 def test_bench_plan_times_nq_passages_in_the_papers_prompt(nq_file: Path) -> None:
     """``kvblend bench plan --nq``: the data file's passages are the documents, each found."""
-    from kvblend.bench.planning import planning_line, run_planning, tokenizer_engine
+    from kvblend.bench.speed.planning import planning_line, run_planning, tokenizer_engine
 
     engine = tokenizer_engine(byte_tokenizer())
     result = run_planning(engine, prompt_tokens=300, doc_tokens=0, repeats=2, nq=nq_file)

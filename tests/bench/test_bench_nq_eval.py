@@ -16,10 +16,10 @@ import torch
 from conftest import byte_tokenizer, tiny_model
 from conftest_langchain import requires_rag_stack
 from kvblend import BlendEngine
-from kvblend.bench.baselines import Baseline, BaselineCache
-from kvblend.bench.guard_calibration import at_limit, choose_limit, separation, sweep
-from kvblend.bench.nq import PLACES, gold_place, place_index, with_gold
-from kvblend.bench.nq_eval import (
+from kvblend.bench.quality.baselines import Baseline, BaselineCache
+from kvblend.bench.quality.guard_calibration import at_limit, choose_limit, separation, sweep
+from kvblend.bench.quality.nq import PLACES, gold_place, place_index, with_gold
+from kvblend.bench.quality.nq_eval import (
     RunOptions,
     agree,
     decided_table,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvblend.bench.cli import build_parser
-from kvblend.bench.ops import (
+from kvblend.bench.speed.ops import (
     byte_engine,
     count_prefill,
     ops_table,
@@ -177,7 +177,7 @@ def test_a_cancelled_async_request_stops_within_one_layer(
 
 def test_bench_plan_times_the_tokenizer_and_the_plan() -> None:
     from conftest import byte_tokenizer
-    from kvblend.bench.planning import planning_line, run_planning, tokenizer_engine
+    from kvblend.bench.speed.planning import planning_line, run_planning, tokenizer_engine
 
     engine = tokenizer_engine(byte_tokenizer())
     result = run_planning(engine, prompt_tokens=600, doc_tokens=150, repeats=2)

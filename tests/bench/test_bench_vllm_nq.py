@@ -12,9 +12,8 @@ import pytest
 from conftest import byte_tokenizer, tiny_model
 from conftest_langchain import requires_rag_stack
 from kvblend import BlendEngine
-from kvblend.bench import vllm_server
-from kvblend.bench.compare import PromptItem
-from kvblend.bench.nq import (
+from kvblend.bench.quality.compare import PromptItem
+from kvblend.bench.quality.nq import (
     Passage,
     Retriever,
     best_subspan_em,
@@ -25,7 +24,8 @@ from kvblend.bench.nq import (
     run_nq,
     write_prompts,
 )
-from kvblend.bench.vllm_nq import PAIRS, ask, prompt_text, summarize_nq, vllm_nq_table
+from kvblend.bench.vllm import server as vllm_server
+from kvblend.bench.vllm.nq import PAIRS, ask, prompt_text, summarize_nq, vllm_nq_table
 from kvblend.store import MemoryKVStore
 
 

@@ -23,15 +23,16 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_kit  # noqa: E402
 
-from kvblend.bench import gpu_suite  # noqa: E402
+from kvblend.bench.gpu import suite as gpu_suite  # noqa: E402
 
 #: Modules the GPU suite's steps import (``cuda_only``: the pytest plugin in ``tests/``).
 MODULES = (
     "kvblend", "kvblend.engine", "kvblend.store", "kvblend.cli.main", "kvblend.bench.cli",
-    "kvblend.bench.gpu", "kvblend.bench.ttft", "kvblend.bench.ingest", "kvblend.cli.args",
-    "kvblend.bench.random_models", "kvblend.models.loading", "kvblend.prompt.splice",
-    "kvblend.bench.gpu_suite", "kvblend.bench.gpu_suite_summary", "kvblend.bench.decode",
-    "kvblend.bench.gpu_run",
+    "kvblend.bench.gpu.figures", "kvblend.bench.speed.ttft", "kvblend.bench.speed.ingest",
+    "kvblend.cli.args",
+    "kvblend.bench.gpu.random_models", "kvblend.models.loading", "kvblend.prompt.splice",
+    "kvblend.bench.gpu.suite", "kvblend.bench.gpu.suite_summary", "kvblend.bench.gpu.decode",
+    "kvblend.bench.gpu.run",
     "cuda_only",
 )  # fmt: skip
 

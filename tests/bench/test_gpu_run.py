@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import byte_tokenizer
-from kvblend.bench.gpu_run import OUTPUTS, PHASES
+from kvblend.bench.gpu.run import OUTPUTS, PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_run.sh"
@@ -120,7 +120,7 @@ def test_a_phase_cut_short_leaves_a_partial_summary(
 
 
 def test_the_summary_reads_each_phase_status(tmp_path: Path) -> None:
-    from kvblend.bench.gpu_suite_summary import read_phases, summarize
+    from kvblend.bench.gpu.suite_summary import read_phases, summarize
 
     (tmp_path / "phases.txt").write_text(
         "env rc=0 3s limit 20s\nqwen rc=124 60s limit 60s\ntests rc=1 40s limit 70s\n"

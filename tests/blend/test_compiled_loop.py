@@ -19,7 +19,7 @@ from torch._inductor.exc import LoweringException
 
 from conftest import TOY_BLEND_SETTINGS, make_tiny_engine
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.bench.ops import byte_engine, rag_prompt, random_documents
+from kvblend.bench.speed.ops import byte_engine, rag_prompt, random_documents
 from kvblend.blend import compiled as compiled_loop
 from kvblend.blend import flex
 from kvblend.blend.attention import attention_mask, sdpa

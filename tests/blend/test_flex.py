@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from kvblend import BlendConfig, Segment
-from kvblend.bench.ops import byte_engine, random_documents
+from kvblend.bench.speed.ops import byte_engine, random_documents
 from kvblend.blend import flex
 from kvblend.blend.flex import BLOCK, MIN_KEYS, key_bucket, query_bucket
 

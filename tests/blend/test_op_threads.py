@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from kvblend import BlendConfig
-from kvblend.bench.ops import byte_engine, rag_prompt, random_documents
+from kvblend.bench.speed.ops import byte_engine, rag_prompt, random_documents
 from kvblend.blend import threads
 
 

@@ -244,7 +244,7 @@ def test_codes_are_decoded_by_a_few_ops_per_document_and_no_sync(
     """Counted as `kvblend bench ops` counts them: on the CPU every layer is one group, and a
     document's codes cost two ops as the entry is opened (its scales widened once) and two
     (8-bit) or four (4-bit: two per half) per K or V as they are placed; no host sync."""
-    from kvblend.bench.ops import byte_engine, count_prefill, rag_prompt, random_documents
+    from kvblend.bench.speed.ops import byte_engine, count_prefill, rag_prompt, random_documents
 
     documents = random_documents(3, 64, seed=1)
     counted = {}

@@ -16,7 +16,7 @@ vLLM environment (``.venv-vllm``, `scripts/install_vllm.sh`), and runs every pro
 - requests cancelled while (or after) the connector blends them leave blocks that later
   requests reuse with vanilla vLLM's answers, and requests preempted after their blend answer
   as vanilla vLLM, their record kept and their preemption counted;
-- vLLM's metrics (``LLM.get_metrics``) count the bench's prompts (`kvblend.bench.vllm`) as
+- vLLM's metrics (``LLM.get_metrics``) count the bench's prompts (`kvblend.bench.vllm.speed`) as
   their records say, and the counts add up;
 - a third engine, its connector set to the ``int8`` KV codec over the same store (entries this
   process stored in int8 beside the full-precision ones), reuses the bench's documents and
@@ -119,7 +119,7 @@ def _prompts(engine: Any) -> dict[str, list[str]]:
 
     # `kvblend bench vllm`'s prompts at 0.5K and 1K tokens (documents in another order than
     # stored); their documents are precomputed with the others
-    from kvblend.bench.vllm import build_jobs
+    from kvblend.bench.vllm.speed import build_jobs
 
     ttft, _, bench_documents = build_jobs(engine, (512, 1024), 1, 256, 256)
     bench = [item["prompt"] for item in ttft]

@@ -1,7 +1,7 @@
 """``kvblend bench`` subcommands, one per benchmark.
 
 The benchmarks with options of their own (`SCRIPTS`) are their modules' ``main``:
-``kvblend bench decode ARGS`` is ``python -m kvblend.bench.decode ARGS``.
+``kvblend bench decode ARGS`` is ``python -m kvblend.bench.gpu.decode ARGS``.
 """
 
 from __future__ import annotations
@@ -31,18 +31,24 @@ from kvblend.bench.commands import (
 
 #: Benchmarks that parse their own options: the subcommand, its module and what it measures.
 SCRIPTS = {
-    "batch": ("kvblend.bench.batch", "requests/s of batched requests vs one by one"),
-    "decode": ("kvblend.bench.decode", "decode tokens/s from the static vs the dynamic cache"),
-    "entry-check": ("kvblend.bench.entry_check", "what checking a stored entry costs (no model)"),
-    "threads": ("kvblend.bench.threads", "TTFT by torch thread count on a busy CPU"),
-    "gpu-tier": ("kvblend.bench.gpu_tier", "TTFT from a host vs a GPU memory tier (CUDA)"),
-    "gpu-suite": ("kvblend.bench.gpu_suite", "every GPU figure owed, a process per step (CUDA)"),
+    "batch": ("kvblend.bench.speed.batch", "requests/s of batched requests vs one by one"),
+    "decode": ("kvblend.bench.gpu.decode", "decode tokens/s from the static vs the dynamic cache"),
+    "entry-check": (
+        "kvblend.bench.speed.entry_check",
+        "what checking a stored entry costs (no model)",
+    ),
+    "threads": ("kvblend.bench.speed.threads", "TTFT by torch thread count on a busy CPU"),
+    "gpu-tier": ("kvblend.bench.gpu.tier", "TTFT from a host vs a GPU memory tier (CUDA)"),
+    "gpu-suite": ("kvblend.bench.gpu.suite", "every GPU figure owed, a process per step (CUDA)"),
     "codecs": (
-        "kvblend.bench.kv_codecs",
+        "kvblend.bench.speed.kv_codecs",
         "bytes, precompute/read speed per tier, TTFT per KV codec",
     ),
-    "codec-quality": ("kvblend.bench.codec_quality", "accuracy and KL of every KV codec"),
-    "guard": ("kvblend.bench.guard_calibration", "guard signals vs answers unlike full's, limits"),
+    "codec-quality": ("kvblend.bench.quality.codec_quality", "accuracy and KL of every KV codec"),
+    "guard": (
+        "kvblend.bench.quality.guard_calibration",
+        "guard signals vs answers unlike full's, limits",
+    ),
 }
 
 
@@ -118,21 +124,21 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--output", default=str(RESULTS_DIR / "precompute.json"))
     ingest.set_defaults(func=cmd_ingest)
 
-    from kvblend.bench.gpu import add_gpu_arguments
+    from kvblend.bench.gpu.figures import add_gpu_arguments
 
     gpu = sub.add_parser("gpu", help="TTFT, decode, peak memory and ingestion on a GPU in bf16")
     model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
 
-    from kvblend.bench.planning import add_plan_arguments
+    from kvblend.bench.speed.planning import add_plan_arguments
 
     plan = sub.add_parser("plan", help="tokenizing and matching a string prompt vs the tokenizer")
     model_options(plan)
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
-    from kvblend.bench.ops import add_ops_arguments, cmd_ops
+    from kvblend.bench.speed.ops import add_ops_arguments, cmd_ops
 
     ops = sub.add_parser("ops", help="aten ops per layer and host syncs of a prefill (CPU)")
     add_ops_arguments(ops)

@@ -2,9 +2,9 @@
 
 Every ``cmd_*`` takes the parsed arguments of its subcommand (`kvblend.bench.cli.build_parser`),
 loads the engine the way the docs tell users to (`_engine`), runs the benchmark of its module
-(``kvblend.bench.ttft``, ``quality``, ``nq``...) and writes the result as JSON, with the machine
-it ran on and the command that ran it, and as a Markdown table beside it (`_write`), which it
-also prints.
+(``kvblend.bench.speed.ttft``, ``quality.qa_bench``, ``quality.nq``...) and writes the result
+as JSON, with the machine it ran on and the command that ran it, and as a Markdown table beside
+it (`_write`), which it also prints.
 
 Results go to `RESULTS_DIR`: ``$KVBLEND_BENCH_DIR``, else ``kvblend-bench/`` in the current
 folder, so a run from a clone never overwrites the results the project records in
@@ -114,9 +114,9 @@ def _write(result: dict[str, Any], path: Path, table: str) -> None:
 
 def cmd_ttft(args: argparse.Namespace) -> None:
     """Time every strategy at every prompt length."""
+    from kvblend.bench.speed.ttft import SYSTEM, run_ttft
+    from kvblend.bench.speed.ttft_summary import ttft_table
     from kvblend.bench.strategies import parse_strategies
-    from kvblend.bench.ttft import SYSTEM, run_ttft
-    from kvblend.bench.ttft_summary import ttft_table
 
     strategies = parse_strategies(args.strategies)
     engine = _engine(args, SYSTEM)
@@ -145,9 +145,9 @@ def default_name() -> str:
 
 def cmd_figures(args: argparse.Namespace) -> None:
     """Print the figures: 8 x 512-token documents, cacheblend 0.15 and the default vs full."""
+    from kvblend.bench.speed.ttft import SYSTEM, run_ttft
+    from kvblend.bench.speed.ttft_summary import ttft_table
     from kvblend.bench.strategies import parse_strategies
-    from kvblend.bench.ttft import SYSTEM, run_ttft
-    from kvblend.bench.ttft_summary import ttft_table
 
     engine = _engine(args, SYSTEM)
     result = run_ttft(
@@ -187,9 +187,9 @@ def cmd_figures(args: argparse.Namespace) -> None:
 
 def cmd_quality(args: argparse.Namespace) -> None:
     """Accuracy and fidelity of every strategy on the generated QA task."""
-    from kvblend.bench.qa import SYSTEM_PROMPT, generate_qa
-    from kvblend.bench.quality import quality_report, run_quality
-    from kvblend.bench.stats import paired_table, strategy_stats
+    from kvblend.bench.quality.qa import SYSTEM_PROMPT, generate_qa
+    from kvblend.bench.quality.qa_bench import quality_report, run_quality
+    from kvblend.bench.quality.stats import paired_table, strategy_stats
     from kvblend.bench.strategies import parse_strategies
     from kvblend.blend.config import BlendConfig
 
@@ -217,8 +217,8 @@ def cmd_quality(args: argparse.Namespace) -> None:
 
 def cmd_ingest(args: argparse.Namespace) -> None:
     """Documents/s of precompute, one by one vs batched."""
-    from kvblend.bench.ingest import ingest_table, run_ingest
-    from kvblend.bench.ttft import SYSTEM
+    from kvblend.bench.speed.ingest import ingest_table, run_ingest
+    from kvblend.bench.speed.ttft import SYSTEM
 
     engine = _engine(args, SYSTEM)
     result = run_ingest(
@@ -232,8 +232,8 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
 def cmd_gpu(args: argparse.Namespace) -> None:
     """TTFT, decode speed, peak memory and ingestion on one device (a GPU, or a CPU smoke run)."""
-    from kvblend.bench.gpu import gpu_table, run_gpu, shaped_engine
-    from kvblend.bench.ttft import SYSTEM
+    from kvblend.bench.gpu.figures import gpu_table, run_gpu, shaped_engine
+    from kvblend.bench.speed.ttft import SYSTEM
 
     engine = shaped_engine(args) if args.model_shape else _engine(args, SYSTEM)
     result = run_gpu(engine, args)
@@ -243,7 +243,7 @@ def cmd_gpu(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> None:
     """Time tokenizing and matching a string prompt against the tokenizer alone."""
-    from kvblend.bench.planning import planning_line, run_planning, tokenizer_engine
+    from kvblend.bench.speed.planning import planning_line, run_planning, tokenizer_engine
     from kvblend.models.loading import load_model, resolve_model
 
     if args.threads:
@@ -264,7 +264,7 @@ def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
     ``auto``: the engine's defaults (not told the prompts' head); ``head``: told it; ``both``;
     ``bos``: documents behind BOS alone.
     """
-    from kvblend.bench.compare import engines_for
+    from kvblend.bench.quality.compare import engines_for
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
     base = _engine(args, DEFAULT_SYSTEM_PROMPT)
@@ -280,9 +280,14 @@ def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 
 def cmd_nq(args: argparse.Namespace) -> None:
     """Every strategy on NQ-open questions over retrieved Wikipedia passages (resumable)."""
-    from kvblend.bench.baselines import BaselineCache
-    from kvblend.bench.nq import load_nq, nq_head, run_nq
-    from kvblend.bench.nq_eval import RunOptions, decided_table, run_decided, split_questions
+    from kvblend.bench.quality.baselines import BaselineCache
+    from kvblend.bench.quality.nq import load_nq, nq_head, run_nq
+    from kvblend.bench.quality.nq_eval import (
+        RunOptions,
+        decided_table,
+        run_decided,
+        split_questions,
+    )
     from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
@@ -328,8 +333,8 @@ def cmd_nq(args: argparse.Namespace) -> None:
 
 def cmd_shapes(args: argparse.Namespace) -> None:
     """Every strategy on every prompt shape, engines told and not told the prompt head."""
-    from kvblend.bench.compare import summary_table
-    from kvblend.bench.shapes import parse_shapes, run_shapes
+    from kvblend.bench.quality.compare import summary_table
+    from kvblend.bench.quality.shapes import parse_shapes, run_shapes
     from kvblend.bench.strategies import parse_strategies
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
@@ -359,7 +364,7 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 def cmd_registry(args: argparse.Namespace) -> None:
     """Search cost of the document registry at several registry sizes."""
-    from kvblend.bench.registry import registry_table, run_registry
+    from kvblend.bench.speed.registry import registry_table, run_registry
 
     counts = tuple(int(x) for x in args.counts.split(","))
     result = run_registry(counts, docs_in_prompt=args.docs_in_prompt, repeats=args.repeats)
@@ -370,8 +375,12 @@ def cmd_registry(args: argparse.Namespace) -> None:
 
 def cmd_doc_context(args: argparse.Namespace) -> None:
     """Blend settings with documents precomputed behind BOS, the prompt head or the chat head."""
-    from kvblend.bench.doc_context import doc_context_items, doc_context_table, run_doc_context
-    from kvblend.bench.qa import SYSTEM_PROMPT
+    from kvblend.bench.quality.doc_context import (
+        doc_context_items,
+        doc_context_table,
+        run_doc_context,
+    )
+    from kvblend.bench.quality.qa import SYSTEM_PROMPT
 
     engine = _engine(args, SYSTEM_PROMPT)
     items = doc_context_items(args.questions, seed=args.seed)
@@ -384,8 +393,8 @@ def cmd_doc_context(args: argparse.Namespace) -> None:
 
 def cmd_redis_ttft(args: argparse.Namespace) -> None:
     """TTFT with documents from memory, a cold disk and Redis; four-process Redis throughput."""
-    from kvblend.bench.redis_ttft import redis_server, redis_table, run_redis_ttft
-    from kvblend.bench.ttft import SYSTEM
+    from kvblend.bench.speed.redis_ttft import redis_server, redis_table, run_redis_ttft
+    from kvblend.bench.speed.ttft import SYSTEM
 
     with redis_server(args.redis_url) as url:
         engine = _engine(args, SYSTEM)
@@ -407,10 +416,10 @@ def _vllm_machine() -> dict[str, Any]:
 
 def cmd_vllm(args: argparse.Namespace) -> None:
     """TTFT and requests/s of vLLM with kvblend's connector against vanilla vLLM (or ``--nq``)."""
-    from kvblend.bench.vllm import run_vllm_bench, vllm_table
+    from kvblend.bench.vllm.speed import run_vllm_bench, vllm_table
 
     if args.nq:
-        from kvblend.bench.vllm_nq import run_vllm_nq, vllm_nq_table
+        from kvblend.bench.vllm.nq import run_vllm_nq, vllm_nq_table
 
         output = Path(args.output or RESULTS_DIR / "vllm_nq.json")
         result = run_vllm_nq(

@@ -7,8 +7,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.quality import quality_report, summarize
-from kvblend.bench.ttft_summary import ttft_table
+from kvblend.bench.quality.qa_bench import quality_report, summarize
+from kvblend.bench.speed.ttft_summary import ttft_table
 
 _CORRECTION_SUFFIX = re.compile(r"-c[0-9.]+$")
 

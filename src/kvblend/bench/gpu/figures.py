@@ -15,7 +15,7 @@ The baselines are transformers' own, as users call them: its forward over the sa
 (``model(input_ids, logits_to_keep=1)``, SDPA attention) and ``generate`` up to the first token,
 each from the prompt string (``tokenizer(prompt)`` timed) and from its token ids
 (`run_transformers`). ``--model-shape llama-1b`` / ``llama-8b`` replaces the model by one of
-that shape with random weights (`kvblend.bench.random_models`): timing needs no trained weights.
+that shape with random weights (`kvblend.bench.gpu.random_models`): timing needs no trained weights.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from kvblend.bench.commands import RESULTS_DIR
-from kvblend.bench.ingest import ingest_table, run_ingest
-from kvblend.bench.random_models import MODEL_SHAPES
+from kvblend.bench.gpu.random_models import MODEL_SHAPES
+from kvblend.bench.speed.ingest import ingest_table, run_ingest
+from kvblend.bench.speed.ttft import QUESTION, SYSTEM, build_documents, run_ttft
+from kvblend.bench.speed.ttft_summary import ttft_table
 from kvblend.bench.strategies import parse_strategies
-from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, run_ttft
-from kvblend.bench.ttft_summary import ttft_table
 from kvblend.engine.engine import BlendEngine
 
 DEFAULT_LENGTHS = "4096,8192,16384,32000"
@@ -74,7 +74,7 @@ def shaped_engine(args: argparse.Namespace) -> BlendEngine:
 
     With ``--tokenizer FOLDER`` the tokenizer is read from that folder alone (no model loaded).
     """
-    from kvblend.bench.random_models import random_model
+    from kvblend.bench.gpu.random_models import random_model
     from kvblend.cli.args import check_device
     from kvblend.models.loading import resolve_device, resolve_dtype
     from kvblend.store import MemoryKVStore

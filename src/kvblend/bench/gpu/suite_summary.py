@@ -1,6 +1,6 @@
 """The GPU suite's summary: the GPU targets checked against the suite's result files.
 
-`summarize(folders, lengths)` reads what `gpu_suite.py` wrote into one or more folders (a later
+`summarize(folders, lengths)` reads what `suite.py` wrote into one or more folders (a later
 folder's file replaces an earlier one's of the same name, so the results of two commands can be
 summarized together) and returns the summary: one line per target, "target, measured, met / not
 met / missing", then figures without a target (load time, the probe over a quarter of the
@@ -12,9 +12,10 @@ tokenizer timed), as kvblend's TTFT is from the string; the blends' targets are 
 the documents in each tier `kvblend bench gpu` times: the GPU's memory, host memory (pinned)
 and a cold disk.
 
-The field names are those of their writers: ``kvblend bench gpu`` (`kvblend.bench.gpu.run_gpu`,
-its ``ttft.summary`` from `kvblend.bench.ttft_summary.summarize_ttft` and its ``transformers``
-rows) and ``kvblend bench decode`` (``meta``, ``rows``). Usage, without running anything::
+The field names are those of their writers: ``kvblend bench gpu``
+(`kvblend.bench.gpu.figures.run_gpu`, its ``ttft.summary`` from
+`kvblend.bench.speed.ttft_summary.summarize_ttft` and its ``transformers`` rows) and ``kvblend
+bench decode`` (``meta``, ``rows``). Usage, without running anything::
 
     kvblend bench gpu-suite --summarize DIR [DIR ...] [--out DIR]
 """
@@ -45,7 +46,7 @@ RATIO_TARGETS = (
 )
 FULL_WITHIN = 1.1  # kvblend's full prefill / transformers' forward
 PROBE = "default+probe_layers=0.25"
-#: Where the documents' KV is read from, as `kvblend.bench.ttft` names the stores.
+#: Where the documents' KV is read from, as `kvblend.bench.speed.ttft` names the stores.
 TIERS = ("memory", "host", "disk")
 FORWARD = "transformers-forward-text"  # the baseline: from the prompt string
 

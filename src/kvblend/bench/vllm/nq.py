@@ -1,6 +1,6 @@
 """``kvblend bench vllm --nq``: the NQ benchmark's prompts through vLLM, paired with the engine.
 
-The prompts are those `kvblend bench nq --write-prompts FILE` builds (`kvblend.bench.nq`:
+The prompts are those `kvblend bench nq --write-prompts FILE` builds (`kvblend.bench.quality.nq`:
 retrieved passages, labels computed, passages cached), read back with `nq.read_prompts`, so
 the questions, passages and prompt strings are exactly the engine benchmark's. This process
 precomputes every passage into a store folder with an engine left at its defaults (as
@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.compare import PromptItem, elapsed, evaluate_item, warm_up
-from kvblend.bench.quality import STOP
-from kvblend.bench.stats import paired_stats
+from kvblend.bench.quality.compare import PromptItem, elapsed, evaluate_item, warm_up
+from kvblend.bench.quality.qa_bench import STOP
+from kvblend.bench.quality.stats import paired_stats
 
 __all__ = ["PAIRS", "SYSTEMS", "ask", "run_vllm_nq", "summarize_nq", "vllm_nq_table"]
 
@@ -61,7 +61,7 @@ def ask(url: str, item: PromptItem, max_new_tokens: int) -> dict[str, Any]:
     Returns the answer (stripped, as the engine's), whether it is right, the prompt and cached
     token counts of the usage, and the connector's report (None from vanilla vLLM).
     """
-    from kvblend.bench.vllm_server import complete
+    from kvblend.bench.vllm.server import complete
 
     extra = {"stop": list(STOP), "ignore_eos": False}
     response = complete(url, prompt_text(item), max_new_tokens, extra)
@@ -79,7 +79,7 @@ def ask(url: str, item: PromptItem, max_new_tokens: int) -> dict[str, Any]:
 
 def _warmup(engine: Any) -> str:
     """Return a prompt of the benchmark's shape over a passage that no question has."""
-    from kvblend.bench.nq import Passage, nq_segments
+    from kvblend.bench.quality.nq import Passage, nq_segments
 
     passage = Passage("Warm-up", "A short warm-up passage.")
     return "".join(s.text for s in nq_segments(engine.tokenizer, "warm up", [passage]))
@@ -102,9 +102,9 @@ def run_vllm_nq(
     output: Path | None = None,
 ) -> dict[str, Any]:
     """Ask every prompt of ``prompts`` (the first ``questions``; 0: all) of the four systems."""
-    from kvblend.bench.nq import read_prompts, write_json
+    from kvblend.bench.quality.nq import read_prompts, write_json
     from kvblend.bench.strategies import parse_strategies
-    from kvblend.bench.vllm import bench_engine, log_line, serving
+    from kvblend.bench.vllm.speed import bench_engine, log_line, serving
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
     items = read_prompts(prompts)

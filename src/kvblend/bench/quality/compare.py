@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvblend.bench.quality import STOP, kl_divergence
-from kvblend.bench.stats import strategy_stats
+from kvblend.bench.quality.qa_bench import STOP, kl_divergence
+from kvblend.bench.quality.stats import strategy_stats
 from kvblend.bench.strategies import Strategy
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
@@ -149,8 +149,8 @@ def summarize_rows(
 ) -> list[dict[str, Any]]:
     """Summarize each group (e.g. head) and strategy against full prefill.
 
-    Paired statistics (`kvblend.bench.stats`), mean compute fraction and the TTFT ratio (total
-    strategy TTFT over total full-prefill TTFT on the same questions).
+    Paired statistics (`kvblend.bench.quality.stats`), mean compute fraction and the TTFT ratio
+    (total strategy TTFT over total full-prefill TTFT on the same questions).
     """
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:
@@ -217,7 +217,7 @@ def run_items(
 
 def summary_table(summary: Sequence[dict[str, Any]], keys: Sequence[str] = ("head",)) -> str:
     """Markdown table of `summarize_rows` output, one row per group and strategy."""
-    from kvblend.bench.stats import format_ci
+    from kvblend.bench.quality.stats import format_ci
 
     head = " | ".join(keys)
     lines = [

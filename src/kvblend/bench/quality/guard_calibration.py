@@ -1,6 +1,6 @@
 """Which guard signal predicts a blended answer that differs from full prefill's, and at what limit.
 
-Input: the rows of a `kvblend bench nq` run (`kvblend.bench.nq_eval`) of a strategy run with
+Input: the rows of a `kvblend bench nq` run (`kvblend.bench.quality.nq_eval`) of a strategy run with
 ``guard=inf`` (every signal measured, nothing escalated) on calibration questions. For every
 signal of `kvblend.blend.guard.GUARD_SIGNALS` and limit, the guard would escalate the questions
 whose signal is above the limit; escalated questions get full prefill's answer (the escalation

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
+from kvblend.bench.speed.ttft import QUESTION, SYSTEM, ColdDisk, build_documents, time_prefill
 from kvblend.bench.strategies import strategy
-from kvblend.bench.ttft import QUESTION, SYSTEM, ColdDisk, build_documents, time_prefill
 from kvblend.engine.engine import BlendEngine
 from kvblend.store import MemoryKVStore, RedisKVStore, RemoteTieredKVStore
 

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvblend import BlendConfig, BlendEngine
-from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents
+from kvblend.bench.speed.ttft import QUESTION, SYSTEM, build_documents
 from kvblend.store import MemoryKVStore
 
 STRATEGIES = (("full", BlendConfig("full")), ("reuse", BlendConfig("reuse")),

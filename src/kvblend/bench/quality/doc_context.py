@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.qa import QAItem, generate_qa, score
-from kvblend.bench.quality import STOP, kl_divergence, prompt_segments
+from kvblend.bench.quality.qa import QAItem, generate_qa, score
+from kvblend.bench.quality.qa_bench import STOP, kl_divergence, prompt_segments
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
 from kvblend.store import MemoryKVStore

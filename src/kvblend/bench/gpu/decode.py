@@ -11,7 +11,7 @@ construction included); greedy outputs are checked equal. Writes ``decode.json``
 
 With ``KVBLEND_DECODE_COMPILE=1`` on CUDA the static cache's decode step is compiled (the
 results' ``meta.compiled``); the dynamic cache never is. ``--model-shape NAME`` (a shape of
-`kvblend.bench.random_models`, with ``--tokenizer FOLDER`` or ``--model``'s tokenizer) times
+`kvblend.bench.gpu.random_models`, with ``--tokenizer FOLDER`` or ``--model``'s tokenizer) times
 random weights: speed needs no trained weights, but their near-even logits can break greedy
 ties differently in the two caches, so there unequal outputs are recorded
 (``outputs_equal``), not an error.
@@ -30,9 +30,9 @@ import torch
 
 from kvblend import BlendConfig, BlendEngine
 from kvblend.bench.commands import RESULTS_DIR
-from kvblend.bench.gpu import shape_tokenizer
-from kvblend.bench.random_models import MODEL_SHAPES, random_model
-from kvblend.bench.synthetic import synthetic_text
+from kvblend.bench.gpu.figures import shape_tokenizer
+from kvblend.bench.gpu.random_models import MODEL_SHAPES, random_model
+from kvblend.bench.speed.synthetic import synthetic_text
 from kvblend.decoding.cache import CACHE_ENV, COMPILE_ENV, KINDS
 from kvblend.models.loading import resolve_device, resolve_dtype
 from kvblend.store import MemoryKVStore

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvblend.bench.qa import QUESTION_TYPES, SYSTEM_PROMPT, QAItem, score
+from kvblend.bench.quality.qa import QUESTION_TYPES, SYSTEM_PROMPT, QAItem, score
 from kvblend.bench.strategies import Strategy
 from kvblend.engine.engine import BlendEngine
 from kvblend.prompt.segments import Segment

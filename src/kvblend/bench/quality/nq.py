@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from kvblend.bench.compare import PromptItem
+from kvblend.bench.quality.compare import PromptItem
 from kvblend.engine.engine import BlendEngine
 from kvblend.prompt.segments import Segment
 from kvblend.prompt.templates import chat_head_tail
@@ -355,7 +355,7 @@ def run_nq(
 
     ``prompts_file``: write the prompts to that JSONL file (`write_prompts`) and run nothing.
     """
-    from kvblend.bench.compare import run_items, summarize_rows
+    from kvblend.bench.quality.compare import run_items, summarize_rows
 
     corpus, all_questions = load_nq(data)
     chosen = all_questions[offset : offset + questions]

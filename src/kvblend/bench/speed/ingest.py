@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvblend.bench.synthetic import synthetic_text
+from kvblend.bench.speed.synthetic import synthetic_text
 from kvblend.engine.engine import BlendEngine
 from kvblend.store import MemoryKVStore
 

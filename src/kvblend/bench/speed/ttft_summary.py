@@ -1,6 +1,6 @@
 """The TTFT benchmark's summary: its runs as medians per prompt length, strategy and store.
 
-`summarize_ttft` turns the rows `kvblend.bench.ttft.run_ttft` times (one per repeat, length,
+`summarize_ttft` turns the rows `kvblend.bench.speed.ttft.run_ttft` times (one per repeat, length,
 strategy and store) into medians, with each run's speedup against the full prefill of the same
 repeat and length and the cold-disk (host) runs against the same strategy's memory runs;
 `ttft_table` writes a summary as a Markdown table (the ``ttft``, ``figures`` and ``gpu``

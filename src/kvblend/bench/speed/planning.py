@@ -7,7 +7,7 @@ prove it exact, else the whole text), and locating every document's cached token
 sequence (`plan_prefill`, over memoised per-document layouts). ``kvblend bench plan`` times that
 (`BlendEngine.plan`) against ``tokenizer(prompt)`` on the same chat-formatted RAG prompt,
 documents precomputed, medians of interleaved repeats. The documents are synthetic prose, or
-with ``--nq`` real NQ passages in the "Lost in the Middle" prompt (`kvblend.bench.nq`).
+with ``--nq`` real NQ passages in the "Lost in the Middle" prompt (`kvblend.bench.quality.nq`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.synthetic import synthetic_text
+from kvblend.bench.speed.synthetic import synthetic_text
 from kvblend.engine.engine import BlendEngine
 from kvblend.prompt.splice import splice_rules
 
@@ -65,9 +65,9 @@ def nq_prompt(engine: BlendEngine, path: str | Path, prompt_tokens: int) -> list
     """NQ passages filling about ``prompt_tokens`` in the paper's prompt; the prompt last.
 
     The passages are the data file's first ones, labelled ``Document [i](Title: ...)``, under
-    its first question (`kvblend.bench.nq.nq_segments`).
+    its first question (`kvblend.bench.quality.nq.nq_segments`).
     """
-    from kvblend.bench.nq import load_nq, nq_segments
+    from kvblend.bench.quality.nq import load_nq, nq_segments
 
     corpus, questions = load_nq(path)
     chosen, tokens = [], 0

@@ -6,8 +6,8 @@ told the prompts' exact head (documents precomputed behind it) and with an engin
 defaults. Shapes:
 
 - ``nq-5``, ``nq-10``, ``nq-20``: NQ-open over k retrieved Wikipedia passages (116 tokens
-  on average), labelled ``Document [i](Title: ...)`` (`kvblend.bench.nq`);
-- ``qa``: the project's generated QA task (`kvblend.bench.qa`, 3-5 records and profiles);
+  on average), labelled ``Document [i](Title: ...)`` (`kvblend.bench.quality.nq`);
+- ``qa``: the project's generated QA task (`kvblend.bench.quality.qa`, 3-5 records and profiles);
 - ``records``: the QA generator's one-line records only, 4-6 per prompt (11-16 tokens each);
 - ``long``: NQ with the top 12 passages joined four at a time into three long documents
   (~500 tokens on average, one label per document, the gold passage in one of them).
@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.compare import PromptItem, engines_for, run_items, summarize_rows
-from kvblend.bench.nq import Retriever, load_nq, nq_items, write_json
-from kvblend.bench.qa import SYSTEM_PROMPT, generate_qa, score
-from kvblend.bench.quality import prompt_segments
+from kvblend.bench.quality.compare import PromptItem, engines_for, run_items, summarize_rows
+from kvblend.bench.quality.nq import Retriever, load_nq, nq_items, write_json
+from kvblend.bench.quality.qa import SYSTEM_PROMPT, generate_qa, score
+from kvblend.bench.quality.qa_bench import prompt_segments
 from kvblend.bench.strategies import Strategy
 from kvblend.engine.engine import BlendEngine
 

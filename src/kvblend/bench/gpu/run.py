@@ -2,16 +2,16 @@
 
 A lent GPU machine gives about 15 minutes in all, its start (1-2 minutes) included, in commands
 of at most 10 minutes, and copies back what the command leaves under ``$OUT``. The shell script
-is that one command: it runs each phase here as ``python3 -m kvblend.bench.gpu_run PHASE``
+is that one command: it runs each phase here as ``python3 -m kvblend.bench.gpu.run PHASE``
 under its own time limit (a hang or a crash loses that phase alone), then, after every phase,
-the summary (``python3 -m kvblend.bench.gpu_run summary``) and the archive, so a phase cut
+the summary (``python3 -m kvblend.bench.gpu.run summary``) and the archive, so a phase cut
 short still leaves a partial summary. In order, the figures first:
 
 - ``env``: the GPU, torch, transformers and triton versions;
 - ``llama-8b``, ``qwen``: ``kvblend bench gpu`` at 8K tokens for a model of Llama-3.1-8B's and
   of Qwen2.5-0.5B's shape (random weights): full, the default and ``reuse``, the documents in
   the GPU's memory and in pinned host memory, against transformers' forward and ``generate``;
-- ``tests``: the tests with a CUDA path (`gpu_suite.CUDA_TESTS` but the compiled loop's),
+- ``tests``: the tests with a CUDA path (`suite.CUDA_TESTS` but the compiled loop's),
   ``pytest -p cuda_only --device cuda``;
 - ``compiled``: ``bench gpu`` of the Qwen shape, the default and ``reuse`` eager and through the
   compiled layer loop (``@compiled``: one graph per size bucket for every layer, CUDA graphs),
@@ -37,7 +37,7 @@ from pathlib import Path
 PHASES = ("env", "llama-8b", "qwen", "tests", "compiled", "compiled-tests")
 #: The compiled loop's tests: their own phase, last.
 COMPILED_TESTS = ("tests/blend/test_flex.py", "tests/blend/test_compiled_loop.py")
-#: Result files, by phase (`kvblend.bench.gpu_suite_summary` reads them by these names).
+#: Result files, by phase (`kvblend.bench.gpu.suite_summary` reads them by these names).
 OUTPUTS = {
     "llama-8b": "gpu_llama8b.json",
     "qwen": "gpu_qwen.json",
@@ -65,7 +65,7 @@ def bench_argv(phase: str, cpu: bool, kit: Path, out: Path) -> list[str]:
 
 def pytest_argv(phase: str, cpu: bool, out: Path) -> list[str]:
     """``pytest`` arguments of a tests phase (``cuda_only`` keeps the tests with a CUDA path)."""
-    from kvblend.bench.gpu_suite import CUDA_TESTS, SMOKE_TESTS
+    from kvblend.bench.gpu.suite import CUDA_TESTS, SMOKE_TESTS
 
     if phase == "tests":
         files = list(SMOKE_TESTS[:1]) if cpu else [t for t in CUDA_TESTS
@@ -114,7 +114,7 @@ def run_phase(phase: str, cpu: bool, kit: Path, out: Path, extra: list[str]) -> 
 
 def summary(out: Path, cpu: bool) -> int:
     """Write ``summary.md`` and ``summary.json`` of the results in ``out`` (partial or not)."""
-    from kvblend.bench import gpu_suite_summary
+    from kvblend.bench.gpu import suite_summary as gpu_suite_summary
 
     lengths: dict[str, Sequence[int]] = {
         name: [1024 if cpu else 8192] for name in gpu_suite_summary.RUNS
@@ -125,11 +125,11 @@ def summary(out: Path, cpu: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one phase (or the summary): ``python -m kvblend.bench.gpu_run PHASE [options]``.
+    """Run one phase (or the summary): ``python -m kvblend.bench.gpu.run PHASE [options]``.
 
     Options after ``--`` go to the phase's ``kvblend bench gpu`` or ``pytest``.
     """
-    parser = argparse.ArgumentParser(prog="python -m kvblend.bench.gpu_run",
+    parser = argparse.ArgumentParser(prog="python -m kvblend.bench.gpu.run",
                                      description=(__doc__ or "").split("\n")[0])  # fmt: skip
     parser.add_argument("phase", choices=(*PHASES, "summary"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

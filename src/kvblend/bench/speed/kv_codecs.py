@@ -38,7 +38,13 @@ from typing import Any
 import torch
 
 from kvblend.bench.commands import RESULTS_DIR
-from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, drop_page_cache, time_prefill
+from kvblend.bench.speed.ttft import (
+    QUESTION,
+    SYSTEM,
+    build_documents,
+    drop_page_cache,
+    time_prefill,
+)
 from kvblend.blend.kv_codec import NO_CODEC, EncodedKV, kv_codec
 from kvblend.engine.engine import BlendEngine
 from kvblend.engine.threads import use_threads
@@ -288,7 +294,7 @@ def codecs_report(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``kvblend bench codecs``."""
     from kvblend.bench.commands import _engine, _machine, _write
-    from kvblend.bench.redis_ttft import redis_server
+    from kvblend.bench.speed.redis_ttft import redis_server
 
     parser = argparse.ArgumentParser(prog="kvblend bench codecs",
                                      description=(__doc__ or "").split("\n")[0])  # fmt: skip

@@ -1,6 +1,6 @@
 """`kvblend bench nq` at a size that decides: resumable, baselines kept, results by gold place.
 
-The NQ-open benchmark (`kvblend.bench.nq`: a real retriever, the lost-in-the-middle prompt,
+The NQ-open benchmark (`kvblend.bench.quality.nq`: a real retriever, the lost-in-the-middle prompt,
 best-subspan exact match) run the way a headline figure needs it:
 
 - **Splits.** The data file's questions are split once and for all: the *evaluation* questions
@@ -8,8 +8,8 @@ best-subspan exact match) run the way a headline figure needs it:
   (`CALIBRATION`); settings and the guard's tolerance are chosen on calibration questions only,
   and evaluation questions are run for the reported figures. ``--offset`` counts inside a split.
 - **Gold places.** ``gold_at="places"`` (the default here) puts each question's gold passage
-  first, in the middle or last (`kvblend.bench.nq.gold_place`: a third each, by a hash of the
-  question), and every summary is given per place as well as overall.
+  first, in the middle or last (`kvblend.bench.quality.nq.gold_place`: a third each, by a hash of
+  the question), and every summary is given per place as well as overall.
 - **Baselines kept.** Full prefill's answer and first-token logits are read from a
   `BaselineCache` when a run before computed them for the same model, dtype, prompt token ids
   and decoding; only every ``time_every``-th question runs full prefill again, to time it back
@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvblend.bench.baselines import Baseline, BaselineCache
-from kvblend.bench.compare import PromptItem
-from kvblend.bench.nq import (
+from kvblend.bench.quality.baselines import Baseline, BaselineCache
+from kvblend.bench.quality.compare import PromptItem
+from kvblend.bench.quality.nq import (
     PLACES,
     Retriever,
     file_digest,
@@ -47,8 +47,8 @@ from kvblend.bench.nq import (
     nq_prompt_items,
     write_json,
 )
-from kvblend.bench.quality import STOP, kl_divergence
-from kvblend.bench.stats import strategy_stats
+from kvblend.bench.quality.qa_bench import STOP, kl_divergence
+from kvblend.bench.quality.stats import strategy_stats
 from kvblend.bench.strategies import Strategy
 from kvblend.engine.engine import BlendEngine
 
@@ -267,11 +267,11 @@ def summarize(
 ) -> list[dict[str, Any]]:
     """Each group's strategies against full prefill on the same questions.
 
-    Paired bootstrap intervals (`kvblend.bench.stats`) of the accuracy difference, the share of
-    full's accuracy and the mean KL; agreement with full (normalised answers) with its interval,
+    Paired bootstrap intervals (`kvblend.bench.quality.stats`) of the accuracy difference, the share
+    of full's accuracy and the mean KL; agreement with full (normalised answers) with its interval,
     first-token agreement, mean compute and recompute shares, the TTFT share over the timed
-    questions (total strategy TTFT over total full TTFT on the same questions, ``ttft_n`` of
-    them) and the escalation rate. KL-only rows (no answers) get the KL and first-token figures.
+    questions (total strategy TTFT over total full TTFT on the same questions, ``ttft_n`` of them)
+    and the escalation rate. KL-only rows (no answers) get the KL and first-token figures.
     """
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for row in rows:

@@ -10,7 +10,7 @@ documents are then found in it and its tokens spliced (the prompt handling, ``pr
 timed in the TTFT, and ``ttft_from_ids`` is the TTFT without it). Runs are interleaved: each repeat
 times every (length, strategy, store) once, so a slower shared CPU slows all of them alike, and
 speedups are medians of per-repeat ratios to the full prefill of the same repeat
-(`kvblend.bench.ttft_summary` turns the runs into the summary and its table).
+(`kvblend.bench.speed.ttft_summary` turns the runs into the summary and its table).
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from kvblend.bench.strategies import Strategy, strategy
-from kvblend.bench.synthetic import synthetic_text
-from kvblend.bench.ttft_summary import (  # the summary: importable from here too
+from kvblend.bench.speed.synthetic import synthetic_text
+from kvblend.bench.speed.ttft_summary import (  # the summary: importable from here too
     summarize_ttft,
 )
+from kvblend.bench.strategies import Strategy, strategy
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
 from kvblend.prompt.segments import Segment

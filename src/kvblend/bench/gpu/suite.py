@@ -16,7 +16,7 @@ hang or a failure loses that step alone), writing every output into one folder (
    ``KVBLEND_DECODE_COMPILE=1``; ``attention-chunks``, ``attention-flex``: full and the default
    at 8K with the query chunks and with ``KVBLEND_ATTENTION=flex``; ``prefill-compiled``: the
    same with the compiled blend loop (``KVBLEND_COMPILE=1``, CUDA graphs);
-4. the summary (`gpu_suite_summary`): ``summary.md`` and ``summary.json``, also printed.
+4. the summary (`suite_summary`): ``summary.md`` and ``summary.json``, also printed.
 
 A GPU machine lends commands of 10 minutes, about 30 minutes in all: ``--quick`` runs
 `QUICK_STEPS` (tests, Qwen at 8K, the 8B shape at 8K and 16K, one or two repeats, every tier)
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench import gpu_suite_summary as summary
 from kvblend.bench.commands import RESULTS_DIR
+from kvblend.bench.gpu import suite_summary as summary
 
 DEFAULT_OUT = RESULTS_DIR / "gpu_suite"
 STRATEGIES = "full,default,default+probe_layers=0.25,cacheblend-value-0.15,reuse"
@@ -179,7 +179,7 @@ def plan_steps(args: argparse.Namespace, out: Path) -> list[Step]:
     words = ["--tokenizer", str(Path(args.tokenizer).resolve())] if args.tokenizer else []
     qwen, _ = (None, "") if cpu else qwen_model(args.qwen)
     model = ["--model", qwen] if qwen else ["--model-shape", "qwen2.5-0.5b", *words]
-    decode = [py, "-m", "kvblend.bench.decode", "--device", args.device]
+    decode = [py, "-m", "kvblend.bench.gpu.decode", "--device", args.device]
     if cpu:  # smoke: the same code paths, tiny settings
         common = ["--device", "cpu", "--dtype", "float32", "--threads", "1", "--repeats", "1",
                   "--lengths", "1024", "--decode-tokens", "4", "--ingest-documents", "2",

@@ -1,12 +1,12 @@
 r"""Answer quality of every KV codec against full-precision entries, on the same prompts.
 
 ``kvblend bench codec-quality``: for each prompt shape (``nq-10``: NQ-open over ten retrieved
-passages, ``qa``: the generated QA task, ``long``: NQ's top twelve passages joined into three
-long documents; `kvblend.bench.shapes`), one engine per codec (`kvblend.blend.kv_codec`), all
-over one model and one store, every engine at its defaults (not told the prompts' head, as a
-plain setup has it). Per question, full prefill runs once, then `BlendConfig()` on each codec's
-engine (`kvblend.bench.compare.evaluate_item`), so every codec is paired with the same full
-prefill and with the full-precision entries' blend (codec ``none``) on the same prompt.
+passages, ``qa``: the generated QA task, ``long``: NQ's top twelve passages joined into three long
+documents; `kvblend.bench.quality.shapes`), one engine per codec (`kvblend.blend.kv_codec`), all
+over one model and one store, every engine at its defaults (not told the prompts' head, as a plain
+setup has it). Per question, full prefill runs once, then `BlendConfig()` on each codec's engine
+(`kvblend.bench.quality.compare.evaluate_item`), so every codec is paired with the same full prefill
+and with the full-precision entries' blend (codec ``none``) on the same prompt.
 
 Rows are appended to ``OUTPUT.rows.jsonl`` as each question ends; a run started again with the
 same options skips the questions already there (resumable), and the summary ``OUTPUT`` is
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from kvblend.bench.commands import RESULTS_DIR
-from kvblend.bench.compare import PromptItem, evaluate_item
-from kvblend.bench.nq import Retriever, load_nq, write_json
-from kvblend.bench.shapes import MAX_NEW_TOKENS, shape_items
-from kvblend.bench.stats import RESAMPLES, format_ci, paired_stats
+from kvblend.bench.quality.compare import PromptItem, evaluate_item
+from kvblend.bench.quality.nq import Retriever, load_nq, write_json
+from kvblend.bench.quality.shapes import MAX_NEW_TOKENS, shape_items
+from kvblend.bench.quality.stats import RESAMPLES, format_ci, paired_stats
 from kvblend.bench.strategies import strategy
 from kvblend.blend.kv_codec import CODECS, kv_codec
 

@@ -11,7 +11,7 @@ than any earlier prompt's, so vLLM's prefix cache holds at most the prompt head.
 - requests/s with 1, 4 and 8 concurrent requests of ``rate_length`` tokens, ``rate_tokens``
   generated tokens each.
 
-Both run at once as OpenAI-compatible servers (`vllm_server.VLLMServer`), and every prompt goes
+Both run at once as OpenAI-compatible servers (`server.VLLMServer`), and every prompt goes
 to one then the other (alternating which goes first), so a load change on a shared machine
 slows both alike; TTFT is the time to the first streamed token, as a client sees it. Run this
 command with the Python of the environment vLLM is installed in (``.venv-vllm/bin/kvblend``).
@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.ttft import QUESTION, SYSTEM, build_documents, length_label
+from kvblend.bench.speed.ttft import QUESTION, SYSTEM, build_documents, length_label
 
 __all__ = ["run_vllm_bench", "serving", "vllm_table"]
 
@@ -108,7 +108,7 @@ def time_ttft(
     servers: dict[str, Any], prompts: Sequence[dict[str, Any]], log: Any
 ) -> dict[str, list[dict[str, Any]]]:
     """Time each prompt on both servers, alternating which goes first."""
-    from kvblend.bench.vllm_server import first_token
+    from kvblend.bench.vllm.server import first_token
 
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for number, item in enumerate(prompts):
@@ -131,7 +131,7 @@ def time_rate(
     """Requests/s of each batch of concurrent prompts on each server, alternating the order."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from kvblend.bench.vllm_server import complete
+    from kvblend.bench.vllm.server import complete
 
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in servers}
     for number, batch in enumerate(batches):
@@ -167,7 +167,7 @@ def stream_pauses(
 
     import httpx
 
-    from kvblend.bench.vllm_server import MODEL_NAME, complete
+    from kvblend.bench.vllm.server import MODEL_NAME, complete
 
     arrivals: list[float] = []
     started = threading.Event()
@@ -327,7 +327,7 @@ def serving(
     ``warmup`` once (the connector claims nothing before its parity gate reports); stops both
     on exit. Their logs are ``work / "vanilla.log"`` and ``work / "kvblend.log"``.
     """
-    from kvblend.bench.vllm_server import VLLMServer, complete
+    from kvblend.bench.vllm.server import VLLMServer, complete
 
     env = {"KVBLEND_STORE_DIR": str(work / "store"), "TOKENIZERS_PARALLELISM": "false"}
     env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")
