@@ -58,6 +58,9 @@ def test_codecs_are_paired_with_the_full_precision_blend() -> None:
     assert summary["int4"]["kl_vs_none"] > KL_MARGIN
     assert summary["int4"]["difference_vs_none"] == -0.3
     assert summary["int4"]["same_answer_as_none"] == 0.0
+    assert summary["int8"]["fallback_share"] == 0.0 and summary["int8"]["compute_mean"] == 1.0
+    # another blend strategy's rows are its own summary: none here
+    assert codec_summary(rows, blend_strategy="default+min_recompute=0") == []
 
 
 def test_the_bytes_table_and_entry_files(tmp_path: Path) -> None:

@@ -105,9 +105,17 @@ def _interval(samples: np.ndarray) -> list[float]:
 
 
 def codec_summary(
-    rows: Sequence[dict[str, Any]], baseline: str = "none", seed: int = 0
+    rows: Sequence[dict[str, Any]],
+    baseline: str = "none",
+    seed: int = 0,
+    blend_strategy: str = "default",
 ) -> list[dict[str, Any]]:
-    """Per shape and codec: paired statistics against full prefill and the ``baseline`` blend."""
+    """Per shape and codec: paired statistics against full prefill and the ``baseline`` blend.
+
+    Each codec's rows of ``blend_strategy`` are its blends. ``compute_mean`` and
+    ``fallback_share`` say how much of each prompt the blends computed: a blend that recomputed
+    every moved token (``fallback``) read only its reused head from the codec's entries.
+    """
     out = []
     shapes = list(dict.fromkeys(row["shape"] for row in rows))
     for shape in shapes:
@@ -117,9 +125,9 @@ def codec_summary(
             by.setdefault((row["codec"], row["strategy"]), {})[row["qid"]] = row
         codecs = list(dict.fromkeys(r["codec"] for r in mine))
         full = by.get((codecs[0], "full"), {})
-        base = by.get((baseline, "default"), {})
+        base = by.get((baseline, blend_strategy), {})
         for codec in codecs:
-            blend = by.get((codec, "default"), {})
+            blend = by.get((codec, blend_strategy), {})
             qids = [q for q in blend if q in full and q in base]
             if not qids:
                 continue
@@ -156,6 +164,10 @@ def codec_summary(
                 "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
                 "kl_within_margin": kl_diff <= KL_MARGIN,
                 "seconds_mean": statistics.fmean(blend[q]["ttft_s"] for q in qids),
+                "compute_mean": statistics.fmean(blend[q].get("compute_fraction", 1.0)
+                                                 for q in qids),
+                "fallback_share": statistics.fmean(bool(blend[q].get("fallback"))
+                                                   for q in qids),
             })  # fmt: skip
     return out
 
@@ -165,8 +177,8 @@ def codec_table(summary: Sequence[dict[str, Any]]) -> str:
     lines = [
         "| shape | codec | n | full | blend accuracy | vs `none` blend, points [95% CI] | "
         "`none` accuracy [95% CI] | mean KL [95% CI] | KL vs `none` [95% CI] | "
-        "same answer as `none` | met |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "same answer as `none` | compute | recomputed in full | met |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         diff, ci = s["difference_vs_none"], s["difference_vs_none_ci"]
@@ -180,7 +192,8 @@ def codec_table(summary: Sequence[dict[str, Any]]) -> str:
             f"{s['none_accuracy']:.1%} [{low * 100:.1f}, {high * 100:.1f}] | "
             f"{format_ci(s['kl_mean'], s['kl_ci'], percent=False)} | "
             f"{s['kl_vs_none']:+.4f} [{kl_low:+.4f}, {kl_high:+.4f}] | "
-            f"{s['same_answer_as_none']:.0%} | {met} |"
+            f"{s['same_answer_as_none']:.0%} | {s.get('compute_mean', float('nan')):.2f} | "
+            f"{s.get('fallback_share', float('nan')):.0%} | {met} |"
         )
     return "\n".join(lines)
 
@@ -197,14 +210,20 @@ def run_codec_quality(
     max_new_tokens: int = 32,
     log: Any = None,
     meta: dict[str, Any] | None = None,
+    blend_strategy: str = "default",
 ) -> dict[str, Any]:
-    """Run every codec on ``questions`` questions of each shape (resumable: ``*.rows.jsonl``)."""
+    """Run every codec on ``questions`` questions of each shape (resumable: ``*.rows.jsonl``).
+
+    ``blend_strategy``: the blend every codec runs (a `kvblend.bench.strategies.strategy` name,
+    such as ``default+min_recompute=0``); rows of another strategy in the rows file are kept
+    and left out of this run's summary.
+    """
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
-    strategies = [strategy("full"), strategy("default")]
+    strategies = [strategy("full"), strategy(blend_strategy)]
     rows_path = output.with_suffix(".rows.jsonl")
     rows = read_rows(rows_path)
-    done = {(row["shape"], row["qid"]) for row in rows}
+    done = {(row["shape"], row["qid"]) for row in rows if row["strategy"] == blend_strategy}
     loaded: list[tuple[Any, Any, Retriever]] = []
 
     def nq() -> tuple[Any, Any, Retriever]:
@@ -218,7 +237,7 @@ def run_codec_quality(
     result: dict[str, Any] = {
         "benchmark": "codec-quality", **(meta or {}), "data": str(data) if data else None,
         "questions_per_shape": questions, "seed": seed, "shapes": list(shapes),
-        "codecs": list(engines), "strategy": "default", "kl_margin": KL_MARGIN,
+        "codecs": list(engines), "strategy": blend_strategy, "kl_margin": KL_MARGIN,
         "rows_file": str(rows_path), "summary": [],
     }  # fmt: skip
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -242,14 +261,14 @@ def run_codec_quality(
                 f"{time.process_time() - cpu:.1f} s of CPU"
             )
             if count % 10 == 0 or count == len(todo):
-                result["summary"] = codec_summary(rows, seed=seed)
+                result["summary"] = codec_summary(rows, seed=seed, blend_strategy=blend_strategy)
                 result["elapsed_s"] = time.perf_counter() - started
                 write_json(result, output)
                 line = ", ".join(f"{s['codec']} {s['accuracy']:.0%}/{s['kl_mean']:.3f}"
                                  for s in result["summary"] if s["shape"] == shape)  # fmt: skip
                 log(f"[{shape} {count}/{len(todo)}, {time.perf_counter() - began:.1f} s "
                     f"per question] {line}")  # fmt: skip
-    result["summary"] = codec_summary(rows, seed=seed)
+    result["summary"] = codec_summary(rows, seed=seed, blend_strategy=blend_strategy)
     write_json(result, output)
     return result
 
@@ -274,6 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma list; none always runs")
     parser.add_argument("--questions", type=int, default=300, help="questions per shape")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--strategy", default="default", help="the blend every codec runs, "
+                        "with +setting=value overrides (default: default)")  # fmt: skip
     parser.add_argument("--output", default=str(RESULTS_DIR / "codec_quality.json"))
     args = parser.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -289,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     result = run_codec_quality(
         base, shapes, codecs, data=args.data, questions=args.questions,
         output=Path(args.output), seed=args.seed, max_new_tokens=args.max_new_tokens, meta=meta,
+        blend_strategy=args.strategy,
     )  # fmt: skip
-    title = (f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), default strategy, "
-             "engine at its defaults")  # fmt: skip
+    title = (f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
+             f"{args.strategy}, engine at its defaults")  # fmt: skip
     _write(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))
