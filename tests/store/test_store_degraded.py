@@ -109,7 +109,7 @@ def test_a_lost_index_is_rebuilt_from_the_entry_files(tmp_path: Path, how: str) 
 def test_a_row_naming_another_keys_file_never_costs_the_first_keys_file(
     tmp_path: Path, other_row: str
 ) -> None:
-    from kvblend.store.rebuild import SWEEP_STAMP
+    from kvblend.store.disk.rebuild import SWEEP_STAMP
 
     folder = tmp_path / "kv"
     writer, answers = _filled(folder)

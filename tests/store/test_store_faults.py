@@ -171,7 +171,7 @@ def test_the_documented_acl_is_all_a_redis_tier_needs(
     import redis
 
     from kvblend.store import RedisKVStore
-    from kvblend.store.redis_access import required_acl
+    from kvblend.store.redis.access import required_acl
 
     rules = required_acl()
     assert rules in (Path(__file__).parents[2] / "docs" / "deployment.md").read_text("utf-8")
@@ -210,7 +210,7 @@ def test_the_documented_acl_is_all_a_redis_tier_needs(
 
 def test_a_user_without_scripting_is_refused_not_silently_half_working(redis_server) -> None:
     from kvblend.store import RedisKVStore, StoreError
-    from kvblend.store.redis_access import required_acl
+    from kvblend.store.redis.access import required_acl
 
     rules = required_acl().replace("+evalsha", "").replace("+eval", "")
     store = RedisKVStore(_acl_user(redis_server, rules))
@@ -221,7 +221,7 @@ def test_a_user_without_scripting_is_refused_not_silently_half_working(redis_ser
 def test_an_open_remote_redis_is_warned_about_once(caplog) -> None:
     from kvblend.store import RedisKVStore
 
-    caplog.set_level("WARNING", logger="kvblend.store.redis_access")
+    caplog.set_level("WARNING", logger="kvblend.store.redis.access")
     RedisKVStore("redis://10.255.1.2:6390/0")  # building does not connect
     RedisKVStore("redis://10.255.1.2:6390/1")
     warnings = [r for r in caplog.records if "without a password" in r.getMessage()]
@@ -317,7 +317,7 @@ def test_two_rows_naming_one_file_never_delete_the_file_the_other_owns(tmp_path:
 
 
 def test_a_killed_writer_leaves_nothing_once_the_store_opens_again(tmp_path: Path) -> None:
-    from kvblend.store.rebuild import SWEEP_STAMP
+    from kvblend.store.disk.rebuild import SWEEP_STAMP
 
     folder = tmp_path / "kv"
     answers = _filled(folder)

@@ -115,7 +115,7 @@ def test_a_hard_linked_record_log_is_kept_in_memory(
 
 
 def test_a_hard_linked_sweep_stamp_is_never_touched(tmp_path: Path, victim: Path, caplog) -> None:
-    from kvblend.store.rebuild import SWEEP_STAMP
+    from kvblend.store.disk.rebuild import SWEEP_STAMP
 
     folder = tmp_path / "kv"
     with DiskKVStore(folder) as store:

@@ -2,7 +2,7 @@
 
 A password can be given in the URL's user information (``redis://:pw@host``) or in its query
 (``redis://host/0?password=pw``, which redis-py accepts). Every URL kvblend shows goes through
-one function, `redis_access.redacted`; this checks it on every form, then runs a real
+one function, `kvblend.store.redis.access.redacted`; this checks it on every form, then runs a real
 ``redis-server`` that demands a password given in the query: the store works, and neither
 `RedisKVStore.url`, nor a warning, nor an error of a server killed mid-use, nor ``kvblend store
 stats`` shows it. A server on this machine named as ``::ffff:127.0.0.1`` or a remote one given a
@@ -19,7 +19,7 @@ import torch
 
 from kvblend.cli.main import main
 from kvblend.store import RedisKVStore, RemoteTieredKVStore, StoreError, default_store
-from kvblend.store.redis_access import has_password, is_loopback, redacted
+from kvblend.store.redis.access import has_password, is_loopback, redacted
 
 SECRET = "s3cret-Pa55word"
 

@@ -4,7 +4,7 @@ A store folder's SQLite index (``cache.db``) can be damaged: truncated by a copy
 overwritten by another program. A folder whose index cannot be read would otherwise leave the
 disk tier off for good, so opening one sets the damaged index aside as ``cache.db.damaged``
 (replacing an older one, kept for inspection) and starts a new index, which the store then
-rebuilds from the entry files' own headers (`kvblend.store.rebuild`): no intact entry is lost.
+rebuilds from the entry files' own headers (`kvblend.store.disk.rebuild`): no intact entry is lost.
 An index deleted or emptied to 0 bytes (any index with no entry at all) is lost the same way and
 rebuilt when opened, whenever the last sweep was.
 
@@ -102,7 +102,7 @@ def open_index(
     the index, the time it was found lost (None: it has entries) and whether a damaged one was
     set aside. An index with no entry at all (damaged and set aside, deleted, emptied to 0
     bytes, or a new folder) is lost: the caller rebuilds it from the entry files
-    (`kvblend.store.rebuild`), so losing it never means computing every entry again. Raises
+    (`kvblend.store.disk.rebuild`), so losing it never means computing every entry again. Raises
     `sqlite3.Error` or `OSError` when the folder cannot be used (read-only, locked, not a
     folder, a linked index).
     """

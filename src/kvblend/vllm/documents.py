@@ -174,7 +174,7 @@ def store_location(settings: ConnectorSettings) -> str:
     where = f"disk {folder}"
     url = settings.redis_url or os.environ.get("KVBLEND_REDIS_URL")
     if url:
-        from kvblend.store.redis_access import redacted
+        from kvblend.store.redis.access import redacted
 
         where += f" + Redis {redacted(url)}"
     return where

@@ -6,7 +6,7 @@ safetensors with per-tensor checksums and, with a store key, MACs), under
 and dropped like on disk. `get()` costs one round trip (the entry's length, its first 64 KiB,
 which hold the header, and its expiry), a second one on a hit with `ttl_s` (renewing it only
 once the header verified), and returns a `LazyTensors`; each tensor is then fetched with its own
-``GETRANGE`` (`redis_payload`) on the store's prefetch threads, so the blend loop starts on
+``GETRANGE`` (`payload`) on the store's prefetch threads, so the blend loop starts on
 layer 0 while later layers are still on the wire.
 
 Redis bounds the size itself: ``maxmemory`` with ``maxmemory-policy allkeys-lru`` (or
@@ -21,14 +21,14 @@ least: an entry of a key nobody uses any more expires, and the key's slot is the
 this store's own entry.
 
 Record logs (`append_records` / `read_records`) live on the server too, as a counter and a list
-per log changed by Lua scripts (`kvblend.store.redis_records`), so every process sees one
+per log changed by Lua scripts (`kvblend.store.redis.records`), so every process sees one
 sequence.
 
 Failures: every server error is raised as `StoreError` (`RemoteUnavailableError` when the server
 cannot be reached, which the store logs itself, at most once a minute). The first connection
 error or timeout (`socket_timeout_s`) takes the server out: every later request fails at once,
 without touching the network, until a background ``PING`` (after `retry_after_s`, doubling up
-to `max_retry_after_s`) is answered (`redis_health`). So a dead or stalled server costs one
+to `max_retry_after_s`) is answered (`health`). So a dead or stalled server costs one
 timeout, not one per request. An entry replaced or evicted while it is read is a miss
 (`EntryReplacedError`), never counted as damage. `RemoteTieredKVStore` turns these errors into
 misses and warnings.
@@ -65,10 +65,10 @@ from kvblend.store.entry_format import (
 from kvblend.store.entry_mac import OtherKeyWarnings, load_store_key
 from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
 from kvblend.store.records import DEFAULT_MAX_RECORDS
-from kvblend.store.redis_access import redacted, warn_if_open
-from kvblend.store.redis_health import RedisHealth
-from kvblend.store.redis_payload import RangePayload
-from kvblend.store.redis_records import RedisRecordLogs
+from kvblend.store.redis.access import redacted, warn_if_open
+from kvblend.store.redis.health import RedisHealth
+from kvblend.store.redis.payload import RangePayload
+from kvblend.store.redis.records import RedisRecordLogs
 
 try:
     import redis
@@ -106,14 +106,14 @@ return 0
 class RedisKVStore(KVStore):
     """Store on a Redis server (``redis://`` or TLS ``rediss://`` URL, password in the URL).
 
-    `url` defaults to `$KVBLEND_REDIS_URL`; only its redacted form is kept (`url`), and a
-    server off this machine named without a password is warned about once
-    (`redis_access.warn_if_open`). Building the store does not connect: a server that is down
-    only makes operations raise `StoreError`, and after the first timeout they fail at once
-    until `health` sees the server answer. `prefix` namespaces every key, so several stores (or
-    other applications) can share one server. `store_key` (default ``$KVBLEND_STORE_KEY``)
-    signs entries and refuses unsigned ones (`kvblend.store.entry_mac`). Thread safe; several
-    processes and machines may use one server at once.
+    `url` defaults to `$KVBLEND_REDIS_URL`; only its redacted form is kept (`url`), and a server
+    off this machine named without a password is warned about once
+    (`kvblend.store.redis.access.warn_if_open`). Building the store does not connect: a server
+    that is down only makes operations raise `StoreError`, and after the first timeout they fail
+    at once until `health` sees the server answer. `prefix` namespaces every key, so several
+    stores (or other applications) can share one server. `store_key` (default
+    ``$KVBLEND_STORE_KEY``) signs entries and refuses unsigned ones (`kvblend.store.entry_mac`).
+    Thread safe; several processes and machines may use one server at once.
     """
 
     tier_name = "redis"

@@ -47,6 +47,14 @@ from kvblend.store.base import (
     validate_entry,
     validate_key,
 )
+from kvblend.store.disk.readonly import ReadOnlyIndex, record_logs
+from kvblend.store.disk.rebuild import (
+    adopt_files,
+    check_entries,
+    delete_unless_replaced,
+    survey,
+    sweep_if_due,
+)
 from kvblend.store.entry_format import (
     Payload,
     check_expected,
@@ -67,14 +75,6 @@ from kvblend.store.index import (
     set_aside_damaged_index,
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
-from kvblend.store.readonly import ReadOnlyIndex, record_logs
-from kvblend.store.rebuild import (
-    adopt_files,
-    check_entries,
-    delete_unless_replaced,
-    survey,
-    sweep_if_due,
-)
 from kvblend.store.records import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
@@ -417,7 +417,7 @@ class DiskKVStore(KVStore):
         """Check the folder and fix what can be fixed; safe while other processes use it.
 
         Sets a damaged index aside (a new one is started and rebuilt from the entry files; see
-        `kvblend.store.rebuild`), drops index rows whose file is missing or lies outside the
+        `kvblend.store.disk.rebuild`), drops index rows whose file is missing or lies outside the
         folder, takes whole entry files no row names back into the index and deletes the other
         value files no row names (unless younger than `ORPHAN_GRACE_S`: they may be entries
         being written). Then every indexed entry is read whole, as a reader would (size,
