@@ -193,7 +193,7 @@ def begin_pass(
 
 
 #: Called between layers (and between entries read): returns when the prefill may go on, after
-#: a while when it yields (the vLLM connector's pacing, `kvblend.vllm.pacing`).
+#: a while when it yields (the vLLM connector's pacing, `kvblend.vllm.execution.pacing`).
 Pause = Callable[[], None]
 
 
