@@ -1,6 +1,6 @@
 """The model adapter protocol: what the blend loop may call on a model, and nothing else.
 
-The blend loop (`loop.py` and the modules it uses: `layer_step.py`, `attention.py`,
+The blend loop (`loop.py` and the modules it uses: `layer_step.py`, `attention/`,
 `correction.py`, `kv_buffer.py`, `selectors/`) drives a model through these members only, so one
 loop serves two back-ends: `kvblend.models.decoder.Decoder` over a transformers model, and
 `kvblend.vllm.execution.adapter.VLLMAdapter` over the modules vLLM loaded. Attention itself
