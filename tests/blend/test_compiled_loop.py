@@ -21,10 +21,10 @@ from conftest import TOY_BLEND_SETTINGS, make_tiny_engine
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.bench.speed.ops import byte_engine, rag_prompt, random_documents
 from kvblend.blend import compiled as compiled_loop
-from kvblend.blend import flex
-from kvblend.blend.attention import attention_mask, sdpa
+from kvblend.blend.attention import flex
+from kvblend.blend.attention.flex import BLOCK, FlexRows, block_mask_data, size_bucket
+from kvblend.blend.attention.rows import attention_mask, sdpa
 from kvblend.blend.correction import apply_correction
-from kvblend.blend.flex import BLOCK, FlexRows, block_mask_data, size_bucket
 from kvblend.blend.layer_step import layer_step
 from kvblend.blend.rope import rotate_
 

@@ -21,8 +21,8 @@ import torch
 
 from kvblend import BlendConfig, Segment
 from kvblend.bench.speed.ops import byte_engine, random_documents
-from kvblend.blend import flex
-from kvblend.blend.flex import BLOCK, MIN_KEYS, key_bucket, query_bucket
+from kvblend.blend.attention import flex
+from kvblend.blend.attention.flex import BLOCK, MIN_KEYS, key_bucket, query_bucket
 
 HEAD = "Answer from the documents.\n"
 #: Blend the toy documents whatever their size (the default recomputes short ones whole).

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from kvblend.blend.attention import RowAttention
+from kvblend.blend.attention.rows import RowAttention
 from kvblend.blend.io import RowSet
 from kvblend.blend.layer_step import FULL, LAST, WRITE, layer_step
 from kvblend.blend.rope import rope_table

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvblend.blend.attention import QUERY_CHUNK, masked_share, max_calls, query_chunks
+from kvblend.blend.attention.rows import QUERY_CHUNK, masked_share, max_calls, query_chunks
 
 
 def _late_rows(total: int, count: int, seed: int) -> np.ndarray:

@@ -13,7 +13,7 @@ import torch
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend import selectors
-from kvblend.blend.attention import QUERY_CHUNK, RowAttention, attention_mask, sdpa
+from kvblend.blend.attention.rows import QUERY_CHUNK, RowAttention, attention_mask, sdpa
 from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     Forecast,
@@ -225,7 +225,7 @@ def test_row_attention_masks_stay_within_their_budget() -> None:
 def test_query_chunks_read_fewest_keys_in_no_more_calls(window: int | None) -> None:
     """Chunk boundaries minimise the pairs read (and calls), never more calls than chunks of
     `QUERY_CHUNK` rows, and every row reads every key it may attend to."""
-    from kvblend.blend.attention import CALL_PAIRS, QueryChunk, query_chunks
+    from kvblend.blend.attention.rows import CALL_PAIRS, QueryChunk, query_chunks
 
     generator = np.random.default_rng(0)
     early = np.sort(generator.choice(2000, 100, replace=False))
@@ -276,7 +276,7 @@ def test_masked_attention_never_asks_sdpa_for_gqa(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SDPA's enable_gqa with a mask runs the math kernel on CUDA: KV heads are expanded."""
-    from kvblend.blend import attention as row_attention
+    from kvblend.blend.attention import rows as row_attention
 
     calls: list[tuple[bool, bool, int, int]] = []
     real = row_attention.F.scaled_dot_product_attention
@@ -562,7 +562,7 @@ def test_flex_attention_rows_equal_the_chunked_ones(
     the chunked attention's output, sliding windows included (run eagerly on the CPU)."""
     import warnings
 
-    from kvblend.blend.attention import ATTENTION_ENV, use_flex
+    from kvblend.blend.attention.rows import ATTENTION_ENV, use_flex
 
     decoder = Decoder(tiny_model(family))
     total = 300

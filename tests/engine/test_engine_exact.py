@@ -294,7 +294,7 @@ def test_no_bos_tokenizer_and_single_segment() -> None:
 
 def dense_reference(decoder, q, k, v, window):
     """Every row's attention with transformers' rule (key <= query, within the window)."""
-    from kvblend.blend.attention import attention_mask, sdpa
+    from kvblend.blend.attention.rows import attention_mask, sdpa
 
     total = q.shape[1]
     mask = attention_mask(torch.arange(total), 0, total, window, q.dtype)
@@ -307,7 +307,7 @@ def test_attention_of_active_rows_matches_dense_causal(
 ) -> None:
     """Masked query chunks (sparse rows; from host bounds of rows chosen on the device too)
     and scattered dense attention (mostly active rows) equal dense causal attention."""
-    from kvblend.blend.attention import RowAttention
+    from kvblend.blend.attention.rows import RowAttention
     from kvblend.blend.io import RowSet
     from kvblend.blend.selectors.base import chosen_rows
 

@@ -1,8 +1,8 @@
 """The connector's blends in slices between engine steps, and its cost model, without vLLM.
 
-`kvblend.vllm.pacing.SliceRunner` runs blends as coroutines of the engine thread, a slice of
-time per step; `kvblend.vllm.costs` forecasts a blend's and vLLM's prefill time. Here the runner
-slices toy tasks and a real blend (a transformers model standing in for vLLM's modules, as in
+`kvblend.vllm.execution.pacing.SliceRunner` runs blends as coroutines of the engine thread, a
+slice of time per step; `kvblend.vllm.costs` forecasts a blend's and vLLM's prefill time. Here the
+runner slices toy tasks and a real blend (a transformers model standing in for vLLM's modules, as in
 `tests/vllm/test_vllm_sides.py`), whose KV must be what the same blend writes in one go.
 """
 
@@ -20,13 +20,13 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.errors import BlendCancelledError
 from kvblend.store import MemoryKVStore
-from kvblend.vllm.blending import WorkerModel
 from kvblend.vllm.costs import CostModel, blend_features, step_features, vllm_features
-from kvblend.vllm.pacing import SliceRunner, Task, ThreadChoice
+from kvblend.vllm.execution.blending import WorkerModel
+from kvblend.vllm.execution.pacing import SliceRunner, Task, ThreadChoice
+from kvblend.vllm.execution.worker import Worker
 from kvblend.vllm.planning import plan_request
 from kvblend.vllm.requests import BlendJob, StepMetadata
 from kvblend.vllm.settings import ConnectorSettings
-from kvblend.vllm.worker import Worker
 
 TOY = {"short_document": 0, "min_recompute": 0, "full_above": 1.0}
 BLOCK = 16
@@ -141,7 +141,7 @@ def test_each_job_runs_on_the_thread_count_that_runs_the_loops_ops_faster_now() 
 
 
 def test_the_loops_ops_run_on_the_count_asked_and_restore_torchs() -> None:
-    from kvblend.vllm.pacing import layer_ops
+    from kvblend.vllm.execution.pacing import layer_ops
 
     own = torch.get_num_threads()
     assert 0 < layer_ops(1, heads=9, kv_heads=3, head_dim=64) < 5

@@ -25,7 +25,7 @@ from kvblend.blend.adapter import DecoderShape
 from kvblend.models.decoder import Decoder
 from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
-from kvblend.vllm.blending import WorkerModel, gate, run_job
+from kvblend.vllm.execution.blending import WorkerModel, gate, run_job
 from kvblend.vllm.planning import plan_request
 from kvblend.vllm.requests import BlendJob, BlendOutcome, WorkerReport
 from test_vllm_sides import BLOCK, TOY, _document, _PagedLayer, _prompt, _worker
@@ -218,9 +218,9 @@ def test_the_gate_verdict_is_the_same_on_every_rank(setup: tuple[BlendEngine, li
 def test_a_rank_stores_no_document_and_says_why_once(
     setup: tuple[BlendEngine, list[str]], caplog: pytest.LogCaptureFixture
 ) -> None:
+    from kvblend.vllm.execution.worker import Worker
     from kvblend.vllm.requests import StepMetadata
     from kvblend.vllm.settings import ConnectorSettings
-    from kvblend.vllm.worker import Worker
 
     engine, _ = setup
     workers, _ = _ranks(engine)
@@ -256,7 +256,7 @@ def test_the_ranks_reports_keep_one_outcome_per_request() -> None:
 def test_each_rank_reads_the_kv_heads_vllm_gives_it(
     kv: int, ranks: int, held: list[tuple[int, int]]
 ) -> None:
-    from kvblend.vllm.adapter import rank_kv_heads
+    from kvblend.vllm.execution.adapter import rank_kv_heads
 
     local, replicas = max(kv // ranks, 1), max(ranks // kv, 1)  # as QKVParallelLinear
     got = [rank_kv_heads(rank, local, replicas) for rank in range(ranks)]

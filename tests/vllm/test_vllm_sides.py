@@ -1,11 +1,11 @@
 """The connector's two sides without vLLM: planning, claims and counts; blending into a paged cache.
 
-`kvblend.vllm.planning` and `kvblend.vllm.scheduler` decide from token ids alone; they are
-checked here against the engine's own forecast (`BlendEngine.explain`) over tiny models.
-`kvblend.vllm.blending` runs the blend loop through any model adapter; here a transformers
-`Decoder` stands in for vLLM's modules and a toy paged cache for vLLM's, and the K/V it writes is
-checked against transformers' own cache of the same prompt. `tests/vllm/test_vllm.py` checks the
-same code inside vLLM.
+`kvblend.vllm.planning` and `kvblend.vllm.scheduling.scheduler` decide from token ids alone;
+they are checked here against the engine's own forecast (`BlendEngine.explain`) over tiny models.
+`kvblend.vllm.execution.blending` runs the blend loop through any model adapter; here a
+transformers `Decoder` stands in for vLLM's modules and a toy paged cache for vLLM's, and the K/V
+it writes is checked against transformers' own cache of the same prompt. `tests/vllm/test_vllm.py`
+checks the same code inside vLLM.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from kvblend.prompt.plan import TokenKind
 from kvblend.store import MemoryKVStore
 from kvblend.vllm import compat
 from kvblend.vllm.admission import BlendTimed, Calibrated, admission
-from kvblend.vllm.blending import WorkerModel, gate, run_job
-from kvblend.vllm.calibration import CalibrationJob, synthetic_plan
 from kvblend.vllm.costs import CostModel, blend_features, vllm_features
+from kvblend.vllm.execution.blending import WorkerModel, gate, run_job
+from kvblend.vllm.execution.calibration import CalibrationJob, synthetic_plan
 from kvblend.vllm.planning import plan_request, restrict
 from kvblend.vllm.requests import BlendJob, BlendOutcome, RequestStatus, WorkerReport
-from kvblend.vllm.scheduler import SchedulerSide
+from kvblend.vllm.scheduling.scheduler import SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings, check_options, request_config
 
 WORDS = "alpha beta gamma delta river stone cloud maple copper violin lisbon harbor".split()
@@ -426,7 +426,7 @@ def test_the_gate_is_waited_for_from_the_first_request_however_long_the_server_i
 ) -> None:
     """The workers' verdict comes with a step's output, and no step runs before a request: a
     server idle for an hour before its first prompt still waits for it, then blends."""
-    from kvblend.vllm.scheduler import GATE_WAIT_S
+    from kvblend.vllm.scheduling.scheduler import GATE_WAIT_S
 
     clock = _Clock()
     side = _side(engine, parity=True, clock=clock)
@@ -519,7 +519,7 @@ def test_a_prompt_no_blend_can_win_is_not_planned(
     engine: BlendEngine, documents: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mostly in vLLM's prefix cache: even a blend computing no row loses, so nothing is planned."""
-    from kvblend.vllm import scheduler
+    from kvblend.vllm.scheduling import scheduler
 
     ids = engine.encode(_prompt(engine, documents[::-1]))
     side = _deciding_side(engine, blend_start_s=0.05)
@@ -971,8 +971,8 @@ def test_core_kvblend_does_not_import_vllm() -> None:
 
 
 def test_pipeline_parallel_vllm_is_refused_with_what_is_unsupported() -> None:
+    from kvblend.vllm.execution.worker import Worker
     from kvblend.vllm.sides import unsupported, worker_model
-    from kvblend.vllm.worker import Worker
 
     parallel = SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=2)
     config = SimpleNamespace(parallel_config=parallel)

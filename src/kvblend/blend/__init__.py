@@ -2,8 +2,8 @@
 
 `loop.run_blend` places cached K/V at the prompt's rows (`kv_buffer`, keys rotated by `rope`),
 lets a strategy's selector (`selectors/`) choose the reused rows it recomputes, and runs each
-layer's step (`layer_step`: projections, the stale-KV `correction`, `attention` of the computed
-rows, FlexAttention in `flex`), eagerly or compiled (`compiled`). It drives a model only
-through `adapter.ModelAdapter`, so transformers' modules (`kvblend.models`) and vLLM's
-(`kvblend.vllm`) share it. Pure torch: no tokenizers, stores or frameworks.
+layer's step (`layer_step`: projections, the stale-KV `correction`, `attention/` of the
+computed rows, FlexAttention in `attention.flex`), eagerly or compiled (`compiled`). It drives a
+model only through `adapter.ModelAdapter`, so transformers' modules (`kvblend.models`) and
+vLLM's (`kvblend.vllm`) share it. Pure torch: no tokenizers, stores or frameworks.
 """

@@ -1,12 +1,13 @@
 """The model adapter protocol: what the blend loop may call on a model, and nothing else.
 
-The blend loop (`loop.py` and the modules it uses: `layer_step.py`, `attention.py`,
+The blend loop (`loop.py` and the modules it uses: `layer_step.py`, `attention/`,
 `correction.py`, `kv_buffer.py`, `selectors/`) drives a model through these members only, so one
 loop serves two back-ends: `kvblend.models.decoder.Decoder` over a transformers model, and
-`kvblend.vllm.adapter.VLLMAdapter` over the modules vLLM loaded. Attention itself (SDPA or
-FlexAttention over the loop's own K/V buffer, with the exact causal mask of the computed rows) and
-RoPE (from ``rotary``'s tables) are the loop's job, not the adapter's. Every member is a pure
-function of its inputs, so the loop may run a layer's steps compiled (``KVBLEND_COMPILE=1``).
+`kvblend.vllm.execution.adapter.VLLMAdapter` over the modules vLLM loaded. Attention itself
+(SDPA or FlexAttention over the loop's own K/V buffer, with the exact causal mask of the computed
+rows) and RoPE (from ``rotary``'s tables) are the loop's job, not the adapter's. Every member is
+a pure function of its inputs, so the loop may run a layer's steps compiled
+(``KVBLEND_COMPILE=1``).
 
 Layouts, one prompt at a time: hidden states ``[rows, hidden]``; queries
 ``[heads, rows, head_dim]``; keys and values ``[kv_heads, rows, head_dim]`` (under tensor

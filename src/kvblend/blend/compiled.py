@@ -44,10 +44,10 @@ from typing import Any
 
 import torch
 
-from kvblend.blend import flex
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.attention import use_flex
-from kvblend.blend.flex import BLOCK, PROVEN_RUNS, compiled_flex, key_bucket, size_bucket
+from kvblend.blend.attention import flex
+from kvblend.blend.attention.flex import BLOCK, PROVEN_RUNS, compiled_flex, key_bucket, size_bucket
+from kvblend.blend.attention.rows import use_flex
 from kvblend.blend.layer_step import FULL, layer_step
 
 #: Environment variable forcing the compiled (``1``) or the eager (``0``) layer loop.

@@ -8,7 +8,7 @@ the window size of a layer is read from the adapter, never from an index into th
 1. `write_fresh`: project the computed rows (keys and values in one product), rotate their
    queries and keys to their positions, move the stale cached rows by the correction
    (`correction.py`) and write the fresh K/V over their rows (one op);
-2. `attend_and_mlp`: the computed rows attend over the layer's whole K/V (`attention.py`),
+2. `attend_and_mlp`: the computed rows attend over the layer's whole K/V (`attention/`),
    then ``o_proj``, the residual and the MLP; on the last layer, when only the logits are
    needed, the last row alone (`last_row`).
 

@@ -18,7 +18,7 @@ statistics). The prompt's K/V of every layer lives in one preallocated buffer (`
 2. lets the selector narrow the computed rows, at its refine layers,
 3. runs the layer (`layer_step.py`): projects the computed rows, rotates their queries and
    keys, moves the stale cached rows by the correction, writes the fresh K/V (one op), attends
-   the computed rows over the whole layer (`attention.py`) and runs the MLP. The step is a
+   the computed rows over the whole layer (`attention/`) and runs the MLP. The step is a
    pure function, run eagerly or compiled (`compiled.py`, ``KVBLEND_COMPILE``: one graph per
    size bucket for every layer).
 
@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.attention import RowAttention, SequenceAttention
+from kvblend.blend.attention.rows import RowAttention, SequenceAttention
 from kvblend.blend.compiled import StepRunner, step_runner
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.correction import CorrectionTensors, stale_correction
@@ -193,7 +193,7 @@ def begin_pass(
 
 
 #: Called between layers (and between entries read): returns when the prefill may go on, after
-#: a while when it yields (the vLLM connector's pacing, `kvblend.vllm.pacing`).
+#: a while when it yields (the vLLM connector's pacing, `kvblend.vllm.execution.pacing`).
 Pause = Callable[[], None]
 
 

@@ -1,8 +1,8 @@
 """From a prefill plan to blended K/V: the plan's stored entries opened, the blend loop run.
 
 `blend_plan` is the one way from a `PrefillPlan` to the fused K/V, for `BlendEngine.prefill`
-(transformers) and for the vLLM connector's worker (`kvblend.vllm.worker`). What differs between
-the two is a parameter, not a second copy:
+(transformers) and for the vLLM connector's worker (`kvblend.vllm.execution.worker`). What
+differs between the two is a parameter, not a second copy:
 
 - ``read_whole=False`` (the engine): each entry is opened where the store keeps it, and the loop
   reads it a group of layers at a time; a missing or unreadable entry is computed and stored
@@ -13,7 +13,7 @@ the two is a parameter, not a second copy:
   them, and is listed in ``lost`` (vLLM stores it after its step).
 - ``pause`` and ``cancel``: between two entries opened, as the loop between layers, the prefill
   may pause (the vLLM connector's blends yield there until the engine's next step,
-  `kvblend.vllm.pacing`) and is stopped once ``cancel`` is set.
+  `kvblend.vllm.execution.pacing`) and is stopped once ``cancel`` is set.
 - ``ranks`` (vLLM, read whole): the tensor-parallel ranks agree on the entries they use (one a
   rank could not read is computed on every rank), each reads its own KV heads of an entry, and
   none recomputes an entry alone: a rank's failed read fails the blend instead.
@@ -46,7 +46,10 @@ __all__ = ["PlanBlend", "Ranks", "blend_plan", "open_spans"]
 
 
 class Ranks(Protocol):
-    """Tensor-parallel ranks blending one prompt together (`kvblend.vllm.adapter.VLLMAdapter`)."""
+    """Tensor-parallel ranks blending one prompt together.
+
+    The vLLM connector's adapter is one (`kvblend.vllm.execution.adapter.VLLMAdapter`).
+    """
 
     tp_size: int
     kv_heads: slice  # which of an entry's KV heads this rank reads

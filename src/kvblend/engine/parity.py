@@ -7,7 +7,7 @@ largest logit. It is the one check both runtimes use: `BlendEngine` compares the
 transformers' forward (`forward_logits`) when built and logs an error above `parity_tolerance`
 (`require_parity` then refuses every blend that reads a cache, rather than produce wrong text
 from a model whose layers the loop does not reproduce); the vLLM connector's worker compares it
-with vLLM's own forward and claims nothing unless it passes (`kvblend.vllm.worker`).
+with vLLM's own forward and claims nothing unless it passes (`kvblend.vllm.execution.worker`).
 """
 
 from __future__ import annotations

@@ -25,12 +25,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvblend.vllm import compat
+from kvblend.vllm.execution.worker import Worker
 from kvblend.vllm.metrics import KVBlendPromMetrics, KVBlendStats
 from kvblend.vllm.requests import StepMetadata, WorkerReport
-from kvblend.vllm.scheduler import SchedulerSide
+from kvblend.vllm.scheduling.scheduler import SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings
 from kvblend.vllm.sides import scheduler_side, worker_model
-from kvblend.vllm.worker import Worker
 
 logger = logging.getLogger("kvblend.vllm")
 

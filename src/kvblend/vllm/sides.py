@@ -15,7 +15,6 @@ from typing import Any
 
 from kvblend.errors import UnsupportedModelError
 from kvblend.vllm.admission import admission
-from kvblend.vllm.blending import WorkerModel
 from kvblend.vllm.compat import logits_on_every_rank
 from kvblend.vllm.documents import (
     ShapeOnly,
@@ -26,7 +25,8 @@ from kvblend.vllm.documents import (
     open_tokenizer,
     store_location,
 )
-from kvblend.vllm.scheduler import SchedulerSide
+from kvblend.vllm.execution.blending import WorkerModel
+from kvblend.vllm.scheduling.scheduler import SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings
 
 logger = logging.getLogger("kvblend.vllm")
@@ -81,7 +81,7 @@ def worker_model(settings: ConnectorSettings, vllm_config: Any) -> WorkerModel:
     Entries hold every KV head: under tensor parallelism they are checked against the whole
     model's shape, and each rank reads its own heads (`blend_plan.open_spans`).
     """
-    from kvblend.vllm.adapter import VLLMAdapter
+    from kvblend.vllm.execution.adapter import VLLMAdapter
     from kvblend.vllm.plugin import loaded_model
 
     reason = unsupported(vllm_config)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.attention import attention_mask
+from kvblend.blend.attention.rows import attention_mask
 from kvblend.blend.io import COMPUTE, MOVED, to_device
 
 

@@ -34,8 +34,8 @@ from kvblend.prompt.plan import PlannedSpan, PrefillPlan, TokenKind
 from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.admission import Calibrated
-from kvblend.vllm.blending import WorkerModel, blend_into_cache
 from kvblend.vllm.costs import blend_features, vllm_features
+from kvblend.vllm.execution.blending import WorkerModel, blend_into_cache
 from kvblend.vllm.requests import BlendJob, BlendOutcome
 
 __all__ = ["CalibrationJob", "synthetic_plan"]

@@ -36,8 +36,8 @@ from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.vllm import compat
 from kvblend.vllm.admission import Admission, Decision
 from kvblend.vllm.planning import NO_DOCUMENT, RequestPlan, plan_request
-from kvblend.vllm.records import Counts, RequestLog, planned_record
 from kvblend.vllm.requests import BlendRequest, RequestStatus, StepMetadata, WorkerReport
+from kvblend.vllm.scheduling.records import Counts, RequestLog, planned_record
 from kvblend.vllm.settings import ConnectorSettings, RequestChoice, request_config
 
 logger = logging.getLogger("kvblend.vllm")

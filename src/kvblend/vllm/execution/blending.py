@@ -38,8 +38,8 @@ from kvblend.errors import BlendCancelledError
 from kvblend.prompt.plan import TokenKind
 from kvblend.prompt.segments import segment_key
 from kvblend.prompt.tokens import encode_prompt
-from kvblend.vllm.adapter import VLLMAdapter
-from kvblend.vllm.paged import slot_mapping, write_rows
+from kvblend.vllm.execution.adapter import VLLMAdapter
+from kvblend.vllm.execution.paged import slot_mapping, write_rows
 from kvblend.vllm.requests import BlendJob, BlendOutcome
 
 logger = logging.getLogger("kvblend.vllm")

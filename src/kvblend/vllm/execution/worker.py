@@ -30,11 +30,11 @@ import torch
 from torch import _C as torch_c  # set_num_threads: the builtin (vLLM's CPU worker replaces torch's)
 
 from kvblend.blend.loop import stop_if_cancelled
-from kvblend.vllm.blending import WorkerModel, gate, run_job, store
-from kvblend.vllm.calibration import CalibrationJob
 from kvblend.vllm.compat import reference_logits
 from kvblend.vllm.costs import step_features
-from kvblend.vllm.pacing import SliceRunner, Task, ThreadChoice, layer_ops
+from kvblend.vllm.execution.blending import WorkerModel, gate, run_job, store
+from kvblend.vllm.execution.calibration import CalibrationJob
+from kvblend.vllm.execution.pacing import SliceRunner, Task, ThreadChoice, layer_ops
 from kvblend.vllm.requests import BlendJob, BlendOutcome, StepMetadata, WorkerReport
 from kvblend.vllm.settings import ConnectorSettings
 

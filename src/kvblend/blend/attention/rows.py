@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvblend.blend.flex import FlexRows, compiled_flex
+from kvblend.blend.attention.flex import FlexRows, compiled_flex
 from kvblend.blend.io import RowSet
 from kvblend.blend.threads import ELEMENT_WORK, big
 
