@@ -1,0 +1,98 @@
+"""Where a blended prefill's time goes on the CPU: the torch profiler's op table, blend and full.
+
+Stored documents of about ``--doc-tokens`` tokens (`kvblend.bench.speed.synthetic`), placed in
+another order than stored between a head and a question, prefilled by ``BlendConfig()`` and by
+full prefill (median of 3 each, after one warm-up), then one profiled run of each:
+
+    python scripts/profile_blend.py --dtype fp32 --threads 1 [--model PATH] [--documents 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import kvblend.blend.attention.rows as row_attention
+from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.bench.speed.synthetic import synthetic_text
+from kvblend.store import MemoryKVStore
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main() -> None:
+    """Profile one blend and one full prefill of the same prompt; print both op tables."""
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("--model", default=None, help="model folder, GGUF file or hub id")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--documents", type=int, default=8)
+    parser.add_argument("--doc-tokens", type=int, default=480)
+    parser.add_argument("--rows", type=int, default=25, help="op rows printed per table")
+    args = parser.parse_args()
+    engine = BlendEngine.from_pretrained(
+        args.model, store=MemoryKVStore(), dtype=DTYPES[args.dtype], threads=args.threads
+    )
+    docs = [
+        synthetic_text(engine.tokenizer, args.doc_tokens, seed=i) for i in range(args.documents)
+    ]
+    for doc in docs:
+        engine.precompute(doc)
+    order = docs[:]
+    random.Random(1).shuffle(order)
+    segments = [
+        Segment("You answer from the documents.\n", cache=False),
+        *[Segment(doc + "\n") for doc in order],
+        Segment("Question: what is the main topic of the third document?\nAnswer:", cache=False),
+    ]
+
+    def timed(config: BlendConfig) -> float:
+        began = time.perf_counter()
+        engine.prefill(segments, config)
+        return time.perf_counter() - began
+
+    configs = {"blend": BlendConfig(), "full": BlendConfig("full")}
+    for config in configs.values():
+        timed(config)  # warm-up
+    seconds = {name: statistics.median(timed(c) for _ in range(3)) for name, c in configs.items()}
+    chunked: list[tuple[list[row_attention.QueryChunk], np.ndarray]] = []
+    query_chunks = row_attention.query_chunks
+
+    def recorded(lower: np.ndarray, upper: np.ndarray, *rest: object) -> list:
+        chunks = query_chunks(lower, upper, *rest)  # type: ignore[arg-type]
+        chunked.append((chunks, upper.copy()))
+        return chunks
+
+    row_attention.query_chunks = recorded  # the chunks of the eager CPU loop, once per pass
+    stats = engine.prefill(segments, configs["blend"]).stats
+    row_attention.query_chunks = query_chunks
+    print(
+        f"{stats.prompt_tokens} prompt tokens, {args.dtype}, {torch.get_num_threads()} thread(s): "
+        f"full {seconds['full']:.3f} s, BlendConfig() {seconds['blend']:.3f} s "
+        f"({seconds['blend'] / seconds['full']:.2f}), compute {stats.compute_fraction:.2f}"
+    )
+    per_layer = stats.prompt_tokens * (stats.prompt_tokens + 1) / 2  # full prefill's pairs
+    computed = sum((c.end - c.begin) * (c.key_end - c.key_begin) for cs, _ in chunked for c in cs)
+    needed = sum(float((upper.astype(np.int64) + 1).sum()) for _, upper in chunked)
+    if chunked:
+        rows = chunked[-1][1]
+        print(
+            f"the blend's query-key pairs per layer: {computed / per_layer:.2f} of full prefill's "
+            f"computed, {needed / per_layer:.2f} needed; its last pass's {rows.size} rows sit at "
+            f"{rows.mean() / stats.prompt_tokens:.2f} of the prompt on average"
+        )
+    for name, config in configs.items():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.prefill(segments, config)
+        print(f"\n{name}:")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+
+
+if __name__ == "__main__":
+    main()
