@@ -2,7 +2,7 @@
 
 Stored documents of about ``--doc-tokens`` tokens (`kvblend.bench.speed.synthetic`), placed in
 another order than stored between a head and a question, prefilled by ``BlendConfig()`` and by
-full prefill (median of 3 each, after one warm-up), then one profiled run of each:
+full prefill (median of ``--repeats``, 3, each after one warm-up), then one profiled run of each:
 
     python scripts/profile_blend.py --dtype fp32 --threads 1 [--model PATH] [--documents 8]
 """
@@ -35,6 +35,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=8)
     parser.add_argument("--doc-tokens", type=int, default=480)
     parser.add_argument("--rows", type=int, default=25, help="op rows printed per table")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
     args = parser.parse_args()
     engine = BlendEngine.from_pretrained(
         args.model, store=MemoryKVStore(), dtype=DTYPES[args.dtype], threads=args.threads
@@ -60,7 +61,10 @@ def main() -> None:
     configs = {"blend": BlendConfig(), "full": BlendConfig("full")}
     for config in configs.values():
         timed(config)  # warm-up
-    seconds = {name: statistics.median(timed(c) for _ in range(3)) for name, c in configs.items()}
+    seconds = {
+        name: statistics.median(timed(config) for _ in range(args.repeats))
+        for name, config in configs.items()
+    }
     chunked: list[tuple[list[row_attention.QueryChunk], np.ndarray]] = []
     query_chunks = row_attention.query_chunks
 
@@ -87,6 +91,8 @@ def main() -> None:
             f"computed, {needed / per_layer:.2f} needed; its last pass's {rows.size} rows sit at "
             f"{rows.mean() / stats.prompt_tokens:.2f} of the prompt on average"
         )
+    else:
+        print("the blend's query-key pairs: no query chunks (every row or a dense path computed)")
     for name, config in configs.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.prefill(segments, config)

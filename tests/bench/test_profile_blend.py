@@ -1,0 +1,26 @@
+"""scripts/profile_blend.py: one blend and one full prefill of the same prompt, profiled."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "profile_blend.py"
+
+
+@pytest.mark.slow
+def test_the_profile_reports_times_pairs_and_both_op_tables(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [str(SCRIPT), "--documents", "4", "--doc-tokens", "200", "--rows", "3", "--repeats", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    out = capsys.readouterr().out
+    head, pairs = out.splitlines()[:2]
+    assert "prompt tokens, fp32, 1 thread(s): full" in head and "compute" in head
+    computed, needed = (float(part.split()[0]) for part in pairs.split(": ")[1].split(", ")[:2])
+    assert 0 < needed <= computed <= 1  # the chunks compute at least what the rows need
+    assert "\nblend:\n" in out and "\nfull:\n" in out and out.count("aten::mm") == 2
