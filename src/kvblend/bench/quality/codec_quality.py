@@ -4,9 +4,10 @@ r"""Answer quality of every KV codec against full-precision entries, on the same
 passages, ``qa``: the generated QA task, ``long``: NQ's top twelve passages joined into three long
 documents; `kvblend.bench.quality.shapes`), one engine per codec (`kvblend.blend.kv_codec`), all
 over one model and one store, every engine at its defaults (not told the prompts' head, as a plain
-setup has it). Per question, full prefill runs once, then `BlendConfig()` on each codec's engine
-(`kvblend.bench.quality.compare.evaluate_item`), so every codec is paired with the same full prefill
-and with the full-precision entries' blend (codec ``none``) on the same prompt.
+setup has it). Per question, full prefill runs once, then `BlendConfig()` (or ``--strategy``'s
+blend) on each codec's engine (`kvblend.bench.quality.compare.evaluate_item`), so every codec is
+paired with the same full prefill and with the full-precision entries' blend (codec ``none``) on
+the same prompt.
 
 Rows are appended to ``OUTPUT.rows.jsonl`` as each question ends; a run started again with the
 same options skips the questions already there (resumable), and the summary ``OUTPUT`` is
