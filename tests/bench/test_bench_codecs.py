@@ -14,7 +14,13 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
-from kvblend.bench.quality.codec_quality import KL_MARGIN, codec_engines, codec_summary, transcode
+from kvblend.bench.quality.codec_quality import (
+    KL_MARGIN,
+    codec_engines,
+    codec_summary,
+    codec_table,
+    transcode,
+)
 from kvblend.bench.speed.kv_codecs import bytes_table_rows, entry_files
 from kvblend.store import MemoryKVStore
 
@@ -46,19 +52,23 @@ def test_codecs_are_paired_with_the_full_precision_blend() -> None:
     rows = []
     for index in range(20):
         full = {"qid": str(index), "shape": "qa", "strategy": "full", "correct": index < 10,
-                "agrees": True, "kl": 0.0, "answer": "a", "ttft_s": 1.0}  # fmt: skip
+                "agrees": True, "kl": 0.0, "answer": "a", "ttft_s": 1.0,
+                "compute_fraction": 1.0, "fallback": None}  # fmt: skip
         for codec, kl, answer in (("none", 0.02, "a"), ("int8", 0.021, "a"), ("int4", 0.04, "b")):
             rows.append({**full, "codec": codec})
             rows.append({**full, "codec": codec, "strategy": "default", "kl": kl,
                          "answer": answer, "correct": index < (10 if codec != "int4" else 4),
-                         "agrees": answer == "a"})  # fmt: skip
+                         "agrees": answer == "a", "compute_fraction": 0.5,
+                         "fallback": "full_above" if codec == "int4" else None})  # fmt: skip
     summary = {s["codec"]: s for s in codec_summary(rows)}
     assert summary["int8"]["kl_vs_none"] <= KL_MARGIN and summary["int8"]["accuracy_within_none_ci"]
     assert summary["int8"]["same_answer_as_none"] == 1.0
     assert summary["int4"]["kl_vs_none"] > KL_MARGIN
     assert summary["int4"]["difference_vs_none"] == -0.3
     assert summary["int4"]["same_answer_as_none"] == 0.0
-    assert summary["int8"]["fallback_share"] == 0.0 and summary["int8"]["compute_mean"] == 1.0
+    assert summary["int8"]["fallback_share"] == 0.0 and summary["int8"]["compute_mean"] == 0.5
+    assert summary["int4"]["fallback_share"] == 1.0
+    assert "| 0.50 | 100% | no |" in codec_table(list(summary.values()))
     # another blend strategy's rows are its own summary: none here
     assert codec_summary(rows, blend_strategy="default+min_recompute=0") == []
 

@@ -165,10 +165,8 @@ def codec_summary(
                 "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
                 "kl_within_margin": kl_diff <= KL_MARGIN,
                 "seconds_mean": statistics.fmean(blend[q]["ttft_s"] for q in qids),
-                "compute_mean": statistics.fmean(blend[q].get("compute_fraction", 1.0)
-                                                 for q in qids),
-                "fallback_share": statistics.fmean(bool(blend[q].get("fallback"))
-                                                   for q in qids),
+                "compute_mean": statistics.fmean(blend[q]["compute_fraction"] for q in qids),
+                "fallback_share": statistics.fmean(bool(blend[q]["fallback"]) for q in qids),
             })  # fmt: skip
     return out
 
@@ -193,8 +191,8 @@ def codec_table(summary: Sequence[dict[str, Any]]) -> str:
             f"{s['none_accuracy']:.1%} [{low * 100:.1f}, {high * 100:.1f}] | "
             f"{format_ci(s['kl_mean'], s['kl_ci'], percent=False)} | "
             f"{s['kl_vs_none']:+.4f} [{kl_low:+.4f}, {kl_high:+.4f}] | "
-            f"{s['same_answer_as_none']:.0%} | {s.get('compute_mean', float('nan')):.2f} | "
-            f"{s.get('fallback_share', float('nan')):.0%} | {met} |"
+            f"{s['same_answer_as_none']:.0%} | {s['compute_mean']:.2f} | "
+            f"{s['fallback_share']:.0%} | {met} |"
         )
     return "\n".join(lines)
 
