@@ -65,34 +65,46 @@ def main() -> None:
         name: statistics.median(timed(config) for _ in range(args.repeats))
         for name, config in configs.items()
     }
-    chunked: list[tuple[list[row_attention.QueryChunk], np.ndarray]] = []
-    query_chunks = row_attention.query_chunks
+    # the pieces the eager CPU loop attends by (query chunks, or blocks of products in bf16),
+    # once per pass: (begin, end, first key, key end) and the rows' positions
+    planned: list[tuple[list[tuple[int, int, int, int]], np.ndarray]] = []
+    query_chunks, product_blocks = row_attention.query_chunks, row_attention.product_blocks
 
-    def recorded(lower: np.ndarray, upper: np.ndarray, *rest: object) -> list:
+    def chunks_recorded(lower: np.ndarray, upper: np.ndarray, *rest: object) -> list:
         chunks = query_chunks(lower, upper, *rest)  # type: ignore[arg-type]
-        chunked.append((chunks, upper.copy()))
+        planned.append(([tuple(c) for c in chunks], upper.copy()))
         return chunks
 
-    row_attention.query_chunks = recorded  # the chunks of the eager CPU loop, once per pass
+    def blocks_recorded(lower: np.ndarray, upper: np.ndarray) -> list:
+        blocks = product_blocks(lower, upper)
+        planned.append(([(b.begin, b.end, 0, b.key_end) for b in blocks], upper.copy()))
+        return blocks
+
+    row_attention.query_chunks = chunks_recorded
+    row_attention.product_blocks = blocks_recorded
     stats = engine.prefill(segments, configs["blend"]).stats
-    row_attention.query_chunks = query_chunks
+    row_attention.query_chunks, row_attention.product_blocks = query_chunks, product_blocks
     print(
         f"{stats.prompt_tokens} prompt tokens, {args.dtype}, {torch.get_num_threads()} thread(s): "
         f"full {seconds['full']:.3f} s, BlendConfig() {seconds['blend']:.3f} s "
         f"({seconds['blend'] / seconds['full']:.2f}), compute {stats.compute_fraction:.2f}"
     )
     per_layer = stats.prompt_tokens * (stats.prompt_tokens + 1) / 2  # full prefill's pairs
-    computed = sum((c.end - c.begin) * (c.key_end - c.key_begin) for cs, _ in chunked for c in cs)
-    needed = sum(float((upper.astype(np.int64) + 1).sum()) for _, upper in chunked)
-    if chunked:
-        rows = chunked[-1][1]
+    computed = sum(
+        (end - begin) * (key_end - key_begin)
+        for pieces, _ in planned
+        for begin, end, key_begin, key_end in pieces
+    )
+    needed = sum(float((upper.astype(np.int64) + 1).sum()) for _, upper in planned)
+    if planned:
+        rows = planned[-1][1]
         print(
             f"the blend's query-key pairs per layer: {computed / per_layer:.2f} of full prefill's "
             f"computed, {needed / per_layer:.2f} needed; its last pass's {rows.size} rows sit at "
             f"{rows.mean() / stats.prompt_tokens:.2f} of the prompt on average"
         )
     else:
-        print("the blend's query-key pairs: no query chunks (every row or a dense path computed)")
+        print("the blend's query-key pairs: no sparse rows (every row or a dense path computed)")
     for name, config in configs.items():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             engine.prefill(segments, config)

@@ -12,21 +12,29 @@ rows are computed and where the loop runs:
   its block mask built on the device from the rows once per pass, KV heads grouped (no copies);
   outside a compiled step its kernel is compiled per (key, query) bucket (`flex.py`), and a
   compile dynamo refuses is attended by query chunks instead (logged once, counted);
-- sparse rows, in the eager loop on the CPU: query chunks of `QUERY_CHUNK` rows, each over the
-  keys up to its last row (from its first row's window start on sliding-window layers) with an
-  additive mask of exactly that key range, so a chunk skips the causal upper triangle beyond
-  it. FlexAttention runs eagerly there only by materialising every score (several times
-  slower), and compiled it costs seconds per shape, more than it saves on one prefill
-  (docs/benchmarks.md). The key ranges come from the rows' positions on the host: exact when
-  the host chose them, and on the CPU, where the device's memory is the host's, read in place
-  (a view: nothing copied, nothing waited for); elsewhere from order-statistic bounds when a
-  probe chose them on the device (`RowSet.bounds`), so no row is read back; a row set with no
-  bounds is read back once. A chunk's keys past a row's position are computed and masked out
-  (`masked_share`: 9% of the default's pairs at 4K, 4.5% at 7.5K); the chunks' outputs are
-  joined, then laid out once.
+- sparse rows, in the eager loop on the CPU in bfloat16: blocks of `PRODUCT_ROWS` rows, each
+  two batched matrix products (queries by keys, weights by values) with a softmax between, KV
+  heads grouped, the keys past the block's first row masked in place (`product_blocks`). There
+  the products run on the CPU's bfloat16 units, several times as fast as SDPA's float32 ones
+  (which take bfloat16 inputs at float32's speed): half the attention time of the chunks below,
+  with the scores rounded once to bfloat16 (their softmax and sums in float32); on NQ prompts
+  the blend's KL to full prefill is the chunks' (docs/benchmarks.md);
+- sparse rows, in the eager loop on the CPU otherwise (and on sliding-window layers): query
+  chunks of `QUERY_CHUNK` rows, each over the keys up to its last row (from its first row's
+  window start on sliding-window layers) with an additive mask of exactly that key range, so
+  a chunk skips the causal upper triangle beyond it. FlexAttention runs eagerly there only by
+  materialising every score (several times slower), and compiled it costs seconds per shape,
+  more than it saves on one prefill (docs/benchmarks.md). The key ranges come from the rows'
+  positions on the host: exact when the host chose them, and on the CPU, where the device's
+  memory is the host's, read in place (a view: nothing copied, nothing waited for); elsewhere
+  from order-statistic bounds when a probe chose them on the device (`RowSet.bounds`), so no
+  row is read back; a row set with no bounds is read back once. A chunk's keys past a row's
+  position are computed and masked out (`masked_share`: 9% of the default's pairs at 4K, 4.5%
+  at 7.5K); the chunks' outputs are joined, then laid out once.
 
-``KVBLEND_ATTENTION=flex`` (or ``chunks``) forces one of the last two. Masks of the chunks are
-kept for the whole pass while they fit in ``mask_budget`` bytes and built per call beyond it.
+``KVBLEND_ATTENTION=flex`` (or ``products``, or ``chunks``) forces one of the last three. Masks
+of the chunks are kept for the whole pass while they fit in ``mask_budget`` bytes and built per
+call beyond it; the product blocks' boolean masks are kept for the pass.
 """
 
 from __future__ import annotations
@@ -46,6 +54,12 @@ from kvblend.blend.threads import ELEMENT_WORK, big
 # the causal upper triangle but keep SDPA's kernels from running at full speed; on a CPU, 256
 # selected rows of a 4K prompt took about half the time of 64.
 QUERY_CHUNK = 256
+
+#: Computed rows per block of the product path (`product_blocks`): each block reads the keys up
+#: to its last row, so smaller blocks skip more of the causal upper triangle; at 4K with
+#: SmolLM2's shape, 64 rows a block took 0.66 of 128's time and 0.96 of 32's (bfloat16, one
+#: thread).
+PRODUCT_ROWS = 64
 
 # Masks kept for a pass, in bytes, before they are rebuilt at every call instead.
 MASK_BUDGET = 64 << 20
@@ -290,14 +304,61 @@ def masked_share(chunks: list[QueryChunk], positions: np.ndarray, window: int | 
     return (computed - needed) / computed if computed else 0.0
 
 
-def use_flex(device: torch.device, compiled: bool) -> bool:
-    """Whether sparse rows attend with FlexAttention (CUDA, the compiled loop) or chunks."""
+def _forced_attention() -> str:
     forced = os.environ.get(ATTENTION_ENV, "").strip()
-    if forced and forced not in ("flex", "chunks"):
-        raise ValueError(f"{ATTENTION_ENV} must be flex or chunks, got {forced!r}")
+    if forced and forced not in ("flex", "products", "chunks"):
+        raise ValueError(f"{ATTENTION_ENV} must be flex, products or chunks, got {forced!r}")
+    return forced
+
+
+def use_flex(device: torch.device, compiled: bool) -> bool:
+    """Whether sparse rows attend with FlexAttention (CUDA, the compiled loop) or otherwise."""
+    forced = _forced_attention()
     if forced:
         return forced == "flex"
     return compiled or device.type == "cuda"
+
+
+def use_products(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the eager loop's sparse rows attend by blocks of products or by SDPA chunks.
+
+    Products where the matrix units outrun SDPA's kernel: bfloat16 on the CPU (float32 and
+    float16 there run SDPA faster). ``KVBLEND_ATTENTION`` overrides it.
+    """
+    forced = _forced_attention()
+    if forced:
+        return forced == "products"
+    return device.type == "cpu" and dtype == torch.bfloat16
+
+
+class ProductBlock(NamedTuple):
+    """Computed rows ``[begin, end)`` over keys ``[0, key_end)``, masked from ``masked_from``.
+
+    Every row of the block may read the keys before ``masked_from`` (its first row's position,
+    or a lower bound of it, plus one); from there on each row's keys past its position are
+    masked.
+    """
+
+    begin: int
+    end: int
+    masked_from: int
+    key_end: int
+
+
+def product_blocks(lower: np.ndarray, upper: np.ndarray) -> list[ProductBlock]:
+    """Blocks of `PRODUCT_ROWS` computed rows, each over the keys up to its last row's bound.
+
+    ``lower``/``upper``: host bounds of the rows' sorted positions (equal where exact).
+    """
+    count = lower.size
+    return [
+        ProductBlock(begin, end, int(lower[begin]) + 1, int(upper[end - 1]) + 1)
+        for begin, end in zip(
+            range(0, count, PRODUCT_ROWS),
+            [*range(PRODUCT_ROWS, count, PRODUCT_ROWS), count],
+            strict=True,
+        )
+    ]
 
 
 class RowAttention:
@@ -319,7 +380,8 @@ class RowAttention:
         """Attention of the computed ``rows`` over ``total`` keys; ``windows``: per layer.
 
         ``dtype``: the queries' (the chunks' masks are made in it). ``flex``: sparse rows in
-        one FlexAttention call (else query chunks); ``length``: the rows of the K/V it is
+        one FlexAttention call (else blocks of products or query chunks, `use_products`);
+        ``length``: the rows of the K/V it is
         given (``total`` and more: a bucket's buffer); ``padded``: the rows' positions
         followed by padding rows' (a compiled loop's row bucket), the queries it is given.
         Without ``padded`` (the eager loop) every path but FlexAttention reads the prompt's
@@ -343,6 +405,10 @@ class RowAttention:
         self.scatter = not self.dense and 2 * count >= total
         self.chunks: dict[int | None, list[QueryChunk]] = {}
         self.masks: dict[int | None, list[torch.Tensor]] = {}
+        self.blocks: list[ProductBlock] = []  # the product path's (full-attention layers)
+        self.blocked: list[torch.Tensor] = []  # their masks: True where a row may not read
+        device = rows.positions.device
+        self.products = not flex and padded is None and use_products(device, dtype)
         self.mask_bytes = 0
         self.uncompiled = 0  # calls attended by chunks because a kernel's compile was refused
         self.flex: FlexRows | None = None
@@ -365,7 +431,7 @@ class RowAttention:
         chunks = tuple((str(window), tuple(plan)) for window, plan in plans.items())
         masked = tuple(sorted(str(window) for window in self.masked))
         return (self.flex is not None, self.exact, self.aligned, self.dense, self.scatter,
-                masked, chunks)  # fmt: skip
+                masked, chunks, tuple(self.blocks))  # fmt: skip
 
     def _plan_chunks(self) -> None:
         """Plan the query chunks of every masked window, and keep their masks within budget.
@@ -397,6 +463,14 @@ class RowAttention:
         self.make_mask = Masks(rows.positions.device, self.dtype, self.total)
         kept = 0
         for window in self.masked:
+            if window is None and self.products:
+                self.blocks = product_blocks(*bounds)
+                keys = torch.arange(self.total, device=rows.positions.device)
+                for block in self.blocks:
+                    positions = rows.positions[block.begin : block.end, None]
+                    self.blocked.append(keys[block.masked_from : block.key_end] > positions)
+                kept += sum(mask.numel() for mask in self.blocked)  # one byte each
+                continue
             self.chunks[window] = chunks = query_chunks(*bounds, window)
             size = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks) * element
             if kept + size <= self.mask_budget:
@@ -437,6 +511,8 @@ class RowAttention:
                 scattered.index_copy_(1, self.positions, queries)
             out = sdpa(scattered, keys, values, self.scaling)
             return out.index_select(0, self.positions)
+        if window is None and self.blocks:
+            return self._products(queries, keys, values)
         return self._chunked(window, queries, keys, values)
 
     def last_row(
@@ -452,6 +528,32 @@ class RowAttention:
             return last_row_attention(query, keys, values, None, window, self.scaling)
         position = self.positions[-1:]
         return last_row_attention(query, keys, values, position, window, self.scaling)
+
+    def _products(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of the computed rows by blocks: two batched products and a softmax each.
+
+        The queries are scaled first and grouped by KV head (no copies of the keys); a block's
+        scores are masked in place from its first row on, the softmax sums in float32.
+        """
+        heads, count, head_dim = queries.shape
+        kv_heads = keys.shape[0]
+        groups = heads // kv_heads
+        out = queries.new_empty(heads, count, head_dim)
+        pairs = sum((b.end - b.begin) * b.key_end for b in self.blocks)
+        with big(2 * heads * head_dim * pairs):
+            for block, blocked in zip(self.blocks, self.blocked, strict=True):
+                rows, key_end = block.end - block.begin, block.key_end
+                grouped = queries[:, block.begin : block.end] * self.scaling
+                grouped = grouped.reshape(kv_heads, groups * rows, head_dim)
+                scores = torch.bmm(grouped, keys[:, :key_end].transpose(1, 2))
+                tail = scores.view(kv_heads, groups, rows, key_end)[..., block.masked_from :]
+                tail.masked_fill_(blocked, float("-inf"))
+                weights = torch.softmax(scores, dim=-1)
+                product = torch.bmm(weights, values[:, :key_end])
+                out[:, block.begin : block.end] = product.view(heads, rows, head_dim)
+        return out.transpose(0, 1).reshape(count, -1)
 
     def _chunked(
         self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
