@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--stall-repeats", type=int, default=2,
                       help="rounds of the stall test (0: none)")  # fmt: skip
     vllm.add_argument("--no-rate", action="store_true", help="skip the requests/s runs")
+    vllm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                      help="what both servers serve in (documents precomputed in it)")  # fmt: skip
     vllm.add_argument("--nq", metavar="PROMPTS",
                       help="instead of timing: accuracy on the prompts of `kvblend bench "
                            "nq --write-prompts PROMPTS`, vLLM vs the engine")  # fmt: skip

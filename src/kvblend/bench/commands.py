@@ -436,7 +436,7 @@ def cmd_vllm(args: argparse.Namespace) -> None:
         args.model, lengths=lengths, repeats=args.repeats, doc_tokens=args.doc_tokens,
         rate_length=args.rate_length, rate_tokens=args.rate_tokens,
         work_dir=Path(args.work_dir) if args.work_dir else None, busy=args.busy_core,
-        stall_repeats=args.stall_repeats, rate=not args.no_rate,
+        stall_repeats=args.stall_repeats, rate=not args.no_rate, dtype=args.dtype,
     )  # fmt: skip
     result["machine"] = _vllm_machine()
     _write(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))

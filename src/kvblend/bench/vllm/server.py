@@ -42,13 +42,14 @@ class VLLMServer:
         max_model_len: int,
         kv_transfer_config: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        dtype: str = "float32",
     ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len),
             "--enable-prompt-tokens-details", "--seed", "0",
         ]  # fmt: skip
         if kv_transfer_config is not None:

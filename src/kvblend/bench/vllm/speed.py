@@ -255,20 +255,25 @@ def run_vllm_bench(
     busy: bool = False,
     stall_repeats: int = 2,
     rate: bool = True,
+    dtype: str = "float32",
 ) -> dict[str, Any]:
     """Run both servers over the same prompts; return every measurement and a summary.
 
     ``busy``: a second process keeps one core busy for the whole run; ``stall_repeats``: rounds
-    of the stall test (0: none); ``rate``: time requests/s too.
+    of the stall test (0: none); ``rate``: time requests/s too; ``dtype``: what both servers
+    serve in (``float32`` or ``bfloat16``; the documents are precomputed in it).
     """
     load = [round(x, 2) for x in os.getloadavg()]
-    folder, work, engine = bench_engine(model, work_dir, SYSTEM)
+    folder, work, engine = bench_engine(model, work_dir, SYSTEM, dtype)
     ttft, batches, documents = build_jobs(engine, lengths, repeats, doc_tokens, rate_length)
     rounds, stall_documents = build_stall_jobs(engine, stall_repeats, STALL_LENGTH, doc_tokens)
     engine.precompute(documents + stall_documents)
     warmup = _prompt(engine, ["A short warm-up document."])
     config = {"system_prompt": SYSTEM}
-    with serving(folder, work, engine.context_window, warmup, config) as servers, busy_core(busy):
+    with (
+        serving(folder, work, engine.context_window, warmup, config, dtype) as servers,
+        busy_core(busy),
+    ):
         ttft_rows = time_ttft(servers, ttft, log_line)
         stall_rows = time_stall(servers, rounds, log_line)
         rate_rows = time_rate(servers, batches if rate else [], rate_tokens, log_line)
@@ -285,7 +290,7 @@ def run_vllm_bench(
     return {
         "model": str(folder), "doc_tokens": doc_tokens, "repeats": repeats,
         "rate_length": rate_length, "rate_tokens": rate_tokens, "work_dir": str(work),
-        "busy_core": busy, "reserved_cpus": int(reserved_cpus()),
+        "busy_core": busy, "reserved_cpus": int(reserved_cpus()), "dtype": dtype,
         "load_average_at_start": load, "vanilla": vanilla, "kvblend": kvblend,
         "summary": summarize(vanilla, kvblend),
     }  # fmt: skip
@@ -297,13 +302,15 @@ def log_line(message: str) -> None:
 
 
 def bench_engine(
-    model: str | None, work_dir: Path | None, system_prompt: str
+    model: str | None, work_dir: Path | None, system_prompt: str, dtype: str = "float32"
 ) -> tuple[Path, Path, Any]:
     """Return the model folder vLLM serves, the work folder, an engine over ``work / "store"``.
 
-    The engine (with ``system_prompt``) precomputes the documents the connector then reads, as
-    a separate ingestion job would.
+    The engine (with ``system_prompt``, in vLLM's ``dtype``) precomputes the documents the
+    connector then reads, as a separate ingestion job would.
     """
+    import torch
+
     from kvblend.engine.engine import BlendEngine
     from kvblend.models.loading import model_folder
     from kvblend.store import default_store
@@ -312,14 +319,20 @@ def bench_engine(
     work = Path(work_dir or tempfile.mkdtemp(prefix="kvblend-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     engine = BlendEngine.from_pretrained(
-        str(folder), store=default_store(work / "store"), system_prompt=system_prompt
-    )
+        str(folder), store=default_store(work / "store"), system_prompt=system_prompt,
+        dtype=getattr(torch, dtype),
+    )  # fmt: skip
     return folder, work, engine
 
 
 @contextlib.contextmanager
 def serving(
-    folder: Path, work: Path, max_model_len: int, warmup: str, extra_config: dict[str, Any]
+    folder: Path,
+    work: Path,
+    max_model_len: int,
+    warmup: str,
+    extra_config: dict[str, Any],
+    dtype: str = "float32",
 ) -> Iterator[dict[str, Any]]:
     """Run vanilla vLLM and vLLM + `KVBlendConnector` (``extra_config``) over ``work / "store"``.
 
@@ -343,10 +356,10 @@ def serving(
     }  # fmt: skip
     servers = {
         "vanilla": VLLMServer(str(folder), work / "vanilla.log", max_model_len=max_model_len,
-                              env=env),
+                              env=env, dtype=dtype),
         "kvblend": VLLMServer(
             str(folder), work / "kvblend.log", max_model_len=max_model_len, env=env,
-            kv_transfer_config=connector,
+            kv_transfer_config=connector, dtype=dtype,
         ),
     }  # fmt: skip
     try:
