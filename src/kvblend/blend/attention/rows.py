@@ -534,8 +534,9 @@ class RowAttention:
     ) -> torch.Tensor:
         """Attention of the computed rows by blocks: two batched products and a softmax each.
 
-        The queries are scaled first and grouped by KV head (no copies of the keys); a block's
-        scores are masked in place from its first row on, the softmax sums in float32.
+        The queries are scaled first and grouped by KV head (the keys not repeated); the keys
+        are transposed once a layer (a block's product would otherwise copy its keys); a
+        block's scores are masked in place from its first row on, the softmax sums in float32.
         """
         heads, count, head_dim = queries.shape
         kv_heads = keys.shape[0]
@@ -543,11 +544,13 @@ class RowAttention:
         out = queries.new_empty(heads, count, head_dim)
         pairs = sum((b.end - b.begin) * b.key_end for b in self.blocks)
         with big(2 * heads * head_dim * pairs):
+            reach = max(block.key_end for block in self.blocks)
+            transposed = keys[:, :reach].transpose(1, 2).contiguous()
             for block, blocked in zip(self.blocks, self.blocked, strict=True):
                 rows, key_end = block.end - block.begin, block.key_end
                 grouped = queries[:, block.begin : block.end] * self.scaling
                 grouped = grouped.reshape(kv_heads, groups * rows, head_dim)
-                scores = torch.bmm(grouped, keys[:, :key_end].transpose(1, 2))
+                scores = torch.bmm(grouped, transposed[:, :, :key_end])
                 tail = scores.view(kv_heads, groups, rows, key_end)[..., block.masked_from :]
                 tail.masked_fill_(blocked, float("-inf"))
                 weights = torch.softmax(scores, dim=-1)
