@@ -145,10 +145,44 @@ def test_bench_help_and_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
         ["demo", "--max-new-tokens", "0"],
         ["ask", "q?"],
         ["demo", "--strategy", "nope"],
+        ["demo", "--dtype", "int8"],
     ],
 )
 def test_bad_options_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     _one_line_error(capsys, main([*argv, "--memory-only"]))
+
+
+@pytest.mark.slow
+def test_dtype_loads_the_model_in_it_and_keys_its_entries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Documents precomputed in bf16 are found by a bf16 reader, not by the fp32 default."""
+    from kvblend.cli import main as cli_main
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "marta.txt").write_text("Marta Quill is a beekeeper who lives in Lisbon.\n" * 8)
+    store = str(tmp_path / "store")
+    assert main(["precompute", str(docs), "--store-dir", store, "--dtype", "bf16"]) == 0
+    capsys.readouterr()
+    loaded = []
+    engine_of = cli_main._engine
+
+    def recorded(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        engine = engine_of(*args, **kwargs)
+        loaded.append(engine)
+        return engine
+
+    prompt = "Context: " + (docs / "marta.txt").read_text() + "Where does Marta live?"
+    for dtype in ("bf16", "fp32"):
+        cli_main._engine = recorded
+        try:
+            assert main(["explain", prompt, "--store-dir", store, "--dtype", dtype]) == 0
+        finally:
+            cli_main._engine = engine_of
+        explained = capsys.readouterr().out
+        assert ("moved: reused at its new position" in explained) == (dtype == "bf16"), explained
+    assert [engine.decoder.dtype for engine in loaded] == [torch.bfloat16, torch.float32]
 
 
 def test_questions_zero_names_the_option(capsys: pytest.CaptureFixture[str]) -> None:

@@ -125,7 +125,7 @@ def _engine(
     engine = BlendEngine.from_pretrained(
         args.model, store=store, device=args.device,
         system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system, threads=args.threads,
-        kv_codec=getattr(args, "kv_codec", None),
+        kv_codec=getattr(args, "kv_codec", None), dtype=getattr(args, "dtype", None),
     )  # fmt: skip
     print(
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
