@@ -175,6 +175,29 @@ def test_the_fit_finds_the_calibrations_costs_and_each_path_follows_its_own_runs
     assert (model.vllm.weights >= 0).all() and (model.blend.weights >= 0).all()
 
 
+def test_one_outlier_moves_the_residual_as_four_times_its_forecast_would() -> None:
+    """A blend 100x its forecast (a machine out of memory) does not turn the server away."""
+    model, _, blend_points = _calibrated(
+        np.array([0.01, 2e-3, 0.5]), np.array([0.05, 3e-3, 0.75, 1e-4])
+    )
+    for _ in range(4):
+        for features, seconds in blend_points:
+            model.observe(model.blend, features, seconds)
+    assert model.blend.residual == pytest.approx(1.0, rel=0.02)
+    features, seconds = blend_points[-1]
+    model.observe(model.blend, features, 100 * seconds)
+    capped = model.blend.residual
+    assert 1.2 < capped < 2.0  # as one run 4x its forecast: below the 0.8 margin's reach
+    other, _, _ = _calibrated(np.array([0.01, 2e-3, 0.5]), np.array([0.05, 3e-3, 0.75, 1e-4]))
+    for _ in range(4):
+        for f, s in blend_points:
+            other.observe(other.blend, f, s)
+    other.observe(other.blend, features, 4 * seconds)
+    assert capped == pytest.approx(other.blend.residual, rel=1e-4)
+    model.observe(model.blend, features, 0.0001 * seconds)  # nor can one absurdly fast run
+    assert model.blend.residual > 0.5
+
+
 def test_a_blend_must_win_by_the_margin() -> None:
     model, _, _ = _calibrated(np.array([0.0, 1e-3, 0.0]), np.array([0.0, 1e-3, 0.0, 0.0]))
     win = model.forecast(2000, 0, 1400)  # 0.7 of vLLM's time

@@ -67,6 +67,12 @@ class LinearFit:
     """
 
     PRIOR_S = 1.0
+    #: One run counts as at most this many times its forecast (and at least its forecast over
+    #: it): a run slowed by something outside the server (a machine out of memory took one 7.5K
+    #: blend to 668 s against a 7 s forecast) moves the residual as a 4x slower run would, so a
+    #: single outlier cannot turn the server away from a path for long; runs steadily slower
+    #: (a busy machine) still move it all the way.
+    MAX_RATIO = 4.0
     #: Without runs, the residual fades back toward 1 (the calibration) with this half-life:
     #: a path not chosen for a while is forecast afresh, so an unlucky stretch cannot rule it out
     #: for good.
@@ -105,7 +111,11 @@ class LinearFit:
         return float(self.weights @ features)
 
     def take(self, forecast: float, seconds: float) -> None:
-        """Take one run into the residual: ``seconds`` observed, ``forecast`` expected."""
+        """Take one run into the residual: ``seconds`` observed, ``forecast`` expected.
+
+        ``seconds`` counts as at most `MAX_RATIO` times ``forecast`` (at least its inverse).
+        """
+        seconds = min(max(seconds, forecast / self.MAX_RATIO), forecast * self.MAX_RATIO)
         residual = self.residual  # faded: the sums restart from it
         self._observed = self.forget * residual * self._forecast + seconds
         self._forecast = self.forget * self._forecast + forecast
