@@ -407,6 +407,7 @@ class RowAttention:
         self.masks: dict[int | None, list[torch.Tensor]] = {}
         self.blocks: list[ProductBlock] = []  # the product path's (full-attention layers)
         self.blocked: list[torch.Tensor] = []  # their masks: True where a row may not read
+        self.block_pairs = self.block_reach = 0  # their query-key pairs, their last key + 1
         device = rows.positions.device
         self.products = not flex and padded is None and use_products(device, dtype)
         self.mask_bytes = 0
@@ -470,6 +471,8 @@ class RowAttention:
                     positions = rows.positions[block.begin : block.end, None]
                     self.blocked.append(keys[block.masked_from : block.key_end] > positions)
                 kept += sum(mask.numel() for mask in self.blocked)  # one byte each
+                self.block_pairs = sum((b.end - b.begin) * b.key_end for b in self.blocks)
+                self.block_reach = max(block.key_end for block in self.blocks)
                 continue
             self.chunks[window] = chunks = query_chunks(*bounds, window)
             size = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks) * element
@@ -542,10 +545,8 @@ class RowAttention:
         kv_heads = keys.shape[0]
         groups = heads // kv_heads
         out = queries.new_empty(heads, count, head_dim)
-        pairs = sum((b.end - b.begin) * b.key_end for b in self.blocks)
-        with big(2 * heads * head_dim * pairs):
-            reach = max(block.key_end for block in self.blocks)
-            transposed = keys[:, :reach].transpose(1, 2).contiguous()
+        with big(2 * heads * head_dim * self.block_pairs):
+            transposed = keys[:, : self.block_reach].transpose(1, 2).contiguous()
             for block, blocked in zip(self.blocks, self.blocked, strict=True):
                 rows, key_end = block.end - block.begin, block.key_end
                 grouped = queries[:, block.begin : block.end] * self.scaling
