@@ -316,23 +316,3 @@ def test_a_compiled_strategy_runs_its_prefills_through_the_compiled_loop(
     with compiled.loop():
         assert compile_loop()
     assert os.environ[COMPILE_ENV] == "0"
-
-
-def test_a_threads_suffix_runs_the_prefills_on_that_many_threads() -> None:
-    import torch
-
-    from kvblend.bench.strategies import strategy
-
-    full, other = strategy("full"), strategy("full@threads=3")
-    assert other.threads == 3 and full.threads is None and other.config == full.config
-    both = strategy("default+lead_tokens=4@threads=2@compiled")
-    assert both.threads == 2 and both.compiled and both.config.lead_tokens == 4
-    before = torch.get_num_threads()
-    with other.loop():
-        assert torch.get_num_threads() == 3
-    assert torch.get_num_threads() == before  # as it was
-    with full.loop():
-        assert torch.get_num_threads() == before
-    for bad in ("full@threads=0", "full@threads=two", "nothing@threads=2"):
-        with pytest.raises(ValueError):
-            strategy(bad)

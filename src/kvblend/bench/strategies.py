@@ -8,21 +8,15 @@ layer 1) or ``cacheblend-value-0.15-L2``. ``cacheblend`` names are CacheBlend as
 without kvblend's stale-KV correction; the others use `BlendConfig`'s default correction. A
 ``-c<share>`` suffix sets it: ``attention-0.2-c0`` (none), ``cacheblend-value-0.2-c0.5``. An
 ``@compiled`` suffix runs the strategy's prefills through the compiled layer loop
-(``KVBLEND_COMPILE=1``), so one run times both loops: ``default,default@compiled``. An
-``@threads=N`` suffix runs its prefills and answers on N torch CPU threads: ``full@threads=2``
-is full prefill with other rounding (kernels split their sums by thread), the benchmarks'
-measure of how far full prefill's own answers move under rounding alone.
+(``KVBLEND_COMPILE=1``), so one run times both loops: ``default,default@compiled``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from kvblend.blend.compiled import COMPILE_ENV
 from kvblend.blend.config import BlendConfig, parse_setting
@@ -41,32 +35,13 @@ class Strategy:
     config: BlendConfig
     cache_documents: bool = True
     compiled: bool = False  # its prefills run the compiled layer loop (``@compiled``)
-    threads: int | None = None  # torch CPU threads of its prefills (``@threads=N``; None: as set)
 
     @contextlib.contextmanager
     def loop(self) -> Iterator[None]:
-        """Run the prefills inside in this strategy's layer loop and on its thread count."""
-        with self._threads():
-            if not self.compiled:
-                yield
-                return
-            with self._compiled():
-                yield
-
-    @contextlib.contextmanager
-    def _threads(self) -> Iterator[None]:
-        if self.threads is None:
+        """Run the prefills inside in this strategy's layer loop (``KVBLEND_COMPILE``)."""
+        if not self.compiled:
             yield
             return
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
-
-    @contextlib.contextmanager
-    def _compiled(self) -> Iterator[None]:
         before = os.environ.get(COMPILE_ENV)
         os.environ[COMPILE_ENV] = "1"
         try:
@@ -108,12 +83,7 @@ def strategy(name: str) -> Strategy:
     """
     if name.endswith("@compiled"):
         found = strategy(name.removesuffix("@compiled"))
-        return dataclasses.replace(found, name=name, compiled=True)
-    base, at, threads = name.rpartition("@threads=")
-    if at:
-        if not threads.isdigit() or int(threads) < 1:
-            raise ValueError(f"{name!r}: @threads= takes a whole number of threads, at least 1")
-        return dataclasses.replace(strategy(base), name=name, threads=int(threads))
+        return Strategy(name, found.config, found.cache_documents, compiled=True)
     base, *overrides = name.split("+")
     if overrides:
         found = strategy(base)
@@ -159,7 +129,7 @@ def strategy(name: str) -> Strategy:
         f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
-        ", an @threads=N and an @compiled one"
+        " and an @compiled one"
     )
 
 

@@ -29,7 +29,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +247,7 @@ def unguarded_row(
     if not guarded["escalated"]:  # no TTFT: the guarded row's is the strategy's
         return {**guarded, "strategy": name, "ttft_s": None}
     config = strat.config.replace(guard=None)
-    again = run(replace(strat, name=name, config=config), name)
+    again = run(Strategy(name, config, strat.cache_documents, strat.compiled), name)
     return {**again, "ttft_s": None, "guard": guarded["guard"], "escalated": False,
             "guard_would_escalate": True}  # fmt: skip
 
