@@ -167,6 +167,30 @@ def test_a_question_quoting_a_reused_document_is_no_near_miss(
     assert engine.prefill(uncached, BlendConfig("reuse")).stats.near_miss is None
 
 
+def test_a_title_echoing_a_reused_documents_start_is_no_near_miss() -> None:
+    """``Document [1](Title: X) X is ...``: the label's title is the first words of the reused
+    document, and another stored document starts with the same words (another version of it)."""
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    title = " Filipino American History Month"  # 32 characters, as the documents' heads
+    document = f"{title} is celebrated in the United States during October each year."
+    version = f"{title} was first observed in 1992 and is celebrated in October."
+    other = "Tomas Elm makes violins in Cremona and plays them on Sundays."
+    engine.precompute([document, version, other])
+    segments = [
+        Segment("Documents:\n", cache=False),
+        Segment(f"Document [1](Title:{title})", cache=False),
+        Segment(document),
+        Segment("\nQuestion: when?", cache=False),
+    ]
+    prompt = "".join(segment.text for segment in segments)  # fmt: skip
+    for given in (segments, prompt):
+        stats = engine.prefill(given, BlendConfig("reuse")).stats
+        assert stats.documents_reused == 1 and stats.near_miss is None, stats.near_miss
+    # a truncated copy of another document, beside the reused one, is still named
+    stats = engine.prefill(f"{prompt}\nAlso: {other[:40]}", BlendConfig("reuse")).stats
+    assert stats.near_miss is not None and f"of {len(other)} characters" in stats.near_miss
+
+
 def test_a_truncated_document_in_a_segment_list_is_a_near_miss() -> None:
     engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
     document = "Marta Quill is a beekeeper who lives in Lisbon with her three dogs."

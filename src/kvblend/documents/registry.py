@@ -338,16 +338,23 @@ class DocumentRegistry:
         truncated copy), whose whole text starts there (uncached, not truncated), or whose
         first `HEAD_CHARS` characters do not (a question naming its first words) is no near
         miss; a document known from records written before heads were is checked by its
-        anchor alone.
+        anchor alone. Nor is text that starts as a matched document does (its first
+        `HEAD_CHARS` characters): a label or title echoing the start of a document the prompt
+        reuses, such as ``Document [1](Title: X) X is ...``, is no copy of another document
+        that starts alike.
         """
         self.refresh()
         hashes = window_crc32(prompt, ANCHOR_CHARS)
         cursor, size = 0, len(prompt)
         reused = {text_digest(prompt[begin:end]) for begin, end in matched}
+        echoes = {head_hash(prompt[begin : begin + HEAD_CHARS])
+                  for begin, end in matched if end - begin >= HEAD_CHARS}  # fmt: skip
         with self._lock:
             for match_start, match_end in [*matched, (size, size)]:
                 for start in range(cursor, max(cursor, match_start - ANCHOR_CHARS + 1)):
                     bucket = self._anchors.get((int(hashes[start]), ANCHOR_CHARS))
+                    if bucket and head_hash(prompt[start : start + HEAD_CHARS]) in echoes:
+                        continue
                     missed = [
                         length
                         for length, digests in (bucket or {}).items()
