@@ -19,6 +19,16 @@ minimum + code * scale``, where
 8-bit ranges are each slice's whole range; a 4-bit range is shrunk about its middle to the
 factor that gives the slice the least squared error (`CLIP_FACTORS`), at precompute only.
 
+``k8v4`` (version 2) codes its values as the rotation-based schemes do (QuaRot, TurboQuant):
+each token's values are first turned by an orthonormal Hadamard transform over ``head_dim``
+(`hadamard`; one per block of the largest power of two dividing it), which spreads an outlier
+channel over all of them and leaves a near-Gaussian spread, then coded on the 16 levels of a
+Gaussian's Lloyd-Max quantizer (`GAUSSIAN_LEVELS`) instead of an evenly spaced grid. On
+SmolLM2-135M's values of twelve NQ passages this lowers the squared error of 4-bit values by
+23% (relative error 0.0085 -> 0.0066) at the same bytes; decoding adds a table lookup and one
+``head_dim x head_dim`` product per layer group. Keys keep the plain per-channel scheme (they
+are re-rotated by RoPE after decoding, and 8 bits are already within 0.5 of a step).
+
 Codecs (`CODECS`): ``none`` (full precision in the engine's ``kv_dtype``, the default and the
 format of every entry written before codecs existed), ``int8`` (8-bit keys and values),
 ``k8v4`` (8-bit keys, 4-bit values) and ``int4`` (4-bit keys and values). Two 4-bit codes
@@ -70,6 +80,14 @@ class KVCodec:
     key_bits: int = 0  # 0: full precision
     value_bits: int = 0
     version: int = 1  # part of the key: a changed scheme is never read as the old one
+    rotate_values: bool = False  # values turned by `hadamard` before coding, back after
+    value_grid: str = "uniform"  # 4-bit value levels: "uniform" or "gaussian" (Lloyd-Max)
+
+    def __post_init__(self) -> None:
+        if self.value_grid not in ("uniform", "gaussian"):
+            raise ValueError(f"value_grid must be 'uniform' or 'gaussian', not {self.value_grid!r}")
+        if self.value_grid == "gaussian" and self.value_bits != 4:
+            raise ValueError("the gaussian grid is a grid of 4-bit values")
 
     @property
     def quantized(self) -> bool:
@@ -78,13 +96,15 @@ class KVCodec:
 
     @property
     def codes_name(self) -> str:
-        """Name of the codes tensor of an entry (``kv`` for ``none``)."""
-        return f"kv.{self.name}" if self.quantized else "kv"
+        """Name of the codes tensor of an entry (``kv`` for ``none``; the version after 1)."""
+        if not self.quantized:
+            return "kv"
+        return f"kv.{self.name}" if self.version == 1 else f"kv.{self.name}.v{self.version}"
 
     @property
     def scales_name(self) -> str:
         """Name of the scales tensor of an entry."""
-        return f"kv.{self.name}.scales"
+        return f"{self.codes_name}.scales"
 
     def fingerprint(self, model_fingerprint: str) -> str:
         """Return the fingerprint segment keys are made with (the model's own for ``none``).
@@ -137,7 +157,11 @@ class KVCodec:
                              f"{list(kv.shape)}")  # fmt: skip
         layers = kv.shape[0]
         keys, key_scale, key_min = _quantize(kv[:, 0], self.key_bits, dim=2)
-        values, value_scale, value_min = _quantize(kv[:, 1], self.value_bits, dim=3)
+        values = kv[:, 1].float()
+        if self.rotate_values:
+            values = values @ hadamard(kv.shape[-1], values.device)
+        values, value_scale, value_min = _quantize(values, self.value_bits, dim=3,
+                                                   grid=self.value_grid)  # fmt: skip
         codes = torch.cat([keys.reshape(layers, -1), values.reshape(layers, -1)], dim=1)
         scales = torch.cat(
             [t.reshape(layers, -1) for t in (key_scale, key_min, value_scale, value_min)], dim=1
@@ -153,7 +177,12 @@ class KVCodec:
         expected = self.stored_tensors(torch.uint8, shape)
         found = {}
         for name, (dtype, size) in expected.items():
-            tensor = tensors[name]
+            tensor = tensors.get(name) if hasattr(tensors, "get") else tensors[name]
+            if tensor is None:
+                raise ValueError(
+                    f"the entry holds no {name!r}: not a {self.name} v{self.version} "
+                    f"entry (it holds {', '.join(map(repr, tensors)) or 'nothing'})"
+                )
             if tensor.dtype != dtype or tuple(tensor.shape) != size:
                 raise ValueError(
                     f"stored tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the "
@@ -173,8 +202,83 @@ NO_CODEC = KVCodec("none")
 #: Every codec by name.
 CODECS: dict[str, KVCodec] = {
     codec.name: codec
-    for codec in (NO_CODEC, KVCodec("int8", 8, 8), KVCodec("k8v4", 8, 4), KVCodec("int4", 4, 4))
+    for codec in (
+        NO_CODEC,
+        KVCodec("int8", 8, 8),
+        KVCodec("k8v4", 8, 4, version=2, rotate_values=True, value_grid="gaussian"),
+        KVCodec("int4", 4, 4),
+    )
 }
+
+#: The 16 output levels of the Lloyd-Max quantizer of a unit Gaussian (Max, 1960, "Quantizing
+#: for minimum distortion"), the positive half; the grid is them and their negatives, mapped
+#: onto ``[0, 15]`` so the ends stay a slice's range as on the uniform grid.
+LLOYD_MAX_16 = (0.1284, 0.3881, 0.6568, 0.9424, 1.2562, 1.6180, 2.0690, 2.7326)
+GAUSSIAN_LEVELS = tuple(
+    round((level / LLOYD_MAX_16[-1] + 1) * 7.5, 6)
+    for level in (*(-x for x in reversed(LLOYD_MAX_16)), *LLOYD_MAX_16)
+)
+
+
+def hadamard(dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Return the orthonormal (and symmetric) Hadamard matrix values are turned by, float32.
+
+    Sylvester's construction over blocks of the largest power of two dividing ``dim`` (all of
+    it for 64 or 128), block-diagonal when ``dim`` is not a power of two.
+    """
+    return _hadamard(dim, str(device)).clone()
+
+
+_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+_GRID_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _hadamard(dim: int, device: str) -> torch.Tensor:
+    found = _HADAMARD.get((dim, device))
+    if found is None:
+        block = dim & -dim
+        matrix = torch.ones(1, 1)
+        while matrix.shape[0] < block:
+            matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
+        matrix = torch.block_diag(*[matrix / block**0.5] * (dim // block))
+        found = _HADAMARD[(dim, device)] = matrix.to(device)
+    return found
+
+
+def _grid(device: torch.device) -> torch.Tensor:
+    """Return the gaussian grid's levels, float32 on ``device``."""
+    found = _GRID_TABLES.get(str(device))
+    if found is None:
+        found = _GRID_TABLES[str(device)] = torch.tensor(GAUSSIAN_LEVELS, device=device)
+    return found
+
+
+def _byte_pairs(device: torch.device) -> torch.Tensor:
+    """``[256, 2]``: a code byte's low and high nibble as gaussian-grid levels."""
+    key = f"pairs:{device}"
+    found = _GRID_TABLES.get(key)
+    if found is None:
+        byte = torch.arange(256)
+        levels = torch.tensor(GAUSSIAN_LEVELS)
+        found = _GRID_TABLES[key] = torch.stack([levels[byte & 15], levels[byte >> 4]], 1).to(
+            device
+        )
+    return found
+
+
+def _pair_order_hadamard(dim: int, device: torch.device) -> torch.Tensor:
+    """`hadamard` with its rows in the order a code byte's pairs decode: c, c + dim / 2, ...
+
+    A value row decoded from ``[..., dim / 2, 2]`` pairs (reshaped, no copy) holds channel
+    ``c`` then ``c + dim / 2``; this matrix takes such a row straight back to the K/V's values.
+    """
+    key = (dim, f"pairs:{device}")
+    found = _HADAMARD.get(key)
+    if found is None:
+        half = dim // 2
+        order = torch.stack([torch.arange(half), torch.arange(half) + half], 1).reshape(-1)
+        found = _HADAMARD[key] = _hadamard(dim, str(device))[order.to(device)].contiguous()
+    return found
 
 
 def kv_codec(codec: str | KVCodec | None) -> KVCodec:
@@ -194,7 +298,7 @@ def _packed(head_dim: int, bits: int) -> int:
 
 
 def _quantize(
-    x: torch.Tensor, bits: int, dim: int
+    x: torch.Tensor, bits: int, dim: int, grid: str = "uniform"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes (packed), scale and minimum of ``x`` ``[layers, heads, tokens, head_dim]``.
 
@@ -203,9 +307,11 @@ def _quantize(
     the factor of `CLIP_FACTORS` that gives the slice the least squared error (values outside it
     take the end codes: a few clipped outliers cost less than a coarser step for every value).
     The stored (float16) minimum and scale are rounded outwards, and codes are computed from
-    them: decoding uses exactly the numbers the codes were rounded against.
+    them: decoding uses exactly the numbers the codes were rounded against. ``grid``
+    ``"gaussian"`` (4 bits): codes pick the nearest of `GAUSSIAN_LEVELS` instead of an even step.
     """
     levels = (1 << bits) - 1
+    table = _grid(x.device) if grid == "gaussian" else None
     x = x.float()
     low = x.amin(dim=dim, keepdim=True).clamp(-_SCALE_MAX, _SCALE_MAX)
     high = x.amax(dim=dim, keepdim=True).clamp(-_SCALE_MAX, _SCALE_MAX)
@@ -214,14 +320,14 @@ def _quantize(
     error = torch.empty(0)
     for factor in CLIP_FACTORS if bits < 8 else (1.0,):
         scale, minimum = _stored_range(middle - half * factor, middle + half * factor, levels)
-        codes = _codes(x, scale, minimum, levels)
+        codes = _codes(x, scale, minimum, levels, table)
         if best is None:
             best = codes, scale, minimum
             if factor == CLIP_FACTORS[-1] or bits == 8:
                 break
-            error = _squared_error(x, codes, scale, minimum, dim)
+            error = _squared_error(x, codes, scale, minimum, dim, table)
             continue
-        found = _squared_error(x, codes, scale, minimum, dim)
+        found = _squared_error(x, codes, scale, minimum, dim, table)
         better = found < error
         error = torch.where(better, found, error)
         best = (torch.where(better, codes, best[0]), torch.where(better, scale, best[1]),
@@ -252,17 +358,33 @@ def _stored_range(
 
 
 def _codes(
-    x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, levels: int
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    levels: int,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Round-to-nearest codes of ``x`` against a stored scale and minimum (unpacked uint8)."""
+    """Nearest codes of ``x`` against a stored scale and minimum (unpacked uint8).
+
+    On the even grid (``table`` None) or on ``table``'s levels (in steps of ``scale``).
+    """
     safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
-    return ((x - minimum.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
+    steps = (x - minimum.float()) / safe
+    if table is None:
+        return steps.round_().clamp_(0, levels).to(torch.uint8)
+    return torch.bucketize(steps, (table[1:] + table[:-1]) / 2).to(torch.uint8)
 
 
 def _squared_error(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dim: int
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    dim: int,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    decoded = torch.addcmul(minimum.float(), codes, scale.float())
+    steps = codes if table is None else table[codes.int()]
+    decoded = torch.addcmul(minimum.float(), steps, scale.float())
     return (decoded - x).square_().sum(dim=dim, keepdim=True)
 
 
@@ -358,7 +480,10 @@ class EncodedKV:
         """
         keys, values, key_scale, key_min, value_scale, value_min = self.parts()
         _decode(target[:, 0], keys, key_scale, key_min, self.codec.key_bits)
-        _decode(target[:, 1], values, value_scale, value_min, self.codec.value_bits)
+        if self.codec.rotate_values:
+            _decode_rotated(target[:, 1], values, value_scale, value_min)
+        else:
+            _decode(target[:, 1], values, value_scale, value_min, self.codec.value_bits)
 
     def decode(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Return the K/V it stands for, ``[layers, 2, kv_heads, rows, head_dim]``."""
@@ -402,3 +527,16 @@ def _decode(
     torch.addcmul(minimum[..., low_cut], codes & 15, scale[..., low_cut], out=target[..., :half])
     torch.addcmul(minimum[..., high_cut], codes >> 4, scale[..., high_cut],
                   out=target[..., half:])  # fmt: skip
+
+
+def _decode_rotated(
+    target: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> None:
+    """Values of 4-bit gaussian-grid codes of rotated values: ``(minimum + level * scale) H``.
+
+    Each byte is looked up as its two levels (``[..., dim / 2, 2]``, read as one row by a view),
+    scaled, and turned back by the Hadamard matrix with its rows in that order: four ops.
+    """
+    pairs = _byte_pairs(codes.device)[codes.int()]
+    rows = torch.addcmul(minimum, pairs.view(*codes.shape[:-1], -1), scale)
+    target.copy_(rows @ _pair_order_hadamard(target.shape[-1], rows.device))
