@@ -21,7 +21,7 @@ from kvblend.bench.quality.codec_quality import (
     codec_table,
     transcode,
 )
-from kvblend.bench.speed.kv_codecs import bytes_table_rows, entry_files
+from kvblend.bench.speed.kv_codecs import bytes_table_rows, codecs_report, entry_files, run_decode
 from kvblend.store import MemoryKVStore
 
 DOCS = [
@@ -80,3 +80,24 @@ def test_the_bytes_table_and_entry_files(tmp_path: Path) -> None:
     files = {r["codec"]: r for r in entry_files(base, ["fp16", "none", "int8"], tmp_path)}
     assert files["fp16"]["of_fp16"] == 1.0 and 1.9 < files["none"]["of_fp16"] <= 2.0
     assert files["int8"]["of_fp16"] < 0.6
+
+
+def test_the_decode_part_times_every_codec_and_k8v4s_first_version() -> None:
+    base = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    rows = {r["codec"]: r for r in run_decode(base, ["none", "int8", "k8v4"], doc_tokens=40,
+                                              rounds=3)}  # fmt: skip
+    assert list(rows) == ["none", "int8", "k8v4", "k8v4 v1"]
+    assert rows["none"]["vs_copy"] == 1.0 and all(len(r["ms"]) == 3 for r in rows.values())
+    assert all(r["tok_s"] > 0 and r["tokens"] == 40 for r in rows.values())
+    table = codecs_report({"machine": {"model": "tiny", "torch_threads": 1, "date": "d"},
+                           "decode": list(rows.values())})  # fmt: skip
+    assert "| k8v4 v1 | float32 | 40 |" in table
+
+
+def test_an_unknown_part_is_refused() -> None:
+    import pytest
+
+    from kvblend.bench.speed.kv_codecs import main
+
+    with pytest.raises(SystemExit):
+        main(["--parts", "bytes,speed"])

@@ -537,6 +537,6 @@ def _decode_rotated(
     Each byte is looked up as its two levels (``[..., dim / 2, 2]``, read as one row by a view),
     scaled, and turned back by the Hadamard matrix with its rows in that order: four ops.
     """
-    pairs = _byte_pairs(codes.device)[codes.int()]
+    pairs = torch.nn.functional.embedding(codes.int(), _byte_pairs(codes.device))
     rows = torch.addcmul(minimum, pairs.view(*codes.shape[:-1], -1), scale)
     target.copy_(rows @ _pair_order_hadamard(target.shape[-1], rows.device))

@@ -11,13 +11,18 @@
   cold disk tier (its files dropped from the page cache before every read) and Redis;
 - ``ttft``: TTFT of `BlendConfig()` at ``--length`` tokens (512-token documents) with the
   documents on a cold disk and in Redis, every codec (and full prefill) in every repeat,
-  interleaved, so ratios compare runs taken under the same machine load.
+  interleaved, so ratios compare runs taken under the same machine load;
+- ``decode``: the placement copy alone: one ``--doc-tokens`` entry of the model's K/V shape
+  (random values: decoding does not depend on them) already in memory, placed into a buffer of
+  the engine's dtype by each codec (``fp16``/``none``: a plain copy; with ``k8v4``, also its
+  version 1, plain per-token codes, for comparison), interleaved over rounds; median ms per
+  entry and tokens/s.
 
 Codec labels: ``fp16`` is full precision stored in float16 (``kv_codec="none"``,
 ``kv_dtype=float16``), ``none`` full precision in the model's dtype, then ``int8``, ``k8v4``,
 ``int4``. Redis is a ``redis-server`` started for the run (or ``--redis-url``).
 
-    kvblend bench codecs [--parts bytes,throughput,ttft] [--codecs fp16,none,int8,k8v4,int4]
+    kvblend bench codecs [--parts bytes,throughput,ttft,decode] [--codecs fp16,none,int8,k8v4,int4]
         [--length 4096] [--repeats 5] [--threads 1] [--model PATH]
 """
 
@@ -45,12 +50,13 @@ from kvblend.bench.speed.ttft import (
     drop_page_cache,
     time_prefill,
 )
-from kvblend.blend.kv_codec import NO_CODEC, EncodedKV, kv_codec
+from kvblend.blend.kv_codec import NO_CODEC, EncodedKV, KVCodec, kv_codec
 from kvblend.engine.engine import BlendEngine
 from kvblend.engine.threads import use_threads
 from kvblend.store import DiskKVStore, MemoryKVStore, TieredKVStore
 
 LABELS = ("fp16", "none", "int8", "k8v4", "int4")
+PARTS = ("bytes", "throughput", "ttft", "decode")
 #: KV shapes of the bytes table: (name, layers, KV heads, head_dim).
 SHAPES = (("SmolLM2-135M", 30, 3, 64), ("Llama-3.1-8B", 32, 8, 128))
 LENGTHS = (116, 512, 2048)
@@ -179,6 +185,51 @@ def run_throughput(
     return rows
 
 
+#: ``k8v4`` as version 1 stored it (per-token values on an even grid): the decode part's baseline.
+K8V4_V1 = KVCodec("k8v4", 8, 4)
+
+
+def run_decode(base: BlendEngine, labels: Sequence[str], *, doc_tokens: int, rounds: int) -> list:
+    """Time placing one entry of ``doc_tokens`` per codec, interleaved; one row per codec."""
+    shape = base.decoder.shape
+    kv_shape = (shape.num_layers, 2, shape.num_kv_heads, doc_tokens, shape.head_dim)
+    device, dtype = base.decoder.device, base.decoder.dtype
+    kv = torch.randn(kv_shape, generator=torch.Generator().manual_seed(0)).to(device)
+    sources: dict[str, Any] = {}
+    for label in labels:
+        if label in ("fp16", "none"):
+            sources[label] = kv.to(torch.float16 if label == "fp16" else dtype)
+            continue
+        codec = kv_codec(label)
+        sources[label] = codec.open(codec.encode(kv), kv_shape)
+        if label == "k8v4":
+            sources["k8v4 v1"] = K8V4_V1.open(K8V4_V1.encode(kv), kv_shape)
+    target = torch.empty(kv_shape, dtype=dtype, device=device)
+    times: dict[str, list[float]] = {label: [] for label in sources}
+    for _ in range(rounds + 1):  # the first round warms up and is not kept
+        for label, source in sources.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            if isinstance(source, EncodedKV):
+                source.place(target)
+            else:
+                target.copy_(source)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[label].append(time.perf_counter() - started)
+    rows = []
+    for label, seconds in times.items():
+        median = statistics.median(seconds[1:])
+        rows.append({"codec": label, "tokens": doc_tokens, "dtype": str(dtype).split(".")[-1],
+                     "median_ms": median * 1e3, "tok_s": doc_tokens / median,
+                     "ms": [t * 1e3 for t in seconds[1:]]})  # fmt: skip
+    copy = next((r["median_ms"] for r in rows if r["codec"] in ("fp16", "none")), None)
+    for row in rows:
+        row["vs_copy"] = row["median_ms"] / copy if copy else None
+    return rows
+
+
 def _close(tiers: dict[str, Any], folder: Path) -> None:
     for store in tiers.values():
         store.clear()
@@ -288,6 +339,14 @@ def codecs_report(result: dict[str, Any]) -> str:
                 f"{r['ttft_vs_full']:.3f} | {vs} | {r['load_median_s']:.3f} |"
             )
         parts.append("\n".join(lines))
+    if "decode" in result:
+        lines = ["| codec | buffer dtype | entry tokens | place, ms (median) | tok/s | x copy |",
+                 "|---|---|---|---|---|---|"]  # fmt: skip
+        for r in result["decode"]:
+            vs = f"{r['vs_copy']:.2f}" if r["vs_copy"] else "-"
+            lines.append(f"| {r['codec']} | {r['dtype']} | {r['tokens']} | "
+                         f"{r['median_ms']:.2f} | {r['tok_s']:,.0f} | {vs} |")  # fmt: skip
+        parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
 
@@ -313,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", default=str(RESULTS_DIR / "codecs.json"))
     args = parser.parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    if parts - set(PARTS):
+        parser.error(f"unknown part(s) {sorted(parts - set(PARTS))}; use {', '.join(PARTS)}")
     labels = [label.strip() for label in args.codecs.split(",") if label.strip()]
     for label in labels:
         if label != "fp16":
@@ -345,5 +406,8 @@ def main(argv: list[str] | None = None) -> None:
                                       doc_tokens=args.doc_tokens, repeats=args.repeats,
                                       log=log)  # fmt: skip
                 result["ttft_rows"], result["ttft_summary"] = rows, ttft_summary(rows, labels)
+    if "decode" in parts:
+        result["decode"] = run_decode(base, labels, doc_tokens=args.doc_tokens,
+                                      rounds=10 * args.repeats)  # fmt: skip
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     _write(result, Path(args.output), codecs_report(result))
