@@ -189,7 +189,9 @@ def run_throughput(
 K8V4_V1 = KVCodec("k8v4", 8, 4)
 
 
-def run_decode(base: BlendEngine, labels: Sequence[str], *, doc_tokens: int, rounds: int) -> list:
+def run_decode(
+    base: BlendEngine, labels: Sequence[str], *, doc_tokens: int, rounds: int
+) -> list[dict[str, Any]]:
     """Time placing one entry of ``doc_tokens`` per codec, interleaved; one row per codec."""
     shape = base.decoder.shape
     kv_shape = (shape.num_layers, 2, shape.num_kv_heads, doc_tokens, shape.head_dim)
@@ -218,7 +220,7 @@ def run_decode(base: BlendEngine, labels: Sequence[str], *, doc_tokens: int, rou
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times[label].append(time.perf_counter() - started)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for label, seconds in times.items():
         median = statistics.median(seconds[1:])
         rows.append({"codec": label, "tokens": doc_tokens, "dtype": str(dtype).split(".")[-1],
