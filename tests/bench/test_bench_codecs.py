@@ -101,3 +101,29 @@ def test_an_unknown_part_is_refused() -> None:
 
     with pytest.raises(SystemExit):
         main(["--parts", "bytes,speed"])
+
+
+def test_shards_share_a_shape_and_one_output(tmp_path: Path) -> None:
+    """Two shards append their own questions' rows to one file; a run without a shard then
+    finds every question done, computes nothing and summarizes them all."""
+    import pytest
+
+    from kvblend.bench.quality.codec_quality import read_rows, run_codec_quality
+
+    base = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    output = tmp_path / "codecs.json"
+    ran = {}
+    for shard in ((0, 2), (1, 2), (0, 1)):
+        before = len(read_rows(output.with_suffix(".rows.jsonl")))
+        result = run_codec_quality(base, ["qa"], ["none", "int8"], data=None, questions=5,
+                                   output=output, max_new_tokens=2, shard=shard,
+                                   log=lambda message: None)  # fmt: skip
+        ran[shard] = len(read_rows(output.with_suffix(".rows.jsonl"))) - before
+    rows = read_rows(output.with_suffix(".rows.jsonl"))
+    questions = list(dict.fromkeys(row["qid"] for row in rows))
+    assert len(questions) == 5 and ran[(0, 1)] == 0
+    assert ran[(0, 2)] == 3 * 4 and ran[(1, 2)] == 2 * 4  # full and a blend, per codec
+    assert {s["codec"]: s["n"] for s in result["summary"]} == {"none": 5, "int8": 5}
+    with pytest.raises(ValueError, match="shard 2/2"):
+        run_codec_quality(base, ["qa"], ["none"], data=None, questions=1, output=output,
+                          shard=(2, 2))  # fmt: skip

@@ -17,7 +17,8 @@ KL(full || blend) at the first answer token and its paired difference with ``non
 often the answer is word for word the ``none`` blend's.
 
     kvblend bench codec-quality --data nq_open_gold_2000.jsonl.gz --questions 300 \\
-        --shapes nq-10,qa,long --codecs none,int8,k8v4,int4 --threads 1 [--model PATH]
+        --shapes nq-10,qa,long --codecs none,int8,k8v4,int4 --threads 1 [--model PATH] \\
+        [--shard K/N]   # N processes, one per core, over one output
 """
 
 from __future__ import annotations
@@ -210,13 +211,20 @@ def run_codec_quality(
     log: Any = None,
     meta: dict[str, Any] | None = None,
     blend_strategy: str = "default",
+    shard: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Run every codec on ``questions`` questions of each shape (resumable: ``*.rows.jsonl``).
 
     ``blend_strategy``: the blend every codec runs (a `kvblend.bench.strategies.strategy` name,
     such as ``default+min_recompute=0``); rows of another strategy in the rows file are kept
-    and left out of this run's summary.
+    and left out of this run's summary. ``shard`` ``(k, n)``: only the questions whose place in
+    the shape's list is ``k`` modulo ``n``, so ``n`` processes (one per core) share a shape and
+    one output; each appends its rows, and a last run without a shard finds them all done and
+    writes the whole summary.
     """
+    first, count = shard
+    if not 0 <= first < count:
+        raise ValueError(f"shard {first}/{count}: needs 0 <= {first} < {count}")
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
     strategies = [strategy("full"), strategy(blend_strategy)]
@@ -243,7 +251,8 @@ def run_codec_quality(
     started = time.perf_counter()
     for shape in shapes:
         items: list[PromptItem] = shape_items(base, shape, questions, seed, nq)
-        todo = [item for item in items if (shape, item.qid) not in done]
+        todo = [item for place, item in enumerate(items)
+                if place % count == first and (shape, item.qid) not in done]  # fmt: skip
         log(f"shape {shape}: {len(items)} questions, {len(items) - len(todo)} done before")
         for count, item in enumerate(todo, start=1):
             began, cpu = time.perf_counter(), time.process_time()
@@ -294,8 +303,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--strategy", default="default", help="the blend every codec runs, "
                         "with +setting=value overrides (default: default)")  # fmt: skip
+    parser.add_argument(
+        "--shard",
+        default="0/1",
+        help="K/N: only every N-th question from "
+        "the K-th (0-based), to share a shape among N processes and one output",
+    )
     parser.add_argument("--output", default=str(RESULTS_DIR / "codec_quality.json"))
     args = parser.parse_args(argv)
+    try:
+        shard = tuple(int(part) for part in args.shard.split("/"))
+        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--shard {args.shard!r}: give K/N with 0 <= K < N, such as 1/2")
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -309,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run_codec_quality(
         base, shapes, codecs, data=args.data, questions=args.questions,
         output=Path(args.output), seed=args.seed, max_new_tokens=args.max_new_tokens, meta=meta,
-        blend_strategy=args.strategy,
+        blend_strategy=args.strategy, shard=(shard[0], shard[1]),
     )  # fmt: skip
     title = (f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
              f"{args.strategy}, engine at its defaults")  # fmt: skip
