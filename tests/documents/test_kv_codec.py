@@ -342,3 +342,19 @@ def test_a_document_known_to_one_codec_is_found_by_every_codec() -> None:
     assert first.stats.documents_found == 2 and first.stats.segments_precomputed == 2
     again = reader.prefill(prompt, REUSE)
     assert again.stats.documents_reused == 2 and again.stats.segments_precomputed == 0
+
+
+@pytest.mark.parametrize("dim", [80, 96])
+def test_heads_not_a_power_of_two_are_turned_by_blocks(dim: int) -> None:
+    """A head_dim of 80 (5 x 16) or 96 (3 x 32) is turned block by block: still orthonormal,
+    and values still decode closer than version 1's plain per-token codes."""
+    turn = hadamard(dim)
+    block = dim & -dim
+    assert torch.allclose(turn @ turn.T, torch.eye(dim), atol=1e-6)
+    assert torch.count_nonzero(turn) == dim * block
+    kv = kv_like(tokens=32, dim=dim)
+    errors = []
+    for codec in (KVCodec("k8v4", 8, 4), CODECS["k8v4"]):
+        decoded = codec.open(codec.encode(kv), tuple(kv.shape)).decode()
+        errors.append(float((decoded - kv)[:, 1].square().sum()))
+    assert errors[1] < errors[0]
