@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import byte_tokenizer, tiny_model
@@ -21,6 +22,7 @@ from kvblend.bench.quality.codec_quality import (
     codec_table,
     transcode,
 )
+from kvblend.bench.quality.shapes import shape_items
 from kvblend.bench.speed.kv_codecs import bytes_table_rows, codecs_report, entry_files, run_decode
 from kvblend.store import MemoryKVStore
 
@@ -95,35 +97,40 @@ def test_the_decode_part_times_every_codec_and_k8v4s_first_version() -> None:
 
 
 def test_an_unknown_part_is_refused() -> None:
-    import pytest
-
     from kvblend.bench.speed.kv_codecs import main
 
     with pytest.raises(SystemExit):
         main(["--parts", "bytes,speed"])
 
 
-def test_shards_share_a_shape_and_one_output(tmp_path: Path) -> None:
-    """Two shards append their own questions' rows to one file; a run without a shard then
-    finds every question done, computes nothing and summarizes them all."""
-    import pytest
-
+def test_shards_share_a_shape_and_one_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two shards append their own questions' rows to one file, on every shape of the run; a
+    run without a shard then finds every question done, computes nothing and summarizes them
+    all. (The QA task's questions stand in for a second shape, which needs no data.)"""
+    from kvblend.bench.quality import codec_quality
     from kvblend.bench.quality.codec_quality import read_rows, run_codec_quality
+
+    monkeypatch.setattr(codec_quality, "shape_items", lambda base, shape, *args:
+                        shape_items(base, "qa", *args))  # fmt: skip
 
     base = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
     output = tmp_path / "codecs.json"
     ran = {}
     for shard in ((0, 2), (1, 2), (0, 1)):
         before = len(read_rows(output.with_suffix(".rows.jsonl")))
-        result = run_codec_quality(base, ["qa"], ["none", "int8"], data=None, questions=5,
+        result = run_codec_quality(base, ["qa", "long"], ["none", "int8"], data=None, questions=5,
                                    output=output, max_new_tokens=2, shard=shard,
                                    log=lambda message: None)  # fmt: skip
         ran[shard] = len(read_rows(output.with_suffix(".rows.jsonl"))) - before
     rows = read_rows(output.with_suffix(".rows.jsonl"))
-    questions = list(dict.fromkeys(row["qid"] for row in rows))
-    assert len(questions) == 5 and ran[(0, 1)] == 0
-    assert ran[(0, 2)] == 3 * 4 and ran[(1, 2)] == 2 * 4  # full and a blend, per codec
-    assert {s["codec"]: s["n"] for s in result["summary"]} == {"none": 5, "int8": 5}
+    for shape in ("qa", "long"):
+        assert len({row["qid"] for row in rows if row["shape"] == shape}) == 5
+    assert ran[(0, 2)] == 2 * 3 * 4 and ran[(1, 2)] == 2 * 2 * 4 and ran[(0, 1)] == 0
+    assert {(s["shape"], s["codec"]): s["n"] for s in result["summary"]} == {
+        (shape, codec): 5 for shape in ("qa", "long") for codec in ("none", "int8")
+    }
     with pytest.raises(ValueError, match="shard 2/2"):
         run_codec_quality(base, ["qa"], ["none"], data=None, questions=1, output=output,
                           shard=(2, 2))  # fmt: skip

@@ -222,9 +222,10 @@ def run_codec_quality(
     one output; each appends its rows, and a last run without a shard finds them all done and
     writes the whole summary.
     """
-    first, count = shard
-    if not 0 <= first < count:
-        raise ValueError(f"shard {first}/{count}: needs 0 <= {first} < {count}")
+    shard_index, shard_count = shard
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard {shard_index}/{shard_count}: needs 0 <= {shard_index} < "
+                         f"{shard_count}")  # fmt: skip
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
     strategies = [strategy("full"), strategy(blend_strategy)]
@@ -251,9 +252,12 @@ def run_codec_quality(
     started = time.perf_counter()
     for shape in shapes:
         items: list[PromptItem] = shape_items(base, shape, questions, seed, nq)
-        todo = [item for place, item in enumerate(items)
-                if place % count == first and (shape, item.qid) not in done]  # fmt: skip
-        log(f"shape {shape}: {len(items)} questions, {len(items) - len(todo)} done before")
+        mine = [item for place, item in enumerate(items) if place % shard_count == shard_index]
+        todo = [item for item in mine if (shape, item.qid) not in done]
+        log(
+            f"shape {shape}: {len(items)} questions, {len(mine)} in shard {shard_index}/"
+            f"{shard_count}, {len(mine) - len(todo)} of them done before"
+        )
         for count, item in enumerate(todo, start=1):
             began, cpu = time.perf_counter(), time.process_time()
             transcode(engines["none"], engines, item.documents)
