@@ -106,3 +106,30 @@ def test_readme_has_the_two_commands_and_ci_runs_the_test_one() -> None:
     assert demo in readme and tests in readme
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1].strip() == tests
+
+
+#: `pip install` of kvblend by its name (``kvblend[langchain]``, ``"kvblend"``): from a package
+#: index kvblend is not on. A path (``-e ".[x]"``, ``dist/kvblend-....whl[x]``) is not matched.
+_INDEX_INSTALL = re.compile(r"""pip install\b[^\n`]*?(?<![\w/.-])['"]?kvblend(?:\[|['"\s]|$)""")
+
+
+def _doc_files() -> list[Path]:
+    """Every Markdown and notebook file a reader opens: README, docs, benchmarks, cookbook."""
+    found = [*MARKDOWN, *sorted((ROOT / "cookbook").glob("*.ipynb"))]
+    found += sorted((ROOT / "benchmarks").rglob("*.md"))
+    return found
+
+
+def test_no_install_line_names_an_index_kvblend_is_not_on() -> None:
+    """kvblend installs from a clone or the wheel built there, never ``pip install kvblend...``."""
+    assert _INDEX_INSTALL.search('pip install "kvblend[langchain]"')
+    assert _INDEX_INSTALL.search("pip install kvblend")
+    assert not _INDEX_INSTALL.search('pip install -e ".[langchain]"')
+    assert not _INDEX_INSTALL.search('pip install "dist/kvblend-0.1.0-py3-none-any.whl[redis]"')
+    sources = [*_doc_files(), *sorted((ROOT / "src" / "kvblend").rglob("*.py"))]
+    found = [
+        f"{path.relative_to(ROOT)}: {match.group(0)}"
+        for path in sources
+        for match in _INDEX_INSTALL.finditer(path.read_text("utf-8"))
+    ]
+    assert not found, f"install lines naming kvblend on a package index: {found}"

@@ -3,15 +3,16 @@
 Query engines get blended prefill: the node postprocessor precomputes the KV of exactly the
 text each node puts into the prompt, the synthesizer keeps those texts intact, and the LLM finds
 them in the final prompt and reuses their KV wherever they land. `blend_query_engine` wires the
-three. Needs the ``llamaindex`` extra: ``pip install "kvblend[llamaindex]"``.
+three. Needs the ``llamaindex`` extra: ``pip install -e ".[llamaindex]"`` in a clone of kvblend,
+or the built wheel with it (``pip install "dist/kvblend-0.1.0-py3-none-any.whl[llamaindex]"``).
 """
 
 try:
     import llama_index.core  # noqa: F401
 except ImportError as error:  # pragma: no cover - exercised by a test that hides the package
     raise ImportError(
-        "kvblend.llamaindex needs llama-index-core; install it with: "
-        'pip install "kvblend[llamaindex]"'
+        "kvblend.llamaindex needs llama-index-core: pip install 'llama-index-core>=0.14' (the "
+        "llamaindex extra; from a clone of kvblend: pip install -e '.[llamaindex]')"
     ) from error
 
 from kvblend.integrations.shared import SEGMENT_ID_KEY

@@ -76,7 +76,8 @@ try:
     from redis.retry import Retry
 except ImportError as _missing:  # pragma: no cover - depends on the installed extras
     raise ImportError(
-        "the Redis tier needs the redis package: pip install 'kvblend[redis]'"
+        "the Redis tier needs the redis package: pip install 'redis>=5' 'hiredis>=3' (the redis "
+        "extra; from a clone of kvblend: pip install -e '.[redis]')"
     ) from _missing
 
 logger = logging.getLogger(__name__)
