@@ -8,7 +8,7 @@ The engine is pure torch + transformers. It reads and writes segment KV through 
 package that does the work: prompts (`kvblend.prompt`: segments, templates, token ids, the
 plan), documents (`kvblend.documents.library.DocumentLibrary`: precompute, the registry that
 finds them in prompts, their entries in the store), the blend (`kvblend.documents.blend_plan`:
-the plan's entries opened, then `kvblend.blend.loop.run_blend`) and decoding from the fused
+the plan's entries opened, then `kvblend.blend.prefill.run_blend`) and decoding from the fused
 cache (`kvblend.decoding`), plus the parity self-check.
 """
 
@@ -26,7 +26,7 @@ from kvblend.blend.config import BlendConfig, check_config
 from kvblend.blend.forecast import forecast_blend
 from kvblend.blend.kv_codec import KVCodec
 from kvblend.blend.kv_codec import kv_codec as resolve_codec
-from kvblend.blend.loop import device_clock, device_times
+from kvblend.blend.prefill import device_clock, device_times
 from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
 from kvblend.decoding.generation import GenerationResult, decode, decode_stream
@@ -47,12 +47,13 @@ from kvblend.engine.results import BlendStats, PrefillResult, count_tokens
 from kvblend.engine.threads import use_threads
 from kvblend.errors import BlendCancelledError
 from kvblend.models.decoder import Decoder
+from kvblend.models.dtypes import AUTO, DtypeChoice, choose_dtype
 from kvblend.models.fingerprint import model_fingerprint
 from kvblend.models.loading import (
+    checkpoint_dtype,
     display_name,
     load_model,
     resolve_device,
-    resolve_dtype,
     resolve_model,
 )
 from kvblend.prompt import templates
@@ -89,6 +90,12 @@ def _default_store() -> KVStore:
 
 class BlendEngine:
     """Blended prefill and generation over one Hugging Face decoder model."""
+
+    #: The resolved model spec `from_pretrained` loaded (None for a model passed in).
+    model_spec: str | None = None
+    #: The dtype the model computes in and why: `from_pretrained`'s choice (``dtype="auto"``:
+    #: `kvblend.models.dtypes`' rule), else the dtype of the model passed in.
+    dtype_choice: DtypeChoice
 
     def __init__(
         self,
@@ -137,8 +144,7 @@ class BlendEngine:
         self.kv_dtype = kv_dtype or self.decoder.dtype
         self.name = name or getattr(model.config, "name_or_path", None) or self.decoder.model_type
         self.fingerprint = model_fingerprint(model, tokenizer, self.kv_dtype)
-        #: The resolved model spec `from_pretrained` loaded (None for a model passed in).
-        self.model_spec: str | None = None
+        self.dtype_choice = DtypeChoice(self.decoder.dtype, "model", self.decoder.device.type)
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
@@ -168,7 +174,7 @@ class BlendEngine:
         model: str | None = None,
         store: KVStore | None = None,
         device: str | torch.device = "auto",
-        dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | str | None = AUTO,
         *,
         revision: str | None = None,
         trust_remote_code: bool = False,
@@ -177,24 +183,30 @@ class BlendEngine:
     ) -> BlendEngine:
         """Load a model (None = ``KVBLEND_MODEL`` or the bundled SmolLM2-135M) and wrap it.
 
-        ``device="auto"`` picks CUDA when present, else CPU; ``dtype`` defaults to bf16 on CUDA
-        and fp32 on CPU. ``revision``, ``trust_remote_code`` and ``model_kwargs`` go to
-        transformers' ``from_pretrained`` (see `kvblend.models.loading.LOADING_OPTIONS`). Other
-        keyword arguments go to `BlendEngine` (``threads`` is applied before loading).
+        ``device="auto"`` picks CUDA when present, else CPU. ``dtype="auto"`` (or None): bfloat16
+        where the device has bfloat16 matrix units (CUDA compute capability 8.0+, a CPU with
+        AVX512-BF16 or AMX) unless the checkpoint is stored in float32, float32 elsewhere
+        (`kvblend.models.dtypes`); ``engine.dtype_choice`` says which and why, and it is logged.
+        ``"float32"`` is the exact reference. ``revision``, ``trust_remote_code`` and
+        ``model_kwargs`` go to transformers' ``from_pretrained`` (see
+        `kvblend.models.loading.LOADING_OPTIONS`). Other keyword arguments go to `BlendEngine`
+        (``threads`` is applied before loading).
         """
         kwargs["threads"] = use_threads(kwargs.get("threads"))
         resolve_codec(kwargs.get("kv_codec"))  # an unknown codec is refused before the load
         check_environment()  # KVBLEND_DECODE_CACHE / _COMPILE: refused before the model loads
         resolved_device = resolve_device(device)
-        resolved_dtype = resolve_dtype(dtype, resolved_device)
         spec = resolve_model(model)
-        hf_model, tokenizer = load_model(
-            spec, resolved_device, resolved_dtype, revision=revision,
-            trust_remote_code=trust_remote_code, model_kwargs=model_kwargs,
-        )  # fmt: skip
+        options: dict[str, Any] = dict(
+            revision=revision, trust_remote_code=trust_remote_code, model_kwargs=model_kwargs
+        )
+        choice = choose_dtype(dtype, resolved_device, lambda: checkpoint_dtype(spec, **options))
+        hf_model, tokenizer = load_model(spec, resolved_device, choice.dtype, **options)
+        logger.info("%s computes in %s", display_name(spec), choice)
         kwargs.setdefault("name", display_name(spec))
         engine = cls(hf_model, tokenizer, store=store, **kwargs)
         engine.model_spec = spec
+        engine.dtype_choice = choice
         return engine
 
     # ------------------------------------------------------------------ tokens
@@ -350,13 +362,14 @@ class BlendEngine:
         check_config(config)
         check_prompt(prompt)
         config = config or BlendConfig()
-        config.check_model(self.decoder.shape)
+        selector = config.selector()
+        selector.check_model(self.decoder.shape)
         items = self._segments(prompt)
         plan = self.plan(items)
         text = "".join(segment.text for segment in items)
         return Explanation(
             text, plan, self.library.stored_spans(plan), len(self.library.registry),
-            forecast_blend(plan, config), config.strategy, self.library.near_miss(prompt, items),
+            forecast_blend(plan, selector), config.strategy, self.library.near_miss(prompt, items),
             config.settings.get("guard"),
         )  # fmt: skip
 
@@ -383,22 +396,23 @@ class BlendEngine:
         self, prompt: PromptLike, config: BlendConfig, cancel: threading.Event | None
     ) -> PrefillResult:
         """`prefill` of arguments already checked (`_check_call`)."""
-        config.check_model(self.decoder.shape)
-        if config.reads_cache:
+        selector = config.selector()  # the prefill's own: its forecast and its blend
+        selector.check_model(self.decoder.shape)
+        if selector.reads_cache:
             require_parity(self.parity_error, self.decoder.dtype, str(self.name))
         started = time.perf_counter()
         items = self._segments(prompt)
         plan = self.plan(items)
         stats = BlendStats(strategy=config.strategy)
         stats.timings["tokenize_s"] = time.perf_counter() - started
-        forecast = forecast_blend(plan, config)
+        forecast = forecast_blend(plan, selector)
         stats.strategy_run, stats.fallback = forecast.strategy_run, forecast.fallback
         stats.estimated_cost = forecast.estimated_cost
         stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
         clock = device_clock(self.decoder.device)
         # entries opened lazily; a missing, unreadable or failing one computed (and stored)
-        blended = blend_plan(self.decoder, self.library.segment_kv, plan, config, cancel=cancel)
+        blended = blend_plan(self.decoder, self.library.segment_kv, plan, selector, cancel=cancel)
         out = blended.out
         assert out.logits is not None
         stats.segments_cached, stats.segments_precomputed = len(blended.spans), blended.computed
@@ -408,7 +422,7 @@ class BlendEngine:
         stats.uncompiled_calls = int(out.stats["uncompiled_calls"])
         stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
-        count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, config.reads_cache)
+        count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, selector.reads_cache)
         escalation(stats, plan, out.guard)
         self._fallback_log.report(stats, len(self.library.registry))
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)

@@ -7,6 +7,9 @@ later loads take a couple of seconds and a different file never loads another's 
 A GGUF file's conversion is found by the file's sha256 (`file_digest`), remembered only while
 the file is provably unchanged. The model fingerprint, computed from the loaded model's content
 and never from where its files lie, is `kvblend.models.fingerprint`'s (re-exported here).
+
+The dtype a model loads in is `kvblend.models.dtypes`'s choice (``"auto"``: from the
+checkpoint's own dtype, `checkpoint_dtype`, and the device's bfloat16 units).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import socket
 import tempfile
 import threading
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +32,7 @@ import safetensors.torch
 import torch
 
 from kvblend.errors import ModelNotFoundError
+from kvblend.models.dtypes import DTYPE_NAMES, Checkpoint, choose_dtype
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -44,6 +49,7 @@ __all__ = [
     "MODEL_ENV",
     "bundled_model_path",
     "cache_dir",
+    "checkpoint_dtype",
     "converted_gguf_folder",
     "display_name",
     "file_digest",
@@ -367,20 +373,53 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
-    """None: bf16 on CUDA, fp32 elsewhere; a dtype or its name (fp32, bf16, fp16...)."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    names = {
-        "fp32": torch.float32,
-        "float32": torch.float32,
-        "fp16": torch.float16,
-        "float16": torch.float16,
-        "bf16": torch.bfloat16,
-        "bfloat16": torch.bfloat16,
-    }
-    if dtype not in names:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(names)}")
-    return names[dtype]
+def resolve_dtype(
+    dtype: torch.dtype | str | None,
+    device: torch.device,
+    checkpoint: Callable[[], Checkpoint] | None = None,
+) -> torch.dtype:
+    """Return `choose_dtype`'s dtype: ``"auto"`` (or None) by its rule, else a dtype or its name.
+
+    ``"auto"``: bfloat16 where the device has bfloat16 matrix units, unless the checkpoint
+    (``checkpoint`` reads it; None: unknown) is float32; float32 elsewhere
+    (`kvblend.models.dtypes`). A name: fp32/float32, bf16/bfloat16, fp16/float16.
+    """
+    return choose_dtype(dtype, device, checkpoint).dtype
+
+
+def checkpoint_dtype(
+    spec: str,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+) -> Checkpoint:
+    """Return what the checkpoint `load_model` loads for ``spec`` says of its own dtype.
+
+    A GGUF file: quantized weights. A folder or hub id: its config's ``dtype`` (or the older
+    ``torch_dtype``), read without loading any weight. A checkpoint whose config cannot be read
+    (missing, offline) says nothing here: `load_model` reports why it cannot be loaded.
+    """
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return Checkpoint(quantized=True)
+    try:
+        if path.is_dir():
+            config = json.loads((path / "config.json").read_text("utf-8"))
+        elif spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+            return Checkpoint()
+        else:
+            from transformers import PretrainedConfig
+
+            options = _loading_options(revision, trust_remote_code, model_kwargs)
+            keep = ("cache_dir", "force_download", "local_files_only", "revision", "subfolder",
+                    "token")  # fmt: skip
+            options = {k: v for k, v in options.items() if k in keep}
+            if _hub_offline():
+                options["local_files_only"] = True
+            config, _ = PretrainedConfig.get_config_dict(spec, **options)
+    except (OSError, ValueError) as error:
+        logger.debug("could not read %s's config for its dtype: %s", spec, error)
+        return Checkpoint()
+    stated = config.get("dtype") or config.get("torch_dtype")
+    return Checkpoint(DTYPE_NAMES.get(stated) if isinstance(stated, str) else None)
