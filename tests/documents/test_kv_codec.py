@@ -314,7 +314,7 @@ def test_the_command_line_takes_a_codec(monkeypatch: pytest.MonkeyPatch, tmp_pat
 
     def from_pretrained(cls, model=None, **kwargs):  # noqa: ANN001, ANN202
         kwargs.pop("device", None)
-        assert kwargs.pop("dtype") is None  # no --dtype: the engine's default
+        assert kwargs.pop("dtype") == "auto"  # no --dtype: the engine's default
         made.append(cls(tiny_model("llama"), byte_tokenizer(), **kwargs))
         return made[-1]
 

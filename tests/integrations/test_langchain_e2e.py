@@ -412,10 +412,13 @@ def test_from_model_id_loads_through_from_pretrained() -> None:
     import torch
 
     from kvblend.llamaindex import BlendLLM as LlamaIndexLLM
+    from kvblend.models.dtypes import cpu_bf16_units
     from kvblend.models.loading import bundled_model_path
     from kvblend.store import MemoryKVStore
 
     path = str(bundled_model_path())
+    with pytest.raises(ValueError, match="give dtype or model_kwargs\\['torch_dtype'\\], not"):
+        ChatBlend.from_model_id(path, dtype="bf16", model_kwargs={"torch_dtype": "fp32"})
     with pytest.raises(ValueError, match="model_kwargs key 'load_in_4bit' is not supported"):
         ChatBlend.from_model_id(path, model_kwargs={"load_in_4bit": True})
     with pytest.raises(ValueError, match="one device"):
@@ -440,6 +443,7 @@ def test_from_model_id_loads_through_from_pretrained() -> None:
         path, device_map="cpu", dtype="auto", generate_kwargs={"max_new_tokens": 3},
         engine_kwargs={"store": MemoryKVStore(), "check_parity": False},
     )  # fmt: skip
-    assert llm.engine is not None and llm.engine.decoder.dtype == torch.float32
+    auto = torch.bfloat16 if cpu_bf16_units() else torch.float32  # the GGUF: the CPU's choice
+    assert llm.engine is not None and llm.engine.decoder.dtype == auto
     assert llm.metadata.num_output == 3
     assert llm.complete("Hi").raw["usage"]["completion_tokens"] <= 3

@@ -101,11 +101,13 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that loads the model."""
     p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
-    p.add_argument("--dtype", default=None,
-                   choices=["fp32", "float32", "bf16", "bfloat16", "fp16", "float16"],
-                   help="the model's dtype (default: bf16 on CUDA, fp32 on the CPU); stored KV is "
-                        "keyed by it, so precompute in the dtype you ask or serve in (a vLLM "
-                        "server's --dtype)")  # fmt: skip
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"],
+                   help="the model's dtype; auto (default): bf16 where the device has bfloat16 "
+                        "matrix units (CUDA, a CPU with AVX512-BF16 or AMX) unless the "
+                        "checkpoint is float32, else fp32; float32 is the exact reference. "
+                        "Stored KV is keyed by it, so precompute in the dtype you ask or serve "
+                        "in (a vLLM server's --dtype)")  # fmt: skip
     p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
     p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
     p.add_argument("--system", default=None,

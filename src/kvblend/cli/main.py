@@ -125,12 +125,12 @@ def _engine(
     engine = BlendEngine.from_pretrained(
         args.model, store=store, device=args.device,
         system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system, threads=args.threads,
-        kv_codec=getattr(args, "kv_codec", None), dtype=getattr(args, "dtype", None),
+        kv_codec=getattr(args, "kv_codec", None), dtype=getattr(args, "dtype", "auto"),
     )  # fmt: skip
     print(
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
-        f"(parity self-check error {engine.parity_error:.1e}; {torch.get_num_threads()} CPU "
-        "thread(s))",
+        f"in {engine.dtype_choice} (parity self-check error {engine.parity_error:.1e}; "
+        f"{torch.get_num_threads()} CPU thread(s))",
         file=sys.stderr,
     )
     budget = getattr(args, "max_new_tokens", None)

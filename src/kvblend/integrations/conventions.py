@@ -194,7 +194,7 @@ def load_engine(
     *,
     device: int | str | None = None,
     device_map: str | Mapping[str, Any] | None = None,
-    dtype: Any = None,
+    dtype: Any = "auto",
     revision: str | None = None,
     trust_remote_code: bool = False,
     model_kwargs: Mapping[str, Any] | None = None,
@@ -202,20 +202,17 @@ def load_engine(
 ) -> BlendEngine:
     """Load ``model_id`` (hub id, folder or GGUF file) into an engine for a ``from_model_id``.
 
+    ``dtype="auto"`` (or None) is kvblend's rule (`kvblend.models.dtypes`: bfloat16 where the
+    device has bfloat16 matrix units unless the checkpoint is float32, else float32).
     ``model_kwargs`` go to transformers' ``from_pretrained`` (``torch_dtype`` is read as
     ``dtype``); ``engine_kwargs`` to `BlendEngine` (``store``, ``system_prompt``...).
     """
     loading = dict(model_kwargs or {})
-    if "torch_dtype" in loading:
-        if dtype is not None:
-            raise ValueError("give dtype or model_kwargs['torch_dtype'], not both")
-        dtype = loading.pop("torch_dtype")
-    if "dtype" in loading:
-        if dtype is not None:
-            raise ValueError("give dtype or model_kwargs['dtype'], not both")
-        dtype = loading.pop("dtype")
-    if isinstance(dtype, str) and dtype == "auto":
-        dtype = None  # kvblend's default: bf16 on CUDA, fp32 on the CPU
+    for key in ("torch_dtype", "dtype"):
+        if key in loading:
+            if dtype not in (None, "auto"):
+                raise ValueError(f"give dtype or model_kwargs[{key!r}], not both")
+            dtype = loading.pop(key)
     engine = BlendEngine.from_pretrained(
         model_id,
         device=_device(device, device_map),

@@ -164,7 +164,7 @@ class BlendSettings(EngineHolder, BaseModel):
         *,
         device: int | str | None = None,
         device_map: str | dict[str, Any] | None = None,
-        dtype: Any = None,
+        dtype: Any = "auto",
         revision: str | None = None,
         trust_remote_code: bool = False,
         model_kwargs: dict[str, Any] | None = None,
@@ -176,8 +176,10 @@ class BlendSettings(EngineHolder, BaseModel):
 
         ``model_id`` is a hub id (needs the Hugging Face cache or a network), a folder or a GGUF
         file. ``device`` (-1 CPU, N CUDA device N, or a name) or ``device_map`` (one device:
-        ``"auto"``, ``"cpu"``, ``"cuda:0"``), ``dtype`` (``"auto"``, ``"bf16"``,
-        ``torch.float16``...), ``revision`` and ``trust_remote_code`` go to transformers;
+        ``"auto"``, ``"cpu"``, ``"cuda:0"``), ``dtype`` (default ``"auto"``: bfloat16 where the
+        device has bfloat16 matrix units unless the checkpoint is float32, else float32; or
+        ``"float32"``, ``"bf16"``, ``torch.float16``...), ``revision`` and ``trust_remote_code``
+        go to transformers;
         ``model_kwargs`` too (loading options such as ``attn_implementation``, as in
         langchain-huggingface). ``pipeline_kwargs`` are generation options (as
         ``model_kwargs`` of the constructor), ``engine_kwargs`` `BlendEngine` arguments

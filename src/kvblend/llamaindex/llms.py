@@ -110,7 +110,7 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
         *,
         device: int | str | None = None,
         device_map: str | dict[str, Any] | None = None,
-        dtype: Any = None,
+        dtype: Any = "auto",
         revision: str | None = None,
         trust_remote_code: bool = False,
         model_kwargs: dict[str, Any] | None = None,
@@ -121,7 +121,9 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
 
         ``model_name`` is a hub id (needs the Hugging Face cache or a network), a folder or a
         GGUF file. ``device`` / ``device_map`` (one device: ``"auto"``, ``"cpu"``,
-        ``"cuda:0"``), ``dtype``, ``revision``, ``trust_remote_code`` and ``model_kwargs``
+        ``"cuda:0"``), ``dtype`` (default ``"auto"``: bfloat16 where the device has bfloat16
+        matrix units unless the checkpoint is float32, else float32), ``revision``,
+        ``trust_remote_code`` and ``model_kwargs``
         (loading options such as ``attn_implementation``; ``torch_dtype`` is read as
         ``dtype``) go to transformers; ``engine_kwargs`` to `BlendEngine` (``store``,
         ``system_prompt``...); other keywords are the LLM's fields (``generate_kwargs``,
