@@ -107,3 +107,25 @@ def test_bench_results_never_go_to_the_recorded_folder_by_default() -> None:
 
     assert not str(decode.RESULTS).startswith(str(RECORDED_DIR))
     assert not str(gpu_suite.DEFAULT_OUT).startswith(str(RECORDED_DIR))
+
+
+def test_a_ttft_row_is_read_against_the_users_baseline_when_it_was_timed(tmp_path: Path) -> None:
+    def entry(strategy: str, store: str, median: float) -> dict[str, object]:
+        return {"target_tokens": 4096, "prompt_tokens": 4170, "strategy": strategy,
+                "store": store, "ttft_median_s": median, "ttft_vs_full": median / 2.0,
+                "ttft_vs_transformers": median / 3.0}  # fmt: skip
+
+    result = {
+        "summary": [entry("transformers", "none", 3.0), entry("full", "memory", 2.0),
+                    entry("default", "memory", 0.6)],
+        "machine": {"model": "m", "dtype": "bfloat16", "torch_threads": 1, "date": "2026-12-01"},
+        "command": "kvblend bench ttft", "default_config": "BlendConfig()",
+    }  # fmt: skip
+    (tmp_path / "t.json").write_text(json.dumps(result))
+    (row,) = headline_rows(tmp_path, [Figure("x", "t.json", "ttft", tokens=4096)])
+    assert row[1].startswith("**0.20** of plain transformers' TTFT in bfloat16 (`generate`, ")
+    assert "medians 0.60 s vs 3.00 s" in row[1] and "0.30 of kvblend's full prefill's" in row[1]
+    del result["summary"][0]  # a result without the row: read against full prefill
+    (tmp_path / "t.json").write_text(json.dumps(result))
+    (row,) = headline_rows(tmp_path, [Figure("x", "t.json", "ttft", tokens=4096)])
+    assert row[1].startswith("**0.30** of full prefill's TTFT")

@@ -65,10 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def model_options(p: argparse.ArgumentParser) -> None:
+    def model_options(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
+        """Add the model's options; ``dtype``: the default of ``--dtype`` (quality: float32)."""
         p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
         p.add_argument("--device", default="auto")
-        p.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: fp32 on CPU)")
+        p.add_argument("--dtype", default=dtype,
+                       help="auto, float32, bf16, fp16 (default %(default)s; auto: the "
+                            "engine's default, bf16 where the device has bfloat16 matrix "
+                            "units unless the checkpoint is float32, else float32; the quality "
+                            "benchmarks measure in float32, the exact reference)")  # fmt: skip
         p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
         p.add_argument("--seed", type=int, default=0)
 
@@ -87,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--output", default=str(RESULTS_DIR / "ttft.json"))
     ttft.add_argument("--quick", action="store_true",
                       help="1K and 2K tokens, 4 strategies, 3 repeats")  # fmt: skip
+    ttft.add_argument("--no-transformers", action="store_true",
+                      help="skip the transformers row: plain AutoModelForCausalLM on the same "
+                           "checkpoint and dtype, chat template and generate(max_new_tokens=1) "
+                           "on the same text, the user's baseline")  # fmt: skip
     ttft.set_defaults(func=cmd_ttft)
 
     figures = sub.add_parser("figures", help="the 8 x 512-token figures of issues 2 and 3")
@@ -97,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     figures.set_defaults(func=cmd_figures)
 
     quality = sub.add_parser("quality", help="accuracy and KL of every strategy on the QA task")
-    model_options(quality)
+    model_options(quality, dtype="float32")
     quality.add_argument("--questions", type=int, default=200)
     quality.add_argument("--strategies", default="default,reuse,epic,attention-0.1,"
                          "attention-0.15,attention-0.3,attention-0.2-c0,cacheblend-value-0.05,"
@@ -169,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "or last by the question (a third each; `nq`'s default)")  # fmt: skip
 
     nq = sub.add_parser("nq", help="accuracy and KL on NQ-open over retrieved passages")
-    model_options(nq)
+    model_options(nq, dtype="float32")
     retrieval_options(nq, required=True)
     nq.add_argument("--k", default="10", help="passages per prompt, comma list (e.g. 5,10,20)")
     nq.add_argument("--questions", type=int, default=100, help="questions of the split to run")
@@ -205,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     nq.set_defaults(func=cmd_nq, gold_at="places")
 
     shapes = sub.add_parser("shapes", help="every prompt shape in one report, head told or not")
-    model_options(shapes)
+    model_options(shapes, dtype="float32")
     retrieval_options(shapes, required=False)
     shapes.add_argument("--shapes", default="all",
                         help="comma list: nq-5, nq-10, nq-20, qa, records, long, all")  # fmt: skip
@@ -232,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc_context = sub.add_parser(
         "doc-context", help="blend settings with documents precomputed behind other contexts"
     )
-    model_options(doc_context)
+    model_options(doc_context, dtype="float32")
     doc_context.add_argument("--questions", type=int, default=80)
     doc_context.add_argument("--contexts", default="bos,prefix,sys", help="comma list")
     doc_context.add_argument(

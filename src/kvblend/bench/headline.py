@@ -63,10 +63,12 @@ _DEFAULT_SINCE_2026_11_25 = (
 class Figure:
     """One row of the README's figures table: which number of which recorded result.
 
-    `kind` says how the number is read: ``"ttft"`` (TTFT of `strategy` as a share of full
-    prefill's at `tokens` target tokens, documents in memory: ``kvblend bench ttft`` /
-    ``figures`` / ``gpu``), ``"quality"`` (accuracy of `strategy` as a share of full prefill's,
-    with its paired-bootstrap 95% interval and n: ``kvblend bench shapes``; `shape` None reads
+    `kind` says how the number is read: ``"ttft"`` (TTFT of `strategy` as a share of plain
+    transformers' when the result timed its ``transformers`` row, with kvblend's full prefill
+    beside it, else of full prefill's, at `tokens` target tokens, documents in memory:
+    ``kvblend bench ttft`` / ``figures`` / ``gpu``), ``"quality"`` (accuracy of `strategy` as
+    a share of full prefill's, with its paired-bootstrap 95% interval and n: ``kvblend bench
+    shapes``; `shape` None reads
     the pooled row, `head` the engine told the prompt head or not), ``"nq-quality"`` (the same
     from a ``kvblend bench nq`` run at `k` passages, with agreement with full prefill's answer,
     mean KL and compute beside it; `row` names the result's row when it is not `strategy`),
@@ -225,10 +227,25 @@ def _one(rows: Sequence[Mapping[str, Any]], figure: Figure, **match: Any) -> Map
 
 
 def _ttft(result: Mapping[str, Any], figure: Figure) -> str:
+    """Read the TTFT over the user's baseline (plain transformers) if timed, else over full's.
+
+    A result with a ``transformers`` row (``kvblend bench ttft`` since it times one) is read
+    against it, in the dtype both ran in, with kvblend's own full prefill beside it.
+    """
     summary = result.get("summary") or (result.get("ttft") or {}).get("summary") or []
     row = _one(summary, figure, target_tokens=figure.tokens, strategy=figure.strategy,
                store="memory")  # fmt: skip
     full = _one(summary, figure, target_tokens=figure.tokens, strategy="full", store="memory")
+    if any(s.get("strategy") == "transformers" for s in summary):
+        plain = _one(summary, figure, target_tokens=figure.tokens, strategy="transformers",
+                     store="none")  # fmt: skip
+        dtype = (result.get("machine") or {}).get("dtype", "the same dtype")
+        return (
+            f"**{row['ttft_vs_transformers']:.2f}** of plain transformers' TTFT in {dtype} "
+            f"(`generate`, medians {row['ttft_median_s']:.2f} s vs {plain['ttft_median_s']:.2f} "
+            f"s, {row['prompt_tokens']:,} tokens); {row['ttft_vs_full']:.2f} of kvblend's full "
+            f"prefill's ({full['ttft_median_s']:.2f} s)"
+        )
     return (
         f"**{row['ttft_vs_full']:.2f}** of full prefill's TTFT (medians "
         f"{row['ttft_median_s']:.2f} s vs {full['ttft_median_s']:.2f} s, "

@@ -296,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: fp32 on CPU)")
+    parser.add_argument("--dtype", default="float32",
+                        help="auto, float32, bf16, fp16 (default float32: the exact "
+                             "reference the codecs' error is measured against)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="NQ jsonl(.gz) (the nq-10 and long shapes)")

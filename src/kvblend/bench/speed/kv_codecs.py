@@ -361,7 +361,11 @@ def main(argv: list[str] | None = None) -> None:
                                      description=(__doc__ or "").split("\n")[0])  # fmt: skip
     parser.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default=None, help="fp32, bf16, fp16 (default: fp32 on CPU)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32, bf16, fp16 (default auto: the engine's default)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--parts", default="bytes,throughput,ttft")
     parser.add_argument("--codecs", default=",".join(LABELS))

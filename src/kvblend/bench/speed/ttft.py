@@ -9,8 +9,10 @@ prompt is given as its segments, or (``from_text``) as the prompt string, as use
 documents are then found in it and its tokens spliced (the prompt handling, ``prompt_s``, is
 timed in the TTFT, and ``ttft_from_ids`` is the TTFT without it). Runs are interleaved: each repeat
 times every (length, strategy, store) once, so a slower shared CPU slows all of them alike, and
-speedups are medians of per-repeat ratios to the full prefill of the same repeat
-(`kvblend.bench.speed.ttft_summary` turns the runs into the summary and its table).
+speedups are medians of per-repeat ratios to the baselines of the same repeat: kvblend's own full
+prefill and, with ``transformers=True``, plain transformers as users call it on the same text
+(the ``transformers`` row, `kvblend.bench.speed.ttft_baseline`); `kvblend.bench.speed.ttft_summary`
+turns the runs into the summary and its table.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 
 from kvblend.bench.speed.synthetic import synthetic_text
+from kvblend.bench.speed.ttft_baseline import STRATEGY as BASELINE
+from kvblend.bench.speed.ttft_baseline import TransformersBaseline, rag_messages
 from kvblend.bench.speed.ttft_summary import (  # the summary: importable from here too
     summarize_ttft,
 )
@@ -192,6 +196,7 @@ def time_prefill(
         "compute_fraction": stats.compute_fraction,
         "segments_precomputed": stats.segments_precomputed,
         "peak_mib": peak.mib,
+        "first_token": out.token_ids[0] if out.token_ids else None,
     }
 
 
@@ -225,11 +230,14 @@ def run_ttft(
     store_dir: Path | None = None,
     host: bool = False,
     from_text: bool = False,
+    transformers: bool = False,
 ) -> dict[str, Any]:
     """Run the interleaved TTFT benchmark; return every measurement and a summary.
 
     ``host``: also time the documents read from host memory (``host`` rows); ``from_text``:
-    give every prompt as its string (see the module's docstring).
+    give every prompt as its string (see the module's docstring); ``transformers``: also time
+    plain transformers on the same text in the engine's dtype (the ``transformers`` row, the
+    user's baseline: `kvblend.bench.speed.ttft_baseline`), in every repeat before the strategies.
     """
     log = log or (lambda message: print(message, file=sys.stderr))
     if not strategies or strategies[0].name != "full":
@@ -247,12 +255,15 @@ def run_ttft(
         disk_list = [s for s in cached if s.name in disk_set]
     else:
         disk_list = cached
+    baseline = TransformersBaseline(engine) if transformers else None
     prompts: dict[int, list[Segment]] = {}
+    messages: dict[int, list[dict[str, str]]] = {}
     doc_token_total: dict[int, int] = {}
     started = time.perf_counter()
     for length in lengths:
         documents = build_documents(engine, length, doc_tokens, seed + length)
         prompts[length] = engine.rag_segments(QUESTION, documents, system=SYSTEM)
+        messages[length] = rag_messages(SYSTEM, documents, QUESTION)
         doc_token_total[length] = sum(len(engine.tokenize(d)) for d in documents)
         for warm in (memory_engine, host_engine):
             if warm is not None:
@@ -264,6 +275,9 @@ def run_ttft(
     # the compiled loop: the first run's TTFT is kept in ``warmup``)
     warmup = []
     for length in lengths[:1]:
+        if baseline is not None:
+            first = baseline.time(messages[length])
+            warmup.append({"target_tokens": length, "strategy": BASELINE, **first})
         for strat in strategies:
             first = time_prefill(memory_engine, prompts[length], strat, from_text)
             warmup.append({"target_tokens": length, "strategy": strat.name, **first})
@@ -280,6 +294,10 @@ def run_ttft(
     for repeat in range(repeats):
         for length in lengths:
             segments = prompts[length]
+            if baseline is not None:
+                row = baseline.time(messages[length])
+                rows.append({"repeat": repeat, "target_tokens": length, "strategy": BASELINE,
+                             "ratio": None, "store": "none", **row})  # fmt: skip
             for strat in strategies:
                 row = time_prefill(memory_engine, segments, strat, from_text)
                 rows.append(_row(repeat, length, strat, "memory", row))
@@ -297,7 +315,8 @@ def run_ttft(
             log(
                 f"repeat {repeat + 1}/{repeats}, {length_label(length)}: "
                 + ", ".join(
-                    f"{r['strategy']}{'' if r['store'] == 'memory' else '(' + r['store'] + ')'} "
+                    f"{r['strategy']}"
+                    f"{'' if r['store'] in ('memory', 'none') else '(' + r['store'] + ')'} "
                     f"{r['ttft_s']:.2f}s"
                     for r in rows
                     if r["repeat"] == repeat and r["target_tokens"] == length and "ttft_s" in r
@@ -318,6 +337,7 @@ def run_ttft(
         "disk_strategies": [s.name for s in disk_list] if cold is not None else [],
         "host": host_engine is not None,
         "from_text": from_text,
+        "baseline": baseline.describe() if baseline is not None else None,
         "elapsed_s": time.perf_counter() - started,
         "store": {
             "memory_bytes": memory_bytes,
@@ -334,6 +354,8 @@ def run_ttft(
     result["summary"] = summarize_ttft(rows)
     if cold is not None:
         cold.store.close()
+    if baseline is not None:
+        baseline.close()
     if temp is not None:
         temp.cleanup()
     return result
