@@ -14,7 +14,7 @@ import torch
 from conftest import FAMILIES, byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.io import COMPUTE, BlendInput
-from kvblend.blend.loop import run_blend
+from kvblend.blend.prefill import run_blend
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"
@@ -50,7 +50,7 @@ def test_bf16_blend_of_in_context_kv_is_within_bf16_noise(
     # Each document's cache is its KV in this very prompt: blending must change nothing.
     ids = torch.tensor(full.token_ids, device=device)
     kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8, device=device)
-    exact = run_blend(engine.decoder, BlendInput(ids, kinds, []), BlendConfig("full"))
+    exact = run_blend(engine.decoder, BlendInput(ids, kinds, []), BlendConfig("full").selector())
     assert exact.raw_kv is not None
     cursor = len(engine.tokenize(SYSTEM)) + 1
     for text in reversed(DOCS):

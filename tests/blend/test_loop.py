@@ -17,7 +17,8 @@ from transformers import DynamicCache
 from conftest import tiny_model, transformers_rope
 from kvblend import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
-from kvblend.blend.loop import prompt_tables, run_blend, run_pass
+from kvblend.blend.loop import prompt_tables, run_pass
+from kvblend.blend.prefill import run_blend
 from kvblend.blend.rope import rope_table
 from kvblend.blend.selectors import Selection
 from kvblend.models.decoder import Decoder
@@ -63,7 +64,7 @@ def test_a_batch_of_sequences_is_each_sequence_alone(family: str) -> None:
     model = tiny_model(family)
     decoder = Decoder(model)
     batch = sequences(LENGTHS)
-    out = run_blend(decoder, batch_input(batch), BlendConfig("full"), need_logits=False)
+    out = run_blend(decoder, batch_input(batch), BlendConfig("full").selector(), need_logits=False)
     longest = max(LENGTHS)
     assert out.logits is None and out.keys[0].shape[1] == len(batch) * longest
     worst = 0.0
@@ -78,7 +79,9 @@ def test_padding_never_reaches_a_sequence() -> None:
     decoder = Decoder(tiny_model("mistral"))
     batch = sequences(LENGTHS)
     outs = [
-        run_blend(decoder, batch_input(batch, pad), BlendConfig("full"), need_logits=False)
+        run_blend(
+            decoder, batch_input(batch, pad), BlendConfig("full").selector(), need_logits=False
+        )
         for pad in (0, 7)
     ]
     longest = max(LENGTHS)
@@ -109,7 +112,7 @@ def test_a_batch_is_computed_whole_without_logits() -> None:
         run_pass(decoder, blend_input, every)  # logits
     with pytest.raises(ValueError, match="computed whole"):
         run_pass(decoder, blend_input, Selection(torch.arange(6, 12)), need_logits=False)
-    source = run_blend(decoder, blend_input, BlendConfig("full"), need_logits=False)
+    source = run_blend(decoder, blend_input, BlendConfig("full").selector(), need_logits=False)
     spans = [CachedSpan(0, 2, source)]  # a cached span
     with pytest.raises(ValueError, match="computed whole"):
         run_pass(decoder, BlendInput(blend_input.token_ids, blend_input.kinds, spans,

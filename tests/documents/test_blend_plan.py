@@ -66,10 +66,15 @@ class TwoRanks:
 def test_lazy_and_whole_reads_give_the_same_kv(engine: BlendEngine) -> None:
     plan = plan_of(engine)
     planned = plan.kinds.copy()
-    lazy = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG)
+    lazy = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG.selector())
     lost: list[str] = []
     whole = blend_plan(
-        engine.decoder, engine.library.segment_kv, plan, CONFIG, read_whole=True, lost=lost
+        engine.decoder,
+        engine.library.segment_kv,
+        plan,
+        CONFIG.selector(),
+        read_whole=True,
+        lost=lost,
     )
     assert lazy.computed == whole.computed == 0 and not lost
     assert len(lazy.spans) == len(whole.spans) == 4
@@ -86,7 +91,7 @@ def test_a_missing_entry_is_computed_and_stored_when_read_lazily(engine: BlendEn
     plan = plan_of(engine)
     key = key_of(engine, plan, 2)
     engine.store.delete(key)
-    blended = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG)
+    blended = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG.selector())
     assert blended.computed == 1 and len(blended.spans) == 4
     assert engine.store.contains(key)
     assert np.array_equal(blended.kinds, plan.kinds)
@@ -98,7 +103,12 @@ def test_a_missing_entry_read_whole_has_its_rows_computed(engine: BlendEngine) -
     engine.store.delete(key)
     lost: list[str] = []
     blended = blend_plan(
-        engine.decoder, engine.library.segment_kv, plan, CONFIG, read_whole=True, lost=lost
+        engine.decoder,
+        engine.library.segment_kv,
+        plan,
+        CONFIG.selector(),
+        read_whole=True,
+        lost=lost,
     )
     assert lost == [f"entry {key[:12]} not in the store"]
     assert blended.computed == 0 and len(blended.spans) == 3
@@ -124,7 +134,7 @@ def test_an_entry_failing_while_read_lazily_is_recomputed(
         return Unreadable() if key == failing else real(key, tokens, device)
 
     monkeypatch.setattr(segment_kv, "open_entry", open_entry)
-    blended = blend_plan(engine.decoder, segment_kv, plan, CONFIG)
+    blended = blend_plan(engine.decoder, segment_kv, plan, CONFIG.selector())
     assert blended.computed == 1 and segment_kv.dropped == 1
     assert [bool(getattr(span.source, "recomputed", None)) for span in blended.spans] == [
         False, True, False, False,
@@ -139,7 +149,7 @@ def test_ranks_agree_on_the_entries_they_use(engine: BlendEngine) -> None:
         engine.decoder,
         engine.library.segment_kv,
         plan,
-        CONFIG,
+        CONFIG.selector(),
         read_whole=True,
         ranks=ranks,
         lost=lost,
@@ -165,6 +175,8 @@ def test_a_rank_never_recomputes_an_entry_alone(
 
     ranks = OneRankOfTwo(engine.decoder.shape.num_kv_heads)
     with pytest.raises(RuntimeError, match="cannot recompute"):
-        blend_plan(engine.decoder, segment_kv, plan, CONFIG, read_whole=True, ranks=ranks)
-    blended = blend_plan(engine.decoder, segment_kv, plan, CONFIG, read_whole=True)
+        blend_plan(
+            engine.decoder, segment_kv, plan, CONFIG.selector(), read_whole=True, ranks=ranks
+        )
+    blended = blend_plan(engine.decoder, segment_kv, plan, CONFIG.selector(), read_whole=True)
     assert blended.computed == 4  # one process: each entry recomputed (and stored again)

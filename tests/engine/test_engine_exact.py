@@ -9,7 +9,7 @@ import torch
 from conftest import byte_tokenizer, tiny_model, transformers_rope
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.io import COMPUTE, MOVED, BlendInput, RowSet
-from kvblend.blend.loop import run_blend, selection_context
+from kvblend.blend.prefill import run_blend, selection_context
 from kvblend.blend.selectors.attention import AttentionSelector
 from kvblend.blend.selectors.tail_attention import tail_rows
 from kvblend.documents import blend_plan as blend_plan_module
@@ -78,7 +78,7 @@ def plant_in_context_kv(engine: BlendEngine, token_ids: list[int], order) -> Non
     exact = run_blend(
         engine.decoder,
         BlendInput(ids, kinds, []),
-        BlendConfig("full"),
+        BlendConfig("full").selector(),
     )
     assert exact.raw_kv is not None
     # Plant the in-context KV under each document's store key.
@@ -530,13 +530,15 @@ def test_kv_kept_for_the_store_owns_its_memory() -> None:
     """The loop keeps every layer's K/V in one buffer, keys rotated; the K/V to be stored
     (`raw_kv`, keys before RoPE) is a tensor of its own, so a store never sees the buffer."""
     from kvblend.blend.io import COMPUTE, BlendInput
-    from kvblend.blend.loop import run_blend
+    from kvblend.blend.prefill import run_blend
     from kvblend.models.decoder import Decoder
 
     decoder = Decoder(tiny_model("qwen2"))
     ids = torch.arange(3, 23)
     kinds = torch.full((ids.numel(),), COMPUTE, dtype=torch.int8)
-    out = run_blend(decoder, BlendInput(ids, kinds, []), BlendConfig("full"), need_logits=False)
+    out = run_blend(
+        decoder, BlendInput(ids, kinds, []), BlendConfig("full").selector(), need_logits=False
+    )
     raw = out.raw_kv
     assert raw is not None and raw.shape[3] == ids.numel()
     buffer = out.keys[0].untyped_storage().data_ptr()

@@ -35,7 +35,7 @@ from transformers import (
 from conftest import TINY, byte_tokenizer, smollm2_tokenizer
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.io import COMPUTE, BlendInput
-from kvblend.blend.loop import run_blend
+from kvblend.blend.prefill import run_blend
 from kvblend.store import MemoryKVStore
 
 DOCS = [
@@ -226,7 +226,7 @@ def plant_in_context_kv(engine: BlendEngine, prompt: str) -> None:
             torch.full((len(plan.token_ids),), COMPUTE, dtype=torch.int8),
             [],
         ),
-        BlendConfig("full"),
+        BlendConfig("full").selector(),
         need_logits=False,
     )
     assert full.raw_kv is not None

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvblend.blend.adapter import DecoderShape
-from kvblend.blend.selectors import selector_class
+from kvblend.blend.selectors import Selector, selector_class
 
 
 class BlendConfig:
@@ -50,15 +50,17 @@ class BlendConfig:
     (``config.recompute_ratio``).
     """
 
-    __slots__ = ("_given", "_settings", "strategy")
+    __slots__ = ("_given", "_selector", "_settings", "strategy")
 
     strategy: str
     _settings: dict[str, Any]
     _given: dict[str, Any]
+    _selector: type[Selector]
 
     def __init__(self, strategy: str = "attention", **settings: Any) -> None:
         selector = selector_class(strategy)
         object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "_selector", selector)
         object.__setattr__(self, "_given", dict(settings))
         object.__setattr__(self, "_settings", selector.resolve(settings))
 
@@ -84,14 +86,22 @@ class BlendConfig:
     @property
     def reads_cache(self) -> bool:
         """Whether the strategy reads cached KV (``full`` does not)."""
-        return selector_class(self.strategy).reads_cache
+        return self._selector.reads_cache
+
+    def selector(self) -> Selector:
+        """Return a new selector of the strategy with these settings, for one prefill.
+
+        The prefill's forecast and its blend ask the same selector; it keeps what its
+        ``select`` decided for that prompt, so every prefill takes a new one.
+        """
+        return self._selector(self._settings)
 
     def check_model(self, shape: DecoderShape) -> None:
         """Raise ``ValueError`` if a setting does not fit the model.
 
         For example a check layer past the model's last layer.
         """
-        selector_class(self.strategy)(self._settings).check_model(shape)
+        self.selector().check_model(shape)
 
     def replace(self, **changes: Any) -> BlendConfig:
         """Return a copy with ``changes`` applied.

@@ -1,6 +1,6 @@
 """What a prefill will do with a prompt, decided before the model runs: `forecast_blend`.
 
-A pure function of the prefill plan and the config: the strategy's selector says how many moved
+A pure function of the prefill plan and the strategy's selector, which says how many moved
 tokens it recomputes, whether it computes every one of them instead of blending (and why)
 (`kvblend.blend.selectors.base.Selector.forecast`); here that becomes the strategy that runs
 and the documents found in the prompt that end up not reused. `BlendEngine.prefill` reports it
@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblend.blend.config import BlendConfig
-from kvblend.blend.selectors import selector_class
+from kvblend.blend.selectors import Selector
 from kvblend.prompt.plan import PrefillPlan, SpanReport, TokenKind
 
 __all__ = ["NO_DOCUMENTS", "BlendForecast", "forecast_blend"]
@@ -26,9 +25,9 @@ NO_DOCUMENTS = "no_documents: the prompt holds no known document, so it is compu
 
 @dataclass(frozen=True)
 class BlendForecast:
-    """What a prefill of one plan with one config does, decided before the model runs."""
+    """What a prefill of one plan with one strategy does, decided before the model runs."""
 
-    strategy_run: str  # the config's strategy, or "full" when every moved token is recomputed
+    strategy_run: str  # the selector's strategy, or "full" when every moved token is recomputed
     recomputed_tokens: int  # moved tokens recomputed at every layer
     fallback: str | None = None  # why the blend does not run as asked
     estimated_cost: float = 0.0  # the strategy's cost estimate, a share of full prefill's
@@ -46,16 +45,19 @@ def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
     return int(np.count_nonzero(plan.kinds[span.start : span.end] == TokenKind.MOVED))
 
 
-def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
-    """Forecast the prefill of ``plan`` with ``config`` (a pure function: no model runs)."""
+def forecast_blend(plan: PrefillPlan, selector: Selector) -> BlendForecast:
+    """Forecast the prefill of ``plan`` with ``selector`` (a pure function: no model runs).
+
+    ``selector``: the prefill's own (`BlendConfig.selector`).
+    """
     total = len(plan.kinds)
-    if not config.reads_cache:
-        return BlendForecast(config.strategy, 0, computed_rows=total)
+    if not selector.reads_cache:
+        return BlendForecast(selector.name, 0, computed_rows=total)
     if not any(row.role == "document" for row in plan.report):  # a prompt head at most
         return BlendForecast("full", 0, NO_DOCUMENTS, 1.0, computed_rows=total)
     moved = int(np.count_nonzero(plan.kinds == TokenKind.MOVED))
     uncached = int(np.count_nonzero(plan.kinds == TokenKind.COMPUTE))
-    forecast = selector_class(config.strategy)(config.settings).forecast(plan.kinds, plan.spans)
+    forecast = selector.forecast(plan.kinds, plan.spans)
     recomputed, fallback = forecast.recomputed, forecast.fallback
     lost = []
     for number, row in enumerate((row for row in plan.report if row.role == "document"), start=1):
@@ -70,6 +72,6 @@ def forecast_blend(plan: PrefillPlan, config: BlendConfig) -> BlendForecast:
             moved_rows <= forecast.lead_rows or row.reused <= forecast.short_document
         ):
             lost.append(f"document {number}: recomputed whole ({row.reused} tokens, short)")
-    strategy_run = "full" if fallback is not None else config.strategy
+    strategy_run = "full" if fallback is not None else selector.name
     rows = uncached + (moved if fallback is not None else recomputed + forecast.partial_rows)
     return BlendForecast(strategy_run, recomputed, fallback, forecast.cost, lost, rows)

@@ -1,35 +1,39 @@
-"""The blended prefill: one plain loop over the model's layers, through its adapter.
+"""One pass of the blended prefill: a plain loop over the model's layers, through its adapter.
 
-A selector (`kvblend.blend.selectors`) picks the rows computed from layer 0 on: the uncached
-tokens always, and the reused tokens its strategy recomputes. Rows a selector chose by value on
-the device (the default's probe, CacheBlend's check layer) stay there: their count is known on
-the host, the sorted rows, their RoPE table, attention masks and the correction are built from
-them with device ops, and the host learns which rows they were only after the logits (for the
-statistics). The prompt's K/V of every layer lives in one preallocated buffer (`PromptKV`,
-`kv_buffer.py`), keys rotated to their positions. At every layer the loop
+A pass computes some of the prompt's rows (a `Selection`: the uncached tokens always, and the
+reused tokens the strategy recomputes) and reads the others' K/V from the cache; the prefill
+(`prefill.run_blend`) runs one, after the selector's first passes if it asks for some. Rows a
+selector chose by value on the device (the default's probe, CacheBlend's check layer) stay
+there: their count is known on the host, the sorted rows, their RoPE table, attention masks and
+the correction are built from them with device ops, and the host learns which rows they were
+only after the logits (for the statistics). The prompt's K/V of every layer lives in one
+preallocated buffer (`PromptKV`, `kv_buffer.py`), keys rotated to their positions.
 
-1. waits for the layer's cached K/V: the first layer that reads cached K/V issues its copies, a
-   group of layers per copy (every document's keys and values at once, straight from the
-   stored tensors, in host memory or on the device), each group's keys rotated once as they
-   land, with one event per group, for every layer from it on when the pass computes only some
-   rows; on CUDA they run on a side stream, so later groups load while earlier layers compute
-   (one group of every layer on the CPU; a second pass takes over the first pass's buffer and
-   waits on its copies),
-2. lets the selector narrow the computed rows, at its refine layers,
-3. runs the layer (`layer_step.py`): projects the computed rows, rotates their queries and
-   keys, moves the stale cached rows by the correction, writes the fresh K/V (one op), attends
-   the computed rows over the whole layer (`attention/`) and runs the MLP. The step is a
-   pure function, run eagerly or compiled (`compiled.py`, ``KVBLEND_COMPILE``: one graph per
-   size bucket for every layer).
+`run_pass` checks the selection, begins the pass (`begin_pass`: the buffer, the computed rows'
+embeddings, attention and correction) and runs `run_layers`, which at every layer
+
+1. waits for the layer's cached K/V (`load_cached`): the first layer that reads cached K/V
+   issues its copies, a group of layers per copy (every document's keys and values at once,
+   straight from the stored tensors, in host memory or on the device), each group's keys
+   rotated once as they land, with one event per group, for every layer from it on when the
+   pass computes only some rows; on CUDA they run on a side stream, so later groups load while
+   earlier layers compute (one group of every layer on the CPU; a second pass takes over the
+   first pass's buffer and waits on its copies),
+2. lets the selector narrow the computed rows, at its refine layers (`refine`),
+3. runs the layer (`compute_layer`, `layer_step.py`): projects the computed rows, rotates their
+   queries and keys, moves the stale cached rows by the correction, writes the fresh K/V (one
+   op), attends the computed rows over the whole layer (`attention/`) and runs the MLP. The
+   step is a pure function, run eagerly or compiled (`compiled.py`, ``KVBLEND_COMPILE``: one
+   graph per size bucket for every layer),
+
+then counts what the pass did (`pass_stats`), after its logits.
 
 The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
-segment is exact. Read `io.py` for the token kinds. A prefill can pause between layers
-(``pause``: the vLLM connector's blends yield there until the engine's next step) and be
-cancelled there (``cancel``: a `threading.Event`, or any `CancelFlag`); a pass that stops orders
-the compute stream after every
-copy it issued before its buffer is handed back (`LayerLoads.fence`). On CUDA, `device_times`
-reads the device's own time of a blend (CUDA events) once its logits are queued.
+segment is exact. Read `io.py` for the token kinds. A pass can pause between layers (``pause``:
+the vLLM connector's blends yield there until the engine's next step) and be cancelled there
+(``cancel``: a `threading.Event`, or any `CancelFlag`); a pass that stops orders the compute
+stream after every copy it issued before its buffer is handed back (`LayerLoads.fence`).
 
 Precompute runs documents through the same loop: strategy ``full`` over a batch of right-padded
 sequences laid one after another (`BlendInput.sequences`), each at positions ``0..n-1`` (its
@@ -38,10 +42,9 @@ RoPE table repeated) and attending to its own rows only (`SequenceAttention`), e
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -50,13 +53,10 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.attention.rows import RowAttention, SequenceAttention
 from kvblend.blend.compiled import StepRunner, step_runner
-from kvblend.blend.config import BlendConfig
 from kvblend.blend.correction import CorrectionTensors, stale_correction
-from kvblend.blend.guard import guard_report, guard_signals
 from kvblend.blend.io import (
     COMPUTE,
     MOVED,
-    PREFIX,
     BlendInput,
     BlendOutput,
     RowSet,
@@ -69,7 +69,7 @@ from kvblend.blend.io import (
 from kvblend.blend.kv_buffer import LayerLoads, PromptKV
 from kvblend.blend.layer_step import FULL, LAST, WRITE
 from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
-from kvblend.blend.selectors import Selection, SelectionContext, Selector, selector_class
+from kvblend.blend.selectors import Selection, Selector
 from kvblend.blend.selectors.base import Narrowing, PassObserver
 from kvblend.blend.threads import ELEMENT_WORK, big, small_ops
 from kvblend.errors import BlendCancelledError
@@ -77,11 +77,11 @@ from kvblend.errors import BlendCancelledError
 __all__ = [
     "CancelFlag",
     "Pause",
-    "device_clock",
-    "device_times",
-    "run_blend",
+    "PassState",
+    "prompt_tables",
     "run_pass",
-    "selection_context",
+    "stop_if_cancelled",
+    "with_kv",
 ]
 
 
@@ -122,18 +122,21 @@ class PassState:
 
     @property
     def total(self) -> int:
+        """The prompt's rows."""
         return self.prompt.token_ids.numel()
 
     @property
     def every_row(self) -> bool:
+        """Whether the pass computes every row of the prompt."""
         return self.rows.count == self.total
 
     def set_rows(self, rows: RowSet, hidden: torch.Tensor) -> None:
-        """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction."""
+        """Make ``rows`` (``hidden``: theirs) computed: their RoPE table, attention, correction.
+
+        `begin_pass` sets the first rows, `narrow` the later ones.
+        """
         adapter, total = self.adapter, self.total
         self.padded, self.hidden = self.runner.pad(rows.positions, hidden)
-        if hasattr(self, "attention"):  # the rows before narrowing: their refused compiles
-            self.uncompiled += self.attention.uncompiled
         if self.prompt.sequences > 1:  # a batch of sequences, every row computed
             self.attention = SequenceAttention(rows, self.prompt.sequences, adapter.scaling)
         else:
@@ -160,6 +163,7 @@ class PassState:
         keep = narrowing.keep
         if isinstance(keep, np.ndarray):
             keep = to_device(keep, self.adapter.device)
+        self.uncompiled += self.attention.uncompiled  # the rows before: their refused compiles
         self.set_rows(narrowing.rows, self.hidden[: self.rows.count].index_select(0, keep))
 
 
@@ -312,20 +316,9 @@ def run_pass(
     """
     share = selector.correction if selector is not None else 0.0
     start = selection.start
-    if start is not None and selector is not None and selector.refine_reads_cache:
-        if selector.refine_layers:
-            raise ValueError(
-                "a start pass cannot be combined with refine layers that read the cache"
-            )
     blend_input = on_host(blend_input)
-    total = blend_input.token_ids.numel()
     rows = as_rows(selection.computed, adapter.device)
-    bounds = rows.bounds()
-    if need_logits and (layers is not None or (bounds is not None and bounds[0][-1] != total - 1)):
-        raise RuntimeError("logits need the last prompt token computed through every layer")
-    batch = blend_input.sequences
-    if batch > 1 and (need_logits or blend_input.spans or rows.count != total or total % batch):
-        raise ValueError("a batch of equal-length sequences is computed whole, without logits")
+    check_pass(blend_input, rows, selector, start is not None, need_logits, layers)
     tables = tables if tables is not None else prompt_tables(adapter, blend_input)
     runner = pass_runner(adapter, blend_input)
     corrected = share > 0 if corrected is None else corrected
@@ -342,6 +335,29 @@ def run_pass(
     extra = after_logits(logits) if after_logits is not None and logits is not None else None
     out.stats, out.extra = pass_stats(state, blend_input, extra)
     return with_kv(out, state.kv)
+
+
+def check_pass(
+    blend_input: BlendInput,
+    rows: RowSet,
+    selector: Selector | None,
+    has_start: bool,
+    need_logits: bool,
+    layers: int | None,
+) -> None:
+    """Refuse a pass that cannot give what it is asked for, before any work."""
+    if has_start and selector is not None and selector.refine_reads_cache:
+        if selector.refine_layers:
+            raise ValueError(
+                "a start pass cannot be combined with refine layers that read the cache"
+            )
+    total = blend_input.token_ids.numel()
+    bounds = rows.bounds()
+    if need_logits and (layers is not None or (bounds is not None and bounds[0][-1] != total - 1)):
+        raise RuntimeError("logits need the last prompt token computed through every layer")
+    batch = blend_input.sequences
+    if batch > 1 and (need_logits or blend_input.spans or rows.count != total or total % batch):
+        raise ValueError("a batch of equal-length sequences is computed whole, without logits")
 
 
 def with_kv(out: BlendOutput, kv: PromptKV) -> BlendOutput:
@@ -382,34 +398,6 @@ def pass_stats(
     return stats, values
 
 
-def device_clock(device: torch.device) -> torch.cuda.Event | None:
-    """Return a timed event recorded now on ``device``'s compute stream (None off CUDA)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def device_times(start: torch.cuda.Event | None, out: BlendOutput) -> dict[str, float]:
-    """Device seconds of a blend begun at ``start`` (`device_clock`): ``{}`` off CUDA.
-
-    ``blend_device_s``: the compute stream's, from ``start`` to now (the logits queued);
-    ``load_device_s``: the copy stream's, from the first copy of cached K/V to the last. Waits
-    for the device to get there: read once the logits are queued, for the statistics.
-    """
-    if start is None:
-        return {}
-    end = torch.cuda.Event(enable_timing=True)
-    end.record()
-    end.synchronize()
-    times = {"blend_device_s": float(start.elapsed_time(end)) / 1000}
-    load = out.loads.stream.seconds() if out.loads is not None else None
-    if load is not None:
-        times["load_device_s"] = load
-    return times
-
-
 def pass_runner(adapter: ModelAdapter, blend_input: BlendInput) -> StepRunner:
     """How a prompt's passes run (`step_runner`); a batch of sequences: eagerly, unpadded."""
     total = blend_input.token_ids.numel()
@@ -430,123 +418,3 @@ def prompt_tables(adapter: ModelAdapter, blend_input: BlendInput) -> RopeTables:
         return RopeTables(table.repeat(sequences, 1, 1, 1))
     length = pass_runner(adapter, blend_input).length
     return rope_tables(adapter.rotary, total, length, adapter.device)
-
-
-def selection_context(
-    adapter: ModelAdapter,
-    blend_input: BlendInput,
-    cancel: CancelFlag | None = None,
-    tables: RopeTables | None = None,
-    correction: float = 0.0,
-    pause: Pause | None = None,
-) -> SelectionContext:
-    """Return what a selector sees of a prompt (``blend_input`` on the adapter's device).
-
-    Its kinds are on the host; its first passes compute the rows a selector names and read the
-    rest from the cache (``correction``: the selector's share, whose prefill may continue
-    from a first pass's buffer).
-    """
-    blend_input = on_host(blend_input)
-    assert blend_input.host_kinds is not None
-
-    def first_pass(
-        computed: torch.Tensor,
-        observer: PassObserver,
-        layers: int | None = None,
-        logits: bool = False,
-    ) -> BlendOutput:
-        selection = Selection(computed)
-        # the uncached rows a first pass leaves out are read as zeros (masked by nothing, they
-        # add nothing), and a correction reads every computed row's K/V: zeroed either way
-        every_uncached = np.array_equal(computed.numpy(), np.flatnonzero(uncached))
-        return run_pass(
-            adapter, blend_input, selection, observer=observer, need_logits=logits,
-            cancel=cancel, tables=tables, layers=layers,
-            corrected=correction > 0 or not every_uncached, pause=pause,
-        )  # fmt: skip
-
-    kinds = torch.from_numpy(blend_input.host_kinds)
-    uncached = blend_input.host_kinds == COMPUTE
-    return SelectionContext(adapter, kinds, blend_input.spans, first_pass)
-
-
-@torch.inference_mode()
-def run_blend(
-    adapter: ModelAdapter,
-    blend_input: BlendInput,
-    config: BlendConfig,
-    *,
-    need_logits: bool = True,
-    cancel: CancelFlag | None = None,
-    pause: Pause | None = None,
-) -> BlendOutput:
-    """Run the blended prefill of one prompt and return logits and the fused KV cache.
-
-    ``pause``: called between layers, where the prefill may yield for a while; ``cancel``:
-    checked there after it; once set, `BlendCancelledError` is raised.
-    """
-    blend_input = on_host(blend_input)
-    device = adapter.device
-    blend_input = replace(
-        blend_input, token_ids=to_device(blend_input.token_ids, device),
-        kinds=to_device(blend_input.kinds, device),
-    )  # fmt: skip
-    selector = selector_class(config.strategy)(config.settings)
-    tables = prompt_tables(adapter, blend_input)
-    started = time.perf_counter()
-    context = selection_context(adapter, blend_input, cancel, tables, selector.correction, pause)
-    selection = selector.select(context)
-    select_s = time.perf_counter() - started
-    guard = selector.guard_inputs if need_logits else None
-    tolerance = selector.guard_tolerance
-    after_logits = None
-    if guard is not None:
-        probe_logits, stale_mass = guard
-        after_logits = functools.partial(_guard_signals, probe_logits, stale_mass)
-    out = run_pass(
-        adapter, blend_input, selection, selector=selector, need_logits=need_logits,
-        cancel=cancel, tables=tables, after_logits=after_logits, pause=pause,
-    )  # fmt: skip
-    passes = [selection.start] if selection.start is not None else []
-    report = None
-    if guard is not None and out.extra is not None and tolerance is not None:
-        report = guard_report(out.extra, tolerance)
-        if report.escalated:  # every row but the prompt head, from the blend's buffer
-            passes.append(out)
-            out = escalate(adapter, blend_input, out, cancel, tables, pause)
-    out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
-    out.stats["probe_s"] = select_s if selection.start is not None else 0.0
-    for earlier in passes:  # the first pass's (and an escalated blend's) work counts too
-        out.stats["load_s"] += earlier.stats["load_s"]
-        out.stats["token_layers"] += earlier.stats["token_layers"]
-        out.stats["uncompiled_calls"] += earlier.stats["uncompiled_calls"]
-    if report is not None:
-        out.guard = report.to_dict()
-    return out
-
-
-def _guard_signals(
-    probe_logits: torch.Tensor, stale_mass: torch.Tensor, logits: torch.Tensor
-) -> torch.Tensor:
-    return guard_signals(probe_logits, logits, stale_mass)
-
-
-def escalate(
-    adapter: ModelAdapter,
-    blend_input: BlendInput,
-    blend: BlendOutput,
-    cancel: CancelFlag | None,
-    tables: RopeTables,
-    pause: Pause | None = None,
-) -> BlendOutput:
-    """Run the guard's escalation: every row but the prompt head, from ``blend``'s buffer.
-
-    The rows are known on the host (no read); the prompt head's K/V, read in place, is what a
-    full prefill computes, so the result is full prefill's.
-    """
-    assert blend_input.host_kinds is not None
-    rows = np.flatnonzero(blend_input.host_kinds != PREFIX)
-    return run_pass(
-        adapter, blend_input, Selection(rows, start=blend), cancel=cancel, tables=tables,
-        corrected=False, pause=pause,
-    )  # fmt: skip

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
-from kvblend.blend.loop import CancelFlag, Pause, run_blend, stop_if_cancelled
+from kvblend.blend.loop import CancelFlag, Pause, stop_if_cancelled
+from kvblend.blend.prefill import run_blend
+from kvblend.blend.selectors import Selector
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan
@@ -75,7 +76,7 @@ def blend_plan(
     adapter: ModelAdapter,
     segment_kv: SegmentKV,
     plan: PrefillPlan,
-    config: BlendConfig,
+    selector: Selector,
     *,
     read_whole: bool = False,
     ranks: Ranks | None = None,
@@ -86,15 +87,16 @@ def blend_plan(
 ) -> PlanBlend:
     """Open ``plan``'s entries from ``segment_kv``'s store, then run the blend loop on ``adapter``.
 
-    ``read_whole`` and ``ranks``: how entries are read (see the module); ``lost``: where the
-    entries read whole but not used are listed, and why, as they are found. The plan is left
-    as planned. ``need_logits``, ``cancel`` and ``pause`` go to `run_blend`.
+    ``selector``: the prefill's own (`BlendConfig.selector`). ``read_whole`` and ``ranks``: how
+    entries are read (see the module); ``lost``: where the entries read whole but not used are
+    listed, and why, as they are found. The plan is left as planned. ``need_logits``,
+    ``cancel`` and ``pause`` go to `run_blend`.
     """
     began = time.perf_counter()
     kinds = np.array(plan.kinds, dtype=np.int8)  # a copy: rows of a lost entry become COMPUTE
     spans: list[CachedSpan] = []
     computed = 0
-    if config.reads_cache:  # else the strategy computes every row
+    if selector.reads_cache:  # else the strategy computes every row
         device = adapter.device if read_whole else None
         spans, computed = open_spans(
             segment_kv,
@@ -110,7 +112,7 @@ def blend_plan(
     opened = time.perf_counter()
     blend_input = BlendInput(token_ids, torch.from_numpy(kinds), spans, kinds)
     out = run_blend(
-        adapter, blend_input, config, need_logits=need_logits, cancel=cancel, pause=pause
+        adapter, blend_input, selector, need_logits=need_logits, cancel=cancel, pause=pause
     )
     # entries that failed while their layers were read, recomputed in place
     computed += sum(bool(getattr(span.source, "recomputed", False)) for span in spans)

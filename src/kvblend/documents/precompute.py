@@ -28,7 +28,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput
-from kvblend.blend.loop import run_blend
+from kvblend.blend.prefill import run_blend
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "document_kv", "length_batches"]
 
@@ -87,7 +87,7 @@ def document_kv(
         token_ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
     kinds = torch.full((batch * longest,), COMPUTE, dtype=torch.int8)
     prompt = BlendInput(token_ids.flatten(), kinds, [], sequences=batch)
-    out = run_blend(adapter, prompt, BlendConfig("full"), need_logits=False)
+    out = run_blend(adapter, prompt, BlendConfig("full").selector(), need_logits=False)
     entries = []
     for row, (sequence, start) in enumerate(zip(sequences, starts, strict=True)):
         rows = out.raw_rows(row * longest + start, row * longest + len(sequence))

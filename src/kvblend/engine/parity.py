@@ -19,7 +19,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput
-from kvblend.blend.loop import run_blend
+from kvblend.blend.prefill import run_blend
 from kvblend.errors import BlendUnavailableError
 
 #: The text the self-check runs (any text would do; this one mixes words, digits and symbols).
@@ -51,7 +51,9 @@ def parity_error(adapter: ModelAdapter, expected: torch.Tensor, ids: Sequence[in
     """
     token_ids = torch.tensor(list(ids), dtype=torch.long)
     kinds = torch.full((len(ids),), COMPUTE, dtype=torch.int8)
-    got = run_blend(adapter, BlendInput(token_ids, kinds, []), BlendConfig("full")).logits
+    got = run_blend(
+        adapter, BlendInput(token_ids, kinds, []), BlendConfig("full").selector()
+    ).logits
     assert got is not None
     expected = expected.to(got.device).float()
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-6))

@@ -269,7 +269,7 @@ def _decide(request: RequestPlan) -> None:
         else:
             request.fallback = "no stored document left to reuse"
         return
-    forecast = forecast_blend(plan, config)
+    forecast = forecast_blend(plan, config.selector())
     if forecast.fallback is not None:
         request.fallback = forecast.fallback
         return

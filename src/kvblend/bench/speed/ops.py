@@ -7,7 +7,7 @@ waits for the device to finish. Both are properties of the code, not of the devi
 counted here on the CPU, where no GPU is needed: a `TorchDispatchMode` sees every op, and the
 ops that would synchronise on CUDA are named in `SYNC_OPS`.
 
-Counting covers the device work of a prefill, `kvblend.blend.loop.run_blend` (every pass of
+Counting covers the device work of a prefill, `kvblend.blend.prefill.run_blend` (every pass of
 the strategy, stats included); the host-side planning before it builds its tensors from Python
 lists. Syncs are counted before the logits (the host waiting for the prefill's own work) and
 after them (the rows chosen on the device, read for the statistics once the work is queued).

@@ -140,8 +140,9 @@ def blend_into_cache(
     of another store (the calibration's synthetic ones).
     """
     adapter = model.adapter
+    selector = config.selector()  # the blend's own
     blended = blend_plan(
-        adapter, segment_kv or model.library.segment_kv, job.plan, config, read_whole=True,
+        adapter, segment_kv or model.library.segment_kv, job.plan, selector, read_whole=True,
         ranks=adapter, lost=outcome.lost, need_logits=False, cancel=cancel, pause=pause,
     )  # fmt: skip
     out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
@@ -150,7 +151,7 @@ def blend_into_cache(
         "open_s": blended.open_s, "loop_s": blended.loop_s,
         "probe_s": float(out.stats.get("probe_s", 0.0)),
     }  # fmt: skip
-    if config.reads_cache:
+    if selector.reads_cache:
         cached = int((kinds != int(TokenKind.COMPUTE)).sum())
         outcome.recomputed = int(out.stats.get("recomputed_tokens", 0))
         outcome.reused = cached - outcome.recomputed
