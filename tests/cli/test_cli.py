@@ -33,7 +33,7 @@ def test_precompute_ask_and_store_stats(tmp_path: Path, capsys: pytest.CaptureFi
     store = str(tmp_path / "store")
     system = ["--system", "Answer from the documents."]
     assert main(["precompute", str(docs), "--store-dir", store, *system]) == 0
-    assert "precomputed 2 documents" in capsys.readouterr().out
+    assert "precomputed 2 new documents" in capsys.readouterr().out
     assert main(["store", "stats", "--store-dir", store]) == 0
     assert "entries: 2" in capsys.readouterr().out
     code = main(
@@ -239,7 +239,7 @@ def test_non_utf8_files_are_skipped_with_a_warning_each(
     code = main(["precompute", str(docs), "--store-dir", str(tmp_path / "store")])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "precomputed 1 documents" in captured.out
+    assert "precomputed 1 new document in" in captured.out and "2 skipped" in captured.out
     warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping")]
     assert len(warnings) == 2 and all("not UTF-8 text" in line for line in warnings)
 

@@ -142,4 +142,4 @@ def test_chunk_stores_every_chunk_of_a_200k_character_file_whole(
     assert f"split into {len(pieces)} chunks" in caplog.text and "skipping" not in caplog.text
     with DiskKVStore(folder) as store:
         assert all(store.metadata(engine.segment_id(piece)) for piece in pieces)
-    assert f"precomputed {len(pieces)} documents" in capsys.readouterr().out
+    assert f"precomputed {len(pieces)} new documents" in capsys.readouterr().out

@@ -248,7 +248,7 @@ def test_precompute_with_chunk_counts_the_skipped_files(
         assert main(["precompute", str(docs), "--chunk", "--memory-only", "--threads", "1"]) == 0
     assert "long.txt: 2,264 tokens, split into 3 chunks" in caplog.text
     last = capsys.readouterr().out.splitlines()[0]
-    assert last.startswith("precomputed ") and "6 file(s) or folder(s) skipped" in last
+    assert last.startswith("precomputed ") and "; 6 skipped (named above)" in last
     assert loaded == [loaded[0]] and loaded[0]["threads"] == 1
 
 

@@ -156,7 +156,7 @@ def test_the_readme_commands_run_as_written(tmp_path: Path) -> None:
                 os.killpg(server.pid, signal.SIGKILL)
                 server.wait()
     log = log_path.read_text("utf-8", "replace")
-    assert "precomputed 8 documents" in log
+    assert "precomputed 8 new documents" in log
     store = tmp_path / ".kvblend-store"
     assert f"kvblend: store disk {store}: 8 entries of model" in log, log[-3000:]
     assert "kvblend: parity gate passed" in log

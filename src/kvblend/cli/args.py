@@ -117,10 +117,19 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: the physical cores the last minute's "
                         "load leaves idle, at least 1)")  # fmt: skip
+    add_quiet_option(p)
     p.add_argument("--kv-codec", default="none", choices=KV_CODECS,
                    help="how documents' KV is stored: none (full precision), int8, k8v4 "
                         "(8-bit keys, 4-bit values) or int4; part of each entry's identity, "
                         "so use the same one for precompute and ask (default none)")  # fmt: skip
+
+
+def add_quiet_option(p: argparse.ArgumentParser) -> None:
+    """``--quiet``: no progress bars and no lines about loading or precomputing."""
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bars and no lines about loading and precomputing (results, "
+                        "warnings and errors are still printed; bars show only on a "
+                        "terminal)")  # fmt: skip
 
 
 def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> None:

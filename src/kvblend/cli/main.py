@@ -24,6 +24,7 @@ from kvblend.cli.args import (
     add_blend_options,
     add_chunk_option,
     add_model_options,
+    add_quiet_option,
     check_device,
     positive_int,
     printable,
@@ -36,6 +37,7 @@ from kvblend.cli.precompute import (
     precompute_each,
     unstored_files,
 )
+from kvblend.cli.report import PrecomputeTally, interrupted, summary
 from kvblend.cli.store import add_store_parser
 
 if TYPE_CHECKING:
@@ -118,7 +120,7 @@ def _engine(
 
     _quiet_transformers()
     store = _store(args, keeps=keeps)
-    print(f"loading model {args.model or '(bundled default)'} ...", file=sys.stderr)
+    _say(args, f"loading model {_model_source(args)} ...")
     started = time.perf_counter()
     if args.system is not None:
         system = args.system
@@ -127,11 +129,11 @@ def _engine(
         system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system, threads=args.threads,
         kv_codec=getattr(args, "kv_codec", None), dtype=getattr(args, "dtype", "auto"),
     )  # fmt: skip
-    print(
+    _say(
+        args,
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
         f"in {engine.dtype_choice} (parity self-check error {engine.parity_error:.1e}; "
         f"{torch.get_num_threads()} CPU thread(s))",
-        file=sys.stderr,
     )
     budget = getattr(args, "max_new_tokens", None)
     if budget is not None and budget >= engine.context_window:
@@ -140,6 +142,33 @@ def _engine(
             f"window of {engine.context_window} tokens"
         )
     return engine
+
+
+def _say(args: argparse.Namespace, line: str) -> None:
+    """Print a line about the command's progress on stderr, unless ``--quiet``."""
+    if not getattr(args, "quiet", False):
+        print(printable(line), file=sys.stderr, flush=True)
+
+
+def _model_source(args: argparse.Namespace) -> str:
+    """Name the model the command loads as the user named it (or where it comes from)."""
+    from kvblend.models.loading import MODEL_ENV
+
+    if args.model:
+        return str(args.model)
+    from_env = os.environ.get(MODEL_ENV)
+    if from_env:
+        return f"{from_env} (${MODEL_ENV})"
+    return "(bundled default)"
+
+
+def _tally(args: argparse.Namespace) -> PrecomputeTally:
+    return PrecomputeTally(quiet=getattr(args, "quiet", False))
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Whether precompute shows its bar: not under ``--quiet`` (tqdm: only on a terminal)."""
+    return not getattr(args, "quiet", False)
 
 
 def _store(args: argparse.Namespace, *, keeps: bool = False):  # noqa: ANN202
@@ -198,8 +227,9 @@ def cmd_demo(args: argparse.Namespace) -> None:
     documents = [d["text"] for d in corpus["documents"]]
     questions = corpus["questions"][: args.questions]
     engine = _engine(args, corpus.get("system"))
-    engine.precompute(documents, progress=True)
-    _say_where(engine)
+    named = [(document["title"], document["text"]) for document in corpus["documents"]]
+    precompute_each(engine, named, tally=_tally(args), progress=_progress(args))
+    _say_where(args, engine)
     config = _config(args)
     from kvblend.blend.config import BlendConfig
 
@@ -236,21 +266,26 @@ def cmd_demo(args: argparse.Namespace) -> None:
     )
 
 
-def _say_where(engine: BlendEngine) -> None:
+def _say_where(args: argparse.Namespace, engine: BlendEngine) -> None:
     """Say where the demo's KV is kept, how much the store holds, and how to remove it."""
     disk = getattr(engine.store, "disk", None)
     if disk is None:
         return
     size = disk.stats().bytes / 2**20
-    print(
+    _say(
+        args,
         f"the documents' KV is kept in {disk.directory} (the store there holds {size:.0f} MiB; "
         "`kvblend store clear` deletes it, --memory-only keeps it in memory)",
-        file=sys.stderr,
     )
 
 
 def cmd_precompute(args: argparse.Namespace) -> None:
-    """Precompute and store the KV of every document file; name (and skip or chunk) the rest."""
+    """Precompute and store the KV of every document file; name (and skip or chunk) the rest.
+
+    The last line counts the documents stored here, those already stored and the files skipped
+    apart. Exit status 1 when nothing was stored (every document skipped) or the store did not
+    keep a document; Ctrl-C says what was kept (status 130), and a rerun resumes from there.
+    """
     files = DocumentFiles()
     named = _read(args.paths, files) if args.paths else []  # before the model loads
     if args.samples:
@@ -261,13 +296,17 @@ def cmd_precompute(args: argparse.Namespace) -> None:
     engine = _engine(args, keeps=True)
     started = time.perf_counter()
     documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
-    stored = precompute_each(engine, documents, files)
+    tally = _tally(args)
+    try:
+        precompute_each(engine, documents, files, tally=tally, progress=_progress(args))
+    except KeyboardInterrupt:
+        print(printable(interrupted(tally, len(documents))), file=sys.stderr, flush=True)
+        raise
     _check_kept(engine, files, fail=True)
-    skipped = len(files.skipped)
-    print(
-        f"precomputed {stored} documents in {time.perf_counter() - started:.1f} s"
-        + (f"; {skipped} file(s) or folder(s) skipped (named above)" if skipped else "")
-    )
+    line = summary(tally, len(files.skipped), time.perf_counter() - started)
+    if not tally.stored:
+        raise CLIError(line, status=1)
+    print(line)
     _print_stats(engine.store.stats())
 
 
@@ -277,7 +316,7 @@ def cmd_ask(args: argparse.Namespace) -> None:
     read = _read(args.docs, files)  # before the model loads
     engine = _engine(args)
     named = fitting_documents(engine, read, chunk=args.chunk, files=files)
-    precompute_each(engine, named, files)
+    precompute_each(engine, named, files, tally=_tally(args), progress=_progress(args))
     _check_kept(engine, files, fail=False)
     documents = [text for _, text in named]
     if not documents:
@@ -328,7 +367,7 @@ def cmd_explain(args: argparse.Namespace) -> None:
     engine = _engine(args)
     if named:
         fitting = fitting_documents(engine, named, chunk=args.chunk, files=files)
-        precompute_each(engine, fitting, files)
+        precompute_each(engine, fitting, files, tally=_tally(args), progress=_progress(args))
         _check_kept(engine, files, fail=False)
     print(engine.explain(prompt, _config(args)))
 
@@ -415,6 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the model's local folder, a GGUF file converted once (e.g. for vllm serve)",
     )
     folder.add_argument("--model", help="model folder or GGUF file (default: bundled)")
+    add_quiet_option(folder)
     folder.set_defaults(func=cmd_model_folder)
 
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
@@ -435,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args = argparse.Namespace(func=cmd_bench, bench_args=argv[1:])
         else:
             args = build_parser().parse_args(argv)
+            _quiet_other_bars(args)
         _check_arguments(args)
         args.func(args)
     except (CLIError, FileNotFoundError, ValueError) as error:
@@ -448,6 +489,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _quiet_other_bars(args: argparse.Namespace) -> None:
+    """Hide the libraries' own progress bars (a GGUF file's conversion) where kvblend's are.
+
+    They are shown on a terminal unless ``--quiet``: ``TQDM_DISABLE`` is tqdm's default for a
+    bar that does not choose (read when tqdm is imported, which this command has not done yet).
+    """
+    if getattr(args, "quiet", False) or not sys.stderr.isatty():
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _is_model_not_found(error: Exception) -> bool:

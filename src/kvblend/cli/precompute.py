@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvblend.cli.args import CLIError, printable
+from kvblend.cli.report import PrecomputeTally
 
 if TYPE_CHECKING:
     from kvblend.engine.engine import BlendEngine
@@ -254,16 +255,29 @@ def precompute_each(
     engine: BlendEngine,
     documents: Sequence[tuple[str, str]],
     files: DocumentFiles | None = None,
+    *,
+    tally: PrecomputeTally | None = None,
+    progress: bool = False,
 ) -> int:
     """Precompute ``documents`` in batches; on a refusal, one by one, naming each failure.
 
     Returns how many documents are stored; `DocumentFiles.stored` lists them with their ids.
+    ``tally`` adds up what each precompute call computed and found stored; ``progress``: a
+    progress bar on a terminal (`kvblend.documents.progress.PrecomputeBar`).
     """
     files = files if files is not None else DocumentFiles()
+    tally = tally if tally is not None else PrecomputeTally(quiet=True)
     if not documents:
         return 0
+
+    def precompute(texts: list[str]) -> list[str]:
+        try:
+            return engine.library.precompute(texts, progress=progress, report=tally)
+        finally:
+            tally.finish_call()
+
     try:
-        ids = engine.precompute([text for _, text in documents], progress=True)
+        ids = precompute([text for _, text in documents])
     except ValueError:
         pass  # find the file at fault; the others are kept
     else:
@@ -272,7 +286,7 @@ def precompute_each(
     stored = 0
     for name, text in documents:
         try:
-            (id_,) = engine.precompute([text], progress=False)
+            (id_,) = precompute([text])
         except ValueError as error:
             files.skip(name, " ".join(str(error).split()))
         else:

@@ -22,6 +22,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.kv_codec import NO_CODEC, KVCodec
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
+from kvblend.documents.progress import PrecomputeBar, PrecomputeProgress, ProgressListener
 from kvblend.documents.registry import DocumentRegistry
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.prompt.plan import PrefillPlan, cached_pieces
@@ -126,34 +127,35 @@ class DocumentLibrary:
         progress: bool | None = None,
         force: bool = False,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
+        report: ProgressListener | None = None,
     ) -> list[str]:
         """Check every text, then compute and store the KV of those not stored; return the ids.
 
         Each text becomes known as its batch is stored. ``progress=None`` shows a progress bar
-        on a terminal for four or more texts.
+        (`PrecomputeBar`: tokens, documents, bytes written of the expected growth) on a terminal
+        for four or more texts; ``report`` gets every `PrecomputeProgress` as well.
         """
-        from tqdm.auto import tqdm
-
         items = [texts] if isinstance(texts, str) else check_texts(texts, "texts")
         check_count(batch_tokens, "batch_tokens")
         for name, flag in (("force", force), ("progress", progress)):
             if not isinstance(flag, bool) and not (name == "progress" and flag is None):
                 raise TypeError(f"{name} must be True or False, got {type(flag).__name__}")
         self.check_documents(items)  # every one fits, before anything is computed
-        bar = tqdm(
-            total=len(items),
-            desc="precomputing KV",
-            unit="doc",
-            disable=(len(items) < 4 if progress is None else not progress) or None,
-        )
 
         def done(stored: list[str]) -> None:
             self.registry.add(stored, self.context)
-            bar.update(len(stored))
 
-        with bar:
+        with PrecomputeBar(
+            disable=(len(items) < 4 if progress is None else not progress) or None
+        ) as bar:
+
+            def listen(state: PrecomputeProgress) -> None:
+                if report is not None:
+                    report(state)  # first: a line it prints comes before the bar opens
+                bar(state)
+
             return self.segment_kv.ensure_many(
-                items, force=force, batch_tokens=batch_tokens, done=done
+                items, force=force, batch_tokens=batch_tokens, done=done, progress=listen
             )
 
     def check_documents(self, texts: Sequence[str]) -> None:

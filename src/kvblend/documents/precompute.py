@@ -28,6 +28,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.io import COMPUTE, BlendInput
+from kvblend.blend.loop import Pause
 from kvblend.blend.prefill import run_blend
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "document_kv", "length_batches"]
@@ -70,6 +71,7 @@ def document_kv(
     starts: Sequence[int],
     dtype: torch.dtype,
     pad_id: int = 0,
+    pause: Pause | None = None,
 ) -> list[torch.Tensor]:
     """Run ``sequences`` through the blend loop's full pass at once; return each one's entry.
 
@@ -77,7 +79,7 @@ def document_kv(
     as the store keeps them: ``[layers, 2, kv_heads, tokens, head_dim]`` in ``dtype``, keys
     before RoPE, a contiguous tensor of its own. Several sequences are right-padded to the
     longest with ``pad_id`` and run as one batch (`BlendInput.sequences`); one runs alone, as
-    any prompt does.
+    any prompt does. ``pause``: called before each layer of the pass (a progress report).
     """
     if not sequences or not all(sequences):
         raise ValueError("document_kv needs at least one sequence and no empty one")
@@ -87,7 +89,7 @@ def document_kv(
         token_ids[row, : len(sequence)] = torch.as_tensor(sequence, dtype=torch.long)
     kinds = torch.full((batch * longest,), COMPUTE, dtype=torch.int8)
     prompt = BlendInput(token_ids.flatten(), kinds, [], sequences=batch)
-    out = run_blend(adapter, prompt, BlendConfig("full").selector(), need_logits=False)
+    out = run_blend(adapter, prompt, BlendConfig("full").selector(), need_logits=False, pause=pause)
     entries = []
     for row, (sequence, start) in enumerate(zip(sequences, starts, strict=True)):
         rows = out.raw_rows(row * longest + start, row * longest + len(sequence))

@@ -37,6 +37,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.kv_codec import NO_CODEC, KVCodec
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
+from kvblend.documents.progress import PrecomputeProgress, ProgressListener
 from kvblend.documents.records import document_metadata
 from kvblend.prompt.segments import KV_LAYOUT, segment_key
 from kvblend.prompt.tokens import DocumentLayout, document_layout
@@ -178,12 +180,15 @@ class SegmentKV:
         force: bool = False,
         batch_tokens: int = DEFAULT_BATCH_TOKENS,
         done: Callable[[list[str]], None] | None = None,
+        progress: ProgressListener | None = None,
     ) -> list[str]:
         """Store the KV of each text unless an intact entry is there; return their segment ids.
 
         The missing entries (``force``: all) are computed in length-sorted batches;
         ``batch_tokens`` bounds ``documents x longest`` of a batch (`length_batches`).
         ``done(texts)`` is called with the texts already stored, then after each batch.
+        ``progress`` gets a `PrecomputeProgress` before anything is computed, after each layer
+        of a batch's pass and after each batch is stored.
         Returns the segment ids, in the order of ``texts``. Entries are computed behind this
         engine's own `doc_prefix` and carry what the registry needs to find them again
         (`kvblend.documents.records.document_metadata`).
@@ -203,12 +208,26 @@ class SegmentKV:
         lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
         for length in lengths:  # a text too long fails the call before anything is computed
             self._check_length(length)
+        report = _Reporter(progress, len(set(keys)), len(set(keys)) - len(todo), lengths)
+        report.expected(sum(self.entry_bytes(len(lay.ids)) for _, lay in todo))
+        layers = self.decoder.shape.num_layers
         for batch in length_batches(lengths, batch_tokens):
-            self.compute_batch([todo[index] for index in batch], described)
+            tokens = sum(lengths[index] for index in batch)
+            written = self.compute_batch(
+                [todo[index] for index in batch], described, pause=report.layers(tokens, layers)
+            )
+            report.stored(len(batch), tokens, written)
             if done is not None:
                 computed = {todo[index][0] for index in batch}
                 done([text for text, key in zip(texts, keys, strict=True) if key in computed])
         return keys
+
+    def entry_bytes(self, tokens: int) -> int:
+        """Bytes of the tensors of a ``tokens``-token document's entry (its header aside)."""
+        return sum(
+            math.prod(shape) * dtype.itemsize
+            for dtype, shape in self.stored_tensors(tokens).values()
+        )
 
     def intact(self, key: str, tokens: int | None = None) -> bool:
         """Whether the store holds ``key`` and every tensor reads back fitting the model.
@@ -267,21 +286,26 @@ class SegmentKV:
         self,
         entries: Sequence[tuple[str, DocumentLayout]],
         described: Mapping[str, Mapping[str, str]] | None = None,
-    ) -> None:
+        pause: Callable[[], None] | None = None,
+    ) -> int:
         """Compute the KV of several documents in one batched pass of the loop and store each.
 
         ``entries`` are (segment id, layout) pairs; the stored entries are those `compute`
         would store (`kvblend.documents.precompute` says why the batched rows are exact).
-        ``described``: metadata to store with each segment id's entry.
+        ``described``: metadata to store with each segment id's entry; ``pause``: called
+        before each layer of the pass. Returns the bytes of the tensors written.
         """
         for _, layout in entries:
             self._check_length(len(layout.context_ids) + len(layout.ids))
         sequences = [layout.context_ids + layout.ids for _, layout in entries]
         starts = [len(layout.context_ids) for _, layout in entries]
-        kvs = document_kv(self.decoder, sequences, starts, self.kv_dtype)
+        kvs = document_kv(self.decoder, sequences, starts, self.kv_dtype, pause=pause)
+        written = 0
         for (key, layout), kv, start in zip(entries, kvs, starts, strict=True):
             tensors = self.codec.encode(kv)
             self._put(key, tensors, start, len(layout.ids), (described or {}).get(key))
+            written += sum(tensor.nbytes for tensor in tensors.values())
+        return written
 
     def _put(
         self,
@@ -338,3 +362,50 @@ def _non_finite(tensor: torch.Tensor) -> bool:
     if not tensor.is_floating_point() or math.isfinite(float(tensor.sum())):
         return False
     return not bool(torch.isfinite(tensor).all())
+
+
+class _Reporter:
+    """Builds `ensure_many`'s `PrecomputeProgress` reports; does nothing without a listener."""
+
+    def __init__(
+        self, listener: ProgressListener | None, documents: int, stored: int, lengths: list[int]
+    ) -> None:
+        self.listener = listener
+        #: Tokens of the batches stored so far (``tokens_done`` once a batch is stored).
+        self.stored_tokens = 0
+        self.state = PrecomputeProgress(
+            documents=documents, already_stored=stored, computed=0, tokens=sum(lengths),
+            tokens_done=0, bytes_written=0, bytes_expected=0,
+        )  # fmt: skip
+
+    def _send(self, **changes: int) -> None:
+        self.state = replace(self.state, **changes)
+        if self.listener is not None:
+            self.listener(self.state)
+
+    def expected(self, total: int) -> None:
+        """Send the first report: what is stored, what is to compute, the store's growth."""
+        self._send(bytes_expected=total)
+
+    def layers(self, tokens: int, layers: int) -> Callable[[], None] | None:
+        """Return a pause hook for a batch of ``tokens`` that reports its finished layers."""
+        if self.listener is None:
+            return None
+        calls = 0
+
+        def layer_starts() -> None:
+            nonlocal calls
+            finished = min(calls, layers - 1)  # before layer l, l layers are done
+            calls += 1
+            if finished:
+                self._send(tokens_done=self.stored_tokens + tokens * finished // layers)
+
+        return layer_starts
+
+    def stored(self, documents: int, tokens: int, written: int) -> None:
+        """Report a batch of ``documents`` (``tokens``) stored, its tensors ``written`` bytes."""
+        self.stored_tokens += tokens
+        self._send(
+            computed=self.state.computed + documents, tokens_done=self.stored_tokens,
+            bytes_written=self.state.bytes_written + written,
+        )  # fmt: skip
