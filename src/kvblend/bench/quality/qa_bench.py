@@ -145,7 +145,7 @@ def run_quality(
     log = log or (lambda message: print(message, file=sys.stderr))
     started = time.perf_counter()
     documents = list(dict.fromkeys(d for item in items for d in item.documents))
-    engine.precompute(documents, progress=False)
+    engine.precompute(documents, progress=None)  # a bar on a terminal
     log(f"precomputed {len(documents)} documents in {time.perf_counter() - started:.1f} s")
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {}

@@ -267,9 +267,9 @@ def run_ttft(
         doc_token_total[length] = sum(len(engine.tokenize(d)) for d in documents)
         for warm in (memory_engine, host_engine):
             if warm is not None:
-                warm.precompute(documents, progress=False)
+                warm.precompute(documents, progress=None)  # a bar on a terminal
         if cold is not None:
-            cold.engine.precompute(documents, progress=False)
+            cold.engine.precompute(documents, progress=None)
     log(f"precomputed documents in {time.perf_counter() - started:.1f} s")
     # warm-up: store every prefix segment and touch every code path once (compile it, for
     # the compiled loop: the first run's TTFT is kept in ``warmup``)
