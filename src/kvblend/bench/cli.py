@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     nq.add_argument("--doc-prefix", choices=sorted(HEAD_CHOICES), default="auto",
                     help="documents precomputed behind: the engine's defaults, not told "
                          "the prompts' head (auto), their head (head), both, or BOS")  # fmt: skip
+    nq.add_argument("--labels", choices=["computed", "cached"], default="computed",
+                    help="each passage's title label computed with its number (the paper's "
+                         "layout), or cached with the passage text (only `Document [i](` "
+                         "computed); the prompt text is the same")  # fmt: skip
     nq.add_argument("--output", default=str(RESULTS_DIR / "nq.json"))
     nq.add_argument("--write-prompts", metavar="FILE",
                     help="write the prompts to a JSONL file and run no strategy (the input of "

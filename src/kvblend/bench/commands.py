@@ -281,6 +281,7 @@ def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 def cmd_nq(args: argparse.Namespace) -> None:
     """Every strategy on NQ-open questions over retrieved Wikipedia passages (resumable)."""
     from kvblend.bench.quality.baselines import BaselineCache
+    from kvblend.bench.quality.closeness import closeness_table
     from kvblend.bench.quality.nq import load_nq, nq_head, run_nq
     from kvblend.bench.quality.nq_eval import (
         RunOptions,
@@ -288,7 +289,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
         run_decided,
         split_questions,
     )
-    from kvblend.bench.strategies import parse_strategies
+    from kvblend.bench.strategies import FLOOR, parse_strategies
 
     strategies = parse_strategies(args.strategies)
     engines = _heads_engines(args, nq_head)
@@ -314,7 +315,8 @@ def cmd_nq(args: argparse.Namespace) -> None:
     options = RunOptions(args.max_new_tokens, args.kl_only, args.time_every)
     result = run_decided(
         engines, args.data, strategies, ks=ks, split=args.split, questions=args.questions,
-        offset=args.offset, seed=args.seed, gold_at=args.gold_at, options=options, cache=cache,
+        offset=args.offset, seed=args.seed, gold_at=args.gold_at, labels=args.labels,
+        options=options, cache=cache,
         cache_dir=cache_dir, output=output, meta=_meta(args, engine),
         log=lambda message: print(time.strftime("%H:%M:%S ") + message, file=sys.stderr,
                                   flush=True),
@@ -328,6 +330,11 @@ def cmd_nq(args: argparse.Namespace) -> None:
     table = decided_table(result["summary"], ("k", "head"))
     if result["by_place"]:
         table += "\n\nBy gold place:\n\n" + decided_table(result["by_place"], ("k", "place"))
+    table += ("\n\nAgreement with full prefill, and as a multiple of bfloat16 rounding's "
+              f"({FLOOR}: full prefill computed in bfloat16, decoded in {result['dtype']}):\n\n"
+              + closeness_table(result["summary"], ("k", "head")))  # fmt: skip
+    if result["by_place"]:
+        table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], ("k", "place"))
     _write(result, output, title + "\n\n" + table)
 
 

@@ -9,6 +9,11 @@ without kvblend's stale-KV correction; the others use `BlendConfig`'s default co
 ``-c<share>`` suffix sets it: ``attention-0.2-c0`` (none), ``cacheblend-value-0.2-c0.5``. An
 ``@compiled`` suffix runs the strategy's prefills through the compiled layer loop
 (``KVBLEND_COMPILE=1``), so one run times both loops: ``default,default@compiled``.
+
+Two references measure what rounding alone does to full prefill (`kvblend.bench.quality.rounding`):
+``full@bf16-prefill`` is full prefill computed in bfloat16 and decoded in the engine's dtype (the
+floor a blend, which changes only the prefill, is read against), ``full@bf16`` computes and decodes
+the whole answer in bfloat16.
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ class Strategy:
     config: BlendConfig
     cache_documents: bool = True
     compiled: bool = False  # its prefills run the compiled layer loop (``@compiled``)
+    #: full prefill under bfloat16 rounding (`ROUNDED`): ``prefill`` (decoded in the engine's
+    #: dtype) or ``answer`` (prefill and decoding in bfloat16); None: the engine's own numerics
+    rounding: str | None = None
 
     @contextlib.contextmanager
     def loop(self) -> Iterator[None]:
@@ -69,6 +77,12 @@ class Strategy:
         ]
 
 
+#: The rounded references: name -> what is rounded to bfloat16.
+ROUNDED = {"full@bf16-prefill": "prefill", "full@bf16": "answer"}
+#: The floor every closeness figure is read against (prefill-only rounding).
+FLOOR = "full@bf16-prefill"
+
+
 def cacheblend_name(metric: str, ratio: float, check_layer: int = 1) -> str:
     """``cacheblend-<metric>-<ratio>[-L<layer>]``, the ratio written as in ``0.15``."""
     name = f"cacheblend-{metric}-{ratio:g}"
@@ -81,6 +95,8 @@ def strategy(name: str) -> Strategy:
     Any name takes ``+setting=value`` suffixes that set one `BlendConfig` setting each, such
     as ``attention-0.2+lead_tokens=8``.
     """
+    if name in ROUNDED:
+        return Strategy(name, BlendConfig("full"), rounding=ROUNDED[name])
     if name.endswith("@compiled"):
         found = strategy(name.removesuffix("@compiled"))
         return Strategy(name, found.config, found.cache_documents, compiled=True)
@@ -129,7 +145,7 @@ def strategy(name: str) -> Strategy:
         f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
-        " and an @compiled one"
+        " and an @compiled one, or the rounded references " + ", ".join(ROUNDED)
     )
 
 

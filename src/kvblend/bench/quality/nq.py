@@ -201,21 +201,39 @@ def nq_head(tokenizer: Any) -> str:
     return chat_head_tail(tokenizer, None)[0] + INSTRUCTION + "\n\n"
 
 
+#: Where each passage's label goes (`nq_segments`): ``computed`` (``Document [i](Title: X)``
+#: uncached, the passage text cached) or ``cached`` (only ``Document [i](`` uncached: the title
+#: is cached with its passage, ``Title: X) text``, as a retriever's formatted passage would be).
+LABELS = ("computed", "cached")
+
+
 def nq_segments(
-    tokenizer: Any, question: str, passages: Sequence[Passage], *, group: int = 1
+    tokenizer: Any,
+    question: str,
+    passages: Sequence[Passage],
+    *,
+    group: int = 1,
+    labels: str = "computed",
 ) -> list[Segment]:
     """Return the paper's QA prompt as segments: labels computed, passage texts cached.
 
     ``group`` > 1 joins that many consecutive passages into one long document (one label, the
-    other passages' titles inside the cached text), for the long-document shape.
+    other passages' titles inside the cached text), for the long-document shape. ``labels``
+    (`LABELS`): whether a passage's title is computed text or cached with the passage; the
+    prompt's text is the same either way.
     """
+    if labels not in LABELS:
+        raise ValueError(f"labels must be one of {', '.join(LABELS)}, got {labels!r}")
     _, tail = chat_head_tail(tokenizer, None)
     segments = [Segment(nq_head(tokenizer), role="prefix")]
     for number, start in enumerate(range(0, len(passages), group), start=1):
         members = passages[start : start + group]
-        label = f"Document [{number}](Title: {members[0].title})"
+        number_label = f"Document [{number}]("
+        title = f"Title: {members[0].title})"
+        label = number_label if labels == "cached" else number_label + title
         segments.append(Segment(label if number == 1 else "\n" + label, cache=False))
-        text = " " + members[0].text  # the space belongs to the first word, as in the prompt
+        # the space belongs to the first word, as in the prompt
+        text = (title if labels == "cached" else "") + " " + members[0].text
         text += "".join(f" (Title: {p.title}) {p.text}" for p in members[1:])
         segments.append(Segment(text))
     segments.append(Segment(f"\n\nQuestion: {question}\nAnswer:{tail}", cache=False))
@@ -232,6 +250,7 @@ def nq_items(
     seed: int = 0,
     group: int = 1,
     gold_at: str = "retrieved",
+    labels: str = "computed",
 ) -> list[PromptItem]:
     """Prompt items of ``questions``: top ``k`` retrieved passages, gold put in when missed.
 
@@ -253,7 +272,9 @@ def nq_items(
         items.append(
             PromptItem(
                 qid=f"nq-{question.index}",
-                segments=nq_segments(engine.tokenizer, question.question, passages, group=group),
+                segments=nq_segments(
+                    engine.tokenizer, question.question, passages, group=group, labels=labels
+                ),
                 answers=answers,
                 score=functools.partial(best_subspan_em, answers=answers),
                 meta={
@@ -313,12 +334,13 @@ def nq_prompt_items(
     ks: Sequence[int] = (10,),
     seed: int = 0,
     gold_at: str = "retrieved",
+    labels: str = "computed",
 ) -> list[PromptItem]:
     """`nq_items` at every k in turn, each item's ``meta["k"]`` saying which."""
     items = []
     for k in ks:
         for item in nq_items(engine, corpus, questions, retriever, k=k, seed=seed,
-                             gold_at=gold_at):  # fmt: skip
+                             gold_at=gold_at, labels=labels):  # fmt: skip
             item.meta["k"] = k
             items.append(item)
     return items

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from kvblend.bench.quality.baselines import Baseline, BaselineCache
+from kvblend.bench.quality.closeness import closeness, floor_ratios
 from kvblend.bench.quality.compare import PromptItem
 from kvblend.bench.quality.nq import (
     PLACES,
@@ -48,8 +49,9 @@ from kvblend.bench.quality.nq import (
     write_json,
 )
 from kvblend.bench.quality.qa_bench import STOP, kl_divergence
+from kvblend.bench.quality.rounding import RoundedPrefill
 from kvblend.bench.quality.stats import strategy_stats
-from kvblend.bench.strategies import Strategy
+from kvblend.bench.strategies import FLOOR, Strategy
 from kvblend.engine.engine import BlendEngine
 
 #: The evaluation questions: the file's first 500 (reported figures only).
@@ -60,7 +62,9 @@ SPLITS = {"eval": EVAL, "calibration": CALIBRATION, "all": (0, None)}
 
 #: Settings a resumed run must share with the rows already in its output.
 RESUME_KEYS = ("model", "dtype", "data_sha256", "split", "seed", "gold_at", "max_new_tokens",
-               "kl_only", "default_config")  # fmt: skip
+               "kl_only", "default_config", "labels")  # fmt: skip
+#: The value of a resume key in results written before the key existed.
+RESUME_DEFAULTS = {"labels": "computed"}
 
 
 def split_questions(split: str, offset: int, questions: int, total: int) -> tuple[int, int]:
@@ -103,15 +107,44 @@ def agree(answer: str | None, full_answer: str | None) -> bool | None:
 
 
 def _timed(
-    engine: BlendEngine, item: PromptItem, strat: Strategy, options: RunOptions
-) -> tuple[Any, str | None, float]:
-    """Prefill (and decode unless KL only); return the prefill, the answer and the TTFT."""
+    engine: BlendEngine,
+    item: PromptItem,
+    strat: Strategy,
+    options: RunOptions,
+    rounded: RoundedPrefill | None = None,
+) -> tuple[Any, str | None, float | None]:
+    """Prefill (and decode unless KL only); return the prefill, the answer and the TTFT.
+
+    A rounded reference (``strat.rounding``) runs on ``rounded`` and has no TTFT.
+    """
+    if strat.rounding is not None:
+        return _rounded(engine, item, strat, options, rounded)
     pre = engine.prefill(strat.segments(item.segments), strat.config)
     prefill_s = pre.stats.timings.get("prefill_s", 0.0)
     if options.kl_only:
         return pre, None, prefill_s
     out = engine.generate(pre, max_new_tokens=options.max_new_tokens, stop=list(STOP))
     return pre, out.text.strip(), out.ttft_s + prefill_s
+
+
+def _rounded(
+    engine: BlendEngine,
+    item: PromptItem,
+    strat: Strategy,
+    options: RunOptions,
+    rounded: RoundedPrefill | None,
+) -> tuple[Any, str | None, None]:
+    """Full prefill in bfloat16; decoded by ``engine`` (``prefill``) or in bfloat16 (``answer``)."""
+    if rounded is None:
+        raise ValueError(f"{strat.name} needs the engine's bfloat16 copy (a RoundedPrefill)")
+    bf16 = rounded.rounded_prefill(strat.segments(item.segments))
+    pre = rounded.in_engine_dtype(bf16)
+    if options.kl_only:
+        return pre, None, None
+    decoding: dict[str, Any] = {"max_new_tokens": options.max_new_tokens, "stop": list(STOP)}
+    out = engine.generate(pre, **decoding) if strat.rounding == "prefill" else rounded.decode(
+        bf16, **decoding)  # fmt: skip
+    return pre, out.text.strip(), None
 
 
 def guard_fields(stats: Any) -> dict[str, Any]:
@@ -150,7 +183,9 @@ def baseline_for(
         cached = cache.get(answered)
     if cached is not None and not retime:
         return cached, None, None
-    pre, answer, ttft = _timed(engine, item, full, options)
+    pre, answer, timed = _timed(engine, item, full, options)
+    assert timed is not None  # full prefill is timed (only rounded references are not)
+    ttft = timed
     if pre.token_ids != token_ids:
         raise RuntimeError("full prefill read other token ids than the prompt's plan")
     fresh = Baseline(answer or "", pre.logits.float().cpu(), len(token_ids), ttft)
@@ -170,12 +205,14 @@ def evaluate_question(
     options: RunOptions,
     retime: bool,
     done: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset(),
+    rounded: RoundedPrefill | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of ``item``: full prefill (cached or run), then each strategy not in ``done``.
 
     ``done`` holds (head, strategy) pairs already measured on this item. With ``retime``
     full prefill runs again (its answer checked against the cached one) and every row gets
-    a TTFT; else only the strategies' prefills run.
+    a TTFT; else only the strategies' prefills run. ``rounded`` runs the rounded references
+    (``full@bf16-prefill``, ``full@bf16``).
     """
     if not strategies or strategies[0].name != "full":
         raise ValueError("the first strategy must be 'full', the baseline")
@@ -206,7 +243,7 @@ def evaluate_question(
                 strat: Strategy, name: str, engine: BlendEngine = engine, head: str = head
             ) -> dict[str, Any]:
                 with strat.loop():
-                    pre, answer, ttft = _timed(engine, item, strat, options)
+                    pre, answer, ttft = _timed(engine, item, strat, options, rounded)
                 if len(pre.token_ids) != base_line.prompt_tokens:
                     raise RuntimeError(f"{name} prefilled another prompt than full prefill")
                 stats = pre.stats
@@ -221,7 +258,8 @@ def evaluate_question(
                     "documents_reused": stats.documents_reused,
                     "recomputed_tokens": stats.recomputed_tokens, "fallback": stats.fallback,
                     "prefix_tokens": stats.prefix_tokens,
-                    "ttft_s": ttft if full_ttft is not None else None, **guard_fields(stats),
+                    "ttft_s": ttft if full_ttft is not None and ttft is not None else None,
+                    **guard_fields(stats),
                 }  # fmt: skip
 
             guarded = row(strat, strat.name)
@@ -281,6 +319,9 @@ def summarize(
         answered = all(row.get("correct") is not None for row in group)
         paired = strategy_stats(group, seed=seed) if answered else {}
         full_by_qid = {r["qid"]: r for r in group if r["strategy"] == "full"}
+        full_answers = {qid: row["answer"] for qid, row in full_by_qid.items()
+                        if row.get("answer") is not None}  # fmt: skip
+        floor = [r for r in group if r["strategy"] == FLOOR and r["qid"] in full_by_qid]
         for name in dict.fromkeys(r["strategy"] for r in group):
             mine = [r for r in group if r["strategy"] == name and r["qid"] in full_by_qid]
             if not mine:
@@ -294,6 +335,9 @@ def summarize(
             if answered:
                 entry["agreement_ci"] = _bootstrap_mean([float(r["agrees"]) for r in mine], seed)
             entry["top1_agreement"] = statistics.fmean(float(r["top1_agrees"]) for r in mine)
+            entry.update(closeness(mine, full_answers, seed=seed))
+            if floor and name != "full":
+                entry.update(floor_ratios(mine, floor, full_answers, seed=seed))
             # each row's TTFT against full prefill's timed right before it, on the same prompt
             timed = [r for r in mine if r.get("ttft_s") is not None
                      and r.get("full_ttft_s") is not None]  # fmt: skip
@@ -366,8 +410,9 @@ def _load_previous(output: Path | None, settings: dict[str, Any]) -> list[dict[s
     if output is None or not output.exists():
         return []
     previous = json.loads(output.read_text())
-    clash = {key: (previous.get(key), settings[key]) for key in RESUME_KEYS
-             if previous.get(key) != settings[key]}  # fmt: skip
+    clash = {key: (previous.get(key, RESUME_DEFAULTS.get(key)), settings[key])
+             for key in RESUME_KEYS
+             if previous.get(key, RESUME_DEFAULTS.get(key)) != settings[key]}  # fmt: skip
     if clash:
         detail = "; ".join(f"{key}: {was!r} there, {now!r} now"
                            for key, (was, now) in clash.items())  # fmt: skip
@@ -412,6 +457,7 @@ def run_decided(
     offset: int = 0,
     seed: int = 0,
     gold_at: str = "places",
+    labels: str = "computed",
     options: RunOptions = RunOptions(),
     cache: BaselineCache | None = None,
     cache_dir: Path | None = None,
@@ -432,7 +478,7 @@ def run_decided(
         "model": str(engine.name), "dtype": str(engine.decoder.dtype).replace("torch.", ""),
         "data_sha256": file_digest(data), "split": split, "seed": seed, "gold_at": gold_at,
         "max_new_tokens": options.max_new_tokens, "kl_only": options.kl_only,
-        "default_config": (meta or {}).get("default_config"),
+        "default_config": (meta or {}).get("default_config"), "labels": labels,
     }  # fmt: skip
     rows = _load_previous(output, settings)
     retriever = Retriever(corpus, data_path=data, cache_dir=cache_dir)
@@ -448,7 +494,11 @@ def run_decided(
     for row in rows:
         done.setdefault((row["qid"], row.get("k")), set()).add((row["head"], row["strategy"]))
     wanted = {(head, s.name) for head in engines for s in strategies}
-    items = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at)
+    items = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at,
+                            labels=labels)  # fmt: skip
+    rounded = RoundedPrefill(engine) if any(s.rounding for s in strategies) else None
+    if rounded is not None:
+        result["rounding"] = rounded.rounding
 
     def checkpoint() -> None:
         result["rows"] = rows
@@ -467,7 +517,7 @@ def run_decided(
                 continue
             retime = options.time_every > 0 and (number - 1) % options.time_every == 0
             rows += evaluate_question(engines, item, strategies, cache=cache, options=options,
-                                      retime=retime, done=have)  # fmt: skip
+                                      retime=retime, done=have, rounded=rounded)  # fmt: skip
             ran += 1
             checkpoint()
             if log is not None and (ran % 5 == 0 or number == len(mine)):
