@@ -92,6 +92,7 @@ def _machine(engine: Any) -> dict[str, Any]:
         "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         "dtype": str(engine.decoder.dtype).replace("torch.", ""),
+        "dtype_reason": engine.dtype_choice.reason,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -105,6 +106,11 @@ def _write(result: dict[str, Any], path: Path, table: str) -> None:
 
     result.setdefault("command", command_line())
     result.setdefault("default_config", repr(BlendConfig()))  # what "default" meant
+    machine = result.get("machine") or {}
+    if machine.get("dtype"):  # every table says what the model computed in
+        threads = f", {machine['torch_threads']} thread(s)" if machine.get("torch_threads") else ""
+        reason = f" ({machine['dtype_reason']})" if machine.get("dtype_reason") else ""
+        table = f"{machine.get('model', '')}, {machine['dtype']}{reason}{threads}\n\n{table}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))
     path.with_suffix(".md").write_text(table + "\n")
@@ -125,7 +131,7 @@ def cmd_ttft(args: argparse.Namespace) -> None:
         engine, lengths=lengths, strategies=strategies, repeats=args.repeats,
         doc_tokens=args.doc_tokens, disk=not args.no_disk,
         disk_strategies=args.disk_strategies.split(",") if args.disk_strategies else None,
-        decode_tokens=args.decode_tokens, seed=args.seed,
+        decode_tokens=args.decode_tokens, seed=args.seed, transformers=not args.no_transformers,
     )  # fmt: skip
     result["machine"] = _machine(engine)
     _write(result, Path(args.output), ttft_table(result["summary"]))
