@@ -246,36 +246,43 @@ def test_precompute_with_chunk_counts_the_skipped_files(
     (docs / "long.txt").write_text(" ".join(f"w{i}" for i in range(room // 2)))  # 2+ chunks
     with caplog.at_level(logging.WARNING, logger="kvblend"):
         assert main(["precompute", str(docs), "--chunk", "--memory-only", "--threads", "1"]) == 0
-    assert "long.txt: 2,264 tokens, split into 3 chunks" in caplog.text
+    assert "long.txt: 2,264 tokens, split into 5 chunks" in caplog.text  # of 512 tokens
     last = capsys.readouterr().out.splitlines()[0]
     assert last.startswith("precomputed ") and "; 6 skipped (named above)" in last
     assert loaded == [loaded[0]] and loaded[0]["threads"] == 1
 
 
-def test_ask_names_a_long_file_takes_chunk_and_says_when_the_prompt_cannot_fit(
+def test_ask_splits_a_long_file_and_retrieves_the_chunks_that_fit(
     loaded: list[dict],
     engine: BlendEngine,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """A file longer than the window used to be skipped (or, with --chunk, every chunk went into
+    one prompt, which could not fit): now it is chunked and the question retrieves what fits."""
     room = document_room(engine)
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "marta.txt").write_text("Marta Quill is a beekeeper who lives in Lisbon.")
-    (docs / "long.txt").write_text("word " * room)
-    question = ["ask", "Where does Marta live?", "--docs", str(docs), "--memory-only"]
+    long = " ".join(f"w{i}" for i in range(room))  # every chunk a text of its own
+    (docs / "long.txt").write_text(long)
+    question = ["ask", "Where does Marta Quill live?", "--docs", str(docs), "--memory-only"]
     with caplog.at_level(logging.WARNING, logger="kvblend"):
-        assert main([*question, "--max-new-tokens", "2"]) == 0
-    assert f"skipping {docs / 'long.txt'}: more than {room} tokens" in caplog.text
-    assert "2 reused" not in capsys.readouterr().err  # the answer's counts line
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kvblend"):
-        assert main([*question, "--max-new-tokens", "2", "--chunk"]) == 2
-    assert "long.txt: more than" in caplog.text and "split into 5 chunks" in caplog.text
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("kvblend: error: prompt of ")
-    assert err[-1].endswith("document(s) are one prompt; pass fewer or shorter documents")
+        code = main([*question, "--max-new-tokens", "2", "--retriever", "bm25"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "long.txt: more than" in caplog.text and "split into 10 chunks" in caplog.text
+    (line,) = [line for line in err.splitlines() if line.startswith("retrieved ")]
+    assert line.startswith("retrieved ") and " of 11 documents for the question (BM25; " in line
+    used = line.split("): ")[1].split(", ")
+    assert used[0] == str(docs / "marta.txt") and 1 < len(used) < 11  # the best first
+    # only the documents in the prompt were precomputed
+    pieces = fitting_documents(
+        engine, [(str(docs / "long.txt"), long)], chunk=True, chunk_tokens=512
+    )
+    assert len(pieces) == 10
+    assert {name for name, text in pieces if engine.is_known(text)} == set(used[1:])
 
 
 @pytest.mark.parametrize(

@@ -158,8 +158,21 @@ def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> No
                             "window (default %(default)s)")  # fmt: skip
 
 
-def add_chunk_option(p: argparse.ArgumentParser) -> None:
-    """``--chunk``, for the commands that read document files."""
+#: Tokens of a chunk of a file too long for the model (``--chunk-tokens``).
+DEFAULT_CHUNK_TOKENS = 512
+
+
+def add_chunk_option(p: argparse.ArgumentParser, *, always: bool = False) -> None:
+    """``--chunk`` and ``--chunk-tokens``, for the commands that read document files.
+
+    ``always``: the command splits such files anyway (``ask``); ``--chunk`` is accepted.
+    """
     p.add_argument("--chunk", action="store_true",
-                   help="split a file longer than the model's context window into documents "
-                        "that fit (default: skip it, naming it)")  # fmt: skip
+                   help=argparse.SUPPRESS if always else
+                   "split a file longer than the model's context window into chunks of "
+                   "--chunk-tokens tokens, each stored as a document (default: skip it, "
+                   "naming it)")  # fmt: skip
+    p.add_argument("--chunk-tokens", type=positive_int, default=DEFAULT_CHUNK_TOKENS,
+                   metavar="N",
+                   help="tokens of a chunk of a file too long for the model (default "
+                        "%(default)s; use the same for precompute and ask)")  # fmt: skip

@@ -37,7 +37,7 @@ from kvblend.cli.precompute import (
     precompute_each,
     unstored_files,
 )
-from kvblend.cli.report import PrecomputeTally, interrupted, summary
+from kvblend.cli.report import PrecomputeTally, interrupted, plural, summary
 from kvblend.cli.store import add_store_parser
 
 if TYPE_CHECKING:
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from kvblend.engine.engine import BlendEngine
 
 logger = logging.getLogger("kvblend")
+
+#: Document tokens ``ask`` puts in one prompt at most, and how many it retrieves.
+DEFAULT_PROMPT_TOKENS = 4096
+DEFAULT_TOP_K = 6
 
 
 def _check_arguments(args: argparse.Namespace) -> None:
@@ -295,7 +299,9 @@ def cmd_precompute(args: argparse.Namespace) -> None:
         raise CLIError("nothing to precompute: name text files or folders, or --samples")
     engine = _engine(args, keeps=True)
     started = time.perf_counter()
-    documents = fitting_documents(engine, named, chunk=args.chunk, files=files)
+    documents = fitting_documents(
+        engine, named, chunk=args.chunk, files=files, chunk_tokens=args.chunk_tokens
+    )
     tally = _tally(args)
     try:
         precompute_each(engine, documents, files, tally=tally, progress=_progress(args))
@@ -311,23 +317,40 @@ def cmd_precompute(args: argparse.Namespace) -> None:
 
 
 def cmd_ask(args: argparse.Namespace) -> None:
-    """Answer a question over documents with blended prefill."""
+    """Answer a question over documents with blended prefill.
+
+    Every document goes into the prompt when they all fit its budget of document tokens; else
+    the ``--top-k`` most relevant to the question that fit (`kvblend.cli.retrieval`), named on
+    stderr. A file longer than the model's window is split into chunks. Only the documents in
+    the prompt are precomputed.
+    """
     files = DocumentFiles()
     read = _read(args.docs, files)  # before the model loads
     engine = _engine(args)
-    named = fitting_documents(engine, read, chunk=args.chunk, files=files)
+    budget = _prompt_budget(args, engine)
+    units = fitting_documents(
+        engine,
+        read,
+        chunk=True,
+        files=files,
+        chunk_tokens=args.chunk_tokens,
+        longest=budget - PER_DOCUMENT_TOKENS,
+    )
+    if not units:
+        raise CLIError("no document fits the model (named above)", status=1)
+    named = _prompt_documents(args, engine, units, budget)
     precompute_each(engine, named, files, tally=_tally(args), progress=_progress(args))
     _check_kept(engine, files, fail=False)
     documents = [text for _, text in named]
     if not documents:
-        raise CLIError("no document fits the model (named above)")
+        raise CLIError("no document could be precomputed (named above)", status=1)
     segments = engine.rag_segments(args.question, documents)
     try:
         engine.plan(segments)  # one prompt holds every document: it must fit the window
     except ValueError as error:
         raise CLIError(
-            f"{error}: the question and {len(documents)} document(s) are one prompt; pass fewer "
-            "or shorter documents"
+            f"{error}: the question and {len(documents)} document(s) are one prompt; lower "
+            "--prompt-tokens or --top-k"
         ) from None
     from kvblend.blend.config import BlendConfig
 
@@ -349,6 +372,64 @@ def cmd_ask(args: argparse.Namespace) -> None:
     )
 
 
+#: Prompt tokens ``ask`` counts for each document beyond its own: the separator, and slack.
+PER_DOCUMENT_TOKENS = 4
+
+
+def _prompt_budget(args: argparse.Namespace, engine: BlendEngine) -> int:
+    """Return the document tokens ``ask``'s prompt holds.
+
+    ``--prompt-tokens``, at most what the window leaves beside the question, the template and
+    the answer.
+    """
+    frame = engine.rag_segments(args.question, [])
+    around = sum(len(engine.tokenize(segment.text)) for segment in frame if segment.text)
+    window = engine.context_window
+    if not window:
+        return int(args.prompt_tokens)
+    room = window - args.max_new_tokens - around - 2 * PER_DOCUMENT_TOKENS
+    return max(1, min(args.prompt_tokens, room))
+
+
+def _prompt_documents(
+    args: argparse.Namespace, engine: BlendEngine, units: list[tuple[str, str]], budget: int
+) -> list[tuple[str, str]]:
+    """Return the ``(name, text)`` documents of ``ask``'s prompt: all that fit, else retrieved.
+
+    ``budget``: document tokens the prompt holds (`_prompt_budget`). Says on stderr which
+    documents the prompt holds when they are retrieved.
+    """
+    from kvblend.cli.precompute import prompt_tokens
+    from kvblend.cli.retrieval import choose, rank
+
+    tokens = [prompt_tokens(engine, text) for _, text in units]
+    per_document = PER_DOCUMENT_TOKENS
+    if sum(tokens) + per_document * len(units) <= budget:
+        return units
+    try:
+        ranking = rank(args.question, [text for _, text in units], args.retriever)
+    except ValueError as error:
+        raise CLIError(str(error)) from None
+    padded = [count + per_document for count in tokens]
+    chosen = choose(ranking.order, padded, budget, args.top_k)
+    if not chosen:
+        raise CLIError(
+            f"no document fits the prompt's budget of {budget:,} tokens (--prompt-tokens; the "
+            f"shortest has {min(tokens):,}); pass a smaller --chunk-tokens",
+            status=1,
+        )
+    used = sum(tokens[index] for index in chosen)
+    print(
+        printable(
+            f"retrieved {len(chosen)} of {plural(len(units), 'document')} for the question "
+            f"({ranking.method}; {used:,} tokens): "
+            + ", ".join(units[index][0] for index in chosen)
+        ),
+        file=sys.stderr,
+    )
+    return [units[index] for index in chosen]
+
+
 def cmd_explain(args: argparse.Namespace) -> None:
     """Show which parts of a prompt would be reused, recomputed or computed, and why."""
     if args.file is not None:
@@ -366,7 +447,9 @@ def cmd_explain(args: argparse.Namespace) -> None:
     named = _read(args.docs, files) if args.docs else []  # before the model loads
     engine = _engine(args)
     if named:
-        fitting = fitting_documents(engine, named, chunk=args.chunk, files=files)
+        fitting = fitting_documents(
+            engine, named, chunk=args.chunk, files=files, chunk_tokens=args.chunk_tokens
+        )
         precompute_each(engine, fitting, files, tally=_tally(args), progress=_progress(args))
         _check_kept(engine, files, fail=False)
     print(engine.explain(prompt, _config(args)))
@@ -431,8 +514,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_blend_options(ask)
     ask.add_argument("question")
     ask.add_argument("--docs", nargs="+", required=True,
-                     help="text files or folders, all put in one prompt")  # fmt: skip
-    add_chunk_option(ask)
+                     help="text files or folders: all in one prompt when they fit "
+                          "--prompt-tokens, else the --top-k most relevant to the question; "
+                          "a file longer than the model's window is split into chunks")  # fmt: skip
+    add_chunk_option(ask, always=True)
+    ask.add_argument("--prompt-tokens", type=positive_int, default=DEFAULT_PROMPT_TOKENS,
+                     metavar="N",
+                     help="document tokens one prompt holds at most (default %(default)s, at "
+                          "most what the model's window leaves)")  # fmt: skip
+    ask.add_argument(
+        "-k",
+        "--top-k",
+        type=positive_int,
+        default=DEFAULT_TOP_K,
+        help="documents retrieved when they do not all fit (default %(default)s)",
+    )
+    ask.add_argument("--retriever", choices=["auto", "embeddings", "bm25"], default="auto",
+                     help="how documents are ranked when they do not all fit: embeddings "
+                          "(all-MiniLM-L6-v2, the retrieval extra), bm25, or auto (embeddings "
+                          "where installed; default)")  # fmt: skip
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
 

@@ -209,17 +209,24 @@ def fitting_documents(
     *,
     chunk: bool,
     files: DocumentFiles | None = None,
+    chunk_tokens: int | None = None,
+    longest: int | None = None,
 ) -> list[tuple[str, str]]:
     """Return the ``(name, text)`` documents that fit; name each other file in one line.
 
     A text no context window could hold (by its characters) is skipped untokenized; another is
     tokenized only as far as it takes to know it does not fit (about a context window of it,
-    `kvblend.validation.tokens_beyond`), unless ``chunk`` splits it.
+    `kvblend.validation.tokens_beyond`), unless ``chunk`` splits it into chunks of about
+    ``chunk_tokens`` tokens (None: as long as the window allows). ``longest``: with ``chunk``,
+    a text of more tokens than this is split too, though the window could hold it.
     """
     from kvblend.validation import tokens_beyond
 
     files = files or DocumentFiles()
     room = document_room(engine)
+    if chunk and longest is not None:
+        room = max(1, min(room, longest))
+    size = room if chunk_tokens is None else max(1, min(room, chunk_tokens))
     fitting = []
     for name, text in named:
         too_long = None if chunk else _too_long(engine, len(text))
@@ -233,7 +240,7 @@ def fitting_documents(
         tokens, exact = beyond
         count = f"{tokens:,} tokens" if exact else f"more than {room} tokens"
         if chunk:
-            pieces = chunks(engine, text, room)
+            pieces = chunks(engine, text, size)
             logger.warning(printable(f"{name}: {count}, split into {len(pieces)} chunks"))
             fitting += [(chunk_name(name, i), piece) for i, piece in enumerate(pieces)]
             files.chunked[name] = len(pieces)
@@ -244,6 +251,12 @@ def fitting_documents(
                 f"({room}); --chunk splits it",
             )
     return fitting
+
+
+def prompt_tokens(engine: BlendEngine, text: str) -> int:
+    """Tokens document ``text`` takes in a prompt (as stored, without its document context)."""
+    library = engine.library
+    return len(library.segment_kv.layout(text, library.context).ids)
 
 
 def chunk_name(name: str, index: int) -> str:
