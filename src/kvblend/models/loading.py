@@ -169,6 +169,7 @@ def load_model(
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         source = str(_converted_gguf(path))
     elif path.exists():
+        check_model_folder(path)
         source = str(path)
     elif spec.startswith((".", "/", "~")) or spec.count("/") != 1:
         raise ModelNotFoundError(
@@ -197,6 +198,32 @@ def load_model(
         raise ModelNotFoundError(f"could not load model {spec!r}: {reason}") from error
     model.eval()
     return model, tokenizer
+
+
+#: Files of which a model folder holds at least one, for its tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def check_model_folder(path: Path) -> None:
+    """Refuse a local ``path`` that is not a Hugging Face model folder, naming what it lacks.
+
+    transformers would fail later with a message about something else (a missing
+    ``sentencepiece`` for a folder without a tokenizer, a JSON error for a text file).
+    """
+    if not path.is_dir():
+        raise ModelNotFoundError(
+            f"{path} is a file, not a model: give a model folder (config.json, weights, "
+            "tokenizer), a GGUF file (.gguf) or a hub id (owner/name)"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(
+            f"{path} is not a model folder: it has no config.json (a Hugging Face model folder "
+            "holds config.json, the weights and the tokenizer's files)"
+        )
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelNotFoundError(
+            f"{path} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in the folder"
+        )
 
 
 def _hub_offline(timeout_s: float = 3.0) -> bool:
