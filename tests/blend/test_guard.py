@@ -10,6 +10,8 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
+from kvblend.blend import forecast as forecast_module
+from kvblend.blend.forecast import Lost
 from kvblend.blend.guard import GUARD_SIGNALS, guard_report, guard_signals
 from kvblend.blend.selectors.attention import attention_budget
 from kvblend.blend.selectors.tail_attention import tail_rows
@@ -132,3 +134,29 @@ def test_probe_tail_probes_the_question_alone_and_computes_less(engine: BlendEng
 def test_explain_says_the_blend_is_guarded(engine: BlendEngine) -> None:
     assert "guarded (tolerance 0.1)" in str(engine.explain(prompt(), BLEND.replace(guard=0.1)))
     assert "guarded" not in str(engine.explain(prompt(), BLEND.replace(guard=None)))
+
+
+def test_reworded_lost_documents_leave_the_escalation_as_it_was(
+    engine: BlendEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The escalation merges the forecast's lost documents by their records, not their words:
+    every line reworded (the renderer patched), the same documents are listed, in order."""
+    shortest = min(len(engine.tokenize(text)) for text in DOCUMENTS)
+    config = BLEND.replace(short_document=shortest, guard=0.0)  # one document recomputed whole
+    forecast = engine.explain(prompt(), config).forecast
+    assert forecast.fallback is None and [item.recomputed for item in forecast.lost] == [True]
+    plain = engine.prefill(prompt(), config).stats
+    assert plain.documents_lost == [f"document {n}: recomputed whole (guard)" for n in (1, 2, 3)]
+
+    def reworded(lost: Lost) -> str:
+        return f"#{lost.document} {'whole' if lost.recomputed else 'skipped'} because {lost.reason}"
+
+    monkeypatch.setattr(forecast_module, "describe_lost", reworded)
+    short = forecast.lost[0]
+    assert engine.explain(prompt(), config).forecast.documents_lost == [
+        f"#{short.document} whole because {short.reason}"
+    ]
+    stats = engine.prefill(prompt(), config).stats
+    assert stats.escalated and stats.strategy_run == "full" and stats.fallback == plain.fallback
+    assert stats.documents_lost == [f"#{n} whole because guard" for n in (1, 2, 3)]
+    assert stats.recomputed_tokens == plain.recomputed_tokens == stats.moved_tokens

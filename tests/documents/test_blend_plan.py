@@ -16,6 +16,7 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
+from kvblend.blend.forecast import Lost
 from kvblend.blend.io import COMPUTE
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.prompt.plan import PrefillPlan
@@ -67,7 +68,7 @@ def test_lazy_and_whole_reads_give_the_same_kv(engine: BlendEngine) -> None:
     plan = plan_of(engine)
     planned = plan.kinds.copy()
     lazy = blend_plan(engine.decoder, engine.library.segment_kv, plan, CONFIG.selector())
-    lost: list[str] = []
+    lost: list[Lost] = []
     whole = blend_plan(
         engine.decoder,
         engine.library.segment_kv,
@@ -101,7 +102,7 @@ def test_a_missing_entry_read_whole_has_its_rows_computed(engine: BlendEngine) -
     plan = plan_of(engine)
     key = key_of(engine, plan, 2)
     engine.store.delete(key)
-    lost: list[str] = []
+    lost: list[Lost] = []
     blended = blend_plan(
         engine.decoder,
         engine.library.segment_kv,
@@ -110,7 +111,8 @@ def test_a_missing_entry_read_whole_has_its_rows_computed(engine: BlendEngine) -
         read_whole=True,
         lost=lost,
     )
-    assert lost == [f"entry {key[:12]} not in the store"]
+    assert lost == [Lost("not in the store", key=key)]
+    assert [str(entry) for entry in lost] == [f"entry {key[:12]} not in the store"]
     assert blended.computed == 0 and len(blended.spans) == 3
     assert not engine.store.contains(key)  # vLLM stores it after its step
     span = plan.spans[2]
@@ -144,7 +146,7 @@ def test_an_entry_failing_while_read_lazily_is_recomputed(
 def test_ranks_agree_on_the_entries_they_use(engine: BlendEngine) -> None:
     plan = plan_of(engine)
     ranks = TwoRanks(engine.decoder.shape.num_kv_heads)
-    lost: list[str] = []
+    lost: list[Lost] = []
     blended = blend_plan(
         engine.decoder,
         engine.library.segment_kv,
@@ -155,7 +157,9 @@ def test_ranks_agree_on_the_entries_they_use(engine: BlendEngine) -> None:
         lost=lost,
     )
     key = key_of(engine, plan, 0)
-    assert lost == [f"entry {key[:12]} unusable on another tensor-parallel rank"]
+    assert [str(entry) for entry in lost] == [
+        f"entry {key[:12]} unusable on another tensor-parallel rank"
+    ]
     assert len(blended.spans) == 3
     head = plan.spans[0]
     assert (blended.kinds[head.start : head.end] == COMPUTE).all()

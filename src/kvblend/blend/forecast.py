@@ -10,17 +10,57 @@ it, so the three agree by construction, for a strategy registered from outside t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblend.blend.selectors import Selector
+from kvblend.blend.selectors import Forecast, Selector
 from kvblend.prompt.plan import PrefillPlan, SpanReport, TokenKind
 
-__all__ = ["NO_DOCUMENTS", "BlendForecast", "forecast_blend"]
+__all__ = [
+    "NO_DOCUMENTS",
+    "NO_DOCUMENTS_CAUSE",
+    "BlendForecast",
+    "Lost",
+    "describe_lost",
+    "documents",
+    "forecast_blend",
+]
 
+#: The cause of `NO_DOCUMENTS`.
+NO_DOCUMENTS_CAUSE = "no_documents"
 #: `BlendStats.fallback` of a prompt without a cached document: nothing to blend.
-NO_DOCUMENTS = "no_documents: the prompt holds no known document, so it is computed in full"
+NO_DOCUMENTS = (
+    f"{NO_DOCUMENTS_CAUSE}: the prompt holds no known document, so it is computed in full"
+)
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Something a blend found but does not read, and why: a document of the prompt, or an entry.
+
+    ``document``: the document's number among the prompt's documents (from 1), None for a
+    store entry named by ``key``; ``reason``: why, in words; ``recomputed``: the document's
+    rows are recomputed whole (``reason`` names what decided it), rather than never cached.
+    ``str()`` is the line a person reads (`describe_lost`).
+    """
+
+    reason: str
+    document: int | None = None
+    key: str | None = None
+    recomputed: bool = False
+
+    def __str__(self) -> str:
+        return describe_lost(self)
+
+
+def describe_lost(lost: Lost) -> str:
+    """Return the line ``BlendStats.documents_lost``, ``explain`` and the logs show for ``lost``."""
+    if lost.document is None:
+        return f"entry {(lost.key or '')[:12]} {lost.reason}"
+    reason = f"recomputed whole ({lost.reason})" if lost.recomputed else lost.reason
+    return f"document {lost.document}: {reason}"
 
 
 @dataclass(frozen=True)
@@ -31,11 +71,18 @@ class BlendForecast:
     recomputed_tokens: int  # moved tokens recomputed at every layer
     fallback: str | None = None  # why the blend does not run as asked
     estimated_cost: float = 0.0  # the strategy's cost estimate, a share of full prefill's
-    documents_lost: list[str] = field(default_factory=list)  # found, not reused: why
+    lost: list[Lost] = field(default_factory=list)  # documents found, not reused: why
     #: rows the prefill computes, summed over its passes, a pass through part of the layers
     #: counted by its share of them (`Selector.forecast`'s ``partial_rows``): what vLLM's
     #: connector forecasts a blend's time from
     computed_rows: float = 0.0
+    #: the rule that made the blend fall back (``"full_above"``, ``"no_documents"``...)
+    cause: str | None = None
+
+    @property
+    def documents_lost(self) -> list[str]:
+        """One line per document found but not reused, saying why (`describe_lost`)."""
+        return [str(lost) for lost in self.lost]
 
 
 def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
@@ -43,6 +90,44 @@ def _moved_rows(plan: PrefillPlan, row: SpanReport) -> int:
         return 0
     span = plan.spans[row.span]
     return int(np.count_nonzero(plan.kinds[span.start : span.end] == TokenKind.MOVED))
+
+
+def documents(plan: PrefillPlan) -> Iterator[tuple[int, SpanReport]]:
+    """Return the plan's documents with their numbers in the prompt (from 1)."""
+    return enumerate((row for row in plan.report if row.role == "document"), start=1)
+
+
+def fallback_cause(fallback: str) -> str:
+    """Return the rule a strategy's fallback reason names: its words before the first colon.
+
+    `Selector.forecast` writes a fallback as ``"rule: why"``; this is the one place that
+    reads the rule back, as the forecast enters the prefill.
+    """
+    return fallback.partition(":")[0].strip()
+
+
+def lost_documents(
+    plan: PrefillPlan, forecast: Forecast, cause: str | None, every_moved: bool
+) -> list[Lost]:
+    """Return the plan's documents that a blend with ``forecast`` does not read, and why.
+
+    ``cause``: the forecast's fallback rule (every moved document recomputed whole);
+    ``every_moved``: the strategy recomputes every moved row anyway.
+    """
+    lost = []
+    for number, row in documents(plan):
+        moved_rows = _moved_rows(plan, row)
+        if not row.reused:
+            lost.append(Lost(row.reason, number))
+        elif moved_rows and cause is not None:
+            lost.append(Lost(cause, number, recomputed=True))
+        elif moved_rows and every_moved:
+            lost.append(Lost("every moved token is", number, recomputed=True))
+        elif moved_rows and (
+            moved_rows <= forecast.lead_rows or row.reused <= forecast.short_document
+        ):
+            lost.append(Lost(f"{row.reused} tokens, short", number, recomputed=True))
+    return lost
 
 
 def forecast_blend(plan: PrefillPlan, selector: Selector) -> BlendForecast:
@@ -54,24 +139,15 @@ def forecast_blend(plan: PrefillPlan, selector: Selector) -> BlendForecast:
     if not selector.reads_cache:
         return BlendForecast(selector.name, 0, computed_rows=total)
     if not any(row.role == "document" for row in plan.report):  # a prompt head at most
-        return BlendForecast("full", 0, NO_DOCUMENTS, 1.0, computed_rows=total)
+        return BlendForecast(
+            "full", 0, NO_DOCUMENTS, 1.0, computed_rows=total, cause=NO_DOCUMENTS_CAUSE
+        )
     moved = int(np.count_nonzero(plan.kinds == TokenKind.MOVED))
     uncached = int(np.count_nonzero(plan.kinds == TokenKind.COMPUTE))
     forecast = selector.forecast(plan.kinds, plan.spans)
     recomputed, fallback = forecast.recomputed, forecast.fallback
-    lost = []
-    for number, row in enumerate((row for row in plan.report if row.role == "document"), start=1):
-        moved_rows = _moved_rows(plan, row)
-        if not row.reused:
-            lost.append(f"document {number}: {row.reason}")
-        elif moved_rows and fallback is not None:
-            lost.append(f"document {number}: recomputed whole ({fallback.split(':')[0]})")
-        elif moved_rows and recomputed == moved:
-            lost.append(f"document {number}: recomputed whole (every moved token is)")
-        elif moved_rows and (
-            moved_rows <= forecast.lead_rows or row.reused <= forecast.short_document
-        ):
-            lost.append(f"document {number}: recomputed whole ({row.reused} tokens, short)")
+    cause = fallback_cause(fallback) if fallback is not None else None
+    lost = lost_documents(plan, forecast, cause, recomputed == moved)
     strategy_run = "full" if fallback is not None else selector.name
     rows = uncached + (moved if fallback is not None else recomputed + forecast.partial_rows)
-    return BlendForecast(strategy_run, recomputed, fallback, forecast.cost, lost, rows)
+    return BlendForecast(strategy_run, recomputed, fallback, forecast.cost, lost, rows, cause)

@@ -1,5 +1,8 @@
 """What goes into and comes out of a blended prefill, shared by the loop and the selectors.
 
+A pass's output (`BlendOutput`) carries what it did as records: `PassCounts` (its work, which
+adds up over a prefill's passes) and `RowsRead` (what its computed rows were of the moved ones).
+
 Every prompt token is one of three kinds (`TokenKind`):
 
 - ``PREFIX``: reused from a cache computed at the same positions and context (exact, never
@@ -12,14 +15,17 @@ Every prompt token is one of three kinds (`TokenKind`):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from kvblend.blend.rope import rotate_
 from kvblend.prompt.plan import TokenKind
+
+if TYPE_CHECKING:
+    from kvblend.blend.guard import GuardReport
 
 PREFIX, MOVED, COMPUTE = TokenKind.PREFIX, TokenKind.MOVED, TokenKind.COMPUTE
 
@@ -65,6 +71,40 @@ class BlendInput:
     sequences: int = 1
 
 
+@dataclass(frozen=True)
+class PassCounts:
+    """The work of a pass, counted on the host once its logits are queued; passes add up.
+
+    ``token_layers``: computed rows times the layers each ran through; ``load_s``: host time
+    issuing the copies of cached K/V; ``uncompiled_calls``: calls that ran uncompiled because
+    dynamo refused another compile; ``probe_s``: the selector's time choosing the rows, its
+    first passes included (0 when it ran none).
+    """
+
+    token_layers: int = 0
+    load_s: float = 0.0
+    uncompiled_calls: int = 0
+    probe_s: float = 0.0
+
+    def __add__(self, other: PassCounts) -> PassCounts:
+        return PassCounts(
+            *(getattr(self, f.name) + getattr(other, f.name) for f in fields(PassCounts))
+        )
+
+
+@dataclass(frozen=True)
+class RowsRead:
+    """What a pass's computed rows were of the prompt's moved rows (the last pass's counts).
+
+    ``recomputed_tokens``: moved rows computed; ``moved_tokens``: moved rows in all;
+    ``moved_spans_read``: moved spans that kept some cached rows (not recomputed whole).
+    """
+
+    recomputed_tokens: int = 0
+    moved_tokens: int = 0
+    moved_spans_read: int = 0
+
+
 @dataclass
 class BlendOutput:
     """What a pass returns: logits, the fused KV cache and what it did."""
@@ -72,7 +112,10 @@ class BlendOutput:
     logits: torch.Tensor | None  # [vocab] float32
     keys: list[torch.Tensor]  # per layer, rotated [kv_heads, tokens, head_dim]
     values: list[torch.Tensor]
-    stats: dict[str, float] = field(default_factory=dict)
+    #: the work of the pass (of every pass of a prefill, from `run_blend`)
+    counts: PassCounts = field(default_factory=PassCounts)
+    #: what its computed rows were of the moved rows
+    read: RowsRead = field(default_factory=RowsRead)
     #: the pass's K/V buffer (`PromptKV`, keys rotated): a pass that starts from this one
     #: updates it in place
     kv: Any = field(default=None, repr=False)
@@ -83,8 +126,8 @@ class BlendOutput:
     tables: Any = field(default=None, repr=False)
     #: values made from the logits and read back with the pass's rows (the guard's signals)
     extra: list[float] | None = None
-    #: the guard's report (`kvblend.blend.guard.GuardReport` as a dict), when a guard ran
-    guard: dict[str, Any] | None = None
+    #: the guard's report, when a guard ran
+    guard: GuardReport | None = None
 
     @property
     def raw_kv(self) -> torch.Tensor | None:
@@ -185,14 +228,14 @@ def moved_spans_read(spans: list[CachedSpan], computed: np.ndarray, total: int) 
     return sum(1 for s in spans if s.kind == MOVED and not done[s.start : s.end].all())
 
 
-def rows_read(kinds: np.ndarray, spans: list[CachedSpan], computed: np.ndarray) -> dict[str, int]:
+def rows_read(kinds: np.ndarray, spans: list[CachedSpan], computed: np.ndarray) -> RowsRead:
     """Return what a pass computing ``computed`` (host positions) read of the moved rows."""
     moved = kinds == MOVED
-    return {
-        "recomputed_tokens": int(moved[computed].sum()),
-        "moved_tokens": int(moved.sum()),
-        "moved_spans_read": moved_spans_read(spans, computed, kinds.size),
-    }
+    return RowsRead(
+        recomputed_tokens=int(moved[computed].sum()),
+        moved_tokens=int(moved.sum()),
+        moved_spans_read=moved_spans_read(spans, computed, kinds.size),
+    )
 
 
 def on_host(blend_input: BlendInput) -> BlendInput:

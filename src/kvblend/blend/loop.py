@@ -59,7 +59,9 @@ from kvblend.blend.io import (
     MOVED,
     BlendInput,
     BlendOutput,
+    PassCounts,
     RowSet,
+    RowsRead,
     as_rows,
     moved_span_index,
     on_host,
@@ -312,7 +314,7 @@ def run_pass(
     ``layers``: run the first ``layers`` layers only (a probe: no logits). ``corrected``:
     whether a stale-KV correction reads the pass's buffer (default: the selector's).
     ``after_logits(logits)``: device values made from the logits (the guard's signals), read
-    back with the pass's rows (``stats["extra"]``).
+    back with the pass's rows (``out.extra``).
     """
     share = selector.correction if selector is not None else 0.0
     start = selection.start
@@ -333,7 +335,7 @@ def run_pass(
         raise
     out = BlendOutput(logits, [], [], kv=state.kv, loads=state.loads, tables=tables)
     extra = after_logits(logits) if after_logits is not None and logits is not None else None
-    out.stats, out.extra = pass_stats(state, blend_input, extra)
+    out.read, out.counts, out.extra = pass_stats(state, blend_input, extra)
     return with_kv(out, state.kv)
 
 
@@ -373,8 +375,8 @@ def with_kv(out: BlendOutput, kv: PromptKV) -> BlendOutput:
 
 def pass_stats(
     state: PassState, blend_input: BlendInput, extra: torch.Tensor | None = None
-) -> tuple[dict[str, float], list[float] | None]:
-    """Return what a pass did, counted on the host after its last layer, and ``extra`` read.
+) -> tuple[RowsRead, PassCounts, list[float] | None]:
+    """Return what a pass read and did, counted on the host after its last layer, and ``extra``.
 
     Rows chosen on the device are read back here, after the logits: the host learns which
     rows were recomputed only once the prefill's work is queued. ``extra`` (a few device
@@ -390,12 +392,10 @@ def pass_stats(
         both = torch.cat((rows.positions.double(), extra.double().reshape(-1))).tolist()
         computed = np.asarray(both[: rows.count], dtype=np.int64)
         values = both[rows.count :]
-    layers = state.adapter.shape.num_layers
-    stats: dict[str, float] = dict(rows_read(state.host_kinds, blend_input.spans, computed))
+    read = rows_read(state.host_kinds, blend_input.spans, computed)
     uncompiled = state.uncompiled + state.attention.uncompiled + state.runner.uncompiled
-    stats.update(load_s=state.load_s, token_layers=state.token_layers,
-                 token_layers_full=state.total * layers, uncompiled_calls=uncompiled)  # fmt: skip
-    return stats, values
+    counts = PassCounts(state.token_layers, state.load_s, uncompiled)
+    return read, counts, values
 
 
 def pass_runner(adapter: ModelAdapter, blend_input: BlendInput) -> StepRunner:

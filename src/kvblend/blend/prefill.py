@@ -26,7 +26,15 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.guard import guard_report, guard_signals
-from kvblend.blend.io import COMPUTE, PREFIX, BlendInput, BlendOutput, on_host, to_device
+from kvblend.blend.io import (
+    COMPUTE,
+    PREFIX,
+    BlendInput,
+    BlendOutput,
+    PassCounts,
+    on_host,
+    to_device,
+)
 from kvblend.blend.loop import CancelFlag, Pause, prompt_tables, run_pass, with_kv
 from kvblend.blend.rope import RopeTables
 from kvblend.blend.selectors import Selection, SelectionContext, Selector
@@ -143,13 +151,10 @@ def run_blend(
             passes.append(out)
             out = escalate(adapter, blend_input, out, cancel, tables, pause)
     out = with_kv(out, out.kv.copied())  # the compiled loop's static buffer: copied out
-    out.stats["probe_s"] = select_s if selection.start is not None else 0.0  # step 5
-    for earlier in passes:  # the first pass's (and an escalated blend's) work counts too
-        out.stats["load_s"] += earlier.stats["load_s"]
-        out.stats["token_layers"] += earlier.stats["token_layers"]
-        out.stats["uncompiled_calls"] += earlier.stats["uncompiled_calls"]
-    if report is not None:
-        out.guard = report.to_dict()
+    # step 5: the first pass's (and an escalated blend's) work counts too
+    probe = PassCounts(probe_s=select_s if selection.start is not None else 0.0)
+    out.counts = sum((earlier.counts for earlier in passes), out.counts + probe)
+    out.guard = report
     return out
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.forecast import Lost
 from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
 from kvblend.blend.loop import CancelFlag, Pause, stop_if_cancelled
 from kvblend.blend.prefill import run_blend
@@ -80,7 +81,7 @@ def blend_plan(
     *,
     read_whole: bool = False,
     ranks: Ranks | None = None,
-    lost: list[str] | None = None,
+    lost: list[Lost] | None = None,
     need_logits: bool = True,
     cancel: CancelFlag | None = None,
     pause: Pause | None = None,
@@ -127,7 +128,7 @@ def open_spans(
     *,
     device: torch.device | None = None,
     ranks: Ranks | None = None,
-    lost: list[str] | None = None,
+    lost: list[Lost] | None = None,
     cancel: CancelFlag | None = None,
     pause: Pause | None = None,
 ) -> tuple[list[CachedSpan], int]:
@@ -143,38 +144,52 @@ def open_spans(
     listed in ``lost`` with the reason. Before each entry the prefill may ``pause`` and stops
     once ``cancel`` is set.
     """
-    whole = device is not None
     kinds = np.array(plan.kinds, dtype=np.int8) if kinds is None else kinds
     lost = [] if lost is None else lost
-    opened: list[tuple[str, Mapping[str, torch.Tensor] | None]] = []
-    computed = 0
-    for span in plan.spans:
-        stop_if_cancelled(cancel, pause)
-        key, entry, error = _open_entry(segment_kv, span, device)
-        if entry is None and not whole:
-            if error is not None:
-                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
-            entry = segment_kv.compute(key, span.context_ids, span.cached_ids)
-            computed += 1
-        elif entry is None:
-            lost.append(
-                f"entry {key[:12]} " + (f"unusable ({error})" if error else "not in the store")
-            )
-        opened.append((key, entry))
-    usable = [float(entry is not None) for _, entry in opened]
+    opened, computed = _open_entries(segment_kv, plan, device, lost, cancel, pause)
+    usable = [entry is not None for _, entry in opened]
     if ranks is not None and opened:  # an entry any rank could not read is used by none
         gathered = ranks.gather_ranks(torch.tensor(usable, dtype=torch.float32))
-        usable = gathered.min(dim=0).values.tolist()
+        usable = [bool(agreed) for agreed in gathered.min(dim=0).values.tolist()]
     spans = []
     for span, (key, entry), agreed in zip(plan.spans, opened, usable, strict=True):
         if entry is not None and not agreed:
-            lost.append(f"entry {key[:12]} unusable on another tensor-parallel rank")
+            lost.append(Lost("unusable on another tensor-parallel rank", key=key))
             entry = None
         if entry is None:
             kinds[span.start : span.end] = int(COMPUTE)
             continue
         spans.append(_cached_span(segment_kv, span, key, entry, ranks))
     return spans, computed
+
+
+def _open_entries(
+    segment_kv: SegmentKV,
+    plan: PrefillPlan,
+    device: torch.device | None,
+    lost: list[Lost],
+    cancel: CancelFlag | None,
+    pause: Pause | None,
+) -> tuple[list[tuple[str, Mapping[str, torch.Tensor] | None]], int]:
+    """Open every planned span's entry: each key and entry (None: not usable), entries computed.
+
+    Without ``device`` a missing or unreadable entry is computed (and stored) now; with it, it
+    is listed in ``lost``.
+    """
+    opened: list[tuple[str, Mapping[str, torch.Tensor] | None]] = []
+    computed = 0
+    for span in plan.spans:
+        stop_if_cancelled(cancel, pause)
+        key, entry, error = _open_entry(segment_kv, span, device)
+        if entry is None and device is None:
+            if error is not None:
+                logger.warning("KV entry %s unreadable, recomputing it: %s", key, error)
+            entry = segment_kv.compute(key, span.context_ids, span.cached_ids)
+            computed += 1
+        elif entry is None:
+            lost.append(Lost(f"unusable ({error})" if error else "not in the store", key=key))
+        opened.append((key, entry))
+    return opened, computed
 
 
 def _open_entry(

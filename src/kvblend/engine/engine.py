@@ -43,7 +43,7 @@ from kvblend.engine.parity import (
     parity_tolerance,
     require_parity,
 )
-from kvblend.engine.results import BlendStats, PrefillResult, count_tokens
+from kvblend.engine.results import BlendStats, PrefillResult, count_tokens, escalation
 from kvblend.engine.threads import use_threads
 from kvblend.errors import BlendCancelledError
 from kvblend.models.decoder import Decoder
@@ -57,7 +57,7 @@ from kvblend.models.loading import (
     resolve_model,
 )
 from kvblend.prompt import templates
-from kvblend.prompt.plan import PrefillPlan, TokenKind, cached_pieces, plan_prefill
+from kvblend.prompt.plan import PrefillPlan, cached_pieces, plan_prefill
 from kvblend.prompt.segments import PromptLike, Segment, check_segments
 from kvblend.prompt.splice import splice_rules
 from kvblend.prompt.tokens import encode_in_background, encode_prompt, prompt_tokens
@@ -408,7 +408,6 @@ class BlendEngine:
         forecast = forecast_blend(plan, selector)
         stats.strategy_run, stats.fallback = forecast.strategy_run, forecast.fallback
         stats.estimated_cost = forecast.estimated_cost
-        stats.documents_lost = list(forecast.documents_lost)
         stats.near_miss = self.library.near_miss(prompt, items)
         clock = device_clock(self.decoder.device)
         # entries opened lazily; a missing, unreadable or failing one computed (and stored)
@@ -417,14 +416,18 @@ class BlendEngine:
         assert out.logits is not None
         stats.segments_cached, stats.segments_precomputed = len(blended.spans), blended.computed
         stats.timings["lookup_s"], stats.timings["blend_s"] = blended.open_s, blended.loop_s
-        stats.timings["load_s"] = out.stats["load_s"]
-        stats.timings["probe_s"] = out.stats["probe_s"]  # a selector's first pass (0: none)
-        stats.uncompiled_calls = int(out.stats["uncompiled_calls"])
+        stats.timings["load_s"] = out.counts.load_s
+        stats.timings["probe_s"] = out.counts.probe_s  # a selector's first passes (0: none)
+        stats.uncompiled_calls = out.counts.uncompiled_calls
         stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
-        count_tokens(stats, plan, torch.from_numpy(blended.kinds), out.stats, selector.reads_cache)
-        escalation(stats, plan, out.guard)
-        self._fallback_log.report(stats, len(self.library.registry))
+        layers = self.decoder.shape.num_layers
+        count_tokens(stats, plan, blended.kinds, out, layers, selector.reads_cache)
+        lost, cause = escalation(stats, plan, forecast, out.guard)
+        stats.documents_lost = [str(item) for item in lost]  # the records, in words
+        self._fallback_log.report(
+            stats.fallback, cause, lost, stats.near_miss, len(self.library.registry)
+        )
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
 
     # ------------------------------------------------------------------ generation
@@ -544,26 +547,6 @@ class BlendEngine:
             if cancel is not None and cancel.is_set():  # closing decode_stream stops decoding
                 raise BlendCancelledError("the generation was cancelled")
             yield piece
-
-
-def escalation(stats: BlendStats, plan: PrefillPlan, guard: dict[str, Any] | None) -> None:
-    """Record the guard's report in ``stats``; an escalated blend ran as full prefill too.
-
-    Then ``strategy_run`` is ``"full"``, ``fallback`` says why (``"guard: ..."``) and every
-    moved document is listed in ``documents_lost`` as recomputed whole.
-    """
-    stats.guard = guard
-    if not guard or not guard.get("escalated"):
-        return
-    stats.strategy_run = "full"
-    stats.fallback = f"guard: {guard['reason']}"
-    lost = {int(line.split(":")[0].split()[1]): line for line in stats.documents_lost}
-    documents = [row for row in plan.report if row.role == "document"]
-    for number, row in enumerate(documents, start=1):
-        span = plan.spans[row.span] if row.span is not None else None
-        if row.reused and span is not None and span.kind == TokenKind.MOVED:
-            lost[number] = f"document {number}: recomputed whole (guard)"
-    stats.documents_lost = [lost[number] for number in sorted(lost)]
 
 
 def _check_call(prompt: object, config: object, cancel: object) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvblend.blend.forecast import NO_DOCUMENTS, BlendForecast
-from kvblend.engine.results import BlendStats
+from kvblend.blend.forecast import NO_DOCUMENTS_CAUSE, BlendForecast, Lost
 from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.validation import snippet
 
@@ -40,33 +40,40 @@ class FallbackLog:
         self._last[cause] = now
         self.logger.log(level, "%s", message)
 
-    def report(self, stats: BlendStats, known: int | None = None) -> None:
+    def report(
+        self,
+        fallback: str | None,
+        cause: str | None,
+        lost: Sequence[Lost],
+        near_miss: str | None = None,
+        known: int | None = None,
+    ) -> None:
         """Log each reason a prompt's documents were not reused, once per cause a minute.
 
-        A prompt without a known document (a greeting, a rephrasing step) is logged at INFO
-        level, with the ``known`` documents that could have been found in it; one that holds
-        the start of a known document, not its whole text, is a near miss (a warning).
+        ``fallback`` and its ``cause``: why the prompt was computed in full (`BlendForecast`,
+        or the guard); ``lost``: the documents found and not reused. A prompt without a known
+        document (a greeting, a rephrasing step) is logged at INFO level, with the ``known``
+        documents that could have been found in it; one that holds the start of a known
+        document, not its whole text (``near_miss``), is a warning.
         """
-        if stats.fallback == NO_DOCUMENTS:
+        if cause == NO_DOCUMENTS_CAUSE:
             self.warn(
                 "no_documents", f"no known document in the prompt ({known} known): computed in "
                 "full (stats.fallback); a document is found only when its exact text occurs in "
                 "the prompt; engine.explain(prompt) or `kvblend explain` shows what is reused",
                 level=logging.INFO,
             )  # fmt: skip
-        elif stats.fallback is not None:
-            cause = stats.fallback.split(":")[0]
+        elif fallback is not None:
             self.warn(
-                cause, f"blend ran as full prefill: {stats.fallback} (stats.fallback; "
+                cause or fallback, f"blend ran as full prefill: {fallback} (stats.fallback; "
                 "docs/configuration.md says when and how to change it)",
             )  # fmt: skip
-        for line in stats.documents_lost:
-            reason = line.split(": ", 1)[1]
-            if "recomputed whole" not in reason:  # the fallback's line says it already
-                self.warn(f"lost: {reason}", f"found document not reused: {line}")
-        if stats.near_miss is not None:
+        for item in lost:
+            if not item.recomputed:  # a document recomputed whole: the fallback's line says it
+                self.warn(f"lost: {item.reason}", f"found document not reused: {item}")
+        if near_miss is not None:
             self.warn(
-                "near_miss", f"no precomputed document reused there: {stats.near_miss}; a "
+                "near_miss", f"no precomputed document reused there: {near_miss}; a "
                 "document is found only when its exact text occurs in the prompt; "
                 "engine.explain(prompt) or `kvblend explain` shows what is reused",
             )  # fmt: skip

@@ -1,6 +1,8 @@
 """What a prefill returns: the logits, the fused KV cache and the statistics of what it did.
 
-`count_tokens` fills a prefill's token and document counts from its plan and its blend.
+`count_tokens` fills a prefill's token and document counts from its plan and its blend's
+records; `escalation` what the guard did. The blend's records (`PassCounts`, `RowsRead`, `Lost`,
+`GuardReport`) become the public stats' numbers and lines here, and nowhere else.
 """
 
 from __future__ import annotations
@@ -8,14 +10,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
-from kvblend.blend.io import COMPUTE, MOVED, PREFIX
+from kvblend.blend.forecast import BlendForecast, Lost, documents
+from kvblend.blend.io import COMPUTE, MOVED, PREFIX, BlendOutput
 
 if TYPE_CHECKING:
+    from kvblend.blend.guard import GuardReport
     from kvblend.prompt.plan import PrefillPlan
 
-__all__ = ["BlendStats", "PrefillResult", "count_tokens"]
+__all__ = ["BlendStats", "PrefillResult", "count_tokens", "escalation"]
 
 
 @dataclass
@@ -87,11 +92,15 @@ class PrefillResult:
 def count_tokens(
     stats: BlendStats,
     plan: PrefillPlan,
-    kinds: torch.Tensor,
-    blend: dict[str, Any],
+    kinds: np.ndarray,
+    blend: BlendOutput,
+    layers: int,
     reads_cache: bool,
 ) -> None:
-    """Fill the token and document counts of ``stats`` from the plan and the blend's stats."""
+    """Fill the token and document counts of ``stats`` from the plan and the blend's records.
+
+    ``kinds``: each token's kind as the blend ran it; ``layers``: the model's.
+    """
     documents = [row for row in plan.report if row.role == "document"]
     stats.documents_found = len(documents)
     stats.prompt_tokens = len(plan.token_ids)
@@ -100,11 +109,33 @@ def count_tokens(
     else:
         stats.prefix_tokens = int((kinds == PREFIX).sum())
         stats.moved_tokens = int((kinds == MOVED).sum())
-        stats.recomputed_tokens = int(blend["recomputed_tokens"])
+        stats.recomputed_tokens = blend.read.recomputed_tokens
         stats.computed_tokens = int((kinds == COMPUTE).sum())
         stats.reused_tokens = stats.prefix_tokens + stats.moved_tokens - stats.recomputed_tokens
         # documents read in place, and moved ones the blend did not recompute whole
         in_place = sum(1 for row in documents if row.reused and row.exact)
         reused = sum(1 for row in documents if row.reused)
-        stats.documents_reused = min(reused, in_place + int(blend["moved_spans_read"]))
-    stats.compute_fraction = blend["token_layers"] / blend["token_layers_full"]
+        stats.documents_reused = min(reused, in_place + blend.read.moved_spans_read)
+    stats.compute_fraction = blend.counts.token_layers / (len(plan.token_ids) * layers)
+
+
+def escalation(
+    stats: BlendStats, plan: PrefillPlan, forecast: BlendForecast, guard: GuardReport | None
+) -> tuple[list[Lost], str | None]:
+    """Record the guard's report in ``stats``; return the documents lost and the fallback's cause.
+
+    An escalated blend ran as full prefill too: then ``strategy_run`` is ``"full"``,
+    ``fallback`` says why (``"guard: ..."``) and every moved document is lost, recomputed
+    whole; otherwise the forecast's documents and cause stand.
+    """
+    stats.guard = guard.to_dict() if guard is not None else None
+    if guard is None or not guard.escalated:
+        return list(forecast.lost), forecast.cause
+    stats.strategy_run = "full"
+    stats.fallback = f"guard: {guard.reason}"
+    lost = {item.document: item for item in forecast.lost}
+    for number, row in documents(plan):
+        span = plan.spans[row.span] if row.span is not None else None
+        if row.reused and span is not None and span.kind == MOVED:
+            lost[number] = Lost("guard", number, recomputed=True)
+    return [lost[number] for number in sorted(lost, key=lambda number: number or 0)], "guard"

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvblend.blend.config import BlendConfig
+from kvblend.blend.forecast import Lost
 from kvblend.blend.loop import CancelFlag, Pause, stop_if_cancelled
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
@@ -141,19 +142,23 @@ def blend_into_cache(
     """
     adapter = model.adapter
     selector = config.selector()  # the blend's own
-    blended = blend_plan(
-        adapter, segment_kv or model.library.segment_kv, job.plan, selector, read_whole=True,
-        ranks=adapter, lost=outcome.lost, need_logits=False, cancel=cancel, pause=pause,
-    )  # fmt: skip
+    lost: list[Lost] = []  # the entries not used, as they are found
+    try:
+        blended = blend_plan(
+            adapter, segment_kv or model.library.segment_kv, job.plan, selector,
+            read_whole=True, ranks=adapter, lost=lost, need_logits=False, cancel=cancel,
+            pause=pause,
+        )  # fmt: skip
+    finally:
+        outcome.lost += [str(entry) for entry in lost]  # the outcome's words (a message)
     out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
-    outcome.rows = round(out.stats.get("token_layers", 0) / adapter.shape.num_layers)
+    outcome.rows = round(out.counts.token_layers / adapter.shape.num_layers)
     outcome.timings = {
-        "open_s": blended.open_s, "loop_s": blended.loop_s,
-        "probe_s": float(out.stats.get("probe_s", 0.0)),
+        "open_s": blended.open_s, "loop_s": blended.loop_s, "probe_s": out.counts.probe_s,
     }  # fmt: skip
     if selector.reads_cache:
         cached = int((kinds != int(TokenKind.COMPUTE)).sum())
-        outcome.recomputed = int(out.stats.get("recomputed_tokens", 0))
+        outcome.recomputed = out.read.recomputed_tokens
         outcome.reused = cached - outcome.recomputed
     slots = slot_mapping(job.block_ids, model.block_size, job.start, job.stop, adapter.device)
     for layer, attention in enumerate(adapter.attention_layers):
