@@ -253,21 +253,25 @@ class DocumentRegistry:
             if digest in self._documents:  # written right after its document's record
                 self._heads[digest] = head
         elif record[:1] == b"C" and len(record) >= CONTEXT.size:
-            _, where, part, parts = CONTEXT.unpack_from(record)
-            if where in self._contexts or not part < parts:
-                return False
-            pieces = self._context_parts.setdefault(where, {})
-            pieces[part] = record[CONTEXT.size :]
-            if len(pieces) == parts:
-                del self._context_parts[where]
-                whole = b"".join(pieces[index] for index in range(parts))
-                try:
-                    context = whole.decode("utf-8", "surrogatepass")
-                except UnicodeDecodeError:
-                    return False
-                if text_digest(context) == where:
-                    self._contexts[where] = context
+            self._apply_context(record)
         return False
+
+    def _apply_context(self, record: bytes) -> None:
+        """Take in one part of a context's text; the last makes it known if it hashes right."""
+        _, where, part, parts = CONTEXT.unpack_from(record)
+        if where in self._contexts or not part < parts:
+            return
+        pieces = self._context_parts.setdefault(where, {})
+        pieces[part] = record[CONTEXT.size :]
+        if len(pieces) == parts:
+            del self._context_parts[where]
+            whole = b"".join(pieces[index] for index in range(parts))
+            try:
+                context = whole.decode("utf-8", "surrogatepass")
+            except UnicodeDecodeError:
+                return
+            if text_digest(context) == where:
+                self._contexts[where] = context
 
     def find(self, prompt: str) -> list[Match]:
         """Known documents in ``prompt``: longest first, never overlapping, sorted by position."""

@@ -133,6 +133,19 @@ def _byte_level(normalizer: Any, pre: Any) -> bool:
 
 def _sentencepiece(normalizer: Any, pre: Any, vocab: dict[str, int]) -> bool:
     """SentencePiece-style BPE: spaces become ``▁``, and no token has ``▁`` after another char."""
+    normalized = _spaces_normalized(normalizer)
+    if normalized is None:
+        return False
+    split = _spaces_split(pre)
+    if split is None or not (normalized or split):
+        return False
+    letters = all(letter in vocab for letter in string.ascii_letters + SPACE)
+    joined = re.compile(f"[^{SPACE}]{SPACE}")
+    return letters and not any(joined.search(token) for token in vocab)
+
+
+def _spaces_normalized(normalizer: Any) -> bool | None:
+    """Whether the normalizer writes spaces as ``▁`` (None: it rewrites text in other ways)."""
     replaces = False
     for part in _parts(normalizer, "normalizers"):
         kind, pattern = part["type"], part.get("pattern", {})
@@ -141,9 +154,14 @@ def _sentencepiece(normalizer: Any, pre: Any, vocab: dict[str, int]) -> bool:
         elif kind == "Replace" and re.fullmatch(r"\\A[ \u2581]+", pattern.get("Regex", "")):
             continue  # rewrites a piece's first characters only
         elif kind != "Prepend":  # Prepend writes a piece's first characters only
-            return False
-    steps = _parts(pre, "pretokenizers")
-    for step in steps:
+            return None
+    return replaces
+
+
+def _spaces_split(pre: Any) -> bool | None:
+    """Whether the pre-tokenizer writes spaces as ``▁`` (None: it splits in other ways)."""
+    replaces = False
+    for step in _parts(pre, "pretokenizers"):
         if step["type"] == "Metaspace" and step["replacement"] == SPACE:
             replaces = True
         elif not (
@@ -151,10 +169,8 @@ def _sentencepiece(normalizer: Any, pre: Any, vocab: dict[str, int]) -> bool:
             and _literal_alternation(step["pattern"].get("Regex", step["pattern"].get("String")))
             and not step["invert"]
         ):
-            return False
-    letters = all(letter in vocab for letter in string.ascii_letters + SPACE)
-    joined = re.compile(f"[^{SPACE}]{SPACE}")
-    return replaces and letters and not any(joined.search(token) for token in vocab)
+            return None
+    return replaces
 
 
 def _specials(backend: Any) -> tuple[Any, Any] | None:
@@ -175,30 +191,39 @@ def _specials(backend: Any) -> tuple[Any, Any] | None:
 
 def _rules(backend: Any) -> SpliceRules | None:
     """`SpliceRules` of a Rust tokenizer, or None when its pipeline is not one known here."""
-    model = backend.model
-    if type(model).__name__ != "BPE" or model.dropout not in (None, 0.0):
-        return None
-    if backend.truncation is not None or backend.padding is not None:
-        return None
-    normalizer, pre = _component(backend.normalizer), _component(backend.pre_tokenizer)
-    post = _component(backend.post_processor)
-    if any(part["type"] not in POST_PROCESSORS for part in _parts(post, "processors")):
-        return None
-    added = [token for token in backend.get_added_tokens_decoder().values() if token.content]
-    if normalizer is not None and any(token.normalized for token in added):
-        return None
-    if not (
-        _byte_level(normalizer, pre)
-        or _sentencepiece(normalizer, pre, backend.get_vocab(with_added_tokens=False))
-    ):
+    if not _known_pipeline(backend):
         return None
     specials = _specials(backend)
     if specials is None:
         return None
+    added = [token for token in backend.get_added_tokens_decoder().values() if token.content]
     contents = sorted({token.content for token in added}, key=len, reverse=True)
     pattern = re.compile("|".join(map(re.escape, contents))) if contents else None
     margin = max((len(text) for text in contents), default=0) + 2 * WINDOW_PAD
     return SpliceRules(margin, pattern, *specials)
+
+
+def _known_pipeline(backend: Any) -> bool:
+    """Whether a Rust tokenizer's pipeline is one whose cuts `SpliceRules` can prove exact.
+
+    BPE without dropout, no truncation or padding, known post-processors, added tokens not
+    normalized, and byte-level or SentencePiece-style pre-tokenization.
+    """
+    model = backend.model
+    if type(model).__name__ != "BPE" or model.dropout not in (None, 0.0):
+        return False
+    if backend.truncation is not None or backend.padding is not None:
+        return False
+    normalizer, pre = _component(backend.normalizer), _component(backend.pre_tokenizer)
+    post = _component(backend.post_processor)
+    if any(part["type"] not in POST_PROCESSORS for part in _parts(post, "processors")):
+        return False
+    added = [token for token in backend.get_added_tokens_decoder().values() if token.content]
+    if normalizer is not None and any(token.normalized for token in added):
+        return False
+    return _byte_level(normalizer, pre) or _sentencepiece(
+        normalizer, pre, backend.get_vocab(with_added_tokens=False)
+    )
 
 
 _RULES: weakref.WeakKeyDictionary[Any, tuple[Any, SpliceRules | None]] = weakref.WeakKeyDictionary()

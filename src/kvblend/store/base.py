@@ -193,6 +193,10 @@ def validate_entry(
 
     Raises `ValueError` or `TypeError` with a message naming the offending item.
     """
+    return _checked_tensors(tensors), _checked_metadata(metadata)
+
+
+def _checked_tensors(tensors: object) -> dict[str, torch.Tensor]:
     if not isinstance(tensors, Mapping) or not tensors:
         raise ValueError("tensors must be a non-empty dict of name -> torch.Tensor")
     checked: dict[str, torch.Tensor] = {}
@@ -206,20 +210,22 @@ def validate_entry(
         if tensor.dtype not in SAFETENSORS_DTYPES:
             raise ValueError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
         checked[name] = tensor
-    user_metadata: dict[str, str] = {}
-    if metadata is not None:
-        if not isinstance(metadata, Mapping):
-            raise TypeError("metadata must be a dict of str -> str or None")
-        for meta_key, value in metadata.items():
-            if not isinstance(meta_key, str) or not isinstance(value, str):
-                raise TypeError(f"metadata entry {meta_key!r}: keys and values must be str")
-            if meta_key.startswith(RESERVED_METADATA_PREFIX):
-                raise ValueError(
-                    f"metadata key {meta_key!r} uses the reserved prefix "
-                    f"{RESERVED_METADATA_PREFIX!r}"
-                )
-            user_metadata[meta_key] = value
-    return checked, user_metadata
+    return checked
+
+
+def _checked_metadata(metadata: object) -> dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError("metadata must be a dict of str -> str or None")
+    for meta_key, value in metadata.items():
+        if not isinstance(meta_key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata entry {meta_key!r}: keys and values must be str")
+        if meta_key.startswith(RESERVED_METADATA_PREFIX):
+            raise ValueError(
+                f"metadata key {meta_key!r} uses the reserved prefix {RESERVED_METADATA_PREFIX!r}"
+            )
+    return dict(metadata)
 
 
 def layer_order(name: str) -> tuple[tuple[int, ...], str]:

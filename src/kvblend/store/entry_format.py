@@ -243,15 +243,38 @@ def read_header(payload: Payload, key: str, mac_key: StoreKey | None = None) -> 
 
 
 def _parse_header(payload: Payload, key: str, mac_key: StoreKey | None) -> EntryHeader:
-    def corrupt(reason: str) -> CorruptEntryError:
-        return CorruptEntryError(key, reason)
+    """Read and check an entry's header: its metadata, then its tensors' listing and layout."""
+    header, metadata, data_start = _read_header(payload, key)
+    algorithm = _check_metadata(metadata, key)
+    try:
+        listing = json.loads(metadata["kvblend.tensors"])
+        macs = verify_header(mac_key, metadata, len(listing)) if mac_key else [None] * len(listing)
+    except OtherKeyEntry as other:
+        raise OtherStoreKeyError(key, str(other), replaceable=other.replaceable) from None
+    except (ValueError, KeyError, TypeError) as error:
+        raise CorruptEntryError(key, str(error)) from None
+    try:
+        infos = [
+            _tensor_info(header, listed, data_start, algorithm, mac, mac_key)
+            for listed, mac in zip(listing, macs, strict=True)
+        ]
+    except (ValueError, KeyError, TypeError) as error:
+        raise CorruptEntryError(key, f"inconsistent tensor listing ({error})") from None
+    if header:
+        raise CorruptEntryError(key, f"unlisted tensors {sorted(header)[:3]}")
+    _check_tiling(infos, data_start, payload.size, key)
+    user = {k: v for k, v in metadata.items() if not k.startswith("kvblend.")}
+    return EntryHeader(key, tuple(infos), user)
 
+
+def _read_header(payload: Payload, key: str) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Return the safetensors header's tensors, its metadata and where the data section starts."""
     prefix = payload.read(0, 8)
     if len(prefix) < 8:
-        raise corrupt(f"truncated: {payload.size} bytes")
+        raise CorruptEntryError(key, f"truncated: {payload.size} bytes")
     header_size = int.from_bytes(prefix, "little")
     if header_size > min(_MAX_HEADER_BYTES, payload.size - 8):
-        raise corrupt("header length is out of range (truncated or not safetensors)")
+        raise CorruptEntryError(key, "header length is out of range (truncated or not safetensors)")
     try:
         header = json.loads(payload.read(8, header_size))
         metadata = header.pop("__metadata__")
@@ -260,65 +283,64 @@ def _parse_header(payload: Payload, key: str, mac_key: StoreKey | None) -> Entry
         ):
             raise ValueError("metadata is not a str -> str map")
     except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise corrupt(f"unreadable header ({error})") from None
+        raise CorruptEntryError(key, f"unreadable header ({error})") from None
+    return header, metadata, 8 + header_size
+
+
+def _check_metadata(metadata: dict[str, str], key: str) -> str:
+    """Check the format, header checksum and key an entry's metadata names; return its checksum."""
     if metadata.get("kvblend.format") != FORMAT_VERSION:
-        raise corrupt(f"not a kvblend entry of format {FORMAT_VERSION}")
+        raise CorruptEntryError(key, f"not a kvblend entry of format {FORMAT_VERSION}")
     algorithm = metadata.get("kvblend.checksum", "")
     if algorithm not in _CHECKSUMS:
-        raise corrupt(f"unknown checksum {algorithm!r}")
+        raise CorruptEntryError(key, f"unknown checksum {algorithm!r}")
     if metadata.get("kvblend.header_checksum") != _header_checksum(metadata):
-        raise corrupt("header checksum mismatch")
+        raise CorruptEntryError(key, "header checksum mismatch")
     if metadata.get("kvblend.key") != key:
-        raise corrupt(f"holds the entry of key {metadata.get('kvblend.key')!r}")
-    data_start = 8 + header_size
-    infos = []
-    try:
-        listing = json.loads(metadata["kvblend.tensors"])
-        macs = verify_header(mac_key, metadata, len(listing)) if mac_key else [None] * len(listing)
-    except OtherKeyEntry as other:
-        raise OtherStoreKeyError(key, str(other), replaceable=other.replaceable) from None
-    except (ValueError, KeyError, TypeError) as error:
-        raise corrupt(str(error)) from None
-    try:
-        for (name, dtype_name, shape, tensor_checksum), mac in zip(listing, macs, strict=True):
-            described = header.pop(name)
-            begin, end = described["data_offsets"]
-            dtype = _TORCH_DTYPES[dtype_name]
-            if described["dtype"] != dtype_name or described["shape"] != shape:
-                raise ValueError(f"tensor {name!r} does not match its listing")
-            numel = 1
-            for size in shape:
-                numel *= int(size)
-            if end - begin != numel * dtype.itemsize or not 0 <= begin <= end:
-                raise ValueError(f"tensor {name!r} has inconsistent offsets")
-            infos.append(
-                TensorInfo(
-                    name,
-                    dtype,
-                    tuple(int(s) for s in shape),
-                    data_start + begin,
-                    end - begin,
-                    tensor_checksum,
-                    algorithm,
-                    mac,
-                    mac_key if mac is not None else None,
-                )
-            )
-    except (ValueError, KeyError, TypeError) as error:
-        raise corrupt(f"inconsistent tensor listing ({error})") from None
-    if header:
-        raise corrupt(f"unlisted tensors {sorted(header)[:3]}")
-    # Tensors must tile the data section, as safetensors requires: a crafted header pointing
-    # many tensors at the same bytes would otherwise cost their sum in memory.
+        raise CorruptEntryError(key, f"holds the entry of key {metadata.get('kvblend.key')!r}")
+    return algorithm
+
+
+def _tensor_info(
+    header: dict[str, Any],
+    listed: Any,
+    data_start: int,
+    algorithm: str,
+    mac: Any,
+    mac_key: StoreKey | None,
+) -> TensorInfo:
+    """Return one listed tensor's `TensorInfo`, taken out of ``header`` (``ValueError`` if off)."""
+    name, dtype_name, shape, tensor_checksum = listed
+    described = header.pop(name)
+    begin, end = described["data_offsets"]
+    dtype = _TORCH_DTYPES[dtype_name]
+    if described["dtype"] != dtype_name or described["shape"] != shape:
+        raise ValueError(f"tensor {name!r} does not match its listing")
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    if end - begin != numel * dtype.itemsize or not 0 <= begin <= end:
+        raise ValueError(f"tensor {name!r} has inconsistent offsets")
+    shape = tuple(int(size) for size in shape)
+    key = mac_key if mac is not None else None
+    return TensorInfo(
+        name, dtype, shape, data_start + begin, end - begin, tensor_checksum, algorithm, mac, key
+    )
+
+
+def _check_tiling(infos: list[TensorInfo], data_start: int, size: int, key: str) -> None:
+    """Refuse tensors that do not tile the data section exactly, as safetensors requires.
+
+    A crafted header pointing many tensors at the same bytes would otherwise cost their sum in
+    memory.
+    """
     data_end = 0
     for info in sorted(infos, key=lambda info: (info.offset, info.nbytes)):
         if info.offset != data_start + data_end:
-            raise corrupt(f"tensor {info.name!r} overlaps another or leaves a gap")
+            raise CorruptEntryError(key, f"tensor {info.name!r} overlaps another or leaves a gap")
         data_end += info.nbytes
-    if data_start + data_end != payload.size:
-        raise corrupt(f"size {payload.size} bytes, expected {data_start + data_end}")
-    user = {k: v for k, v in metadata.items() if not k.startswith("kvblend.")}
-    return EntryHeader(key, tuple(infos), user)
+    if data_start + data_end != size:
+        raise CorruptEntryError(key, f"size {size} bytes, expected {data_start + data_end}")
 
 
 def check_expected(header: EntryHeader, expect: EntrySpec | None) -> None:

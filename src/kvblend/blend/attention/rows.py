@@ -440,6 +440,24 @@ class RowAttention:
         Over the queries it is given: a compiled loop's padded rows (read back: this only
         happens when its kernel's compile was refused) or the computed rows.
         """
+        rows, bounds = self._chunk_rows()
+        self.chunk_positions = rows.positions
+        element = torch.empty((), dtype=self.dtype).element_size()
+        self.make_mask = Masks(rows.positions.device, self.dtype, self.total)
+        kept = 0
+        for window in self.masked:
+            if window is None and self.products:
+                kept += self._plan_blocks(bounds, rows.positions)
+                continue
+            self.chunks[window] = chunks = query_chunks(*bounds, window)
+            size = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks) * element
+            if kept + size <= self.mask_budget:
+                self.masks[window] = [self._mask(chunk, window) for chunk in chunks]
+                kept += size
+        self.mask_bytes = kept
+
+    def _chunk_rows(self) -> tuple[RowSet, tuple[np.ndarray, np.ndarray]]:
+        """Return the rows the chunks are planned over and host bounds of their positions."""
         rows = self.rows
         extra = self.positions.numel() - rows.count
         if extra:
@@ -459,27 +477,18 @@ class RowAttention:
             bounds = (exact, exact)
         if not extra:
             self.rows = rows
-        self.chunk_positions = rows.positions
-        element = torch.empty((), dtype=self.dtype).element_size()
-        self.make_mask = Masks(rows.positions.device, self.dtype, self.total)
-        kept = 0
-        for window in self.masked:
-            if window is None and self.products:
-                self.blocks = product_blocks(*bounds)
-                keys = torch.arange(self.total, device=rows.positions.device)
-                for block in self.blocks:
-                    positions = rows.positions[block.begin : block.end, None]
-                    self.blocked.append(keys[block.masked_from : block.key_end] > positions)
-                kept += sum(mask.numel() for mask in self.blocked)  # one byte each
-                self.block_pairs = sum((b.end - b.begin) * b.key_end for b in self.blocks)
-                self.block_reach = max(block.key_end for block in self.blocks)
-                continue
-            self.chunks[window] = chunks = query_chunks(*bounds, window)
-            size = sum((c.end - c.begin) * (c.key_end - c.key_begin) for c in chunks) * element
-            if kept + size <= self.mask_budget:
-                self.masks[window] = [self._mask(chunk, window) for chunk in chunks]
-                kept += size
-        self.mask_bytes = kept
+        return rows, bounds
+
+    def _plan_blocks(self, bounds: tuple[np.ndarray, np.ndarray], positions: torch.Tensor) -> int:
+        """Plan the products path's key blocks (`product_blocks`); return their masks' bytes."""
+        self.blocks = product_blocks(*bounds)
+        keys = torch.arange(self.total, device=positions.device)
+        for block in self.blocks:
+            rows = positions[block.begin : block.end, None]
+            self.blocked.append(keys[block.masked_from : block.key_end] > rows)
+        self.block_pairs = sum((b.end - b.begin) * b.key_end for b in self.blocks)
+        self.block_reach = max(block.key_end for block in self.blocks)
+        return sum(mask.numel() for mask in self.blocked)  # one byte each
 
     def _mask(self, chunk: QueryChunk, window: int | None) -> torch.Tensor:
         positions = self.chunk_positions[chunk.begin : chunk.end]
