@@ -71,7 +71,22 @@ def render() -> str:
 
 
 def _slug(title: str) -> str:
-    return "".join(c for c in title.lower() if c.isalnum() or c in "-_ ").replace(" ", "-")
+    """Return the anchor GitHub gives a heading: lower case, no punctuation, spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+def _link(text: str, heading: str) -> str:
+    return f"[`{text}`](#{_slug(heading)})"
+
+
+def _heading(module: str, public: str, obj: Any) -> str:
+    """Return the heading text of a public name (its anchor is `_slug` of it)."""
+    if inspect.isclass(obj):
+        kind = "exception" if issubclass(obj, BaseException) else "class"
+        return f"{kind} `{module}.{public}`"
+    if inspect.isfunction(obj):
+        return f"`{module}.{public}`"
+    return f"`{module}.{public}`"
 
 
 def _module(name: str, summary: str) -> Iterator[str]:
@@ -81,26 +96,29 @@ def _module(name: str, summary: str) -> Iterator[str]:
     doc = _doc(module)
     if doc:
         yield doc + "\n"
-    for public in getattr(module, "__all__", ()):
-        if public.startswith("__"):
-            continue
+    publics = [public for public in getattr(module, "__all__", ()) if not public.startswith("__")]
+    if publics:
+        links = (
+            _link(public, _heading(name, public, getattr(module, public))) for public in publics
+        )
+        yield "Contents: " + ", ".join(links) + ".\n"
+    for public in publics:
         obj = getattr(module, public)
         if inspect.isclass(obj):
             yield from _class(name, public, obj)
         elif inspect.isfunction(obj):
             yield from _function(f"{name}.{public}", obj, level=3)
         else:
-            yield f"### `{name}.{public}`\n"
+            yield f"### {_heading(name, public, obj)}\n"
             yield f"```python\n{public} = {obj!r}\n```\n"
 
 
 def _class(module: str, name: str, cls: type) -> Iterator[str]:
     kind = "exception" if issubclass(cls, BaseException) else "class"
     fields = _pydantic_fields(cls)
-    if fields is not None:
-        yield f"### {kind} `{module}.{name}`\n"
-    else:
-        yield f"### {kind} `{module}.{name}{_signature(cls)}`\n"
+    yield f"### {kind} `{module}.{name}`\n"
+    if fields is None:
+        yield f"```python\n{name}{_signature(cls)}\n```\n"
     bases = [b for b in cls.__bases__ if b is not object]
     if bases:
         yield "Bases: " + ", ".join(f"`{_qualname(b)}`" for b in bases) + "\n"
@@ -114,9 +132,19 @@ def _class(module: str, name: str, cls: type) -> Iterator[str]:
             cells = (f"`{field_name}`", f"`{annotation}`", f"`{default}`", description)
             yield "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
         yield ""
-    for member_name, member in _members(cls):
+    members = _members(cls)
+    if members:
+        yield (
+            "Members: "
+            + ", ".join(
+                _link(member_name, _member_heading(name, member_name, member))
+                for member_name, member in members
+            )
+            + ".\n"
+        )
+    for member_name, member in members:
         if isinstance(member, property):
-            yield f"#### property `{name}.{member_name}`\n"
+            yield f"#### {_member_heading(name, member_name, member)}\n"
             doc = _doc(member.fget)
             if doc:
                 yield doc + "\n"
@@ -124,12 +152,22 @@ def _class(module: str, name: str, cls: type) -> Iterator[str]:
             yield from _function(f"{name}.{member_name}", member, level=4)
 
 
+def _member_heading(cls_name: str, member_name: str, member: Any) -> str:
+    """Return the heading text of a class's method or property."""
+    if isinstance(member, property):
+        return f"property `{cls_name}.{member_name}`"
+    prefix = "classmethod " if isinstance(member, classmethod) else ""
+    return f"{prefix}`{cls_name}.{member_name}`"
+
+
 def _function(qualified: str, func: Any, level: int) -> Iterator[str]:
     prefix = "classmethod " if isinstance(func, classmethod) else ""
     target = _undecorated(func.__func__ if isinstance(func, (classmethod, staticmethod)) else func)
     keyword = "async def" if inspect.iscoroutinefunction(target) else "def"
     signature = _signature(target, drop_self=not isinstance(func, staticmethod))
-    yield f"{'#' * level} {prefix}`{keyword} {qualified}{signature}`\n"
+    name = qualified.rsplit(".", 1)[-1]
+    yield f"{'#' * level} {prefix}`{qualified}`\n"
+    yield f"```python\n{keyword} {name}{signature}\n```\n"
     doc = _doc(target)
     if doc:
         yield doc + "\n"

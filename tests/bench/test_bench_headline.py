@@ -1,8 +1,10 @@
-"""The README's figures table is what ``kvblend bench headline`` writes from the recorded results.
+"""The figures tables of the README and the results page are what ``kvblend bench headline``
+writes from the recorded results.
 
-And every row names its run; a row under an older default says so; a result recorded without
-its date takes it from git and says so; ``kvblend bench`` never writes over the recorded
-results unless asked.
+And every row names its run, with a command that runs as written from the root of a clone
+(today's bench parser accepts it, its data file is in the clone and is the one the result
+read); a row under an older default says so; a result recorded without its date takes it from
+git and says so; ``kvblend bench`` never writes over the recorded results unless asked.
 """
 
 from __future__ import annotations
@@ -19,12 +21,15 @@ from kvblend.bench.headline import (
     BEGIN,
     END,
     FIGURES,
+    TABLES,
     Figure,
     HeadlineError,
     config_fields,
     headline_rows,
     headline_table,
     readme_table,
+    reproducible_command,
+    write_tables,
 )
 from kvblend.cli.main import main
 
@@ -41,25 +46,82 @@ def test_the_readme_table_is_what_the_recorded_results_give() -> None:
     )
 
 
+def test_the_results_page_tables_are_what_the_recorded_results_give() -> None:
+    page = ROOT / "docs" / "benchmarks.md"
+    text = page.read_text("utf-8")
+    for name in ("speed", "quality"):
+        assert f"<!-- {name}:begin" in text and f"<!-- {name}:end -->" in text, name
+    assert write_tables(text, RESULTS, page) == text, (
+        "docs/benchmarks.md's tables differ from benchmarks/results: run "
+        "`kvblend bench headline --write docs/benchmarks.md`"
+    )
+    assert "(../benchmarks/results/ttft_1k.json)" in text  # linked from the page's folder
+    assert set(FIGURES) == set(TABLES["speed"]) | set(TABLES["quality"])
+
+
 def test_every_row_names_its_run() -> None:
     kinds = {figure.kind for figure in FIGURES}
-    assert {"ttft", "quality", "vllm-ttft", "vllm-stall"} <= kinds
+    assert {"ttft", "nq-quality", "vllm-ttft", "vllm-stall"} <= kinds
     for figure, row in zip(FIGURES, headline_rows(RESULTS), strict=True):
         _, measured, setting, model, machine, date, run = row
         assert measured.startswith("**") and model and "threads: " in machine, row
-        assert date[:4].isdigit() and run.startswith(("`kvblend", "`.venv")), row
+        assert date[:4].isdigit() and run.startswith("`kvblend "), row
         assert f"(benchmarks/results/{figure.result})" in run
         if figure.kind in ("quality", "nq-quality"):
             assert "n = " in measured and "95% interval" in measured
+            assert int(measured.split("n = ")[1].split(";")[0].split(",")[0]) >= 100, measured
         if figure.strategy == "default":
             assert "today's default" in setting or setting.startswith("an older default: ")
 
 
-def test_an_older_default_is_labelled_with_what_differed() -> None:
+def test_every_rows_command_runs_as_written_from_a_clone() -> None:
+    """Today's bench parser takes each row's command; a file it names is in the clone."""
+    import shlex
+
+    parser = build_parser()
+    for row in headline_rows(RESULTS):
+        command = row[6].split("`")[1]
+        words = shlex.split(command)
+        assert words[:2] == ["kvblend", "bench"], command
+        for option in ("--output", "--store-dir", "--work-dir", "--cache-dir"):
+            assert option not in words, command
+        parser.parse_args(words[2:])  # exits (a failure) on an option the bench no longer has
+        for word in words:
+            if "/" in word and not word.startswith("-"):
+                assert (ROOT / word).exists(), (command, word)
+
+
+def test_a_recorded_command_becomes_the_one_a_clone_runs() -> None:
+    recorded = (
+        "kvblend bench nq --data /work/shared/data/nq_open_gold_2000.jsonl.gz --questions 5 "
+        "--store-dir /tmp/w49/kv --output=nq.json"
+    )
+    assert reproducible_command(recorded) == (
+        "kvblend bench nq --data benchmarks/data/nq_open_gold_2000.jsonl.gz --questions 5"
+    )
+    with pytest.raises(HeadlineError, match="is not the file"):
+        reproducible_command(recorded, data_sha256="0" * 64)
+    with pytest.raises(HeadlineError, match="which benchmarks/data/ lacks"):
+        reproducible_command("kvblend bench nq --data /data/other.jsonl")
+    with pytest.raises(HeadlineError, match="which a clone does not have"):
+        reproducible_command("kvblend bench shapes --model /root/.cache/qwen.gguf")
+    with pytest.raises(HeadlineError, match="not a kvblend command"):
+        reproducible_command("python scripts/dtype_floor.py --questions 2")
+
+
+def test_a_result_without_its_command_cannot_be_a_row() -> None:
+    with pytest.raises(HeadlineError, match="no command recorded"):
+        headline_rows(RESULTS, [Figure("x", "ttft_4k_final.json", "ttft", tokens=4096,
+                                       default_config="BlendConfig()")])  # fmt: skip
+
+
+def test_an_older_default_is_labelled_with_what_differed(tmp_path: Path) -> None:
     old = "BlendConfig(strategy='attention', recompute_ratio=0.3, check_layer=1, epic_tokens=16)"
     assert config_fields(old)["strategy"] == "attention"
-    figure = Figure("x", "ttft_4k_final.json", "ttft", tokens=4096, command="c", default_config=old)
-    (row,) = headline_rows(RESULTS, [figure])
+    result = json.loads((RESULTS / "ttft_1k.json").read_text())
+    result["default_config"] = old
+    (tmp_path / "old.json").write_text(json.dumps(result))
+    (row,) = headline_rows(tmp_path, [Figure("x", "old.json", "ttft", tokens=1024)])
     assert "recompute_ratio 0.3 (now 0.2)" in row[2] and "without min_recompute (now 256)" in row[2]
     assert "early_layers" not in row[2]  # at today's value it does what versions without it did
 
@@ -67,6 +129,7 @@ def test_an_older_default_is_labelled_with_what_differed() -> None:
 def test_a_date_not_recorded_comes_from_git_and_says_so(tmp_path: Path) -> None:
     result = json.loads((RESULTS / "vllm.json").read_text())
     del result["machine"]["date"]
+    result["command"] = "kvblend bench vllm"
     (tmp_path / "old.json").write_text(json.dumps(result))
     env = {"GIT_AUTHOR_DATE": "2026-01-02T03:04:05Z", "GIT_COMMITTER_DATE": "2026-01-02T03:04:05Z"}
     commit = ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a run"]
@@ -74,7 +137,7 @@ def test_a_date_not_recorded_comes_from_git_and_says_so(tmp_path: Path) -> None:
         subprocess.run(
             ["git", *command], cwd=tmp_path, check=True, env={**env, "PATH": "/usr/bin:/bin"}
         )
-    figure = Figure("x", "old.json", "vllm-stall", command="c", default_config="BlendConfig()")
+    figure = Figure("x", "old.json", "vllm-stall", default_config="BlendConfig()")
     (row,) = headline_rows(tmp_path, [figure])
     assert row[5] == "2026-01-02 (git)"
     assert "threads: 1 (vLLM's forward: 2 cores less 1 reserved)" in row[4]

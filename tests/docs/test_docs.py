@@ -11,7 +11,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-MARKDOWN = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+MARKDOWN = [
+    ROOT / "README.md",
+    *sorted(DOCS.glob("*.md")),
+    *sorted((ROOT / "benchmarks").rglob("*.md")),
+]
 
 # [text](target) and ![alt](target), target without spaces; skips code spans and fenced blocks.
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
@@ -115,9 +119,7 @@ _INDEX_INSTALL = re.compile(r"""pip install\b[^\n`]*?(?<![\w/.-])['"]?kvblend(?:
 
 def _doc_files() -> list[Path]:
     """Every Markdown and notebook file a reader opens: README, docs, benchmarks, cookbook."""
-    found = [*MARKDOWN, *sorted((ROOT / "cookbook").glob("*.ipynb"))]
-    found += sorted((ROOT / "benchmarks").rglob("*.md"))
-    return found
+    return [*MARKDOWN, *sorted((ROOT / "cookbook").glob("*.ipynb"))]
 
 
 def test_no_install_line_names_an_index_kvblend_is_not_on() -> None:

@@ -4,9 +4,9 @@ The block is read from the README itself; each ``kvblend`` line runs through the
 own `main` (with a tiny random model standing in for the bundled one: this checks the paths,
 files and options the lines name, not answers, which ``tests/cli/test_cli.py`` checks on the
 bundled model), each other line (``mkdir``, ``echo``) through ``bash``, in a folder laid out as a
-clone is, with its own store folder. Every line must succeed, and what the lines name must
-exist when they need it. The cookbook's documented runner (``pytest --nbmake``) must be what
-the install provides.
+clone is, with its own store folder. Every line must succeed, what the lines name must exist
+when they need it, and the clone holds no new file afterwards. The cookbook's documented
+runner (``pytest --nbmake``) must be what the install provides.
 """
 
 from __future__ import annotations
@@ -96,6 +96,8 @@ def test_the_readme_command_line_runs_as_written_in_a_clone(
     assert explained and "1 document(s) found" in explained[0]  # the note precomputed above
     assert any("entries:" in out for command, out in ran if command == "store")
     assert said["store"].startswith("cleared ") and not list((tmp_path / "store").rglob("*.val"))
+    # the block leaves nothing in the clone (its notes go to /tmp, its KV to the store folder)
+    assert sorted(path.name for path in clone.iterdir()) == ["docs"], list(clone.iterdir())
 
 
 def test_the_cookbook_runner_the_notebooks_name_is_installed() -> None:

@@ -1,26 +1,28 @@
-"""The README's figures table, written from the results the project records.
+"""The figures tables of the README and the results page, written from the recorded results.
 
-Every speed and quality figure the README states is a row of one table, generated from
-``benchmarks/results/*.json`` by ``kvblend bench headline``: printed as Markdown, written into
-the README between its markers (``--write README.md``), or checked against them (``--check
-README.md``: exit status 1 when they differ; ``tests/bench/test_bench_headline.py`` runs the
-same check, so the README cannot drift from the results).
+Every speed and quality figure the README states is a row of one table, and the results page
+(docs/benchmarks.md) holds the current ones in its Speed and Quality tables; each is generated
+from ``benchmarks/results/*.json`` by ``kvblend bench headline``: printed as Markdown, written
+into a file between its markers (``--write README.md``, ``--write docs/benchmarks.md``), or
+checked against them (``--check FILE``: exit status 1 when they differ;
+``tests/bench/test_bench_headline.py`` runs the same check, so neither page can drift from the
+results).
 
-`FIGURES` is the one list of what the table shows. Each `Figure` names a result file, which
-number in it (`kind` and its selectors) and what the row is about; the rest comes from the
-result itself. To add a row: record the result (``kvblend bench ... --output
-benchmarks/results/NAME.json``), add a `Figure` to `FIGURES`, run ``kvblend bench headline
---write README.md``. A row that replaces an older one replaces its `Figure`.
+`TABLES` names the tables and `SPEED` and `QUALITY` list their rows; the README's `FIGURES` are
+both. Each `Figure` names a result file, which number in it (`kind` and its selectors) and what
+the row is about; the rest comes from the result itself. To add a row: record the result
+(``kvblend bench ... --output benchmarks/results/NAME.json``), add a `Figure` to `SPEED` or
+`QUALITY`, run ``kvblend bench headline --write README.md`` and ``--write docs/benchmarks.md``.
 
 Each row names its run: the date, the machine, the thread count and the model are the
-result's own (the ``machine`` every bench command records); for a result recorded without
-them, the date is the day of the last commit that changed the file (the one that recorded its
-content), marked "(git)", and the thread count is derived from the result's fields where they
-imply it (vLLM's forward: the cores less those vLLM reserves), marked so. The command is the
-one the result recorded (``command``; every result written since records it), else the one
-the `Figure` gives. The setting of a ``default`` row is the default the result recorded
-(``default_config``, else the `Figure`'s), compared with today's `BlendConfig()`: a row measured
-under an older default says what differed.
+result's own (the ``machine`` every bench command records). The command is the one the result
+recorded (``command``), as a reader runs it from a clone (`reproducible_command`): without the
+options that only say where files went (``--output``, ``--store-dir``, ``--work-dir``,
+``--cache-dir``; a run writes into ``kvblend-bench/``), its data file read from
+``benchmarks/data/`` (checked against the digest the result recorded); a result without a
+command, or whose command names a file a clone does not have, cannot be a row. The setting of a
+``default`` row is the default the result recorded (``default_config``, else the `Figure`'s),
+compared with today's `BlendConfig()`: a row measured under an older default says what differed.
 """
 
 from __future__ import annotations
@@ -39,24 +41,24 @@ __all__ = [
     "BEGIN",
     "END",
     "FIGURES",
+    "QUALITY",
+    "SPEED",
+    "TABLES",
     "Figure",
     "add_headline_arguments",
     "cmd_headline",
     "headline_table",
     "readme_table",
+    "reproducible_command",
+    "write_tables",
 ]
 
 #: The README's markers around the generated table.
 BEGIN = "<!-- figures:begin (written by `kvblend bench headline --write README.md`) -->"
 END = "<!-- figures:end -->"
 
-#: Today's default as the results of the days it did not yet record it ran it (checked against
-#: the code: `BlendConfig()` has not changed since 2026-11-25).
-_DEFAULT_SINCE_2026_11_25 = (
-    "BlendConfig('attention', recompute_ratio=0.2, early_ratio=0.4, early_layers=0.0, "
-    "probe_layers=1.0, min_recompute=256, lead_tokens=8, short_document=32, full_above=0.8, "
-    "correction=0.5)"
-)
+#: Where a clone keeps the data files the benchmarks read (``--data``).
+DATA_DIR = Path(__file__).resolve().parents[3] / "benchmarks" / "data"
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ class Figure:
     ``"vllm-ttft"`` (vLLM with
     kvblend's TTFT as a share of vanilla vLLM's at `tokens`: ``kvblend bench vllm``) or
     ``"vllm-stall"`` (the streaming client's longest pause, as a share of vanilla's).
-    `command` and `default_config` are for results that did not record them; `note` is
+    `default_config` is for a result that did not record the default it ran; `note` is
     anything else the row must say.
     """
 
@@ -88,93 +90,18 @@ class Figure:
     head: str | None = None
     k: int | None = None
     row: str | None = None
-    command: str | None = None
     default_config: str | None = None
     note: str = ""
 
 
-#: What the README's figures table shows, in order. Add rows here (see the module's doc).
-FIGURES: tuple[Figure, ...] = (
+#: The results page's Speed table, in order; the README shows it too. Add rows here.
+SPEED: tuple[Figure, ...] = (
     Figure(
         what="CPU TTFT, 1K-token RAG prompt (2 x 512-token documents)",
         result="ttft_1k.json",
         kind="ttft",
         tokens=1024,
         note="median of 5 repeats on a busy machine",
-    ),
-    Figure(
-        what="CPU TTFT, 4K-token RAG prompt (8 x 512-token documents)",
-        result="ttft_4k_final.json",
-        kind="ttft",
-        tokens=4096,
-        command="kvblend bench ttft --lengths 4096 --strategies "
-        "full,default,cacheblend-value-0.15,reuse --repeats 3 --no-disk --decode-tokens 0 "
-        "--threads 1",
-        default_config=_DEFAULT_SINCE_2026_11_25,
-        note="median of 3 repeats",
-    ),
-    Figure(
-        what="CPU TTFT, 4K-token RAG prompt, CacheBlend's setting",
-        result="ttft_4k_final.json",
-        kind="ttft",
-        strategy="cacheblend-value-0.15",
-        tokens=4096,
-        command="kvblend bench ttft --lengths 4096 --strategies "
-        "full,default,cacheblend-value-0.15,reuse --repeats 3 --no-disk --decode-tokens 0 "
-        "--threads 1",
-        note="median of 3 repeats",
-    ),
-    Figure(
-        what="GPU TTFT, 4K-token RAG prompt",
-        result="gpu.json",
-        kind="ttft",
-        tokens=4096,
-        command="kvblend bench gpu --model qwen.gguf --device cuda",
-        default_config="BlendConfig('attention', recompute_ratio=0.2, lead_tokens=8, "
-        "short_document=32, full_above=0.7, correction=0.5)",
-        note="before the hot path's rewrite; not measured again",
-    ),
-    Figure(
-        what="Answer accuracy, NQ-open evaluation questions, 10 retrieved passages (gold first, "
-        "middle or last)",
-        result="nq_eval_smollm2.json",
-        kind="nq-quality",
-        row="default+guard=inf",
-        k=10,
-        note="the default's answers with the guard's signals recorded (guard=inf never escalates)",
-    ),
-    Figure(
-        what="Answer accuracy, NQ-open, 10 retrieved passages",
-        result="shapes_qwen2.5-0.5b_probe_layers.json",
-        kind="quality",
-        shape="nq-10",
-        head="untold",
-        command="kvblend bench shapes --model qwen2.5-0.5b.gguf --threads 1 --shapes "
-        "nq-10,nq-20 --questions 12 --heads auto --strategies "
-        "full,default,default+probe_layers=0.5,default+probe_layers=0.25",
-    ),
-    Figure(
-        what="Answer accuracy, six prompt shapes pooled (NQ 5/10/20 passages, QA task, "
-        "records, long documents)",
-        result="shapes_smollm2.json",
-        kind="quality",
-        head="told",
-        command="kvblend bench shapes --data nq_open_gold_2000.jsonl.gz --threads 1 --strategies "
-        "full,default --heads both --shapes S --questions 40 (25 for nq-20), four runs merged",
-        note="pooled over runs of different days: the long-document rows ran before "
-        "short_document and full_above existed",
-    ),
-    Figure(
-        what="Answer accuracy, six prompt shapes pooled (NQ 5/10/20 passages, QA task, "
-        "records, long documents)",
-        result="shapes_qwen2.5-0.5b.json",
-        kind="quality",
-        head="untold",
-        command="kvblend bench shapes --model qwen2.5-0.5b.gguf --data nq_open_gold_2000.jsonl.gz "
-        "--threads 1 --strategies full,default --heads auto --shapes S --questions 20 (12 for "
-        "nq-20), three runs merged",
-        note="pooled over runs of different days: the long-document rows ran before "
-        "short_document and full_above existed",
     ),
     Figure(
         what="vLLM TTFT, 4K-token RAG prompt, served in bfloat16",
@@ -199,6 +126,25 @@ FIGURES: tuple[Figure, ...] = (
         note="the three prompts answered in 0.49 of vanilla's time",
     ),
 )
+
+#: The results page's Quality table, in order; the README shows it too. Add rows here.
+QUALITY: tuple[Figure, ...] = (
+    Figure(
+        what="Answer accuracy, NQ-open evaluation questions, 10 retrieved passages (gold first, "
+        "middle or last)",
+        result="nq_eval_smollm2.json",
+        kind="nq-quality",
+        row="default+guard=inf",
+        k=10,
+        note="the default's answers with the guard's signals recorded (guard=inf never escalates)",
+    ),
+)
+
+#: The README's figures table: the rows of both.
+FIGURES: tuple[Figure, ...] = SPEED + QUALITY
+
+#: Every generated table by the name of its markers (``<!-- NAME:begin ... -->``).
+TABLES: dict[str, tuple[Figure, ...]] = {"figures": FIGURES, "speed": SPEED, "quality": QUALITY}
 
 _COLUMNS = ("figure", "measured", "setting", "model", "machine; threads", "date", "run")
 
@@ -318,6 +264,9 @@ _AS_BEFORE = {
     "probe_layers": "1.0",
     "probe_tail": "False",
     "guard": "None",
+    "stale_temperature": "1.0",
+    "window": "1",
+    "per_document": "0",
 }
 
 
@@ -403,19 +352,72 @@ def _date(results: Path, result: Mapping[str, Any], figure: Figure) -> str:
     return str(date).split(" ")[0] if date else _git_date(results, figure.result)
 
 
+#: Options that only say where a run's files go: a reader's run leaves them to their defaults
+#: (results into ``kvblend-bench/``, documents' KV in memory or a temporary folder).
+_PLACE_OPTIONS = ("--output", "--store-dir", "--work-dir", "--cache-dir")
+
+
+def reproducible_command(command: str, data_sha256: str | None = None) -> str:
+    """Return a recorded ``command`` as a reader runs it from the root of a clone.
+
+    The options of `_PLACE_OPTIONS` are dropped; ``--data PATH`` becomes the file of that name
+    in ``benchmarks/data/`` (whose SHA-256 must be ``data_sha256`` when the result recorded
+    one). A command that still names a file outside the clone (an absolute path, ``..``) or
+    is not a ``kvblend`` command is a `HeadlineError`.
+    """
+    import hashlib
+    import shlex
+
+    try:
+        words = shlex.split(command)
+    except ValueError as error:
+        raise HeadlineError(f"cannot read the command {command!r}: {error}") from None
+    if words[:1] != ["kvblend"]:
+        raise HeadlineError(f"not a kvblend command a clone runs as written: {command!r}")
+    kept: list[str] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        name, _, inline = word.partition("=")
+        value = inline if inline else (words[index + 1] if index + 1 < len(words) else "")
+        step = 1 if inline else 2
+        if name in _PLACE_OPTIONS:
+            index += step
+            continue
+        if name == "--data":
+            local = DATA_DIR / Path(value).name
+            if not local.is_file():
+                raise HeadlineError(f"{command!r} reads {value}, which benchmarks/data/ lacks")
+            if data_sha256 and hashlib.sha256(local.read_bytes()).hexdigest() != data_sha256:
+                raise HeadlineError(f"benchmarks/data/{local.name} is not the file {value} was")
+            kept += ["--data", f"benchmarks/data/{local.name}"]
+            index += step
+            continue
+        if word.startswith(("/", "~", "..")) or "/../" in word:
+            raise HeadlineError(f"{command!r} names {word}, which a clone does not have")
+        kept.append(word)
+        index += 1
+    return shlex.join(kept)
+
+
 def _command(result: Mapping[str, Any], figure: Figure) -> str:
-    command = result.get("command") or figure.command
+    command = result.get("command")
     if not command:
-        raise HeadlineError(f"{figure.result}: no command recorded; give the Figure one")
-    return f"`{command}`"
+        raise HeadlineError(f"{figure.result}: no command recorded; it cannot be a row")
+    return f"`{reproducible_command(str(command), result.get('data_sha256'))}`"
 
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def headline_rows(results: Path, figures: Sequence[Figure] = FIGURES) -> list[list[str]]:
-    """Return the table's cells, a list per `Figure`, read from the result files in ``results``."""
+def headline_rows(
+    results: Path, figures: Sequence[Figure] = FIGURES, link: str = "benchmarks/results/"
+) -> list[list[str]]:
+    """Return the table's cells, a list per `Figure`, read from the result files in ``results``.
+
+    ``link``: the result files' folder as the page holding the table links it.
+    """
     rows = []
     for figure in figures:
         reader = _READERS.get(figure.kind)
@@ -423,7 +425,7 @@ def headline_rows(results: Path, figures: Sequence[Figure] = FIGURES) -> list[li
             raise HeadlineError(f"unknown kind {figure.kind!r} (one of {', '.join(_READERS)})")
         result = _load(results, figure.result)
         measured = reader(result, figure) + (f"; {figure.note}" if figure.note else "")
-        run = f"{_command(result, figure)} ([{figure.result}](benchmarks/results/{figure.result}))"
+        run = f"{_command(result, figure)} ([{figure.result}]({link}{figure.result}))"
         rows.append([
             figure.what, measured, _setting(result, figure), _model(result), _machine(result),
             _date(results, result, figure), run,
@@ -431,15 +433,47 @@ def headline_rows(results: Path, figures: Sequence[Figure] = FIGURES) -> list[li
     return rows
 
 
-def headline_table(results: Path, figures: Sequence[Figure] = FIGURES) -> str:
-    """Return the README's figures table (Markdown) from the recorded results in ``results``."""
+def headline_table(
+    results: Path, figures: Sequence[Figure] = FIGURES, link: str = "benchmarks/results/"
+) -> str:
+    """Return a figures table (Markdown) from the recorded results in ``results``."""
     lines = [
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "---|" * len(_COLUMNS),
         *("| " + " | ".join(_cell(cell) for cell in row) + " |"
-          for row in headline_rows(results, figures)),
+          for row in headline_rows(results, figures, link)),
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _markers(name: str) -> tuple[str, str]:
+    if name == "figures":
+        return BEGIN, END
+    return (f"<!-- {name}:begin (written by `kvblend bench headline --write FILE`) -->",
+            f"<!-- {name}:end -->")  # fmt: skip
+
+
+def write_tables(text: str, results: Path, page: Path) -> str:
+    """Return ``text`` (the page at ``page``) with every table of `TABLES` it marks rewritten.
+
+    The result files are linked relative to the page. A page that marks no table is a
+    `HeadlineError`.
+    """
+    import os
+
+    link = Path(os.path.relpath(results.resolve(), page.resolve().parent)).as_posix() + "/"
+    found = False
+    for name, figures in TABLES.items():
+        begin, end = _markers(name)
+        start, stop = text.find(begin), text.find(end)
+        if start < 0 or stop < start:
+            continue
+        found = True
+        table = headline_table(results, figures, link)
+        text = text[: start + len(begin)] + "\n" + table + "\n" + text[stop:]
+    if not found:
+        raise HeadlineError(f"{page} marks no figures table (<!-- NAME:begin ... --> and end)")
+    return text
 
 
 def readme_table(text: str) -> tuple[int, int]:
@@ -464,28 +498,26 @@ def add_headline_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_headline(args: argparse.Namespace) -> None:
-    """Print, write or check the README's figures table."""
+    """Print, write or check the figures tables of a page (the README, the results page)."""
     try:
-        table = headline_table(Path(args.results))
         if args.write is None and args.check is None:
-            print(table)
+            print(headline_table(Path(args.results)))
             return
         path = Path(args.write or args.check)
         text = path.read_text("utf-8")
-        start, end = readme_table(text)
+        wanted = write_tables(text, Path(args.results), path)
     except (HeadlineError, OSError) as error:
         print(f"kvblend bench headline: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
-    wanted = text[:start] + "\n" + table + "\n" + text[end:]
     if args.check is not None:
         if wanted != text:
             print(
-                f"kvblend bench headline: {path}'s figures table is not what {args.results} "
+                f"kvblend bench headline: {path}'s figures tables are not what {args.results} "
                 f"gives; run kvblend bench headline --write {path}",
                 file=sys.stderr,
             )
             raise SystemExit(1)
-        print(f"{path}: the figures table matches {args.results}")
+        print(f"{path}: the figures tables match {args.results}")
         return
     path.write_text(wanted, "utf-8")
-    print(f"wrote the figures table into {path}", file=sys.stderr)
+    print(f"wrote the figures tables into {path}", file=sys.stderr)

@@ -23,10 +23,9 @@ factor that gives the slice the least squared error (`CLIP_FACTORS`), at precomp
 each token's values are first turned by an orthonormal Hadamard transform over ``head_dim``
 (`hadamard`; one per block of the largest power of two dividing it), which spreads an outlier
 channel over all of them and leaves a near-Gaussian spread, then coded on the 16 levels of a
-Gaussian's Lloyd-Max quantizer (`GAUSSIAN_LEVELS`) instead of an evenly spaced grid. On
-the values twelve NQ passages store, this lowers the squared error of 4-bit values by 23% on
-SmolLM2-135M (relative error 0.0086 -> 0.0066) and 27% on Qwen2.5-Coder-0.5B (0.0090 -> 0.0065)
-at the same bytes (``scripts/codec_value_error.py``); decoding adds a table lookup and one
+Gaussian's Lloyd-Max quantizer (`GAUSSIAN_LEVELS`) instead of an evenly spaced grid: a lower
+squared error of 4-bit values at the same bytes (``scripts/codec_value_error.py`` measures it;
+the figures are in benchmarks/codecs.md); decoding adds a table lookup and one
 ``head_dim x head_dim`` product per layer group. Keys keep the plain per-channel scheme (they
 are re-rotated by RoPE after decoding, and 8 bits are already within 0.5 of a step).
 

@@ -1,13 +1,10 @@
 """CPU threads of the blend loop's ops: an op gets every thread only where that pays, now.
 
 On the CPU torch splits every op above about 32K elements between all of its intra-op threads,
-which meet at a barrier when the op ends. On idle cores a barrier costs tens of microseconds;
-when other processes keep the cores busy it costs what the scheduler makes the slowest thread
-wait: milliseconds. Measured on this project's 2-core machine with other jobs running (load
-about 4): a 0.4 ms element-wise ``mul`` took 16 ms on two threads, a 0.7 ms projection of 34
-rows 32 ms, one of 917 rows 48 ms instead of 31; at load 6-7 a default 4K blend took about
-three times as long on two threads as on one (a full prefill, whose ops are big, 1.1-1.5
-times; docs/benchmarks.md). A blend computes a fifth of the rows or fewer, so its ops are
+which meet at a barrier when the op ends. On idle cores a barrier costs little; when other
+processes keep the cores busy it costs what the scheduler makes the slowest thread wait, which
+can be many times a small op's own time (the measurements are in benchmarks/cpu.md, "CPU
+threads on a busy machine"). A blend computes a fifth of the rows or fewer, so its ops are
 small (RoPE, the stale-KV correction, gathers and writes of a few hundred rows, a probe's few
 dozen rows): it is the first to lose.
 
