@@ -77,9 +77,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
     return report
 
 
-# A fixed thread count for the whole run, whatever the machine's load (kvblend's default
-# follows the load: `kvblend.engine.threads`); engines built with threads=None keep it.
-use_threads(min(2, torch.get_num_threads()))
+# One thread for the whole run, whatever the machine's load (kvblend's default follows the
+# load: `kvblend.engine.threads`); engines built with threads=None keep it. The tests' models
+# are tiny, their ops microseconds: on a busy machine a second thread's barrier costs
+# milliseconds an op (`kvblend.blend.threads`), which made the tests' time follow the load
+# (tests/decoding: 119 s on two threads, 16 s on one, at load 8). Tests of threading set
+# their own counts.
+use_threads(1)
 
 # hidden_size=64, 3 layers, GQA 4/2 heads: small enough to be instant, big enough to be real.
 TINY = dict(
