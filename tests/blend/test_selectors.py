@@ -32,7 +32,7 @@ def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
     assert BlendConfig().settings == {
         "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
-        "min_recompute": 256,
+        "min_recompute": 256, "window": 1, "per_document": 0,
         "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
         "probe_tail": False, "guard": None,
     }  # fmt: skip

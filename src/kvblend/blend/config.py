@@ -24,7 +24,11 @@ class BlendConfig:
       KV; the reused tokens the prompt's uncached tail (the question) attends to most are then
       recomputed at every layer. Settings: ``recompute_ratio`` (0.2, share of moved tokens
       recomputed), ``min_recompute`` (256: at least this many moved tokens recomputed, leading
-      ones included), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
+      ones included), ``window`` (1: the probe ranks blocks of this many consecutive moved
+      tokens by their summed score and recomputes whole blocks, the budget rounded up to whole
+      blocks), ``per_document`` (0: each moved document first gets its own top this many
+      tokens, the rest of the budget going to the top of all; the minima are the budget when
+      they exceed it), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
       top), ``short_document`` (32: moved documents of at most this many tokens recomputed
       whole), ``full_above`` (0.8: a blend whose estimated cost is above this share of a full
       prefill's recomputes every moved token; 1 never; ``stats.fallback`` says why),

@@ -38,6 +38,14 @@ from kvblend.blend.selectors.base import (
     ratio,
     tolerance,
 )
+from kvblend.blend.selectors.ranking import (
+    UnitBudget,
+    Units,
+    candidate_runs,
+    ranked_units,
+    unit_budget,
+    units_of,
+)
 from kvblend.blend.selectors.tail_attention import TailAttention, tail_rows
 
 __all__ = ["AttentionSelector", "attention_budget"]
@@ -106,6 +114,7 @@ def attention_budget(
     a share of full prefill's); above ``full_above`` every moved row is recomputed (the prompt head
     stays reused in place).
     """
+    spans = list(spans)
     is_moved = np.asarray(kinds) == MOVED  # counted in numpy: no loop over tokens
     moved = int(np.count_nonzero(is_moved))
     uncached = int(np.count_nonzero(np.asarray(kinds) == COMPUTE))
@@ -114,14 +123,20 @@ def attention_budget(
     for span in spans:
         if span.kind == MOVED:
             rows = span.end - span.start if span.end - span.start <= short else lead_count
-            lead += int(np.count_nonzero(is_moved[span.start : span.start + rows]))
+            lead += int(np.count_nonzero(is_moved[span.start : min(span.end, span.start + rows)]))
     candidates = moved - lead
     share = round(options["recompute_ratio"] * moved)
     keep = min(max(share, options["min_recompute"] - lead), candidates)
     early = keep
     if options["early_layers"] > 0:
         early = min(max(round(options["early_ratio"] * moved), keep), candidates)
-    probe = uncached if 0 < keep < candidates or 0 < early < candidates else 0
+    selectable, units = candidates, None  # the rows the probe ranks (in blocks: the full ones)
+    if keep < candidates and (options["window"] > 1 or options["per_document"] > 0):
+        runs = candidate_runs(np.asarray(kinds), spans, lead_count, short)
+        units = unit_budget((run.size for run in runs), keep, early, options["window"],
+                            options["per_document"])  # fmt: skip
+        keep, early, selectable = units.keep, units.early, units.selectable
+    probe = uncached if 0 < keep < selectable or 0 < early < selectable else 0
     if probe and options["probe_tail"]:  # the probe computes the question's tail alone
         probe = tail_rows(np.asarray(kinds)).size
     cached = len(kinds) - uncached - lead - keep
@@ -129,15 +144,8 @@ def attention_budget(
     probed = probe * options["probe_layers"]
     rows = uncached + lead + keep + funnel + probed + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
     cost = rows / max(len(kinds), 1)
-    reason = None
-    if moved and keep == candidates and options["recompute_ratio"] < 1:
-        reason = (
-            f"short_document: every moved document has at most {short} tokens"
-            if lead == moved
-            else f"min_recompute: the floor of {options['min_recompute']} tokens covers all "
-            f"{moved} moved tokens"
-        )
-    elif moved and options["full_above"] < 1 and cost > options["full_above"]:
+    reason = _covered_reason(options, moved, lead, units) if moved and keep == candidates else None
+    if reason is None and moved and options["full_above"] < 1 and cost > options["full_above"]:
         limit = options["full_above"]
         reason = (
             f"full_above: blend would cost {share_above(cost, limit)} of full prefill "
@@ -147,6 +155,31 @@ def attention_budget(
     if recompute_all:
         keep, early, probe = candidates, candidates, 0
     return AttentionBudget(lead, keep, early, probe, recompute_all, cost, reason)
+
+
+def _covered_reason(
+    options: dict[str, Any], moved: int, lead: int, units: UnitBudget | None
+) -> str | None:
+    """Which rule makes the budget cover every moved row (None: ``recompute_ratio`` of 1)."""
+    if units is not None:  # the rows became blocks or minima that cover every row
+        if units.minimum + lead == moved:
+            return (
+                f"per_document: {options['per_document']} tokens of each moved document cover "
+                f"all {moved} moved tokens"
+            )
+        return (
+            f"window: the budget in whole blocks of {options['window']} tokens covers all "
+            f"{moved} moved tokens"
+        )
+    if options["recompute_ratio"] >= 1:
+        return None
+    if lead == moved:
+        short = options["short_document"]
+        return f"short_document: every moved document has at most {short} tokens"
+    return (
+        f"min_recompute: the floor of {options['min_recompute']} tokens covers all {moved} "
+        "moved tokens"
+    )
 
 
 def share_above(cost: float, limit: float) -> str:
@@ -180,6 +213,12 @@ def _layer_share(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ValueError(f"{name} must be a share of the model's layers in [0, 1), got {value!r}")
     return float(value)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
 
 
 def _probe_share(name: str, value: Any) -> float:
@@ -228,6 +267,11 @@ class AttentionSelector(Selector):
     saw only the document head when cached and act as the document's attention sink; a short
     document's answer depends on them most), on top of the ratio's budget.
 
+    ``window`` (1 by default) ranks blocks of that many consecutive candidate rows of a document
+    by their summed score and recomputes whole blocks, the budget rounded up to whole blocks;
+    ``per_document`` (0 by default) gives every moved document its own top rows first (blocks
+    with ``window``), the rest of the budget going to the top of all (`ranking`).
+
     ``probe_layers`` (a share of the model's layers, all by default) runs the probe over the
     first layers only: it costs less, and on a GPU the prefill starts while the later layers'
     cached KV is still being copied (the copies of every layer are issued as the probe starts).
@@ -254,6 +298,18 @@ class AttentionSelector(Selector):
         ),
         "min_recompute": Setting(
             256, non_negative_int, "moved tokens recomputed at least, leading ones included"
+        ),
+        "window": Setting(
+            1,
+            _positive_int,
+            "the probe ranks blocks of this many consecutive moved tokens (summed scores) and "
+            "recomputes whole blocks (1: single tokens)",
+        ),
+        "per_document": Setting(
+            0,
+            non_negative_int,
+            "each moved document's top tokens recomputed first, the rest of the budget going to "
+            "the top of all (0: none)",
         ),
         "lead_tokens": Setting(8, non_negative_int, "leading tokens of each moved document"),
         "short_document": Setting(
@@ -311,13 +367,14 @@ class AttentionSelector(Selector):
             computed[moved] = True
             return Selection(torch.from_numpy(np.flatnonzero(computed)))
         candidates = moved[~lead[moved]]  # moved rows not recomputed already
+        units = self.units(context)
+        selectable = candidates if units is None else units.flat  # the rows the probe ranks
+        num_layers = context.decoder.shape.num_layers
         if not budget.probe:  # nothing to rank (no row, or every row, early; none later)
-            computed[candidates[: budget.early]] = True
-            return Selection(torch.from_numpy(np.flatnonzero(computed)))
+            return self.host_selection(computed, selectable[: budget.early], context.decoder)
         tail = tail_rows(kinds)
         probe_rows = tail if self.options["probe_tail"] else np.flatnonzero(uncached)
         observer = TailAttention(context.decoder, probe_rows, tail, kinds.size)
-        num_layers = context.decoder.shape.num_layers
         layers = probe_layer_count(self.options["probe_layers"], num_layers)
         guarded = self.guard_tolerance is not None and layers == num_layers
         start = context.run_pass(
@@ -327,20 +384,52 @@ class AttentionSelector(Selector):
         # summed over every tensor-parallel rank's heads, so every rank picks the same rows
         self.scores = scores = context.decoder.reduce_scores(observer.scores)
         # the chosen rows, best first, stay on the device: no read-back
-        ranked = ranked_candidates(scores, candidates, budget.early)
+        if units is None:
+            ranked = ranked_candidates(scores, candidates, budget.early)
+        else:  # whole blocks, each document's first stage first
+            ranked = ranked_units(scores, units, budget.early)
         if guarded:  # the probe's answer, and the question's reading left stale
             assert start.logits is not None
             self.guard_inputs = (start.logits, stale_share(scores, moved, candidates, ranked,
                                                            budget.keep))  # fmt: skip
         base = np.flatnonzero(computed)
-        rows = chosen_rows(base, ranked, candidates, context.decoder.device)
+        rows = chosen_rows(base, ranked, selectable, context.decoder.device)
         layers = early_layer_count(self.options["early_layers"], num_layers)
         if budget.early > budget.keep and layers:  # the funnel narrows after the early layers
-            later = chosen_rows(base, ranked[: budget.keep], candidates, rows.positions.device)
+            later = chosen_rows(base, ranked[: budget.keep], selectable, rows.positions.device)
             keep = torch.searchsorted(rows.positions, later.positions)
             self.later = Narrowing(keep, later)
             self.refine_layers = frozenset([layers])
         return Selection(rows, start=start)
+
+    def units(self, context: SelectionContext) -> Units | None:
+        """Return the candidates in blocks of ``window`` with each document's first stage, or None.
+
+        None: single rows and no minimum (the plain ranking).
+        """
+        if self.options["window"] == 1 and self.options["per_document"] == 0:
+            return None
+        runs = candidate_runs(context.kinds.numpy(), context.spans, self.options["lead_tokens"],
+                              self.options["short_document"])  # fmt: skip
+        return units_of(runs, self.options["window"], self.options["per_document"])
+
+    def host_selection(
+        self, computed: np.ndarray, early: np.ndarray, decoder: ModelAdapter
+    ) -> Selection:
+        """Select ``computed`` and the ``early`` rows, known on the host: no probe ranks them.
+
+        With a funnel that keeps none of them (``budget.keep`` 0), the early rows leave after
+        the early layers.
+        """
+        base = np.flatnonzero(computed)
+        computed[early] = True
+        positions = np.flatnonzero(computed)
+        layers = early_layer_count(self.options["early_layers"], decoder.shape.num_layers)
+        if self.budget.early > self.budget.keep and layers:  # every row early, none later
+            stay = np.searchsorted(positions, base)
+            self.later = Narrowing(stay, RowSet.from_host(base, decoder.device))
+            self.refine_layers = frozenset([layers])
+        return Selection(torch.from_numpy(positions))
 
     def refine(
         self,
