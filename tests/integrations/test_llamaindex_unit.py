@@ -80,7 +80,12 @@ def test_import_without_llama_index_names_the_extra(monkeypatch: pytest.MonkeyPa
         if name == "kvblend.llamaindex" or name.startswith("kvblend.llamaindex."):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "llama_index.core", None)  # `import llama_index.core` fails
-    with pytest.raises(ImportError, match=r'pip install "kvblend\[llamaindex\]"'):
+    # the extra's package, and the clone's install (kvblend is on no package index)
+    wanted = (
+        r"llama-index-core: pip install 'llama-index-core>=0\.14' "
+        r".*pip install -e '\.\[llamaindex\]'"
+    )
+    with pytest.raises(ImportError, match=wanted):
         importlib.import_module("kvblend.llamaindex")
 
 
