@@ -193,7 +193,7 @@ def vllm_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, An
             engine.model, engine.tokenizer, store=store, name=engine.name, check_parity=False,
             kv_codec="int8",
         )  # fmt: skip
-        assert int8.library.segment_kv.model_fingerprint == engine.library.fingerprint
+        assert int8.library.segment_kv.fingerprint == engine.library.fingerprint
         int8.precompute(stored)  # the bench's documents, in int8 too
         env = {
             **os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",

@@ -6,11 +6,17 @@ tokens it recomputes, whether it computes every one of them instead of blending 
 and the documents found in the prompt that end up not reused. `BlendEngine.prefill` reports it
 in its stats, `BlendEngine.explain` prints it and vLLM's scheduler counts the cached tokens from
 it, so the three agree by construction, for a strategy registered from outside too.
+
+What the forecast says in words is rendered from its records where a person reads it
+(`describe_lost`); `FallbackLog` logs the reasons a prefill was not blended as asked, each
+cause once a minute (the engine's reports, the vLLM connector's own reasons).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +28,7 @@ __all__ = [
     "NO_DOCUMENTS",
     "NO_DOCUMENTS_CAUSE",
     "BlendForecast",
+    "FallbackLog",
     "Lost",
     "describe_lost",
     "documents",
@@ -151,3 +158,61 @@ def forecast_blend(plan: PrefillPlan, selector: Selector) -> BlendForecast:
     strategy_run = "full" if fallback is not None else selector.name
     rows = uncached + (moved if fallback is not None else recomputed + forecast.partial_rows)
     return BlendForecast(strategy_run, recomputed, fallback, forecast.cost, lost, rows, cause)
+
+
+class FallbackLog:
+    """Warn once per cause and ``interval`` seconds (a busy server logs each cause once).
+
+    `report` logs the reasons a prefill gives for not reusing the prompt's documents.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float = 60.0) -> None:
+        self.logger = logger
+        self.interval = interval
+        self._last: dict[str, float] = {}
+
+    def warn(self, cause: str, message: str, level: int = logging.WARNING) -> None:
+        """Log ``message`` unless ``cause`` was logged less than ``interval`` seconds ago."""
+        now = time.monotonic()
+        if now - self._last.get(cause, -float("inf")) < self.interval:
+            return
+        self._last[cause] = now
+        self.logger.log(level, "%s", message)
+
+    def report(
+        self,
+        fallback: str | None,
+        cause: str | None,
+        lost: Sequence[Lost],
+        near_miss: str | None = None,
+        known: int | None = None,
+    ) -> None:
+        """Log each reason a prompt's documents were not reused, once per cause a minute.
+
+        ``fallback`` and its ``cause``: why the prompt was computed in full (`BlendForecast`,
+        or the guard); ``lost``: the documents found and not reused. A prompt without a known
+        document (a greeting, a rephrasing step) is logged at INFO level, with the ``known``
+        documents that could have been found in it; one that holds the start of a known
+        document, not its whole text (``near_miss``), is a warning.
+        """
+        if cause == NO_DOCUMENTS_CAUSE:
+            self.warn(
+                "no_documents", f"no known document in the prompt ({known} known): computed in "
+                "full (stats.fallback); a document is found only when its exact text occurs in "
+                "the prompt; engine.explain(prompt) or `kvblend explain` shows what is reused",
+                level=logging.INFO,
+            )  # fmt: skip
+        elif fallback is not None:
+            self.warn(
+                cause or fallback, f"blend ran as full prefill: {fallback} (stats.fallback; "
+                "docs/configuration.md says when and how to change it)",
+            )  # fmt: skip
+        for item in lost:
+            if not item.recomputed:  # a document recomputed whole: the fallback's line says it
+                self.warn(f"lost: {item.reason}", f"found document not reused: {item}")
+        if near_miss is not None:
+            self.warn(
+                "near_miss", f"no precomputed document reused there: {near_miss}; a "
+                "document is found only when its exact text occurs in the prompt; "
+                "engine.explain(prompt) or `kvblend explain` shows what is reused",
+            )  # fmt: skip

@@ -40,7 +40,6 @@ from kvblend.blend.selectors import Selector
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan
-from kvblend.prompt.segments import segment_key
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +199,7 @@ def _open_entry(
     With ``device``, the entry is read whole (and checked) now; without, where the store keeps
     it. An entry that cannot be opened or read is dropped from the store.
     """
-    key = segment_key(segment_kv.fingerprint, span.context_ids, span.cached_ids)
+    key = segment_kv.entry_key(span.context_ids, span.cached_ids)
     try:
         entry = segment_kv.open_entry(key, len(span.cached_ids), device)
         if entry is not None and device is not None:

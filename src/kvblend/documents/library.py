@@ -2,7 +2,8 @@
 
 `DocumentLibrary` wires a `SegmentKV` (computing, checking and opening the store entries of
 document KV) to a `DocumentRegistry` (the documents found in prompt strings, shared by every
-engine over the same store and model) for one model and document context. It checks documents
+engine over the same store and model) for one model and document context;
+`DocumentLibrary.open` is how the engine and the vLLM connector both build one. It checks documents
 before anything is computed, precomputes and registers them, chooses the stored context a
 document's KV is read from, cuts a prompt string into the known documents in it and the text
 between, and tells which of a plan's documents the store holds. `BlendEngine`'s document
@@ -15,27 +16,31 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.kv_codec import NO_CODEC, KVCodec
+from kvblend.blend.kv_codec import NO_CODEC, KVCodec, kv_codec
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.progress import PrecomputeBar, PrecomputeProgress, ProgressListener
-from kvblend.documents.registry import DocumentRegistry
+from kvblend.documents.registry import DEFAULT_CAPACITY, DocumentRegistry
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.prompt.plan import PrefillPlan, cached_pieces
-from kvblend.prompt.segments import KV_LAYOUT, Segment, segment_key
+from kvblend.prompt.segments import KV_LAYOUT, Segment
 from kvblend.validation import (
     ContextWindow,
     check_count,
     check_text,
     check_texts,
+    longest_token_chars,
     short,
     snippet,
     tokens_beyond,
 )
+
+if TYPE_CHECKING:
+    from kvblend.store.base import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class DocumentLibrary:
         self,
         decoder: ModelAdapter,
         tokenizer: Any,
-        store: Any,
+        store: KVStore,
         *,
         fingerprint: str,
         doc_prefix: str | None,
@@ -81,6 +86,35 @@ class DocumentLibrary:
         self.registry = DocumentRegistry(
             store, registry_log(fingerprint), capacity=capacity, stored=self.stored_documents
         )
+
+    @classmethod
+    def open(
+        cls,
+        decoder: ModelAdapter,
+        tokenizer: Any,
+        store: KVStore,
+        *,
+        fingerprint: str,
+        model_name: str,
+        doc_prefix: str | None,
+        kv_dtype: torch.dtype | None = None,
+        codec: str | KVCodec | None = None,
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> DocumentLibrary:
+        """Return the documents of the model ``decoder`` runs over ``store``, behind ``doc_prefix``.
+
+        The window every document and prompt must fit is the model's; entries are stored in
+        ``kv_dtype`` (default: the model's) with the KV ``codec`` (a name or a `KVCodec`; None:
+        full precision); the registry keeps ``capacity`` documents.
+        """
+        window = ContextWindow(
+            decoder.shape.max_positions, longest_token_chars(tokenizer), model_name
+        )
+        return cls(
+            decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
+            kv_dtype=kv_dtype or decoder.dtype, model_name=model_name, window=window,
+            capacity=capacity, kv_codec=kv_codec(codec),
+        )  # fmt: skip
 
     def stored_documents(self) -> Iterator[Mapping[str, str]]:
         """Yield the metadata of this model's entries in the store (to rebuild the registry)."""
@@ -233,9 +267,8 @@ class DocumentLibrary:
 
     def stored_spans(self, plan: PrefillPlan) -> dict[int, bool]:
         """Whether the store holds the KV of each cached span of ``plan`` (by its index)."""
+        key = self.segment_kv.entry_key
         return {
-            index: self.store.contains(
-                segment_key(self.segment_kv.fingerprint, span.context_ids, span.cached_ids)
-            )
+            index: self.store.contains(key(span.context_ids, span.cached_ids))
             for index, span in enumerate(plan.spans)
         }

@@ -31,14 +31,13 @@ ignores the expectation still never feeds a wrong-shaped tensor to the model.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,6 +49,9 @@ from kvblend.documents.records import document_metadata
 from kvblend.prompt.segments import KV_LAYOUT, segment_key
 from kvblend.prompt.tokens import DocumentLayout, document_layout
 
+if TYPE_CHECKING:
+    from kvblend.store.base import EntrySpec, KVStore
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SegmentKV"]
@@ -58,13 +60,17 @@ _LAYOUT_CACHE = 4096  # tokenized documents kept, by text
 
 
 class SegmentKV:
-    """Compute, store, check and open segment KV for one model, store and document context."""
+    """Compute, store, check and open segment KV for one model, store and document context.
+
+    The one maker of segment ids (`entry_key`): the model's fingerprint, mixed with a quantized
+    codec's, and the document's token ids behind its context.
+    """
 
     def __init__(
         self,
         decoder: ModelAdapter,
         tokenizer: Any,
-        store: Any,
+        store: KVStore,
         *,
         fingerprint: str,
         doc_prefix: str | None,
@@ -80,10 +86,9 @@ class SegmentKV:
         self.store = store
         #: How entries are stored: full precision (``none``) or a quantized codec.
         self.codec = codec
-        #: The model's fingerprint (what entries' metadata names).
-        self.model_fingerprint = fingerprint
-        #: What segment ids are made with: the model's, mixed with a quantized codec's name.
-        self.fingerprint = codec.fingerprint(fingerprint)
+        #: The model's fingerprint: what entries' metadata names, and (mixed with a quantized
+        #: codec's name) what their segment ids are made with (`entry_key`).
+        self.fingerprint = fingerprint
         self.doc_prefix = doc_prefix
         self.kv_dtype = kv_dtype
         self.model_name = model_name
@@ -98,7 +103,6 @@ class SegmentKV:
         #: document as `ensure_many`'s entries do (the registry is rebuilt from those names)
         self._documents: dict[str, tuple[str, str]] = {}
         self._lock = threading.Lock()
-        self._takes_expect = _accepts_keyword(store.get, "expect")
         #: entries found damaged or not fitting the model since this object was built
         self.dropped = 0
 
@@ -114,7 +118,7 @@ class SegmentKV:
         """Name -> (dtype, shape) of every tensor a ``tokens``-token document's entry holds."""
         return self.codec.stored_tensors(*self.entry_shape(tokens))
 
-    def expectation(self, tokens: int) -> Any:
+    def expectation(self, tokens: int) -> EntrySpec:
         """Return the `EntrySpec` a ``tokens``-token document's entry is checked against."""
         from kvblend.store.base import (
             EntrySpec,  # the store's contract type; no store is built here
@@ -126,9 +130,7 @@ class SegmentKV:
         self, key: str, tokens: int, device: torch.device | None = None
     ) -> Mapping[str, torch.Tensor] | None:
         """Open ``key``'s entry, checked against a ``tokens``-token document (None: a miss)."""
-        if self._takes_expect:
-            return self.store.get(key, device=device, expect=self.expectation(tokens))
-        return self.store.get(key, device=device)
+        return self.store.get(key, device=device, expect=self.expectation(tokens))
 
     def layout(self, text: str, context: str | None = None) -> DocumentLayout:
         """How ``text`` is tokenized for its cache: behind its document context (memoized).
@@ -145,13 +147,13 @@ class SegmentKV:
                 self._layouts.move_to_end(memo)
                 return found
         layout = document_layout(self.tokenizer, context, text)
-        key = segment_key(self.fingerprint, layout.context_ids, layout.ids)
+        key = self.entry_key(layout.context_ids, layout.ids)
         with self._lock:
             self._layouts[memo] = layout
             self._documents[key] = (text, context)
             if len(self._layouts) > _LAYOUT_CACHE:
                 (old_context, old_text), old = self._layouts.popitem(last=False)
-                old_key = segment_key(self.fingerprint, old.context_ids, old.ids)
+                old_key = self.entry_key(old.context_ids, old.ids)
                 if self._documents.get(old_key) == (old_text, old_context):
                     del self._documents[old_key]
         return layout
@@ -171,7 +173,27 @@ class SegmentKV:
     def key(self, text: str, context: str | None = None) -> str:
         """Return the segment id of a document text (``context`` as in `layout`)."""
         layout = self.layout(text, context)
-        return segment_key(self.fingerprint, layout.context_ids, layout.ids)
+        return self.entry_key(layout.context_ids, layout.ids)
+
+    def entry_key(self, context_ids: Sequence[int], token_ids: Sequence[int]) -> str:
+        """Return the segment id of ``token_ids``' KV computed behind ``context_ids``.
+
+        Every key of this model's (and codec's) entries is made here: a planned span's
+        (``span.context_ids``, ``span.cached_ids``), a document's layout.
+        """
+        return segment_key(self.codec.fingerprint(self.fingerprint), context_ids, token_ids)
+
+    def over(self, store: KVStore) -> SegmentKV:
+        """Return the same model's segment KV over another ``store``, behind no context.
+
+        Its entries are keyed, encoded and checked as this one's (the vLLM connector's
+        calibration blends synthetic entries over a memory store so).
+        """
+        return SegmentKV(
+            self.decoder, self.tokenizer, store, fingerprint=self.fingerprint, doc_prefix=None,
+            kv_dtype=self.kv_dtype, model_name=self.model_name,
+            check_length=lambda tokens: None, codec=self.codec,
+        )  # fmt: skip
 
     def ensure_many(
         self,
@@ -195,14 +217,10 @@ class SegmentKV:
         """
         context = self.doc_prefix or ""
         layouts = [self.layout(text, context) for text in texts]
-        keys = [segment_key(self.fingerprint, lay.context_ids, lay.ids) for lay in layouts]
-        missing: dict[str, int] = {}  # segment id -> index of its first text
-        for index, key in enumerate(keys):
-            tokens = len(layouts[index].ids)
-            if key not in missing and (force or not self.intact(key, tokens)):
-                missing[key] = index
+        keys = [self.entry_key(lay.context_ids, lay.ids) for lay in layouts]
+        missing = self._missing(keys, layouts, force)  # segment id -> index of its first text
         if done is not None:
-            done([text for text, key in zip(texts, keys, strict=True) if key not in missing])
+            done(_texts_of(texts, keys, set(keys) - set(missing)))
         todo = [(key, layouts[index]) for key, index in missing.items()]
         described = {key: document_metadata(texts[i], context) for key, i in missing.items()}
         lengths = [len(lay.context_ids) + len(lay.ids) for _, lay in todo]
@@ -213,14 +231,23 @@ class SegmentKV:
         layers = self.decoder.shape.num_layers
         for batch in length_batches(lengths, batch_tokens):
             tokens = sum(lengths[index] for index in batch)
-            written = self.compute_batch(
-                [todo[index] for index in batch], described, pause=report.layers(tokens, layers)
-            )
+            entries = [todo[index] for index in batch]
+            written = self.compute_batch(entries, described, pause=report.layers(tokens, layers))
             report.stored(len(batch), tokens, written)
             if done is not None:
-                computed = {todo[index][0] for index in batch}
-                done([text for text, key in zip(texts, keys, strict=True) if key in computed])
+                done(_texts_of(texts, keys, {key for key, _ in entries}))
         return keys
+
+    def _missing(
+        self, keys: list[str], layouts: list[DocumentLayout], force: bool
+    ) -> dict[str, int]:
+        """Segment id -> index of its first text, of each entry to compute (``force``: all)."""
+        missing: dict[str, int] = {}
+        for index, key in enumerate(keys):
+            tokens = len(layouts[index].ids)
+            if key not in missing and (force or not self.intact(key, tokens)):
+                missing[key] = index
+        return missing
 
     def entry_bytes(self, tokens: int) -> int:
         """Bytes of the tensors of a ``tokens``-token document's entry (its header aside)."""
@@ -321,7 +348,7 @@ class SegmentKV:
             **described,
             "format": KV_LAYOUT,
             "model": self.model_name,
-            "fingerprint": self.model_fingerprint,
+            "fingerprint": self.fingerprint,
             "layers": str(self.decoder.shape.num_layers),
             "tokens": str(tokens),
             "context_tokens": str(context),
@@ -346,13 +373,9 @@ class SegmentKV:
         return self.compute(key, context, token_ids)
 
 
-def _accepts_keyword(function: Callable[..., Any], name: str) -> bool:
-    """Whether ``function`` takes the keyword argument ``name`` (or any keyword)."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
+def _texts_of(texts: Sequence[str], keys: Sequence[str], chosen: set[str]) -> list[str]:
+    """Return the texts (in order, repeats kept) whose segment id is one of ``chosen``."""
+    return [text for text, key in zip(texts, keys, strict=True) if key in chosen]
 
 
 def _non_finite(tensor: torch.Tensor) -> bool:

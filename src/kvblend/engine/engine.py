@@ -1,15 +1,15 @@
 """`BlendEngine`: precompute segment KV once, blend it into any prompt, decode from the fused cache.
 
-The engine is pure torch + transformers. It reads and writes segment KV through a store object
-(anything with ``get(key, device=None)`` returning a mapping of tensors or None,
-``put(key, tensors, metadata)`` and ``contains(key)``); it never touches disk itself.
+The engine is pure torch + transformers. It reads and writes segment KV through a store (a
+`kvblend.store.KVStore`: ``get(key, device=None, *, expect=None)``, ``put``, ``contains``...);
+it never touches disk itself.
 
 `BlendEngine` is the facade users call; each method checks its input once and hands over to the
 package that does the work: prompts (`kvblend.prompt`: segments, templates, token ids, the
 plan), documents (`kvblend.documents.library.DocumentLibrary`: precompute, the registry that
 finds them in prompts, their entries in the store), the blend (`kvblend.documents.blend_plan`:
 the plan's entries opened, then `kvblend.blend.prefill.run_blend`) and decoding from the fused
-cache (`kvblend.decoding`), plus the parity self-check.
+cache (`kvblend.decoding`), plus the parity self-check (`kvblend.models.parity`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvblend.blend.config import BlendConfig, check_config
-from kvblend.blend.forecast import forecast_blend
+from kvblend.blend.forecast import FallbackLog, forecast_blend
 from kvblend.blend.kv_codec import KVCodec
 from kvblend.blend.kv_codec import kv_codec as resolve_codec
 from kvblend.blend.prefill import device_clock, device_times
@@ -35,14 +35,7 @@ from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DEFAULT_CAPACITY
-from kvblend.engine.explain import Explanation, FallbackLog
-from kvblend.engine.parity import (
-    PARITY_TEXT,
-    forward_logits,
-    parity_error,
-    parity_tolerance,
-    require_parity,
-)
+from kvblend.engine.explain import Explanation
 from kvblend.engine.results import BlendStats, PrefillResult, count_tokens, escalation
 from kvblend.engine.threads import use_threads
 from kvblend.errors import BlendCancelledError
@@ -56,17 +49,23 @@ from kvblend.models.loading import (
     resolve_device,
     resolve_model,
 )
+from kvblend.models.parity import (
+    PARITY_TEXT,
+    forward_logits,
+    parity_error,
+    parity_tolerance,
+    require_parity,
+)
 from kvblend.prompt import templates
 from kvblend.prompt.plan import PrefillPlan, cached_pieces, plan_prefill
 from kvblend.prompt.segments import PromptLike, Segment, check_segments
 from kvblend.prompt.splice import splice_rules
+from kvblend.prompt.templates import DEFAULT_SYSTEM_PROMPT
 from kvblend.prompt.tokens import encode_in_background, encode_prompt, prompt_tokens
 from kvblend.validation import (
-    ContextWindow,
     check_cancel,
     check_prompt,
     check_text,
-    longest_token_chars,
 )
 
 if TYPE_CHECKING:
@@ -75,10 +74,6 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_SYSTEM_PROMPT", "BlendEngine"]
 
 logger = logging.getLogger(__name__)
-
-#: System prompt of the RAG prompts `BlendEngine.rag_segments` builds when none is given, and so
-#: part of the default document context (see `BlendEngine.rag_prefix`).
-DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents."
 
 
 def _default_store() -> KVStore:
@@ -148,25 +143,22 @@ class BlendEngine:
         self.system_prompt = system_prompt or None
         self.doc_prefix = self.rag_prefix() if doc_prefix == "auto" else (doc_prefix or None)
         self.parity_error: float | None = None
-        #: The window every prompt and document must fit.
-        self._window = ContextWindow(
-            self.decoder.shape.max_positions, longest_token_chars(tokenizer), self.name
-        )
         self._fallback_log = FallbackLog(logger)  # each cause once a minute
-        self._connect_store(max_documents, kv_codec)
+        self._open_library(max_documents, kv_codec)
         if check_parity:
             self.check_parity()
 
-    def _connect_store(self, max_documents: int, kv_codec: str | KVCodec | None) -> None:
-        """Build what reads and writes this engine's entries and finds its documents."""
-        #: How documents' KV is stored: full precision (``none``) or a quantized codec.
-        self.kv_codec = resolve_codec(kv_codec)
-        #: This engine's documents: their KV in the store and the registry finding them.
-        self.library = DocumentLibrary(
+    def _open_library(self, max_documents: int, kv_codec: str | KVCodec | None) -> None:
+        """Open this engine's documents: their KV in the store and the registry finding them."""
+        self.library = DocumentLibrary.open(
             self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
-            doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype, model_name=str(self.name),
-            window=self._window, capacity=max_documents, kv_codec=self.kv_codec,
+            model_name=str(self.name), doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype,
+            codec=kv_codec, capacity=max_documents,
         )  # fmt: skip
+        #: How documents' KV is stored: full precision (``none``) or a quantized codec.
+        self.kv_codec = self.library.segment_kv.codec
+        #: The window every prompt and document must fit.
+        self._window = self.library.window
 
     @classmethod
     def from_pretrained(

@@ -1,82 +1,20 @@
-"""What a prefill will do with a prompt, and why: `Explanation`; and `FallbackLog`.
+"""What a prefill will do with a prompt, and why: `Explanation`.
 
 `Explanation` shows a prompt's plan and its forecast (`kvblend.blend.forecast.forecast_blend`,
-which `prefill` reports in its stats too, so the two agree by construction). `FallbackLog` warns
-of the reasons a prefill gives for not reusing documents, each cause once a minute.
+which `prefill` reports in its stats too, so the two agree by construction).
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvblend.blend.forecast import NO_DOCUMENTS_CAUSE, BlendForecast, Lost
+from kvblend.blend.forecast import BlendForecast
 from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.validation import snippet
 
-__all__ = ["Explanation", "FallbackLog"]
-
-
-class FallbackLog:
-    """Warn once per cause and ``interval`` seconds (a busy server logs each cause once).
-
-    `report` logs the reasons a prefill's stats give for not reusing the prompt's documents.
-    """
-
-    def __init__(self, logger: logging.Logger, interval: float = 60.0) -> None:
-        self.logger = logger
-        self.interval = interval
-        self._last: dict[str, float] = {}
-
-    def warn(self, cause: str, message: str, level: int = logging.WARNING) -> None:
-        """Log ``message`` unless ``cause`` was logged less than ``interval`` seconds ago."""
-        now = time.monotonic()
-        if now - self._last.get(cause, -float("inf")) < self.interval:
-            return
-        self._last[cause] = now
-        self.logger.log(level, "%s", message)
-
-    def report(
-        self,
-        fallback: str | None,
-        cause: str | None,
-        lost: Sequence[Lost],
-        near_miss: str | None = None,
-        known: int | None = None,
-    ) -> None:
-        """Log each reason a prompt's documents were not reused, once per cause a minute.
-
-        ``fallback`` and its ``cause``: why the prompt was computed in full (`BlendForecast`,
-        or the guard); ``lost``: the documents found and not reused. A prompt without a known
-        document (a greeting, a rephrasing step) is logged at INFO level, with the ``known``
-        documents that could have been found in it; one that holds the start of a known
-        document, not its whole text (``near_miss``), is a warning.
-        """
-        if cause == NO_DOCUMENTS_CAUSE:
-            self.warn(
-                "no_documents", f"no known document in the prompt ({known} known): computed in "
-                "full (stats.fallback); a document is found only when its exact text occurs in "
-                "the prompt; engine.explain(prompt) or `kvblend explain` shows what is reused",
-                level=logging.INFO,
-            )  # fmt: skip
-        elif fallback is not None:
-            self.warn(
-                cause or fallback, f"blend ran as full prefill: {fallback} (stats.fallback; "
-                "docs/configuration.md says when and how to change it)",
-            )  # fmt: skip
-        for item in lost:
-            if not item.recomputed:  # a document recomputed whole: the fallback's line says it
-                self.warn(f"lost: {item.reason}", f"found document not reused: {item}")
-        if near_miss is not None:
-            self.warn(
-                "near_miss", f"no precomputed document reused there: {near_miss}; a "
-                "document is found only when its exact text occurs in the prompt; "
-                "engine.explain(prompt) or `kvblend explain` shows what is reused",
-            )  # fmt: skip
+__all__ = ["Explanation"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,17 @@ from typing import Any
 from kvblend.prompt.segments import Segment
 from kvblend.validation import check_text, check_texts
 
-__all__ = ["apply_chat_template", "chat_head_tail", "rag_prefix", "rag_segments"]
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "apply_chat_template",
+    "chat_head_tail",
+    "rag_prefix",
+    "rag_segments",
+]
+
+#: System prompt of the RAG prompts built when none is given (`BlendEngine.rag_segments`, the
+#: vLLM connector's document context), and so part of the default document context.
+DEFAULT_SYSTEM_PROMPT = "Answer the question using only the documents."
 
 _SENTINEL = "\ue000"
 

@@ -24,12 +24,10 @@ import torch
 
 from kvblend.blend.adapter import DecoderShape
 from kvblend.documents.library import DocumentLibrary
-from kvblend.documents.registry import DEFAULT_CAPACITY
 from kvblend.models.checkpoint import checkpoint_fingerprint
 from kvblend.models.fingerprint import model_fingerprint
 from kvblend.models.loading import cache_dir, file_digest
 from kvblend.prompt.templates import rag_prefix
-from kvblend.validation import ContextWindow, longest_token_chars
 from kvblend.vllm.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
@@ -139,17 +137,14 @@ def open_library(
     fingerprint: str,
 ) -> DocumentLibrary:
     """Open a connector side's documents over the shared store, for ``decoder`` (or `ShapeOnly`)."""
-    from kvblend.blend.kv_codec import kv_codec
     from kvblend.store import default_store
 
     store = default_store(settings.store_dir, redis_url=settings.redis_url)
     name = Path(str(model_config.model)).name or str(model_config.model)
-    window = ContextWindow(decoder.shape.max_positions, longest_token_chars(tokenizer), name)
     doc_prefix = rag_prefix(tokenizer, settings.system_prompt)
-    return DocumentLibrary(
-        decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
-        kv_dtype=decoder.dtype, model_name=name, window=window, capacity=DEFAULT_CAPACITY,
-        kv_codec=kv_codec(settings.kv_codec),
+    return DocumentLibrary.open(
+        decoder, tokenizer, store, fingerprint=fingerprint, model_name=name,
+        doc_prefix=doc_prefix, codec=settings.kv_codec,
     )  # fmt: skip
 
 

@@ -36,7 +36,6 @@ from kvblend.prompt.plan import (
     cached_pieces,
     plan_prefill,
 )
-from kvblend.prompt.segments import segment_key
 from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.costs import Forecast
 
@@ -209,7 +208,7 @@ def _missing_spans(library: Any, plan: PrefillPlan) -> tuple[set[int], str | Non
     """
     missing, failed = set(), None
     for index, span in enumerate(plan.spans):
-        key = segment_key(library.segment_kv.fingerprint, span.context_ids, span.cached_ids)
+        key = library.segment_kv.entry_key(span.context_ids, span.cached_ids)
         try:
             if not library.store.contains(key):
                 missing.add(index)

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvblend.blend.config import BlendConfig
 from kvblend.blend.kv_codec import kv_codec
-from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
+from kvblend.prompt.templates import DEFAULT_SYSTEM_PROMPT
 
 __all__ = ["ConnectorSettings", "RequestChoice", "check_options", "request_config"]
 

@@ -15,7 +15,7 @@ that fails nothing is written and the request is reported as a failed load (vLLM
 claimed tokens).
 
 `gate` runs the parity gate: the blend loop with strategy ``full`` against vLLM's own forward
-(`compat.reference_logits`) on the engine's parity text (`kvblend.engine.parity`). `store`
+(`compat.reference_logits`) on the engine's parity text (`kvblend.models.parity`). `store`
 computes and stores documents found but not stored yet, so the next prompt reuses them.
 """
 
@@ -34,10 +34,9 @@ from kvblend.blend.loop import CancelFlag, Pause, stop_if_cancelled
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.segment_kv import SegmentKV
-from kvblend.engine.parity import PARITY_TEXT, parity_error, parity_tolerance
 from kvblend.errors import BlendCancelledError
+from kvblend.models.parity import PARITY_TEXT, parity_error, parity_tolerance
 from kvblend.prompt.plan import TokenKind
-from kvblend.prompt.segments import segment_key
 from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.execution.adapter import VLLMAdapter
 from kvblend.vllm.execution.paged import slot_mapping, write_rows
@@ -183,7 +182,7 @@ def store(
         stop_if_cancelled(cancel, pause)
         try:
             layout = segment_kv.layout(text, context)
-            key = segment_key(segment_kv.fingerprint, layout.context_ids, layout.ids)
+            key = segment_kv.entry_key(layout.context_ids, layout.ids)
             if not model.library.store.contains(key):
                 segment_kv.compute(key, layout.context_ids, layout.ids)
                 done += 1

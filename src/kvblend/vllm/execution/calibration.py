@@ -31,7 +31,6 @@ import torch
 from kvblend.blend.config import BlendConfig
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan, TokenKind
-from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.admission import Calibrated
 from kvblend.vllm.costs import blend_features, vllm_features
@@ -115,18 +114,14 @@ def synthetic_job(
     """Return a blend of ``token_ids`` (`synthetic_plan`) and the store of its documents' KV."""
     own = model.library.segment_kv  # entries of every KV head (each rank reads its own)
     shape, dtype, total = own.decoder.shape, own.kv_dtype, len(token_ids)
-    segment_kv = SegmentKV(
-        own.decoder, own.tokenizer, MemoryKVStore(), fingerprint=own.model_fingerprint,
-        doc_prefix=None, kv_dtype=dtype, model_name=own.model_name,
-        check_length=lambda tokens: None, codec=own.codec,
-    )  # fmt: skip
+    segment_kv = own.over(MemoryKVStore())
     plan = synthetic_plan(token_ids)
     for span in plan.spans:
         size = span.end - span.start
         kv = torch.randn(
             shape.num_layers, 2, shape.num_kv_heads, size, shape.head_dim, generator=generator
         )
-        key = segment_key(segment_kv.fingerprint, [], span.cached_ids)
+        key = segment_kv.entry_key([], span.cached_ids)
         segment_kv.store.put(key, own.codec.encode(kv.to(dtype)))  # in the server's codec
     blocks = list(range(1, 2 + total // model.block_size))  # free at start-up (the gate's)
     return BlendJob("kvblend-calibration", plan, config, 0, total - 1, blocks), segment_kv

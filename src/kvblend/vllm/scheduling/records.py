@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any
 
-from kvblend.engine.explain import FallbackLog
+from kvblend.blend.forecast import FallbackLog
 from kvblend.vllm.planning import RequestPlan
 from kvblend.vllm.requests import BlendOutcome
 
