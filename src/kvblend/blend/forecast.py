@@ -197,22 +197,25 @@ class FallbackLog:
         """
         if cause == NO_DOCUMENTS_CAUSE:
             self.warn(
-                "no_documents", f"no known document in the prompt ({known} known): computed in "
+                "no_documents",
+                f"no known document in the prompt ({known} known): computed in "
                 "full (stats.fallback); a document is found only when its exact text occurs in "
                 "the prompt; engine.explain(prompt) or `kvblend explain` shows what is reused",
                 level=logging.INFO,
-            )  # fmt: skip
+            )
         elif fallback is not None:
             self.warn(
-                cause or fallback, f"blend ran as full prefill: {fallback} (stats.fallback; "
+                cause or fallback,
+                f"blend ran as full prefill: {fallback} (stats.fallback; "
                 "docs/configuration.md says when and how to change it)",
-            )  # fmt: skip
+            )
         for item in lost:
             if not item.recomputed:  # a document recomputed whole: the fallback's line says it
                 self.warn(f"lost: {item.reason}", f"found document not reused: {item}")
         if near_miss is not None:
             self.warn(
-                "near_miss", f"no precomputed document reused there: {near_miss}; a "
+                "near_miss",
+                f"no precomputed document reused there: {near_miss}; a "
                 "document is found only when its exact text occurs in the prompt; "
                 "engine.explain(prompt) or `kvblend explain` shows what is reused",
-            )  # fmt: skip
+            )

@@ -121,13 +121,19 @@ class PromptKV:
         first, stop = layers.start, layers.stop
         targets = [self.data[first:stop, :, :, span.start : span.end] for span in spans]
         sources = [span.source.layers() for span in spans]
-        plain = [(t, s[first:stop]) for t, s in zip(targets, sources, strict=True)
-                 if isinstance(s, torch.Tensor)]  # fmt: skip
+        plain = [
+            (t, s[first:stop])
+            for t, s in zip(targets, sources, strict=True)
+            if isinstance(s, torch.Tensor)
+        ]
         if plain:
             copied, read = zip(*plain, strict=True)
             torch._foreach_copy_(list(copied), list(read), non_blocking=non_blocking)
-        encoded = [(t, s.layers(first, stop)) for t, s in zip(targets, sources, strict=True)
-                   if isinstance(s, EncodedKV)]  # fmt: skip
+        encoded = [
+            (t, s.layers(first, stop))
+            for t, s in zip(targets, sources, strict=True)
+            if isinstance(s, EncodedKV)
+        ]
         if encoded:  # codes decoded into the buffer as they land (copied as bytes if elsewhere)
             codes = [item for _, item in encoded]
             if any(item.device != self.data.device for item in codes):

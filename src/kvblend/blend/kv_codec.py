@@ -153,15 +153,17 @@ class KVCodec:
         if not self.quantized:
             return {"kv": kv}
         if kv.dim() != 5 or kv.shape[1] != 2 or kv.shape[-1] % 2:
-            raise ValueError(f"expected K/V [layers, 2, heads, tokens, even head_dim], got "
-                             f"{list(kv.shape)}")  # fmt: skip
+            raise ValueError(
+                f"expected K/V [layers, 2, heads, tokens, even head_dim], got {list(kv.shape)}"
+            )
         layers = kv.shape[0]
         keys, key_scale, key_min = _quantize(kv[:, 0], self.key_bits, dim=2)
         values = kv[:, 1].float()
         if self.rotate_values:
             values = values @ hadamard(kv.shape[-1], values.device)
-        values, value_scale, value_min = _quantize(values, self.value_bits, dim=3,
-                                                   grid=self.value_grid)  # fmt: skip
+        values, value_scale, value_min = _quantize(
+            values, self.value_bits, dim=3, grid=self.value_grid
+        )
         codes = torch.cat([keys.reshape(layers, -1), values.reshape(layers, -1)], dim=1)
         scales = torch.cat(
             [t.reshape(layers, -1) for t in (key_scale, key_min, value_scale, value_min)], dim=1
@@ -191,8 +193,12 @@ class KVCodec:
             found[name] = tensor
         _, _, heads, tokens, head_dim = shape
         codes, scales = found[self.codes_name], found[self.scales_name]
-        wide = torch.empty(scales.shape, dtype=torch.float32, device=scales.device,
-                           pin_memory=pin and scales.device.type == "cpu")  # fmt: skip
+        wide = torch.empty(
+            scales.shape,
+            dtype=torch.float32,
+            device=scales.device,
+            pin_memory=pin and scales.device.type == "cpu",
+        )
         wide.copy_(scales)
         return EncodedKV(self, codes, wide, heads, tokens, head_dim)
 
@@ -330,8 +336,11 @@ def _quantize(
         found = _squared_error(x, codes, scale, minimum, dim, table)
         better = found < error
         error = torch.where(better, found, error)
-        best = (torch.where(better, codes, best[0]), torch.where(better, scale, best[1]),
-                torch.where(better, minimum, best[2]))  # fmt: skip
+        best = (
+            torch.where(better, codes, best[0]),
+            torch.where(better, scale, best[1]),
+            torch.where(better, minimum, best[2]),
+        )
     assert best is not None
     codes, scale, minimum = best
     if bits == 4:
@@ -349,8 +358,9 @@ def _stored_range(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and minimum as stored (float16), rounded outwards so they cover ``[low, high]``."""
     minimum = low.to(SCALE_DTYPE)
-    minimum = torch.where(minimum.float() > low, minimum.nextafter(minimum.new_tensor(-1e9)),
-                          minimum)  # fmt: skip
+    minimum = torch.where(
+        minimum.float() > low, minimum.nextafter(minimum.new_tensor(-1e9)), minimum
+    )
     span = ((high - minimum.float()) / levels).clamp(max=_SCALE_MAX)
     scale = span.to(SCALE_DTYPE)
     scale = torch.where(scale.float() < span, scale.nextafter(scale.new_tensor(1e9)), scale)
@@ -412,8 +422,13 @@ class EncodedKV:
         """The shape of the K/V it decodes to, ``[layers, 2, kv_heads, rows, head_dim]``."""
         first_head, stop_head = self.head_range or (0, self.entry_heads)
         first_row, stop_row = self.row_range or (0, self.entry_tokens)
-        return (int(self.codes.shape[0]), 2, stop_head - first_head, stop_row - first_row,
-                self.head_dim)  # fmt: skip
+        return (
+            int(self.codes.shape[0]),
+            2,
+            stop_head - first_head,
+            stop_row - first_row,
+            self.head_dim,
+        )
 
     @property
     def device(self) -> torch.device:
@@ -430,8 +445,12 @@ class EncodedKV:
         Codes ``[layers, kv_heads, rows, bytes]``; keys' scale and minimum ``[layers, kv_heads,
         1, head_dim]``, values' ``[layers, kv_heads, rows, 1]``.
         """
-        layers, heads, tokens, dim = (int(self.codes.shape[0]), self.entry_heads,
-                                      self.entry_tokens, self.head_dim)  # fmt: skip
+        layers, heads, tokens, dim = (
+            int(self.codes.shape[0]),
+            self.entry_heads,
+            self.entry_tokens,
+            self.head_dim,
+        )
         key_bytes = heads * tokens * _packed(dim, self.codec.key_bits)
         heads_cut = slice(*self.head_range) if self.head_range else slice(None)
         rows_cut = slice(*self.row_range) if self.row_range else slice(None)
@@ -442,11 +461,13 @@ class EncodedKV:
         per_channel = (layers, heads, 1, dim)
         per_token = (layers, heads, tokens, 1)
         return (
-            keys[:, heads_cut, rows_cut], values[:, heads_cut, rows_cut],
-            key_scale.view(per_channel)[:, heads_cut], key_min.view(per_channel)[:, heads_cut],
+            keys[:, heads_cut, rows_cut],
+            values[:, heads_cut, rows_cut],
+            key_scale.view(per_channel)[:, heads_cut],
+            key_min.view(per_channel)[:, heads_cut],
             value_scale.view(per_token)[:, heads_cut, rows_cut],
             value_min.view(per_token)[:, heads_cut, rows_cut],
-        )  # fmt: skip
+        )
 
     def rows(self, rows: slice) -> EncodedKV:
         """Rows ``rows`` (a slice of ints, no step) of what it decodes now."""
@@ -509,8 +530,9 @@ def move(
     moved = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in sources]
     if moved:
         torch._foreach_copy_(moved, sources, non_blocking=non_blocking)
-    return [replace(item, codes=moved[2 * i], scales=moved[2 * i + 1])
-            for i, item in enumerate(encoded)]  # fmt: skip
+    return [
+        replace(item, codes=moved[2 * i], scales=moved[2 * i + 1]) for i, item in enumerate(encoded)
+    ]
 
 
 def _decode(
@@ -525,8 +547,7 @@ def _decode(
     low_cut = slice(None, half) if per_channel else slice(None)
     high_cut = slice(half, None) if per_channel else slice(None)
     torch.addcmul(minimum[..., low_cut], codes & 15, scale[..., low_cut], out=target[..., :half])
-    torch.addcmul(minimum[..., high_cut], codes >> 4, scale[..., high_cut],
-                  out=target[..., half:])  # fmt: skip
+    torch.addcmul(minimum[..., high_cut], codes >> 4, scale[..., high_cut], out=target[..., half:])
 
 
 def _decode_rotated(

@@ -75,10 +75,18 @@ class DocumentLibrary:
         self.window = window
         #: Computes, checks and opens the store entries of segment KV.
         self.segment_kv = SegmentKV(
-            decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
-            kv_dtype=kv_dtype, model_name=model_name, check_length=window.check_length,
-            context_of=self.context_for, known=self.is_known, codec=kv_codec,
-        )  # fmt: skip
+            decoder,
+            tokenizer,
+            store,
+            fingerprint=fingerprint,
+            doc_prefix=doc_prefix,
+            kv_dtype=kv_dtype,
+            model_name=model_name,
+            check_length=window.check_length,
+            context_of=self.context_for,
+            known=self.is_known,
+            codec=kv_codec,
+        )
         #: The documents found in prompt strings, shared with every engine over the same store
         #: and model, whatever their document context and KV codec (see
         #: `kvblend.documents.registry`): a document known is found, and its entry of this
@@ -111,10 +119,17 @@ class DocumentLibrary:
             decoder.shape.max_positions, longest_token_chars(tokenizer), model_name
         )
         return cls(
-            decoder, tokenizer, store, fingerprint=fingerprint, doc_prefix=doc_prefix,
-            kv_dtype=kv_dtype or decoder.dtype, model_name=model_name, window=window,
-            capacity=capacity, kv_codec=kv_codec(codec),
-        )  # fmt: skip
+            decoder,
+            tokenizer,
+            store,
+            fingerprint=fingerprint,
+            doc_prefix=doc_prefix,
+            kv_dtype=kv_dtype or decoder.dtype,
+            model_name=model_name,
+            window=window,
+            capacity=capacity,
+            kv_codec=kv_codec(codec),
+        )
 
     def stored_documents(self) -> Iterator[Mapping[str, str]]:
         """Yield the metadata of this model's entries in the store (to rebuild the registry)."""

@@ -74,9 +74,12 @@ class PrecomputeBar:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(
-                total=progress.tokens, desc=self.desc, unit="tok", unit_scale=True,
+                total=progress.tokens,
+                desc=self.desc,
+                unit="tok",
+                unit_scale=True,
                 disable=self.disable,
-            )  # fmt: skip
+            )
         bar = self._bar
         bar.set_postfix_str(
             f"{progress.computed}/{progress.to_compute} docs, wrote "

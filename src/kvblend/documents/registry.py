@@ -351,8 +351,11 @@ class DocumentRegistry:
         hashes = window_crc32(prompt, ANCHOR_CHARS)
         cursor, size = 0, len(prompt)
         reused = {text_digest(prompt[begin:end]) for begin, end in matched}
-        echoes = {head_hash(prompt[begin : begin + HEAD_CHARS])
-                  for begin, end in matched if end - begin >= HEAD_CHARS}  # fmt: skip
+        echoes = {
+            head_hash(prompt[begin : begin + HEAD_CHARS])
+            for begin, end in matched
+            if end - begin >= HEAD_CHARS
+        }
         with self._lock:
             for match_start, match_end in [*matched, (size, size)]:
                 for start in range(cursor, max(cursor, match_start - ANCHOR_CHARS + 1)):

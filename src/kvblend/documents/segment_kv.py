@@ -190,10 +190,16 @@ class SegmentKV:
         calibration blends synthetic entries over a memory store so).
         """
         return SegmentKV(
-            self.decoder, self.tokenizer, store, fingerprint=self.fingerprint, doc_prefix=None,
-            kv_dtype=self.kv_dtype, model_name=self.model_name,
-            check_length=lambda tokens: None, codec=self.codec,
-        )  # fmt: skip
+            self.decoder,
+            self.tokenizer,
+            store,
+            fingerprint=self.fingerprint,
+            doc_prefix=None,
+            kv_dtype=self.kv_dtype,
+            model_name=self.model_name,
+            check_length=lambda tokens: None,
+            codec=self.codec,
+        )
 
     def ensure_many(
         self,
@@ -397,9 +403,14 @@ class _Reporter:
         #: Tokens of the batches stored so far (``tokens_done`` once a batch is stored).
         self.stored_tokens = 0
         self.state = PrecomputeProgress(
-            documents=documents, already_stored=stored, computed=0, tokens=sum(lengths),
-            tokens_done=0, bytes_written=0, bytes_expected=0,
-        )  # fmt: skip
+            documents=documents,
+            already_stored=stored,
+            computed=0,
+            tokens=sum(lengths),
+            tokens_done=0,
+            bytes_written=0,
+            bytes_expected=0,
+        )
 
     def _send(self, **changes: int) -> None:
         self.state = replace(self.state, **changes)
@@ -429,6 +440,7 @@ class _Reporter:
         """Report a batch of ``documents`` (``tokens``) stored, its tensors ``written`` bytes."""
         self.stored_tokens += tokens
         self._send(
-            computed=self.state.computed + documents, tokens_done=self.stored_tokens,
+            computed=self.state.computed + documents,
+            tokens_done=self.stored_tokens,
             bytes_written=self.state.bytes_written + written,
-        )  # fmt: skip
+        )

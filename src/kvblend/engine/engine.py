@@ -151,10 +151,16 @@ class BlendEngine:
     def _open_library(self, max_documents: int, kv_codec: str | KVCodec | None) -> None:
         """Open this engine's documents: their KV in the store and the registry finding them."""
         self.library = DocumentLibrary.open(
-            self.decoder, self.tokenizer, self.store, fingerprint=self.fingerprint,
-            model_name=str(self.name), doc_prefix=self.doc_prefix, kv_dtype=self.kv_dtype,
-            codec=kv_codec, capacity=max_documents,
-        )  # fmt: skip
+            self.decoder,
+            self.tokenizer,
+            self.store,
+            fingerprint=self.fingerprint,
+            model_name=str(self.name),
+            doc_prefix=self.doc_prefix,
+            kv_dtype=self.kv_dtype,
+            codec=kv_codec,
+            capacity=max_documents,
+        )
         #: How documents' KV is stored: full precision (``none``) or a quantized codec.
         self.kv_codec = self.library.segment_kv.codec
         #: The window every prompt and document must fit.
@@ -336,8 +342,11 @@ class BlendEngine:
         text = "".join(segment.text for segment in items)
         self._window.check_chars(len(text))
         pieces = cached_pieces(items)
-        layouts = {(p.start, p.end): self.library.segment_kv.layout(text[p.start : p.end])
-                   for p in pieces if p.role == "document"}  # fmt: skip
+        layouts = {
+            (p.start, p.end): self.library.segment_kv.layout(text[p.start : p.end])
+            for p in pieces
+            if p.role == "document"
+        }
         tokens = early.result() if early else prompt_tokens(self.tokenizer, text, layouts, rules)
         self._window.check_length(tokens.ids.size)
         if not tokens.ids.size:
@@ -360,10 +369,15 @@ class BlendEngine:
         plan = self.plan(items)
         text = "".join(segment.text for segment in items)
         return Explanation(
-            text, plan, self.library.stored_spans(plan), len(self.library.registry),
-            forecast_blend(plan, selector), config.strategy, self.library.near_miss(prompt, items),
+            text,
+            plan,
+            self.library.stored_spans(plan),
+            len(self.library.registry),
+            forecast_blend(plan, selector),
+            config.strategy,
+            self.library.near_miss(prompt, items),
             config.settings.get("guard"),
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------ prefill
     def prefill(
@@ -463,16 +477,30 @@ class BlendEngine:
         """
         started = time.perf_counter()
         options: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
-        )  # fmt: skip
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
+            stop=stop,
+            seed=seed,
+        )
         DecodeOptions(**options).check()  # before any model work
         _check_call(segments, config, cancel)
         pre = self._prefilled(segments, config, cancel)
         return decode(
-            self.model, self.tokenizer, pre.token_ids, pre.logits, pre.keys, pre.values, pre.stats,
-            started=started, cancel=cancel, **options,
-        )  # fmt: skip
+            self.model,
+            self.tokenizer,
+            pre.token_ids,
+            pre.logits,
+            pre.keys,
+            pre.values,
+            pre.stats,
+            started=started,
+            cancel=cancel,
+            **options,
+        )
 
     def generate_batch(
         self,
@@ -527,9 +555,15 @@ class BlendEngine:
     ) -> Iterator[str]:
         """Like `generate`, yielding text pieces as they are decoded."""
         options: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-            repetition_penalty=repetition_penalty, do_sample=do_sample, stop=stop, seed=seed,
-        )  # fmt: skip
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            repetition_penalty=repetition_penalty,
+            do_sample=do_sample,
+            stop=stop,
+            seed=seed,
+        )
         DecodeOptions(**options).check()  # before any model work
         _check_call(segments, config, cancel)
         pre = self._prefilled(segments, config, cancel)

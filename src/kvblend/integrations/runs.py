@@ -160,7 +160,7 @@ def run_prompts(
             r.ttft_s,
             r.finish_reason,
             getattr(r, "batch_size", 1),
-        )  # fmt: skip
+        )
         for r in results
     ]
 

@@ -186,10 +186,15 @@ class BlendSettings(EngineHolder, BaseModel):
         (``store``, ``system_prompt``...), other keywords the model's fields.
         """
         engine = load_engine(
-            model_id, device=device, device_map=device_map, dtype=dtype, revision=revision,
-            trust_remote_code=trust_remote_code, model_kwargs=model_kwargs,
+            model_id,
+            device=device,
+            device_map=device_map,
+            dtype=dtype,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            model_kwargs=model_kwargs,
             engine_kwargs=engine_kwargs,
-        )  # fmt: skip
+        )
         if pipeline_kwargs:
             fields["model_kwargs"] = {**fields.get("model_kwargs", {}), **pipeline_kwargs}
         return cls(engine=engine, model=engine.model_spec, **fields)

@@ -130,10 +130,15 @@ class BlendLLM(BlendLLMSettings, CustomLLM):
         ``context_window``, ``max_new_tokens``...).
         """
         engine = load_engine(
-            model_name, device=device, device_map=device_map, dtype=dtype, revision=revision,
-            trust_remote_code=trust_remote_code, model_kwargs=model_kwargs,
+            model_name,
+            device=device,
+            device_map=device_map,
+            dtype=dtype,
+            revision=revision,
+            trust_remote_code=trust_remote_code,
+            model_kwargs=model_kwargs,
             engine_kwargs=engine_kwargs,
-        )  # fmt: skip
+        )
         return cls(engine=engine, model=engine.model_spec, **fields)
 
     @classmethod

@@ -17,9 +17,13 @@ from typing import Any
 import torch
 
 __all__ = [
-    "config_identity", "digest_weights", "fingerprint_of", "model_fingerprint",
-    "tokenizer_identity", "weights_digest",
-]  # fmt: skip
+    "config_identity",
+    "digest_weights",
+    "fingerprint_of",
+    "model_fingerprint",
+    "tokenizer_identity",
+    "weights_digest",
+]
 
 
 #: One weight as `weights_digest` hashes it: its name, dtype, shape, the key of its storage (tied
@@ -64,10 +68,21 @@ def weights_digest(model: torch.nn.Module) -> str:
 #: Config fields that name or locate a model, or record the library that saved it: not part of
 #: its identity (the same weights in two folders, or saved by two versions, compute the same KV).
 _NOT_IDENTITY = frozenset(
-    {"_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "torch_dtype",
-     "dtype", "_attn_implementation", "_attn_implementation_autoset", "use_cache",
-     "output_attentions", "output_hidden_states", "return_dict"}
-)  # fmt: skip
+    {
+        "_name_or_path",
+        "name_or_path",
+        "_commit_hash",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
 
 
 def _identity_fields(value: Any) -> Any:

@@ -182,10 +182,16 @@ def _plan_prefix(prompt: PromptTokens, plan: PrefillPlan, prefix_end: int) -> No
         plan.spans.append(PlannedSpan(0, count, 0, TokenKind.PREFIX, [], head))
     plan.report.append(
         SpanReport(
-            0, prefix_end, count, "prefix", count, True, "prompt head, reused exactly",
+            0,
+            prefix_end,
+            count,
+            "prefix",
+            count,
+            True,
+            "prompt head, reused exactly",
             0 if count else None,
         )
-    )  # fmt: skip
+    )
 
 
 def _plan_document(

@@ -173,8 +173,9 @@ class DiskRecordLogs:
         self._open()
         logger.warning(
             "record log %s opened read-only (%s): its records are read, appends fail",
-            self.path, error,
-        )  # fmt: skip
+            self.path,
+            error,
+        )
 
     def _try_writable(self) -> bool:
         """Open a read-only file writable again if the folder allows it now (at most so often)."""

@@ -135,9 +135,12 @@ class TieredKVStore(KVStore):
         metadata = stored.metadata
         finite = True if expect is not None and expect.finite else None  # checked as read
         return copy_then_keep(
-            stored, target, lambda tensors: self._keep_in_memory(key, tensors, metadata, finite),
-            metadata, stored.close,
-        )  # fmt: skip
+            stored,
+            target,
+            lambda tensors: self._keep_in_memory(key, tensors, metadata, finite),
+            metadata,
+            stored.close,
+        )
 
     def _keep_in_memory(
         self,

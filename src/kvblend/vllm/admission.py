@@ -148,10 +148,14 @@ class ByCost:
         bound = self.costs.bound(total, start)
         if bound.blend_wins:
             return None
-        return Decision(False, (
-            f"vllm_faster: vLLM's prefill is forecast at {bound.vllm_s:.2f} s, any blend at "
-            f"{bound.blend_s:.2f} s or more (not planned)"
-        ), bound)  # fmt: skip
+        return Decision(
+            False,
+            (
+                f"vllm_faster: vLLM's prefill is forecast at {bound.vllm_s:.2f} s, any blend at "
+                f"{bound.blend_s:.2f} s or more (not planned)"
+            ),
+            bound,
+        )
 
     def decide(self, plan: RequestPlan, when: str) -> Decision:
         """Blend when forecast under the margin of vLLM's prefill (always, for ``"always"``)."""
@@ -160,11 +164,15 @@ class ByCost:
         forecast = self.costs.forecast(plan.total, plan.start, plan.rows)
         if when != "faster" or forecast.blend_wins:
             return Decision(True, None, forecast)
-        return Decision(False, (
-            f"vllm_faster: vLLM's prefill is forecast at {forecast.vllm_s:.2f} s, a blend at "
-            f"{forecast.blend_s:.2f} s (a blend must be forecast under {forecast.margin:g} of "
-            "vLLM's)"
-        ), forecast)  # fmt: skip
+        return Decision(
+            False,
+            (
+                f"vllm_faster: vLLM's prefill is forecast at {forecast.vllm_s:.2f} s, a blend at "
+                f"{forecast.blend_s:.2f} s (a blend must be forecast under {forecast.margin:g} of "
+                "vLLM's)"
+            ),
+            forecast,
+        )
 
     def observe(self, observation: Observation) -> None:
         """Calibrate on the start-up points; correct each path by its observed runs."""
@@ -194,8 +202,10 @@ class ByCost:
         logger.info(
             "kvblend: cost model calibrated on this machine (%s): a 4096-token prompt, vLLM's "
             "prefill %.2f s, a blend computing 1100 rows %.2f s",
-            measured, example.vllm_s, example.blend_s,
-        )  # fmt: skip
+            measured,
+            example.vllm_s,
+            example.blend_s,
+        )
 
 
 def admission(when: str, costs: CostModel | None = None) -> Admission:

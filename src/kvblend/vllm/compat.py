@@ -34,11 +34,28 @@ from typing import Any
 import torch
 
 __all__ = [
-    "CHECKED_ON", "USES", "LayerParts", "ModelParts", "Norm", "RequestView", "Salted", "Use",
-    "check_uses", "logits_on_every_rank", "model_parts", "on_model_loaded", "prefill_stats",
-    "reference_logits", "report_cached", "salt_hashes", "scheduled_rows", "unsalt_hashes",
-    "view", "worker_report", "write_kv",
-]  # fmt: skip
+    "CHECKED_ON",
+    "USES",
+    "LayerParts",
+    "ModelParts",
+    "Norm",
+    "RequestView",
+    "Salted",
+    "Use",
+    "check_uses",
+    "logits_on_every_rank",
+    "model_parts",
+    "on_model_loaded",
+    "prefill_stats",
+    "reference_logits",
+    "report_cached",
+    "salt_hashes",
+    "scheduled_rows",
+    "unsalt_hashes",
+    "view",
+    "worker_report",
+    "write_kv",
+]
 
 #: The vLLM versions every use below was checked on.
 CHECKED_ON = ("0.32.0",)
@@ -243,12 +260,17 @@ def _layer(layer: Any) -> LayerParts:
     attention = layer.self_attn
     has_qk_norm = hasattr(attention, "q_norm")
     return LayerParts(
-        _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm), attention.qkv_proj,
+        _norm(layer.input_layernorm),
+        _norm(layer.post_attention_layernorm),
+        attention.qkv_proj,
         (attention.q_size, attention.kv_size, attention.kv_size),
         _norm(attention.q_norm) if has_qk_norm else None,
         _norm(attention.k_norm) if has_qk_norm else None,
-        attention.o_proj, layer.mlp, attention.attn, attention.attn.sliding_window or None,
-    )  # fmt: skip
+        attention.o_proj,
+        layer.mlp,
+        attention.attn,
+        attention.attn.sliding_window or None,
+    )
 
 
 def model_parts(model: Any) -> ModelParts:
@@ -311,12 +333,20 @@ def _metadata(vllm_config: Any, group: Any, device: torch.device, tokens: int) -
     starts = torch.tensor([0, tokens], dtype=torch.int32)
     lengths = torch.tensor([tokens], dtype=torch.int32)
     common = CommonAttentionMetadata(
-        query_start_loc=starts.to(device), query_start_loc_cpu=starts,
-        seq_lens=lengths.to(device), num_reqs=1, num_actual_tokens=tokens,
-        max_query_len=tokens, max_seq_len=tokens, block_table_tensor=blocks[None],
-        slot_mapping=slots, causal=True, positions=positions,
-        seq_lens_cpu_upper_bound=lengths, is_prefilling=torch.ones(1, dtype=torch.bool),
-    )  # fmt: skip
+        query_start_loc=starts.to(device),
+        query_start_loc_cpu=starts,
+        seq_lens=lengths.to(device),
+        num_reqs=1,
+        num_actual_tokens=tokens,
+        max_query_len=tokens,
+        max_seq_len=tokens,
+        block_table_tensor=blocks[None],
+        slot_mapping=slots,
+        causal=True,
+        positions=positions,
+        seq_lens_cpu_upper_bound=lengths,
+        is_prefilling=torch.ones(1, dtype=torch.bool),
+    )
     with set_current_vllm_config(vllm_config):
         builder = backend.get_builder_cls()(spec, names, vllm_config, device)
         metadata = builder.build(0, common)

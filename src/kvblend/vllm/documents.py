@@ -33,9 +33,13 @@ from kvblend.vllm.settings import ConnectorSettings
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ShapeOnly", "StoreSummary", "folder_fingerprint", "open_library", "open_tokenizer",
+    "ShapeOnly",
+    "StoreSummary",
+    "folder_fingerprint",
+    "open_library",
+    "open_tokenizer",
     "store_location",
-]  # fmt: skip
+]
 
 
 class ShapeOnly:
@@ -119,9 +123,12 @@ def folder_fingerprint(model_config: Any, tokenizer: Any, kv_dtype: torch.dtype)
 
         logger.info("kvblend: loading %s once to compute its fingerprint", folder)
         model = AutoModelForCausalLM.from_pretrained(
-            str(model_config.model), dtype=dtype, device_map="cpu",
-            revision=model_config.revision, trust_remote_code=trust,
-        )  # fmt: skip
+            str(model_config.model),
+            dtype=dtype,
+            device_map="cpu",
+            revision=model_config.revision,
+            trust_remote_code=trust,
+        )
         fingerprint = model_fingerprint(model, tokenizer, kv_dtype)
         del model
     if key is not None:
@@ -143,9 +150,14 @@ def open_library(
     name = Path(str(model_config.model)).name or str(model_config.model)
     doc_prefix = rag_prefix(tokenizer, settings.system_prompt)
     return DocumentLibrary.open(
-        decoder, tokenizer, store, fingerprint=fingerprint, model_name=name,
-        doc_prefix=doc_prefix, codec=settings.kv_codec,
-    )  # fmt: skip
+        decoder,
+        tokenizer,
+        store,
+        fingerprint=fingerprint,
+        model_name=name,
+        doc_prefix=doc_prefix,
+        codec=settings.kv_codec,
+    )
 
 
 def config_shape(model_config: Any) -> DecoderShape:

@@ -36,9 +36,13 @@ __all__ = ["BLEND_BUCKETS", "TOKENS", "KVBlendPromMetrics", "KVBlendStats"]
 
 #: The token counts exported, each as ``vllm:kvblend_<name>_total``.
 TOKENS = (
-    "prompt_tokens", "prefix_cached_tokens", "reused_tokens", "computed_tokens",
-    "recomputed_tokens", "escalated_tokens",
-)  # fmt: skip
+    "prompt_tokens",
+    "prefix_cached_tokens",
+    "reused_tokens",
+    "computed_tokens",
+    "recomputed_tokens",
+    "escalated_tokens",
+)
 #: Buckets of the blend-time histogram, in seconds.
 BLEND_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0, 120.0)
 

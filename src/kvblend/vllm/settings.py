@@ -43,10 +43,18 @@ __all__ = ["ConnectorSettings", "RequestChoice", "check_options", "request_confi
 
 _KEYS = frozenset(
     {
-        "strategy", "settings", "system_prompt", "store_dir", "redis_url", "parity",
-        "log_requests", "when", "slice_s", "kv_codec",
+        "strategy",
+        "settings",
+        "system_prompt",
+        "store_dir",
+        "redis_url",
+        "parity",
+        "log_requests",
+        "when",
+        "slice_s",
+        "kv_codec",
     }
-)  # fmt: skip
+)
 #: What ``when`` takes: blend only when forecast faster than vLLM's prefill, or always.
 WHEN = ("faster", "always")
 #: The keys a request's ``kv_transfer_params["kvblend"]`` dict takes.

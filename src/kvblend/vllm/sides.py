@@ -47,9 +47,12 @@ def scheduler_side(settings: ConnectorSettings, vllm_config: Any) -> SchedulerSi
     summary = StoreSummary(library.store, fingerprint, name, store_location(settings))
     logger.info("%s", summary.describe())
     return SchedulerSide(
-        settings, library, admission(settings.when),
-        block_size=int(vllm_config.cache_config.block_size), store_summary=summary,
-    )  # fmt: skip
+        settings,
+        library,
+        admission(settings.when),
+        block_size=int(vllm_config.cache_config.block_size),
+        store_summary=summary,
+    )
 
 
 def failure_policy_warning(kv_transfer_config: Any) -> str | None:
@@ -110,8 +113,12 @@ def worker_model(settings: ConnectorSettings, vllm_config: Any) -> WorkerModel:
         logger.info(
             "kvblend: tensor-parallel rank %d of %d blends %d query heads and KV heads "
             "[%d, %d) of %d",
-            adapter.tp_rank, adapter.tp_size, adapter.shape.num_heads, heads.start,
-            heads.stop, full.num_kv_heads,
-        )  # fmt: skip
+            adapter.tp_rank,
+            adapter.tp_size,
+            adapter.shape.num_heads,
+            heads.start,
+            heads.stop,
+            full.num_kv_heads,
+        )
     library = open_library(settings, model_config, decoder, tokenizer, fingerprint)
     return WorkerModel(adapter, library, int(vllm_config.cache_config.block_size))

@@ -277,8 +277,10 @@ class CompileRefusals:
             logger.warning(
                 "%s: the compiler refused it (%s); that shape runs uncompiled from now on "
                 "(and any other shape refused the same way, said here once), counted in "
-                "stats.uncompiled_calls", what, why,
-            )  # fmt: skip
+                "stats.uncompiled_calls",
+                what,
+                why,
+            )
 
 
 #: The process's refused compiles (FlexAttention and the compiled layer step).
@@ -296,16 +298,17 @@ def run_compiled_flex(window: int | None, *args: Any, **kwargs: Any) -> torch.Te
     writes nothing in place, so a failed run changes nothing.
     """
     config: Any = torch._dynamo.config
-    limits = {"recompile_limit": FLEX_RECOMPILE_LIMIT,
-              "accumulated_recompile_limit": FLEX_RECOMPILE_LIMIT}  # fmt: skip
+    limits = {
+        "recompile_limit": FLEX_RECOMPILE_LIMIT,
+        "accumulated_recompile_limit": FLEX_RECOMPILE_LIMIT,
+    }
 
     def call() -> torch.Tensor:
         with config.patch(limits):
             return _compiled_flex()(*args, **kwargs)
 
     query = args[0]
-    bucket = ("flex", query.device.type, query.dtype,
-              *(tuple(x.shape) for x in args[:3]), window)  # fmt: skip
+    bucket = ("flex", query.device.type, query.dtype, *(tuple(x.shape) for x in args[:3]), window)
     proven = PROVEN_RUNS.get(query.device.type, 1)
     return COMPILE_REFUSALS.run("FlexAttention", bucket, call, proven)
 
@@ -345,10 +348,15 @@ class FlexRows:
 
         partial, indices, full, full_indices = self.data[window]
         return BlockMask.from_kv_blocks(
-            partial, indices, full, full_indices, BLOCK_SIZE=BLOCK,
+            partial,
+            indices,
+            full,
+            full_indices,
+            BLOCK_SIZE=BLOCK,
             mask_mod=row_mask_mod(self.padded, window),
-            seq_lengths=(self.padded.numel(), self.keys), compute_q_blocks=False,
-        )  # fmt: skip
+            seq_lengths=(self.padded.numel(), self.keys),
+            compute_q_blocks=False,
+        )
 
     def __call__(
         self, window: int | None, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -362,8 +370,11 @@ class FlexRows:
         if padding:
             queries = torch.cat((queries, queries[:, -1:].expand(-1, padding, -1)), dim=1)
         args = (queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0))
-        options = {"block_mask": self.block_mask(window), "scale": self.scaling,
-                   "enable_gqa": queries.shape[0] != keys.shape[0]}  # fmt: skip
+        options = {
+            "block_mask": self.block_mask(window),
+            "scale": self.scaling,
+            "enable_gqa": queries.shape[0] != keys.shape[0],
+        }
         if torch.compiler.is_compiling() or not compiled_flex(keys.device):
             from torch.nn.attention.flex_attention import flex_attention
 

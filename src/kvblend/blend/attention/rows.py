@@ -119,11 +119,14 @@ def sdpa_heads(
         keys, values = repeat_kv(keys, groups), repeat_kv(values, groups)
     with big(attention_work(queries, keys, mask is None and causal)):
         out = F.scaled_dot_product_attention(
-            queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+            queries.unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=None if mask is None else mask[None, None],
-            is_causal=mask is None and causal, scale=scale,
+            is_causal=mask is None and causal,
+            scale=scale,
             enable_gqa=queries.shape[0] != keys.shape[0],
-        )  # fmt: skip
+        )
     return out[0]
 
 
@@ -204,8 +207,9 @@ def last_row_attention(
         blocked |= indices <= position - window
     mask = torch.where(blocked, float("-inf"), 0.0).to(keys.dtype)
     grouped = query.reshape(kv_heads, -1, head_dim)  # query head h reads KV head h // groups
-    scores = torch.baddbmm(mask.expand(kv_heads, grouped.shape[1], length), grouped,
-                           keys.transpose(1, 2), alpha=scale)  # fmt: skip
+    scores = torch.baddbmm(
+        mask.expand(kv_heads, grouped.shape[1], length), grouped, keys.transpose(1, 2), alpha=scale
+    )
     weights = scores.softmax(dim=-1, dtype=torch.float32).to(values.dtype)
     return torch.bmm(weights, values).reshape(1, -1)
 
@@ -275,8 +279,11 @@ def query_chunks(
     chunks, end = [], points.size - 1
     for call in range(calls, -1, -1):
         begin = int(starts[call][end])
-        chunks.append(QueryChunk(int(points[begin]), int(points[end]), int(key_begin[begin]),
-                                 int(key_end[end - 1])))  # fmt: skip
+        chunks.append(
+            QueryChunk(
+                int(points[begin]), int(points[end]), int(key_begin[begin]), int(key_end[end - 1])
+            )
+        )
         end = begin
     return chunks[::-1]
 
@@ -431,8 +438,16 @@ class RowAttention:
         plans = {} if self.flex is not None else self.chunks  # planned for eager steps only
         chunks = tuple((str(window), tuple(plan)) for window, plan in plans.items())
         masked = tuple(sorted(str(window) for window in self.masked))
-        return (self.flex is not None, self.exact, self.aligned, self.dense, self.scatter,
-                masked, chunks, tuple(self.blocks))  # fmt: skip
+        return (
+            self.flex is not None,
+            self.exact,
+            self.aligned,
+            self.dense,
+            self.scatter,
+            masked,
+            chunks,
+            tuple(self.blocks),
+        )
 
     def _plan_chunks(self) -> None:
         """Plan the query chunks of every masked window, and keep their masks within budget.
@@ -643,7 +658,12 @@ class SequenceAttention:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         with big(attention_work(queries, keys[:, :length], mask is None)):  # every sequence
             out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling,
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=self.scaling,
                 enable_gqa=heads != k.shape[1],
-            )  # fmt: skip
+            )
         return out.transpose(1, 2).reshape(rows, heads * head_dim)

@@ -177,8 +177,12 @@ def adopt_files(cache: diskcache.Cache, directory: Path, older_than: float) -> A
         logger.warning(
             "KV store in %s: %d entry files taken back into the index, %d unusable files "
             "(%d bytes) and %d empty folders deleted",
-            directory, adopted, deleted, freed, folders,
-        )  # fmt: skip
+            directory,
+            adopted,
+            deleted,
+            freed,
+            folders,
+        )
     return Adoption(adopted, deleted, freed, folders)
 
 
@@ -268,10 +272,17 @@ def survey(cache: Any, directory: Path) -> RepairReport:
     broken = sum(1 for full in paths if full is None or not os.path.isfile(full))
     unindexed = sum(1 for filename, _ in value_files(directory) if filename not in named)
     return RepairReport(
-        index_set_aside=False, rows_dropped=0, orphans_deleted=0, orphan_bytes=0,
-        entries=len(cache), bytes=cache.volume(), read_only=True, index_damaged=damaged,
-        rows_broken=broken, files_unindexed=unindexed,
-    )  # fmt: skip
+        index_set_aside=False,
+        rows_dropped=0,
+        orphans_deleted=0,
+        orphan_bytes=0,
+        entries=len(cache),
+        bytes=cache.volume(),
+        read_only=True,
+        index_damaged=damaged,
+        rows_broken=broken,
+        files_unindexed=unindexed,
+    )
 
 
 def _remove_empty_folders(directory: Path, older_than: float) -> int:

@@ -167,8 +167,10 @@ class DiskKVStore(KVStore):
         logger.warning(
             "KV store in %s opened read-only (%s): its entries are read, writes fail, and "
             "opening it writable is tried again every %g s",
-            self.directory, error, READ_ONLY_RETRY_S,
-        )  # fmt: skip
+            self.directory,
+            error,
+            READ_ONLY_RETRY_S,
+        )
         self.read_only = True
         self._writable_retry_at = time.monotonic() + READ_ONLY_RETRY_S
         return cache, index_identity(self.directory)
@@ -271,10 +273,15 @@ class DiskKVStore(KVStore):
         payload = stored.payload
         identity = payload.identity
         return lazy_entry(
-            payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
+            payload,
+            header,
+            key,
+            target,
+            pool=self._pool,
+            prefetch_ahead=self._prefetch_ahead,
             on_corrupt=lambda error: self._drop_corrupt(key, identity, error),
             finite=expect is not None and expect.finite,
-        )  # fmt: skip
+        )
 
     def put(
         self, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
@@ -431,9 +438,12 @@ class DiskKVStore(KVStore):
                 found = survey(self._cache, self.directory)
                 checked = check_entries(self._cache, self._store_key, drop=False)
             return dataclasses.replace(
-                found, entries_checked=checked.checked, entries_damaged=checked.damaged,
-                damaged_bytes=checked.damaged_bytes, other_key_entries=checked.other_key,
-            )  # fmt: skip
+                found,
+                entries_checked=checked.checked,
+                entries_damaged=checked.damaged,
+                damaged_bytes=checked.damaged_bytes,
+                other_key_entries=checked.other_key,
+            )
         with self._storage_errors("repair the KV store"):
             moment = None
             with self._reopen_lock:

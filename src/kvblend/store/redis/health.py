@@ -90,8 +90,10 @@ class RedisHealth:
         (logger.warning if warn else logger.debug)(
             "KV store Redis tier at %s unavailable (%s); using the local tiers and skipping it "
             "until a background check sees it answer (first check in %.1f s)",
-            self.server, error, self._first_check_s,
-        )  # fmt: skip
+            self.server,
+            error,
+            self._first_check_s,
+        )
 
     def close(self) -> None:
         """Stop the background check (a later failure or request while down starts it again)."""

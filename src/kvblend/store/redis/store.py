@@ -211,10 +211,16 @@ class RedisKVStore(KVStore):
         payload, header = opened
         target = torch.device(device) if device is not None else None
         return lazy_entry(
-            payload, header, key, target, pool=self._pool, prefetch_ahead=self._prefetch_ahead,
+            payload,
+            header,
+            key,
+            target,
+            pool=self._pool,
+            prefetch_ahead=self._prefetch_ahead,
             on_corrupt=lambda error: self._drop_corrupt(key, payload.header, error),
-            finite=expect is not None and expect.finite, replaced=payload.replaced,
-        )  # fmt: skip
+            finite=expect is not None and expect.finite,
+            replaced=payload.replaced,
+        )
 
     def _open(
         self, key: str, expect: EntrySpec | None = None, *, touch: bool = False

@@ -144,17 +144,26 @@ def blend_into_cache(
     lost: list[Lost] = []  # the entries not used, as they are found
     try:
         blended = blend_plan(
-            adapter, segment_kv or model.library.segment_kv, job.plan, selector,
-            read_whole=True, ranks=adapter, lost=lost, need_logits=False, cancel=cancel,
+            adapter,
+            segment_kv or model.library.segment_kv,
+            job.plan,
+            selector,
+            read_whole=True,
+            ranks=adapter,
+            lost=lost,
+            need_logits=False,
+            cancel=cancel,
             pause=pause,
-        )  # fmt: skip
+        )
     finally:
         outcome.lost += [str(entry) for entry in lost]  # the outcome's words (a message)
     out, kinds, looped = blended.out, blended.kinds, time.perf_counter()
     outcome.rows = round(out.counts.token_layers / adapter.shape.num_layers)
     outcome.timings = {
-        "open_s": blended.open_s, "loop_s": blended.loop_s, "probe_s": out.counts.probe_s,
-    }  # fmt: skip
+        "open_s": blended.open_s,
+        "loop_s": blended.loop_s,
+        "probe_s": out.counts.probe_s,
+    }
     if selector.reads_cache:
         cached = int((kinds != int(TokenKind.COMPUTE)).sum())
         outcome.recomputed = out.read.recomputed_tokens

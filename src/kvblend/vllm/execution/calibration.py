@@ -56,8 +56,11 @@ class CalibrationJob:
 
     tokens: tuple[int, ...] = (256, 1024, 2048)
     blends: tuple[tuple[int, str | None], ...] = (
-        (512, "full"), (1024, None), (2048, None), (1536, "reuse"),
-    )  # fmt: skip
+        (512, "full"),
+        (1024, None),
+        (2048, None),
+        (1536, "reuse"),
+    )
     runs: int = 2
 
     @torch.inference_mode()

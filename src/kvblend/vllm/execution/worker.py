@@ -108,9 +108,11 @@ class Worker:
         if adapter.device.type == "cpu" and adapter.tp_size == 1 and own > 1:
             shape = adapter.shape
             measure = functools.partial(
-                layer_ops, heads=shape.num_heads, kv_heads=shape.num_kv_heads,
+                layer_ops,
+                heads=shape.num_heads,
+                kv_heads=shape.num_kv_heads,
                 head_dim=shape.head_dim,
-            )  # fmt: skip
+            )
             self.threads = ThreadChoice((own, 1), measure)
         if not self.settings.parity:
             self.verdict = (True, "parity gate off (kv_connector_extra_config parity=false)")

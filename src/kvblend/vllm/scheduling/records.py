@@ -23,18 +23,31 @@ from kvblend.vllm.requests import BlendOutcome
 logger = logging.getLogger("kvblend.vllm")
 
 __all__ = [
-    "COMMON_REASONS", "COUNTS", "Counts", "RequestLog", "complete_record", "empty_counts",
+    "COMMON_REASONS",
+    "COUNTS",
+    "Counts",
+    "RequestLog",
+    "complete_record",
+    "empty_counts",
     "planned_record",
     "reason_code",
-]  # fmt: skip
+]
 
 #: The metrics' counts over finished requests (`Counts`), besides ``vllm_reasons`` (requests
 #: left to vLLM, by reason) and ``blend_seconds`` (each blend's own time).
 COUNTS = (
-    "requests", "blended", "vllm", "prompt_tokens", "prefix_cached_tokens", "reused_tokens",
-    "recomputed_tokens", "computed_tokens", "escalated_tokens", "forecast_blend_ms",
+    "requests",
+    "blended",
+    "vllm",
+    "prompt_tokens",
+    "prefix_cached_tokens",
+    "reused_tokens",
+    "recomputed_tokens",
+    "computed_tokens",
+    "escalated_tokens",
+    "forecast_blend_ms",
     "forecast_vllm_ms",
-)  # fmt: skip
+)
 
 #: Reason codes of the causes whose words are long (others: their words, joined by "_").
 _CODES = {
@@ -55,9 +68,16 @@ _CODES = {
 
 #: Reasons a server meets every day: the metrics count them from 0 (any other from its first).
 COMMON_REASONS = (
-    "vllm_faster", "not_stored", "no_stored_document", "empty_store", "other_model",
-    "store_unreachable", "kvblend_off", "refused", "preempted",
-)  # fmt: skip
+    "vllm_faster",
+    "not_stored",
+    "no_stored_document",
+    "empty_store",
+    "other_model",
+    "store_unreachable",
+    "kvblend_off",
+    "refused",
+    "preempted",
+)
 
 
 def reason_code(fallback: str | None) -> str:
@@ -127,9 +147,13 @@ class RequestLog:
         elif self.per_request:
             logger.info(
                 "kvblend: request %s: %d prompt tokens: vLLM prefills it (forecast %.2f s, "
-                "a blend %.2f s; decided in %.1f ms)", request_id, plan.total,
-                record["forecast_vllm_s"], record["forecast_blend_s"], 1000 * plan.plan_s,
-            )  # fmt: skip
+                "a blend %.2f s; decided in %.1f ms)",
+                request_id,
+                plan.total,
+                record["forecast_vllm_s"],
+                record["forecast_blend_s"],
+                1000 * plan.plan_s,
+            )
 
     def blended(self, record: dict[str, Any], outcome: BlendOutcome) -> None:
         """Say what a blend did (its warnings, and one line when per-request lines are on)."""
@@ -146,9 +170,14 @@ class RequestLog:
         logger.info(
             "kvblend: request %s: %d prompt tokens: blended, %d cached (%d from vLLM's prefix "
             "cache), %d recomputed; blend %.2f s%s",
-            outcome.request_id, record["prompt_tokens"], record["cached_tokens"],
-            record["vllm_prefix_tokens"], record["recomputed_tokens"], outcome.compute_s, forecast,
-        )  # fmt: skip
+            outcome.request_id,
+            record["prompt_tokens"],
+            record["cached_tokens"],
+            record["vllm_prefix_tokens"],
+            record["recomputed_tokens"],
+            outcome.compute_s,
+            forecast,
+        )
 
     def warn(self, cause: str, line: str) -> None:
         """Say ``line`` (at most once a minute per ``cause``)."""

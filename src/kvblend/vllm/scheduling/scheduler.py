@@ -117,8 +117,11 @@ class SchedulerSide:
         if known is not None and known.record is not None:  # allocated: never claimed again
             if view.preemptions:  # resumed after a preemption: its first record kept
                 known.record["preemptions"] = view.preemptions
-                self.log.warn("preempted", "kvblend: a preempted request resumes: vLLM "
-                              "computes what its prefix cache no longer holds")  # fmt: skip
+                self.log.warn(
+                    "preempted",
+                    "kvblend: a preempted request resumes: vLLM "
+                    "computes what its prefix cache no longer holds",
+                )
             return known
         if known is not None and known.start == start and view.excluded is None:
             return known
@@ -278,6 +281,11 @@ def _no_plan(token_ids: list[int], start: int, decision: Decision) -> RequestPla
     ids = np.asarray(token_ids, dtype=np.int64)
     plan = PrefillPlan(ids, np.full(ids.size, TokenKind.COMPUTE, dtype=np.int8))
     return RequestPlan(
-        plan, BlendConfig("full"), start, max(start, len(ids) - 1),
-        fallback=decision.reason or "", approximate_from=len(ids), forecast=decision.forecast,
-    )  # fmt: skip
+        plan,
+        BlendConfig("full"),
+        start,
+        max(start, len(ids) - 1),
+        fallback=decision.reason or "",
+        approximate_from=len(ids),
+        forecast=decision.forecast,
+    )
