@@ -263,9 +263,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     stats = blended.stats
     print(
         f"\nExpected answer found: full prefill {correct_full}/{len(questions)}, blended "
-        f"{correct_blended}/{len(questions)}. Last prompt: {stats.prompt_tokens} tokens, "
-        f"{stats.reused_tokens} reused from cache, {stats.recomputed_tokens} recomputed, "
-        f"{stats.computed_tokens} computed in full. "
+        f"{correct_blended}/{len(questions)}. Last prompt: {token_counts(stats)}"
+        f"{fallback_clause(stats)}. "
         f"Median TTFT speedup {sorted(speedups)[len(speedups) // 2]:.1f}x."
     )
 
@@ -362,18 +361,32 @@ def cmd_ask(args: argparse.Namespace) -> None:
         print(f"blended       ({out.ttft_s:.2f} s to first token): {out.text.strip()}")
     else:
         print(out.text.strip())
-    stats = out.stats
-    fallback = f"; ran as full prefill: {stats.fallback}" if stats.fallback else ""
-    print(
-        f"[{stats.prompt_tokens} prompt tokens: {stats.reused_tokens} reused, "
-        f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed; "
-        f"TTFT {out.ttft_s:.2f} s{fallback}]",
-        file=sys.stderr,
-    )
+    print(f"[{token_counts(out.stats)}; TTFT {out.ttft_s:.2f} s{fallback_clause(out.stats)}]",
+          file=sys.stderr)  # fmt: skip
 
 
 #: Prompt tokens ``ask`` counts for each document beyond its own: the separator, and slack.
 PER_DOCUMENT_TOKENS = 4
+
+
+def token_counts(stats: Any) -> str:  # noqa: ANN401 - a BlendStats
+    """Say a prefill's prompt tokens as reused, recomputed and computed (docs/glossary.md).
+
+    A full prefill (a fallback) still reuses the prompt head: its reused tokens are said to be
+    the head's.
+    """
+    head = " (the prompt head)" if stats.fallback and stats.reused_tokens else ""
+    return (
+        f"{stats.prompt_tokens} prompt tokens: {stats.reused_tokens} reused{head}, "
+        f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed"
+    )
+
+
+def fallback_clause(stats: Any) -> str:  # noqa: ANN401 - a BlendStats
+    """``; ran as full prefill after the prompt head: WHY`` for a fallback, else nothing."""
+    if not stats.fallback:
+        return ""
+    return f"; ran as full prefill after the prompt head: {stats.fallback}"
 
 
 def _prompt_budget(args: argparse.Namespace, engine: BlendEngine) -> int:
