@@ -39,8 +39,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", default="nq-10", help="a `kvblend bench shapes` NQ shape")
     parser.add_argument("--cache-dir", help="corpus embeddings cache (default: kvblend's)")
-    parser.add_argument("--rounding", default="native", choices=(*ROUNDINGS, "both"),
-                        help="the bfloat16 products: emulated, native, or both (default native)")
+    parser.add_argument(
+        "--rounding",
+        default="native",
+        choices=(*ROUNDINGS, "both"),
+        help="the bfloat16 products: emulated, native, or both (default native)",
+    )
     parser.add_argument("--output", help="write the per-question rows and the summary (json)")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -83,3 +83,36 @@ def test_no_correction_without_a_share_or_with_every_moved_row_recomputed() -> N
     every = np.flatnonzero(KINDS != PREFIX)
     everything = RowSet.from_host(every, torch.device("cpu"))
     assert stale_correction(KINDS, _span_index(), everything, SHARE, table, table[every]) is None
+
+
+@pytest.mark.parametrize("chosen_on", ["host", "device"])
+@pytest.mark.parametrize("share", [SHARE, 0.0])
+def test_a_temperature_divides_the_stale_keys_after_the_shift(chosen_on: str, share: float) -> None:
+    decoder = Decoder(tiny_model("llama"))
+    table = rope_table(*decoder.rotary(torch.arange(KINDS.size)))
+    generator = torch.Generator().manual_seed(7)
+    layer_kv = torch.randn(2, 2, KINDS.size, 16, generator=generator)
+    layer_kv[0] = rotate(layer_kv[0], table)
+    fresh = torch.randn(COMPUTED.size, 2, 2, 16, generator=generator)
+    rows = RowSet.from_host(COMPUTED, torch.device("cpu"))
+    if chosen_on == "device":
+        rows = RowSet(rows.positions)
+    shifted = layer_kv.clone()
+    if share > 0:  # the temperature-free correction's result, then divided
+        plain = stale_correction(KINDS, _span_index(), rows, share, table, table[COMPUTED])
+        assert plain is not None and plain.key_scale == 1.0
+        apply_correction(plain, shifted, fresh)
+    hot = stale_correction(KINDS, _span_index(), rows, share, table, table[COMPUTED],
+                           temperature=1.25)  # fmt: skip
+    assert hot is not None and hot.key_scale == pytest.approx(0.8)
+    before = layer_kv.clone()
+    apply_correction(hot, layer_kv, fresh)
+    stale = [r for r in np.flatnonzero(KINDS == MOVED) if r not in COMPUTED]
+    assert torch.allclose(layer_kv[0][:, stale], shifted[0][:, stale] / 1.25, atol=1e-6)
+    assert torch.allclose(layer_kv[1][:, stale], shifted[1][:, stale], atol=1e-6)  # values kept
+    untouched = np.flatnonzero(KINDS != MOVED)
+    assert torch.equal(layer_kv[:, :, untouched], before[:, :, untouched])
+    every = np.flatnonzero(KINDS != PREFIX)  # nothing stale: nothing to do
+    everything = RowSet.from_host(every, torch.device("cpu"))
+    assert stale_correction(KINDS, _span_index(), everything, share, table, table[every],
+                            temperature=1.25) is None  # fmt: skip

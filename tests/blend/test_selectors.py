@@ -34,7 +34,7 @@ def test_defaults_and_settings_of_each_strategy() -> None:
         "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
         "min_recompute": 256, "window": 1, "per_document": 0,
         "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
-        "probe_tail": False, "guard": None,
+        "stale_temperature": 1.0, "probe_tail": False, "guard": None,
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
@@ -42,8 +42,13 @@ def test_defaults_and_settings_of_each_strategy() -> None:
         "deviation": "value",
         "ratio_schedule": None,
         "correction": 0.5,
+        "stale_temperature": 1.0,
     }
-    assert BlendConfig("epic").settings == {"epic_tokens": 16, "correction": 0.5}
+    assert BlendConfig("epic").settings == {
+        "epic_tokens": 16,
+        "correction": 0.5,
+        "stale_temperature": 1.0,
+    }
     assert BlendConfig("reuse").settings == {} == BlendConfig("full").settings
     assert BlendConfig("epic", epic_tokens=4).epic_tokens == 4
 
@@ -676,3 +681,30 @@ def test_selectors_choose_rows_by_the_adapters_reduced_scores(
     question = total - len(engine.tokenize("\nWho lives in Oslo?"))
     chosen = rows[(rows >= len(engine.tokenize("Records:\n"))) & (rows < question)]
     assert chosen.tolist() == list(range(question - round(0.25 * moved), question))
+
+
+@pytest.mark.parametrize("strategy", ["attention", "epic", "cacheblend"])
+def test_a_stale_temperature_divides_the_keys_the_blend_reads_from_caches(strategy: str) -> None:
+    """With no correction, the rows a blend reads from the cache at the last layer hold their
+    cached keys: at temperature 2, halved, and only those; values are the cache's either way.
+    The rows chosen are the same (the temperature acts in the blend, after any choice), and the
+    computed rows, which attend less sharply to the stale ones, move the logits."""
+    engine, prompt, _ = _records_engine()
+    settings = {"correction": 0.0}
+    if strategy == "attention":
+        settings |= {"recompute_ratio": 0.2, "lead_tokens": 1, "short_document": 0,
+                     "min_recompute": 0, "full_above": 1.0}  # fmt: skip
+    cold = engine.prefill(prompt, BlendConfig(strategy, **settings))
+    hot = engine.prefill(prompt, BlendConfig(strategy, stale_temperature=2.0, **settings))
+    assert hot.stats.recomputed_tokens == cold.stats.recomputed_tokens > 0
+    last_hot, last_cold = hot.keys[-1], cold.keys[-1]
+    halved = torch.isclose(last_hot, last_cold / 2, atol=1e-6).all(dim=-1).all(dim=0)
+    stale = halved & ~torch.isclose(last_cold, torch.zeros(()), atol=1e-6).all(-1).all(0)
+    kinds = torch.as_tensor(engine.plan(prompt).kinds)
+    assert int(stale.sum()) == int((kinds == MOVED).sum()) - cold.stats.recomputed_tokens
+    assert bool((kinds[stale] == MOVED).all())
+    values_read = stale.nonzero().squeeze(1)
+    assert torch.equal(hot.values[-1][:, values_read], cold.values[-1][:, values_read])
+    assert not torch.allclose(hot.logits, cold.logits)
+    with pytest.raises(ValueError, match="stale_temperature"):
+        BlendConfig(strategy, stale_temperature=0.0)

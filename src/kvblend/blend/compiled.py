@@ -89,7 +89,11 @@ def step_bucket(args: tuple[Any, ...]) -> tuple[Any, ...]:
     correction runs (and its sizes) and the attention's own flags (`RowAttention.graph_key`).
     """
     view, index, mode, hidden, layer_kv, rows, _, correction, attention = args
-    shapes = None if correction is None else tuple(tuple(t.shape) for t in correction)
+    shapes = (
+        None
+        if correction is None
+        else (*(tuple(t.shape) for t in correction[:-1]), correction.key_scale)
+    )
     graph_key = getattr(attention, "graph_key", None)
     return (
         "step", hidden.device.type, hidden.dtype, type(view).__name__, view.shape,

@@ -32,15 +32,15 @@ class BlendConfig:
       top), ``short_document`` (32: moved documents of at most this many tokens recomputed
       whole), ``full_above`` (0.8: a blend whose estimated cost is above this share of a full
       prefill's recomputes every moved token; 1 never; ``stats.fallback`` says why),
-      ``correction`` (0.5).
+      ``correction`` (0.5), ``stale_temperature`` (1).
     - ``"cacheblend"``: every moved token is computed up to a check layer, where the ones whose
       KV deviates most from the cache are kept. Settings: ``recompute_ratio`` (0.2),
       ``check_layer`` (1), ``deviation`` (``"value"``, or ``"key"`` as LMCache),
       ``ratio_schedule`` (gradual filtering ``((layer, ratio), ...)``: increasing layers,
       non-increasing ratios; replaces ``recompute_ratio`` and ``check_layer``),
-      ``correction`` (0.5).
+      ``correction`` (0.5), ``stale_temperature`` (1).
     - ``"epic"``: the first ``epic_tokens`` (16) tokens of every moved document are recomputed.
-      Settings: ``epic_tokens``, ``correction`` (0.5).
+      Settings: ``epic_tokens``, ``correction`` (0.5), ``stale_temperature`` (1).
     - ``"reuse"``: nothing is recomputed (the quality floor). No settings.
     - ``"full"``: every token is computed over the same token ids (the exact baseline). No
       settings.
@@ -48,6 +48,9 @@ class BlendConfig:
     ``correction``: at every layer, each moved document's tokens that are not recomputed get
     this share of the mean K/V change its recomputed tokens show (the context the document
     missed is partly the same for all of its tokens), in ``[0, 1]``; 0 turns it off.
+    ``stale_temperature``: after it, the keys of those tokens are divided by this temperature,
+    so every later token (decoding's too) attends to them less sharply above 1, in
+    ``[0.25, 4]``; 1 turns it off.
 
     A setting the strategy does not use raises ``ValueError``. Configs are immutable and
     hashable; `replace` returns a changed copy. Settings read as attributes

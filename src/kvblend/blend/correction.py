@@ -9,6 +9,11 @@ row. Keys are corrected before RoPE: the buffer holds rotated keys, so a key cha
 un-rotated by its row's own table and the shift rotated by the table of the row it moves
 (RoPE is linear).
 
+A temperature ``T`` on the stale rows (APE's, arXiv 2502.05431, on the rows a blend reads from a
+cache computed without the prompt's other text) divides their keys by ``T`` after the shift:
+every later query's logit over such a key is divided by ``T``, in the prefill and, since the
+fused cache keeps the divided keys, in every decoding step after it.
+
 The correction is built from the computed rows on the device, with sizes the host knows (the
 count of computed rows, the moved rows of the prompt), so it needs no read-back when a probe
 chose the rows there: a means table ``[documents + 1, rows]`` (zero weight for computed rows
@@ -40,6 +45,7 @@ class CorrectionTensors(NamedTuple):
     moved: torch.Tensor  # [moved] every moved position
     column: torch.Tensor  # [moved] the means-table row each moved position takes
     moved_table: torch.Tensor  # [moved, 1, 2, 2, half] the rotation of each moved position
+    key_scale: float = 1.0  # the stale keys are multiplied by it (1 / temperature; 1: off)
 
 
 def stale_correction(
@@ -50,6 +56,7 @@ def stale_correction(
     table: torch.Tensor,
     row_table: torch.Tensor,
     bucket: Callable[[int], int] | None = None,
+    temperature: float = 1.0,
 ) -> CorrectionTensors | None:
     """Build the correction of the computed ``rows`` (None when it would change nothing).
 
@@ -58,10 +65,10 @@ def stale_correction(
     the host get their means table made there; rows chosen on the device, on the device.
     ``bucket`` (a compiled loop's): the moved rows and the table's documents are padded to
     sizes it gives, padding moved rows at the buffer's row past the prompt (never read), so
-    the tensors' sizes are a bucket's.
+    the tensors' sizes are a bucket's. ``temperature``: the stale keys' (1: none).
     """
     moved = np.flatnonzero(kinds == MOVED)
-    if share <= 0 or moved.size == 0:
+    if (share <= 0 and temperature == 1.0) or moved.size == 0:
         return None
     device, total = rows.positions.device, kinds.size
     spans = int(span_index.max()) + 1
@@ -80,7 +87,9 @@ def stale_correction(
             span_of_all[rows.host], moved_span, spans, share, documents, int(moved_count)
         )
         if host_weights is None:
-            return None
+            if temperature == 1.0 or np.isin(moved[:moved_count], rows.host).all():
+                return None  # nothing stale, or nothing to do
+            host_weights = np.zeros((documents, rows.host.size), dtype=np.float32)
         weights, column = to_device(host_weights, device), to_device(host_column, device)
     else:
         span_of = to_device(span_of_all, device).index_select(0, rows.positions)
@@ -90,7 +99,7 @@ def stale_correction(
     positions, moved_rows = rows.positions, to_device(moved, device)
     return CorrectionTensors(
         positions, inverse_table(row_table).unsqueeze(1), weights, moved_rows, column,
-        table.index_select(0, moved_rows).unsqueeze(1),
+        table.index_select(0, moved_rows).unsqueeze(1), 1.0 / temperature,
     )  # fmt: skip
 
 
@@ -147,4 +156,9 @@ def apply_correction(c: CorrectionTensors, layer_kv: torch.Tensor, fresh: torch.
     means = c.weights @ change.reshape(rows, -1).float()  # [spans + 1, 2 * kv_heads * head_dim]
     shift = means.index_select(0, c.column).to(layer_kv.dtype).view(-1, *fresh.shape[1:])
     rotate_(shift[:, 0], c.moved_table)  # each moved row's key shift at its own position
-    layer_kv.index_add_(2, c.moved, shift.permute(1, 2, 0, 3))
+    if c.key_scale == 1.0:
+        layer_kv.index_add_(2, c.moved, shift.permute(1, 2, 0, 3))
+        return
+    moved = layer_kv.index_select(2, c.moved).add_(shift.permute(1, 2, 0, 3))
+    moved[0].mul_(c.key_scale)  # the temperature: keys only
+    layer_kv.index_copy_(2, c.moved, moved)

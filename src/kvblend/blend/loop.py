@@ -111,6 +111,7 @@ class PassState:
     kv: PromptKV
     share: float  # the stale-KV correction's share (0: off)
     runner: StepRunner
+    temperature: float = 1.0  # the stale rows' attention temperature (1: off)
     loads: LayerLoads = field(init=False)  # the cached K/V's copies, a group of layers each
     rows: RowSet = field(init=False)
     padded: torch.Tensor = field(init=False)  # the positions the step computes
@@ -150,14 +151,14 @@ class PassState:
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
         self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
-        if self.share > 0 and not self.every_row:
+        if (self.share > 0 or self.temperature != 1.0) and not self.every_row:
             host = rows.host
             if host is not None and self.padded.numel() > rows.count:  # padding: the last row
                 host = np.pad(host, (0, self.padded.numel() - rows.count), mode="edge")
             spans = moved_span_index(self.host_kinds, self.prompt.spans)
             self.correction = stale_correction(
                 self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
-                self.row_table, self.runner.bucket,
+                self.row_table, self.runner.bucket, self.temperature,
             )  # fmt: skip
 
     def narrow(self, narrowing: Narrowing) -> None:
@@ -171,7 +172,7 @@ class PassState:
 
 def begin_pass(
     adapter: ModelAdapter, prompt: BlendInput, tables: RopeTables, rows: RowSet, share: float,
-    start: BlendOutput | None, runner: StepRunner, corrected: bool,
+    start: BlendOutput | None, runner: StepRunner, corrected: bool, temperature: float = 1.0,
 ) -> PassState:  # fmt: skip
     """Embed the computed rows and prepare their attention and correction.
 
@@ -190,7 +191,7 @@ def begin_pass(
         kv = PromptKV.empty(
             adapter, total, tables.table.shape[0], zeroed, runner.compiled, runner.zero_to
         )
-    state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner)
+    state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner, temperature)
     state.loads = start.loads if start is not None and start.loads is not None else (
         LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
     )  # fmt: skip
@@ -317,16 +318,19 @@ def run_pass(
     back with the pass's rows (``out.extra``).
     """
     share = selector.correction if selector is not None else 0.0
+    temperature = selector.stale_temperature if selector is not None else 1.0
     start = selection.start
     blend_input = on_host(blend_input)
     rows = as_rows(selection.computed, adapter.device)
     check_pass(blend_input, rows, selector, start is not None, need_logits, layers)
     tables = tables if tables is not None else prompt_tables(adapter, blend_input)
     runner = pass_runner(adapter, blend_input)
-    corrected = share > 0 if corrected is None else corrected
+    corrected = (share > 0 or temperature != 1.0) if corrected is None else corrected
     runner.begin(adapter.device)
     with small_ops(adapter.device):  # its rows' embedding, RoPE table, masks, correction
-        state = begin_pass(adapter, blend_input, tables, rows, share, start, runner, corrected)
+        state = begin_pass(
+            adapter, blend_input, tables, rows, share, start, runner, corrected, temperature
+        )
     try:
         logits = run_layers(state, selector, observer, need_logits, cancel, layers, pause)
     except BaseException:

@@ -56,14 +56,15 @@ class FirstPass:
 
     ``self(computed, observer, layers=None, logits=False)`` computes the rows ``computed``
     (host positions) over the first ``layers`` layers (every layer when None) and reads the
-    rest from the cache; ``observer`` sees each layer. ``correction``: the selector's share,
-    whose prefill may continue from this pass's buffer.
+    rest from the cache; ``observer`` sees each layer. ``corrected``: whether the selector's
+    prefill, which may continue from this pass's buffer, changes stale rows (a correction or a
+    temperature: `Selector.corrects_stale`), reading every computed row's K/V.
     """
 
     adapter: ModelAdapter
     prompt: BlendInput  # its kinds on the host
     tables: RopeTables | None
-    correction: float = 0.0
+    corrected: bool = False
     cancel: CancelFlag | None = None
     pause: Pause | None = None
 
@@ -83,7 +84,7 @@ class FirstPass:
         return run_pass(
             self.adapter, self.prompt, Selection(computed), observer=observer,
             need_logits=logits, cancel=self.cancel, tables=self.tables, layers=layers,
-            corrected=self.correction > 0 or not every_uncached, pause=self.pause,
+            corrected=self.corrected or not every_uncached, pause=self.pause,
         )  # fmt: skip
 
 
@@ -92,7 +93,7 @@ def selection_context(
     blend_input: BlendInput,
     cancel: CancelFlag | None = None,
     tables: RopeTables | None = None,
-    correction: float = 0.0,
+    corrected: bool = False,
     pause: Pause | None = None,
 ) -> SelectionContext:
     """Return what a selector sees of a prompt (``blend_input`` on the adapter's device).
@@ -102,7 +103,7 @@ def selection_context(
     """
     blend_input = on_host(blend_input)
     assert blend_input.host_kinds is not None
-    first_pass = FirstPass(adapter, blend_input, tables, correction, cancel, pause)
+    first_pass = FirstPass(adapter, blend_input, tables, corrected, cancel, pause)
     kinds = torch.from_numpy(blend_input.host_kinds)
     return SelectionContext(adapter, kinds, blend_input.spans, first_pass)
 
@@ -131,7 +132,9 @@ def run_blend(
     )  # fmt: skip
     tables = prompt_tables(adapter, blend_input)  # step 1
     started = time.perf_counter()
-    context = selection_context(adapter, blend_input, cancel, tables, selector.correction, pause)
+    context = selection_context(
+        adapter, blend_input, cancel, tables, selector.corrects_stale, pause
+    )
     selection = selector.select(context)  # step 2
     select_s = time.perf_counter() - started
     guard = selector.guard_inputs if need_logits else None

@@ -25,6 +25,7 @@ from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.io import COMPUTE, MOVED, RowSet, to_device
 from kvblend.blend.selectors.base import (
     CORRECTION,
+    STALE_TEMPERATURE,
     Forecast,
     Narrowing,
     Selection,
@@ -322,6 +323,7 @@ class AttentionSelector(Selector):
             "recomputed (1: never)",
         ),
         "correction": CORRECTION,
+        "stale_temperature": STALE_TEMPERATURE,
         "probe_tail": Setting(
             False,
             flag,

@@ -79,6 +79,21 @@ CORRECTION = Setting(
 )
 
 
+def temperature(name: str, value: Any) -> float:
+    """Check an attention temperature: a number in [0.25, 4]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.25 <= value <= 4:
+        raise ValueError(f"{name} must be a number in [0.25, 4], got {value!r}")
+    return float(value)
+
+
+STALE_TEMPERATURE = Setting(
+    1.0,
+    temperature,
+    "attention temperature on the moved tokens that are not recomputed: their keys are divided "
+    "by it (above 1 every later token attends to them less sharply; 1: off)",
+)
+
+
 class SpanRows(Protocol):
     """A planned or cached span: prompt rows ``[start, end)`` and their kind."""
 
@@ -231,6 +246,16 @@ class Selector:
     def correction(self) -> float:
         """The stale-KV correction share (0 for strategies without that setting)."""
         return float(self.options.get("correction", 0.0))
+
+    @property
+    def stale_temperature(self) -> float:
+        """The attention temperature on stale moved rows (1 for strategies without it)."""
+        return float(self.options.get("stale_temperature", 1.0))
+
+    @property
+    def corrects_stale(self) -> bool:
+        """Whether the blend changes the stale moved rows' K/V (a correction or a temperature)."""
+        return self.correction > 0 or self.stale_temperature != 1.0
 
     @classmethod
     def resolve(cls, given: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     CORRECTION,
     RECOMPUTE_RATIO,
+    STALE_TEMPERATURE,
     Forecast,
     Narrowing,
     Selection,
@@ -81,6 +82,7 @@ class CacheBlendSelector(Selector):
             None, _schedule, "gradual filtering ((layer, ratio), ...), replacing the other two"
         ),
         "correction": CORRECTION,
+        "stale_temperature": STALE_TEMPERATURE,
     }
 
     @classmethod

@@ -15,6 +15,7 @@ import torch
 from kvblend.blend.io import MOVED
 from kvblend.blend.selectors.base import (
     CORRECTION,
+    STALE_TEMPERATURE,
     Forecast,
     Selection,
     SelectionContext,
@@ -32,6 +33,7 @@ class EpicSelector(Selector):
     settings = {
         "epic_tokens": Setting(16, non_negative_int, "leading tokens of each moved document"),
         "correction": CORRECTION,
+        "stale_temperature": STALE_TEMPERATURE,
     }
 
     def select(self, context: SelectionContext) -> Selection:
