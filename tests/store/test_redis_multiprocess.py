@@ -208,6 +208,7 @@ def _intact(url: str, folder: str, store_key: str) -> dict[str, int]:
     return found
 
 
+@pytest.mark.slow  # three processes that import torch
 @pytest.mark.parametrize("store_key", ["", "9" * 64], ids=["checksums", "macs"])
 def test_three_processes_of_three_threads_lose_nothing(redis_server, tmp_path, store_key):
     url = redis_server.url + "?socket_timeout=30"

@@ -14,6 +14,7 @@ import pathlib
 import time
 
 import diskcache
+import pytest
 import torch
 
 from kvblend.store import DiskKVStore, StoreError
@@ -71,6 +72,7 @@ def _worker(directory: str, worker: int) -> tuple[int, int, list[str]]:
     return failed_puts, unread, kept
 
 
+@pytest.mark.slow  # four processes
 def test_four_processes_writing_one_folder_lose_no_write(tmp_path):
     directory = str(tmp_path / "kv")
     DiskKVStore(directory).close()

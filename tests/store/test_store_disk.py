@@ -263,6 +263,7 @@ def _share_worker(directory: str, worker: int, count: int) -> int:
     return verified
 
 
+@pytest.mark.slow  # two processes that import torch
 def test_two_processes_share_one_folder_without_losing_entries(tmp_path):
     directory = str(tmp_path / "kv")
     DiskKVStore(directory).close()  # create the folder and database once

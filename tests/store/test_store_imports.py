@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import kvblend.store
 
 PACKAGE = Path(kvblend.store.__file__).parent
@@ -92,6 +94,7 @@ def test_the_store_package_has_no_import_circle() -> None:
     assert find_cycle(graph) is None, f"import circle: {' -> '.join(find_cycle(graph) or [])}"
 
 
+@pytest.mark.slow  # a process per module
 def test_each_store_module_imports_on_its_own() -> None:
     code = (
         "import importlib, sys\n"
