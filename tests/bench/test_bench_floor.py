@@ -74,6 +74,10 @@ def test_the_rounded_references_are_strategies() -> None:
     assert floor.rounding == "prefill" and floor.config == BlendConfig("full")
     assert strategy("full@bf16").rounding == "answer"
     assert strategy("default").rounding is None
+    blend = strategy("default+lead_tokens=4@bf16")
+    assert blend.rounding == "answer" and blend.config == BlendConfig(lead_tokens=4)
+    with pytest.raises(ValueError, match="plain strategy"):
+        strategy("default@compiled@bf16")
     assert [s.name for s in parse_strategies("default,full@bf16-prefill")] == [
         "full",
         "default",
@@ -166,7 +170,7 @@ def test_a_run_reports_every_strategy_against_the_floor(nq_file: Path, tmp_path:
     result = run_decided(
         {"untold": engine},
         nq_file,
-        parse_strategies("full,reuse,full@bf16-prefill,full@bf16"),
+        parse_strategies("full,reuse,full@bf16-prefill,full@bf16,reuse@bf16"),
         ks=(3,),
         split="all",
         questions=3,
@@ -176,10 +180,15 @@ def test_a_run_reports_every_strategy_against_the_floor(nq_file: Path, tmp_path:
         labels="cached",
     )
     assert result["rounding"] == "emulated" and result["labels"] == "cached"
-    rows = [r for r in result["rows"] if r["strategy"] in (FLOOR, "full@bf16")]
-    assert len(rows) == 6 and all(r["answer"] is not None and r["ttft_s"] is None for r in rows)
+    rows = [r for r in result["rows"] if r["strategy"] in (FLOOR, "full@bf16", "reuse@bf16")]
+    assert len(rows) == 9 and all(r["answer"] is not None and r["ttft_s"] is None for r in rows)
     assert all(r["kl"] > 0 for r in rows)  # rounding moved the first token's distribution
     summary = {s["strategy"]: s for s in result["summary"]}
     assert summary[FLOOR]["kl_ratio"] == pytest.approx(1.0)
     assert summary["reuse"]["floor_n"] == 3 and summary["reuse"]["kl_ratio"] > 0
     assert "agreement_words_5" in summary["reuse"]
+    # reuse in bfloat16 read the documents the copy precomputed: as far from full as reuse
+    hot = {r["qid"]: r for r in result["rows"] if r["strategy"] == "reuse@bf16"}
+    cold = {r["qid"]: r for r in result["rows"] if r["strategy"] == "reuse"}
+    assert all(hot[q]["documents_reused"] == cold[q]["documents_reused"] > 0 for q in hot)
+    assert all(abs(hot[q]["kl"] - cold[q]["kl"]) < 0.5 * cold[q]["kl"] + 0.01 for q in hot)

@@ -13,7 +13,8 @@ without kvblend's stale-KV correction; the others use `BlendConfig`'s default co
 Two references measure what rounding alone does to full prefill (`kvblend.bench.quality.rounding`):
 ``full@bf16-prefill`` is full prefill computed in bfloat16 and decoded in the engine's dtype (the
 floor a blend, which changes only the prefill, is read against), ``full@bf16`` computes and decodes
-the whole answer in bfloat16.
+the whole answer in bfloat16. Any strategy takes the ``@bf16`` suffix (``default@bf16``: the blend
+a bfloat16 engine runs, decoded in bfloat16) or ``@bf16-prefill``.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ class Strategy:
     config: BlendConfig
     cache_documents: bool = True
     compiled: bool = False  # its prefills run the compiled layer loop (``@compiled``)
-    #: full prefill under bfloat16 rounding (`ROUNDED`): ``prefill`` (decoded in the engine's
-    #: dtype) or ``answer`` (prefill and decoding in bfloat16); None: the engine's own numerics
+    #: the prefill run on a bfloat16 copy of the model (`ROUNDED`): ``prefill`` (decoded in the
+    #: engine's dtype) or ``answer`` (prefill and decoding in bfloat16); None: the engine's own
     rounding: str | None = None
 
     @contextlib.contextmanager
@@ -77,8 +78,8 @@ class Strategy:
         ]
 
 
-#: The rounded references: name -> what is rounded to bfloat16.
-ROUNDED = {"full@bf16-prefill": "prefill", "full@bf16": "answer"}
+#: Suffixes that run a strategy on a bfloat16 copy of the model: suffix -> what is rounded.
+ROUNDED = {"@bf16-prefill": "prefill", "@bf16": "answer"}
 #: The floor every closeness figure is read against (prefill-only rounding).
 FLOOR = "full@bf16-prefill"
 
@@ -95,8 +96,12 @@ def strategy(name: str) -> Strategy:
     Any name takes ``+setting=value`` suffixes that set one `BlendConfig` setting each, such
     as ``attention-0.2+lead_tokens=8``.
     """
-    if name in ROUNDED:
-        return Strategy(name, BlendConfig("full"), rounding=ROUNDED[name])
+    for suffix, rounding in ROUNDED.items():
+        if name.endswith(suffix):
+            found = strategy(name.removesuffix(suffix))
+            if found.rounding is not None or found.compiled or not found.cache_documents:
+                raise ValueError(f"{name}: {suffix} takes a plain strategy")
+            return Strategy(name, found.config, rounding=rounding)
     if name.endswith("@compiled"):
         found = strategy(name.removesuffix("@compiled"))
         return Strategy(name, found.config, found.cache_documents, compiled=True)
@@ -145,7 +150,7 @@ def strategy(name: str) -> Strategy:
         f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
-        " and an @compiled one, or the rounded references " + ", ".join(ROUNDED)
+        " and an @compiled one, and a strategy run in bfloat16: full@bf16-prefill, default@bf16"
     )
 
 

@@ -134,10 +134,11 @@ def _rounded(
     options: RunOptions,
     rounded: RoundedPrefill | None,
 ) -> tuple[Any, str | None, None]:
-    """Full prefill in bfloat16; decoded by ``engine`` (``prefill``) or in bfloat16 (``answer``)."""
+    """``strat`` on the bfloat16 copy; decoded by ``engine`` (``prefill``) or in bfloat16."""
     if rounded is None:
         raise ValueError(f"{strat.name} needs the engine's bfloat16 copy (a RoundedPrefill)")
-    bf16 = rounded.rounded_prefill(strat.segments(item.segments))
+    documents = item.documents if strat.config.reads_cache else ()
+    bf16 = rounded.rounded_prefill(strat.segments(item.segments), strat.config, documents)
     pre = rounded.in_engine_dtype(bf16)
     if options.kl_only:
         return pre, None, None
@@ -205,7 +206,7 @@ def evaluate_question(
     options: RunOptions,
     retime: bool,
     done: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset(),
-    rounded: RoundedPrefill | None = None,
+    rounded: Mapping[str, RoundedPrefill] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows of ``item``: full prefill (cached or run), then each strategy not in ``done``.
 
@@ -243,7 +244,8 @@ def evaluate_question(
                 strat: Strategy, name: str, engine: BlendEngine = engine, head: str = head
             ) -> dict[str, Any]:
                 with strat.loop():
-                    pre, answer, ttft = _timed(engine, item, strat, options, rounded)
+                    copy = None if rounded is None else rounded.get(head)
+                    pre, answer, ttft = _timed(engine, item, strat, options, copy)
                 if len(pre.token_ids) != base_line.prompt_tokens:
                     raise RuntimeError(f"{name} prefilled another prompt than full prefill")
                 stats = pre.stats
@@ -496,9 +498,10 @@ def run_decided(
     wanted = {(head, s.name) for head in engines for s in strategies}
     items = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at,
                             labels=labels)  # fmt: skip
-    rounded = RoundedPrefill(engine) if any(s.rounding for s in strategies) else None
-    if rounded is not None:
-        result["rounding"] = rounded.rounding
+    rounded = None
+    if any(s.rounding for s in strategies):  # a bfloat16 copy of each head's engine
+        rounded = {head: RoundedPrefill(e) for head, e in engines.items()}
+        result["rounding"] = next(iter(rounded.values())).rounding
 
     def checkpoint() -> None:
         result["rows"] = rows

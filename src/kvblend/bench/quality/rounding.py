@@ -1,4 +1,4 @@
-"""Full prefill under bfloat16 rounding: the floor a blend's closeness is read against.
+"""Prefills in bfloat16: the floor a blend's closeness is read against, and blends in bfloat16.
 
 A blend changes only the prefill. How far its first-token distribution and its answers may be
 asked to follow float32 full prefill's is bounded below by what rounding alone does to full
@@ -6,7 +6,8 @@ prefill: the same model, the same prompt, every tensor kept in bfloat16 (the dty
 are served in). `RoundedPrefill` runs that prefill on a bfloat16 copy of an engine's model and
 hands back its KV and logits in the engine's own dtype, so the engine decodes from them in
 float32: prefill-only rounding (``full@bf16-prefill``), or decodes on the bfloat16 copy too,
-rounding the whole answer (``full@bf16``).
+rounding the whole answer (``full@bf16``). Any strategy runs the same way on the copy
+(``default@bf16``: the default blend as a bfloat16 engine runs it, decoded there).
 
 `Bfloat16Products` makes that affordable on CPUs without bfloat16 matrix units (AVX2 machines,
 where a bfloat16 product runs several times slower than a float32 one): every tensor stays
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
 from kvblend.engine.results import PrefillResult
 
@@ -102,10 +104,11 @@ def rounded_products(rounding: str) -> Iterator[None]:
 
 
 class RoundedPrefill:
-    """Full prefill of ``engine``'s prompts on a bfloat16 copy of its model.
+    """Prefills of ``engine``'s prompts on a bfloat16 copy of its model.
 
-    The copy (the engine's model deep-copied and cast, with its tokenizer, system prompt and an
-    in-memory store: full prefill reads no cached KV) is built on first use.
+    The copy (the engine's model deep-copied and cast, with its tokenizer, system prompt,
+    document context and KV codec, and an in-memory store of its own) is built on first use;
+    its documents are precomputed there, in bfloat16, when a blend needs them.
     """
 
     def __init__(self, engine: BlendEngine, rounding: str = "emulated") -> None:
@@ -125,20 +128,27 @@ class RoundedPrefill:
             self._rounded = BlendEngine(
                 model,
                 self.engine.tokenizer,
-                store=MemoryKVStore(1 << 28),
+                store=MemoryKVStore(1 << 30),
                 system_prompt=self.engine.system_prompt,
+                doc_prefix=self.engine.doc_prefix,
                 name=str(self.engine.name),
                 check_parity=False,
                 threads=torch.get_num_threads(),
+                kv_codec=self.engine.kv_codec,
             )
         return self._rounded
 
-    def rounded_prefill(self, segments: Any) -> PrefillResult:
-        """Full prefill in bfloat16, as the bfloat16 copy returns it."""
-        from kvblend.blend.config import BlendConfig
+    def rounded_prefill(
+        self, segments: Any, config: BlendConfig | None = None, documents: Sequence[str] = ()
+    ) -> PrefillResult:
+        """Prefill on the bfloat16 copy (full prefill unless ``config`` says otherwise).
 
+        ``documents`` are precomputed on the copy first. Returned as the copy returns it.
+        """
         with rounded_products(self.rounding), torch.inference_mode():
-            return self.rounded.prefill(segments, BlendConfig("full"))
+            if documents:
+                self.rounded.precompute(list(documents), progress=False)
+            return self.rounded.prefill(segments, config or BlendConfig("full"))
 
     def in_engine_dtype(self, pre: PrefillResult) -> PrefillResult:
         """``pre`` with its logits in float32 and its keys and values in the engine's dtype."""
