@@ -1,9 +1,10 @@
 """One vocabulary for what a prompt reuses (docs/glossary.md), in ``ask`` and ``explain``.
 
 Every prompt token is reused, recomputed or computed, and the counts add up to the prompt.
-A prompt that runs as full prefill still reuses its prompt head: ``ask`` says the reused
-tokens are the head's (it said "33 reused ... ran as full prefill"), and ``explain`` says a
-document recomputed whole is recomputed, not "reused at its new position" beside "0 reused".
+A prompt that runs as full prefill still reuses its cached prefix (the prompt head): ``ask``
+says the reused tokens are the prefix's (it said "33 reused ... ran as full prefill"), and
+``explain`` (tests/cli/test_cli.py, tests/documents/test_registry.py) says a document
+recomputed whole is recomputed, not "reused at its new position" beside "0 reused".
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from kvblend import BlendEngine
 from kvblend.cli.main import main
 
 SHORT = ["Marta Quill keeps bees in Lisbon.", "Tomas Elm makes violins in Cremona."]
-COUNTS = re.compile(r"(\d+) prompt tokens: (\d+) reused( \(the prompt head\))?, (\d+) recomputed, "
-                    r"(\d+) computed")  # fmt: skip
+COUNTS = re.compile(
+    r"(\d+) prompt tokens: (\d+) reused( \(the cached prefix\))?, (\d+) recomputed, (\d+) computed"
+)
 
 
 @pytest.fixture
@@ -42,7 +44,7 @@ def _docs(tmp_path: Path, texts: list[str]) -> Path:
     return folder
 
 
-def test_ask_says_a_full_prefill_reuses_only_the_prompt_head(
+def test_ask_says_a_full_prefill_reuses_only_the_cached_prefix(
     engines: list[BlendEngine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     docs = _docs(tmp_path, SHORT)  # two short documents: a blend would not pay
@@ -54,7 +56,7 @@ def test_ask_says_a_full_prefill_reuses_only_the_prompt_head(
     assert found is not None, line
     total, reused, head, recomputed, computed = found.groups()
     assert int(total) == int(reused) + int(recomputed) + int(computed)
-    assert head and int(reused) > 0 and "; ran as full prefill after the prompt head: " in line
+    assert head and int(reused) > 0 and "; ran as full prefill after the cached prefix: " in line
 
 
 def test_ask_says_a_blend_without_a_fallback_clause(

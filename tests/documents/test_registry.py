@@ -153,9 +153,12 @@ def test_explain_says_what_is_reused_and_why() -> None:
     explanation = engine.explain(f"Context: {A}\n\n{B}\nQuestion: where?")
     text = str(explanation)
     assert explanation.documents_found == 2
-    assert "moved: reused at its new position" in text
+    # two short documents: recomputed whole, and said so (not "reused at its new position"
+    # beside "0 reused")
+    assert "0 reused, " in text and "recomputed whole (min_recompute)" in text
+    assert "reused at its new position" not in text
     assert "not in the store yet" in text
-    assert "'\\nQuestion: where?': uncached, computed" in text
+    assert "'\\nQuestion: where?': computed" in text
     assert not engine.store.contains(engine.segment_id(B))  # explain computes nothing
 
 

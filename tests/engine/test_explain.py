@@ -106,7 +106,9 @@ def test_a_fallback_is_reported_with_its_reason_and_logged_once(
     headed = engine.rag_segments("which river?", documents)  # its head is a cached prefix
     explained = engine.explain(headed)
     assert explained.reused_tokens > 0 and explained.fallback is not None
-    assert f"({explained.reused_tokens} tokens of the prompt head reused)" in str(explained)
+    assert f"after the cached prefix ({explained.reused_tokens} tokens reused there)" in str(
+        explained
+    )
 
 
 def test_a_prompt_without_documents_says_so_and_warns_nothing(

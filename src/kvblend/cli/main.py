@@ -372,10 +372,10 @@ PER_DOCUMENT_TOKENS = 4
 def token_counts(stats: Any) -> str:  # noqa: ANN401 - a BlendStats
     """Say a prefill's prompt tokens as reused, recomputed and computed (docs/glossary.md).
 
-    A full prefill (a fallback) still reuses the prompt head: its reused tokens are said to be
-    the head's.
+    A full prefill (a fallback) still reuses the cached prefix (the prompt head, and a document
+    right after the text it was precomputed behind): its reused tokens are said to be those.
     """
-    head = " (the prompt head)" if stats.fallback and stats.reused_tokens else ""
+    head = " (the cached prefix)" if stats.fallback and stats.reused_tokens else ""
     return (
         f"{stats.prompt_tokens} prompt tokens: {stats.reused_tokens} reused{head}, "
         f"{stats.recomputed_tokens} recomputed, {stats.computed_tokens} computed"
@@ -383,10 +383,10 @@ def token_counts(stats: Any) -> str:  # noqa: ANN401 - a BlendStats
 
 
 def fallback_clause(stats: Any) -> str:  # noqa: ANN401 - a BlendStats
-    """``; ran as full prefill after the prompt head: WHY`` for a fallback, else nothing."""
+    """Return ``; ran as full prefill after the cached prefix: WHY`` for a fallback, or ""."""
     if not stats.fallback:
         return ""
-    return f"; ran as full prefill after the prompt head: {stats.fallback}"
+    return f"; ran as full prefill after the cached prefix: {stats.fallback}"
 
 
 def _prompt_budget(args: argparse.Namespace, engine: BlendEngine) -> int:

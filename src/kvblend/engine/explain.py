@@ -1,7 +1,9 @@
 """What a prefill will do with a prompt, and why: `Explanation`.
 
 `Explanation` shows a prompt's plan and its forecast (`kvblend.blend.forecast.forecast_blend`,
-which `prefill` reports in its stats too, so the two agree by construction).
+which `prefill` reports in its stats too, so the two agree by construction), in the words of
+docs/glossary.md: every prompt token is reused, recomputed or computed, and each document says
+which of these its stored tokens are.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvblend.blend.forecast import BlendForecast
+from kvblend.blend.forecast import BlendForecast, documents
 from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.validation import snippet
 
@@ -76,14 +78,14 @@ class Explanation:
     def _summary(self) -> list[str]:
         total = len(self.plan.token_ids)
         lines = [
-            f"{total} prompt tokens; strategy {self.strategy}: {self.reused_tokens} reused from "
-            f"caches, {self.recomputed_tokens} recomputed, {self.computed_tokens} computed; "
+            f"{total} prompt tokens; strategy {self.strategy}: {self.reused_tokens} reused, "
+            f"{self.recomputed_tokens} recomputed, {self.computed_tokens} computed; "
             f"{self.documents_found} document(s) found ({self.known_documents} known)"
         ]
         if self.fallback is not None:
             head = self.reused_tokens
-            reused = f" ({head} tokens of the prompt head reused)" if head else ""
-            lines.append(f"  runs as full prefill{reused}: {self.fallback}")
+            where = f" after the cached prefix ({head} tokens reused there)" if head else ""
+            lines.append(f"  runs as full prefill{where}: {self.fallback}")
         elif self.guard is not None:
             lines.append(
                 f"  guarded (tolerance {self.guard:g}): computed in full after the blend if it "
@@ -95,20 +97,43 @@ class Explanation:
             lines.append(f"  near miss: {self.near_miss}")
         return lines
 
+    def _reasons(self) -> dict[int, str]:
+        """Say what happens to each document's stored tokens, by the id of its report row.
+
+        The plan says where a document's stored KV would go (reused exactly, or moved); the
+        forecast may recompute it instead: every moved document of a full prefill, and a
+        document recomputed whole or not reused (`BlendForecast.lost`).
+        """
+        lost = {item.document: item for item in self.forecast.lost if item.document is not None}
+        reasons = {}
+        for number, row in documents(self.plan):
+            item = lost.get(number)
+            if self.strategy == "full":
+                reasons[id(row)] = "computed (strategy full)"
+            elif item is not None and item.recomputed:
+                reasons[id(row)] = f"recomputed whole ({item.reason})"
+            elif item is not None:
+                reasons[id(row)] = f"not reused: {item.reason}"
+            elif self.fallback is not None and row.reason.startswith("moved"):
+                reasons[id(row)] = "moved: recomputed (the prompt runs as full prefill, above)"
+        return reasons
+
     def __str__(self) -> str:
         lines = self._summary()
+        reasons = self._reasons()
         covered = 0
         for row in sorted(self.plan.report, key=lambda row: row.char_start):
             if row.char_start > covered:
                 gap = self.text[covered : row.char_start]
-                lines.append(f"  text      {snippet(gap)}: uncached, computed")
+                lines.append(f"  text      {snippet(gap)}: computed")
             missing = row.span is not None and not self.stored.get(row.span, True)
             note = "; not in the store yet: computed and stored on first use" if missing else ""
             lines.append(
                 f"  {row.role:<9} {snippet(self.text[row.char_start : row.char_end])}: "
-                f"{row.reused} of {row.tokens} tokens cached; {row.reason}{note}"
+                f"{row.reused} of {row.tokens} tokens stored; "
+                f"{reasons.get(id(row), row.reason)}{note}"
             )
             covered = row.char_end
         if covered < len(self.text):
-            lines.append(f"  text      {snippet(self.text[covered:])}: uncached, computed")
+            lines.append(f"  text      {snippet(self.text[covered:])}: computed")
         return "\n".join(lines)

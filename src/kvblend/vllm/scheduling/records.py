@@ -168,8 +168,8 @@ class RequestLog:
                 f"{record['forecast_vllm_s']:.2f} s)"
             )
         logger.info(
-            "kvblend: request %s: %d prompt tokens: blended, %d cached (%d from vLLM's prefix "
-            "cache), %d recomputed; blend %.2f s%s",
+            "kvblend: request %s: %d prompt tokens: blended, %d reused (%d of them from vLLM's "
+            "prefix cache), %d recomputed; blend %.2f s%s",
             outcome.request_id,
             record["prompt_tokens"],
             record["cached_tokens"],
