@@ -185,3 +185,23 @@ def test_the_bar_shows_on_a_terminal_and_not_in_a_pipe(tmp_path: Path) -> None:
         timeout=300,
     )  # fmt: skip
     assert piped.returncode == 0 and "precomputing KV" not in piped.stderr, piped.stderr
+
+
+def test_the_libraries_bars_follow_quiet_and_the_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF file's conversion shows transformers' own tqdm bar: hidden under --quiet and off a
+    terminal (``TQDM_DISABLE``, tqdm's default for a bar that does not choose)."""
+    import argparse
+    import io
+
+    from kvblend.cli.main import _quiet_other_bars
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for quiet, stderr, hidden in [(False, Terminal(), False), (True, Terminal(), True),
+                                  (False, io.StringIO(), True)]:  # fmt: skip
+        monkeypatch.delenv("TQDM_DISABLE", raising=False)
+        monkeypatch.setattr(sys, "stderr", stderr)
+        _quiet_other_bars(argparse.Namespace(quiet=quiet))
+        assert (os.environ.get("TQDM_DISABLE") == "1") == hidden, (quiet, stderr)
