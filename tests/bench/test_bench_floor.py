@@ -192,3 +192,30 @@ def test_a_run_reports_every_strategy_against_the_floor(nq_file: Path, tmp_path:
     cold = {r["qid"]: r for r in result["rows"] if r["strategy"] == "reuse"}
     assert all(hot[q]["documents_reused"] == cold[q]["documents_reused"] > 0 for q in hot)
     assert all(abs(hot[q]["kl"] - cold[q]["kl"]) < 0.5 * cold[q]["kl"] + 0.01 for q in hot)
+
+
+@requires_rag_stack
+def test_shards_split_the_questions_and_a_plain_run_merges_them(
+    nq_file: Path, tmp_path: Path
+) -> None:
+    from kvblend.bench.quality.nq_eval import shard_path
+
+    engine = _engine()
+    output = tmp_path / "nq.json"
+    common = dict(ks=(3,), split="all", questions=4, options=RunOptions(max_new_tokens=2),
+                  cache_dir=tmp_path, meta={"default_config": "x"}, output=output)  # fmt: skip
+    strategies = parse_strategies("full,reuse")
+    for index in (0, 1):
+        run_decided({"untold": engine}, nq_file, strategies, shard=(index, 2), **common)
+    first, second = (json.loads(shard_path(output, (i, 2)).read_text()) for i in (0, 1))
+    assert {r["qid"] for r in first["rows"]} == {"nq-0", "nq-2"}
+    assert {r["qid"] for r in second["rows"]} == {"nq-1", "nq-3"}
+    assert not output.exists()
+    merged = run_decided({"untold": engine}, nq_file, strategies, **common)
+    assert len(merged["rows"]) == 8  # nothing run again, nothing taken twice
+    assert sorted(r["qid"] for r in merged["rows"]) == sorted(
+        r["qid"] for r in first["rows"] + second["rows"]
+    )
+    assert json.loads(output.read_text())["rows"] == merged["rows"]
+    with pytest.raises(ValueError, match="shard"):
+        run_decided({"untold": engine}, nq_file, strategies, shard=(2, 2), **common)

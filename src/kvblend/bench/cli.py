@@ -212,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "layout), or cached with the passage text (only `Document [i](` "
                          "computed); the prompt text is the same")  # fmt: skip
     nq.add_argument("--output", default=str(RESULTS_DIR / "nq.json"))
+    nq.add_argument("--shard", default="0/1", metavar="K/N",
+                    help="run every N-th question from the K-th (0 <= K < N) into "
+                         "OUTPUT.shard-K-of-N.json, one process per core; a run without --shard "
+                         "then takes the shards' rows and writes OUTPUT")  # fmt: skip
     nq.add_argument("--write-prompts", metavar="FILE",
                     help="write the prompts to a JSONL file and run no strategy (the input of "
                          "`kvblend bench vllm --nq FILE`)")  # fmt: skip

@@ -293,6 +293,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
         RunOptions,
         decided_table,
         run_decided,
+        shard_path,
         split_questions,
     )
     from kvblend.bench.strategies import FLOOR, parse_strategies
@@ -315,6 +316,9 @@ def cmd_nq(args: argparse.Namespace) -> None:
               f"{recall})")  # fmt: skip
         return
     output = Path(args.output)
+    shard = tuple(int(part) for part in args.shard.split("/")) if "/" in args.shard else ()
+    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+        raise SystemExit(f"kvblend bench nq: --shard {args.shard!r}: give K/N with 0 <= K < N")
     if args.fresh and output.exists():
         output.unlink()
     cache = None if args.no_baselines else BaselineCache(args.baselines)
@@ -322,7 +326,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
     result = run_decided(
         engines, args.data, strategies, ks=ks, split=args.split, questions=args.questions,
         offset=args.offset, seed=args.seed, gold_at=args.gold_at, labels=args.labels,
-        options=options, cache=cache,
+        options=options, cache=cache, shard=(shard[0], shard[1]),
         cache_dir=cache_dir, output=output, meta=_meta(args, engine),
         log=lambda message: print(time.strftime("%H:%M:%S ") + message, file=sys.stderr,
                                   flush=True),
@@ -341,6 +345,8 @@ def cmd_nq(args: argparse.Namespace) -> None:
               + closeness_table(result["summary"], ("k", "head")))  # fmt: skip
     if result["by_place"]:
         table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], ("k", "place"))
+    if shard[1] > 1:  # a shard's own file; the run without --shard writes OUTPUT
+        output = shard_path(output, (shard[0], shard[1]))
     _write(result, output, title + "\n\n" + table)
 
 

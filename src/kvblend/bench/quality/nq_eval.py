@@ -405,6 +405,22 @@ def summaries(rows: Sequence[dict[str, Any]], seed: int) -> dict[str, list[dict[
 
 
 # ------------------------------------------------------------------------- the run
+def shard_path(output: Path, shard: tuple[int, int]) -> Path:
+    """Where shard ``(k, n)`` of a run into ``output`` writes: ``NAME.shard-k-of-n.json``."""
+    index, count = shard
+    return output.with_name(f"{output.stem}.shard-{index}-of-{count}{output.suffix}")
+
+
+def _shard_rows(output: Path | None, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """Rows the shards of a run into ``output`` wrote (`shard_path`), checked for their settings."""
+    if output is None:
+        return []
+    rows: list[dict[str, Any]] = []
+    for path in sorted(output.parent.glob(f"{output.stem}.shard-*-of-*{output.suffix}")):
+        rows += _load_previous(path, settings)
+    return rows
+
+
 def _load_previous(output: Path | None, settings: dict[str, Any]) -> list[dict[str, Any]]:
     """Rows of an earlier run into ``output`` with the same settings (``ValueError`` if not)."""
     import json
@@ -466,12 +482,19 @@ def run_decided(
     output: Path | None = None,
     meta: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> dict[str, Any]:
     """Every strategy on ``questions`` questions of ``split`` at each k; resumable, JSON as it goes.
 
     An existing ``output`` of the same settings is continued: the (question, k, head, strategy)
-    rows it holds are kept and not run again.
+    rows it holds are kept and not run again. ``shard`` ``(k, n)`` with ``n > 1``: only every
+    ``n``-th question from the ``k``-th, its rows written to `shard_path` (``n`` processes, one
+    per core, each with its own file); a run without a shard takes the rows of every shard file
+    beside ``output`` as done, runs what is left and writes the whole result to ``output``.
     """
+    index, count = shard
+    if not 0 <= index < count:
+        raise ValueError(f"shard {index}/{count}: needs 0 <= {index} < {count}")
     corpus, all_questions = load_nq(data)
     start, stop = split_questions(split, offset, questions, len(all_questions))
     chosen = all_questions[start:stop]
@@ -482,12 +505,21 @@ def run_decided(
         "max_new_tokens": options.max_new_tokens, "kl_only": options.kl_only,
         "default_config": (meta or {}).get("default_config"), "labels": labels,
     }  # fmt: skip
+    if count > 1 and output is not None:
+        output = shard_path(output, shard)
     rows = _load_previous(output, settings)
+    if count == 1:  # the shards' rows, taken once (a question in both is run by neither again)
+        seen = {(row["qid"], row.get("k"), row["head"], row["strategy"]) for row in rows}
+        for row in _shard_rows(output, settings):
+            if (key := (row["qid"], row.get("k"), row["head"], row["strategy"])) not in seen:
+                seen.add(key)
+                rows.append(row)
     retriever = Retriever(corpus, data_path=data, cache_dir=cache_dir)
     result: dict[str, Any] = {
         "benchmark": "nq", **(meta or {}), **settings, "data": str(data),
         "corpus_passages": len(corpus), "embeddings_cache": str(retriever.cache_path),
         "questions": len(chosen), "offset": offset, "file_range": [start, stop], "ks": list(ks),
+        "shard": list(shard),
         "heads": {head: e.doc_prefix for head, e in engines.items()},
         "strategies": [s.name for s in strategies], "time_every": options.time_every,
         "baselines": str(cache.directory) if cache is not None else None, "recall": {},
@@ -516,7 +548,7 @@ def run_decided(
         started, ran = time.perf_counter(), 0
         for number, item in enumerate(mine, start=1):
             have = done.get((item.qid, k), set())
-            if wanted <= have:
+            if wanted <= have or (number - 1) % count != index:
                 continue
             retime = options.time_every > 0 and (number - 1) % options.time_every == 0
             rows += evaluate_question(engines, item, strategies, cache=cache, options=options,
