@@ -217,5 +217,12 @@ def test_shards_split_the_questions_and_a_plain_run_merges_them(
         r["qid"] for r in first["rows"] + second["rows"]
     )
     assert json.loads(output.read_text())["rows"] == merged["rows"]
+    # a shard of a run with more strategies runs only what the whole run lacks
+    more = parse_strategies("full,reuse,epic")
+    again = run_decided({"untold": engine}, nq_file, more, shard=(1, 2), **common)
+    assert {(r["qid"], r["strategy"]) for r in again["rows"][len(second["rows"]) :]} == {
+        ("nq-1", "epic"),
+        ("nq-3", "epic"),
+    }
     with pytest.raises(ValueError, match="shard"):
         run_decided({"untold": engine}, nq_file, strategies, shard=(2, 2), **common)

@@ -489,8 +489,9 @@ def run_decided(
     An existing ``output`` of the same settings is continued: the (question, k, head, strategy)
     rows it holds are kept and not run again. ``shard`` ``(k, n)`` with ``n > 1``: only every
     ``n``-th question from the ``k``-th, its rows written to `shard_path` (``n`` processes, one
-    per core, each with its own file); a run without a shard takes the rows of every shard file
-    beside ``output`` as done, runs what is left and writes the whole result to ``output``.
+    per core, each with its own file; rows ``output`` holds already are not run again); a run
+    without a shard takes the rows of every shard file beside ``output`` as done, runs what is
+    left and writes the whole result to ``output``.
     """
     index, count = shard
     if not 0 <= index < count:
@@ -505,7 +506,9 @@ def run_decided(
         "max_new_tokens": options.max_new_tokens, "kl_only": options.kl_only,
         "default_config": (meta or {}).get("default_config"), "labels": labels,
     }  # fmt: skip
+    earlier: list[dict[str, Any]] = []  # a shard's: the whole run's rows, done already
     if count > 1 and output is not None:
+        earlier = _load_previous(output, settings)
         output = shard_path(output, shard)
     rows = _load_previous(output, settings)
     if count == 1:  # the shards' rows, taken once (a question in both is run by neither again)
@@ -525,7 +528,7 @@ def run_decided(
         "baselines": str(cache.directory) if cache is not None else None, "recall": {},
     }  # fmt: skip
     done: dict[tuple[str, Any], set[tuple[str, str]]] = {}
-    for row in rows:
+    for row in [*earlier, *rows]:
         done.setdefault((row["qid"], row.get("k")), set()).add((row["head"], row["strategy"]))
     wanted = {(head, s.name) for head in engines for s in strategies}
     items = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at,
