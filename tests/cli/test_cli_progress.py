@@ -205,3 +205,26 @@ def test_the_libraries_bars_follow_quiet_and_the_terminal(monkeypatch: pytest.Mo
         monkeypatch.setattr(sys, "stderr", stderr)
         _quiet_other_bars(argparse.Namespace(quiet=quiet))
         assert (os.environ.get("TQDM_DISABLE") == "1") == hidden, (quiet, stderr)
+
+
+def test_on_a_cpu_each_chunk_is_written_as_it_is_computed(
+    loads: list[BlendEngine], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bar's bytes move from the first chunk on, not once a 4,096-token batch is done."""
+    import kvblend.cli.main as cli_main
+
+    seen: list[PrecomputeProgress] = []
+
+    class Recording(PrecomputeTally):
+        def __call__(self, progress: PrecomputeProgress) -> None:
+            seen.append(progress)
+            super().__call__(progress)
+
+    monkeypatch.setattr(cli_main, "PrecomputeTally", Recording)
+    doc = tmp_path / "long.txt"
+    doc.write_text(" ".join(f"w{i}" for i in range(3000)))  # ~17,000 tokens of the tiny model
+    assert main(["precompute", str(doc), "--chunk", "--memory-only", "--quiet"]) == 0
+    total = seen[0].to_compute
+    assert total > 8
+    written = [state for state in seen if state.bytes_written and state.computed < total]
+    assert written and written[0].computed == 1  # the first chunk, stored alone

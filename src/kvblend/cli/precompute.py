@@ -38,6 +38,10 @@ TEXT_SUFFIXES = (".md", ".rst", ".text", ".txt")
 CHUNK_BLOCK_CHARS = 1 << 18
 #: Bytes of the largest file read as a document (a larger one is named and skipped unread).
 MAX_FILE_BYTES = 256 << 20
+#: Tokens of a precompute batch on a CPU: about one chunk, so that each is stored as soon as it
+#: is computed (on a CPU a batch of one 512-token document runs at the documents/s of larger
+#: ones, benchmarks/cpu.md "Document ingestion"; a GPU keeps the engine's larger batches).
+CPU_BATCH_TOKENS = 512
 
 
 class DocumentFiles:
@@ -276,16 +280,23 @@ def precompute_each(
 
     Returns how many documents are stored; `DocumentFiles.stored` lists them with their ids.
     ``tally`` adds up what each precompute call computed and found stored; ``progress``: a
-    progress bar on a terminal (`kvblend.documents.progress.PrecomputeBar`).
+    progress bar on a terminal (`kvblend.documents.progress.PrecomputeBar`). On a CPU the
+    batches are of `CPU_BATCH_TOKENS`, so the bar's bytes move with each document.
     """
+    from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
+
     files = files if files is not None else DocumentFiles()
     tally = tally if tally is not None else PrecomputeTally(quiet=True)
     if not documents:
         return 0
+    on_cpu = engine.decoder.device.type == "cpu"
+    batch_tokens = CPU_BATCH_TOKENS if on_cpu else DEFAULT_BATCH_TOKENS
 
     def precompute(texts: list[str]) -> list[str]:
         try:
-            return engine.library.precompute(texts, progress=progress, report=tally)
+            return engine.library.precompute(
+                texts, progress=progress, report=tally, batch_tokens=batch_tokens
+            )
         finally:
             tally.finish_call()
 
