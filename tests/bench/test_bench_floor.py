@@ -226,3 +226,26 @@ def test_shards_split_the_questions_and_a_plain_run_merges_them(
     }
     with pytest.raises(ValueError, match="shard"):
         run_decided({"untold": engine}, nq_file, strategies, shard=(2, 2), **common)
+
+
+@requires_rag_stack
+def test_a_prefill_reading_no_document_runs_once_for_every_head(
+    nq_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+    real = RoundedPrefill.rounded_prefill
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(args)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RoundedPrefill, "rounded_prefill", counted)
+    engine = _engine()
+    result = run_decided({"told": engine, "untold": engine}, nq_file,
+                         parse_strategies(f"full,{FLOOR},reuse"), ks=(3,), split="all",
+                         questions=2, options=RunOptions(max_new_tokens=2), cache_dir=tmp_path,
+                         meta={"default_config": "x"})  # fmt: skip
+    assert len(calls) == 2  # one floor prefill a question, not one a head
+    floor = {(r["qid"], r["head"]): r for r in result["rows"] if r["strategy"] == FLOOR}
+    assert len(floor) == 4
+    assert all(floor[q, "told"]["kl"] == floor[q, "untold"]["kl"] for q in ("nq-0", "nq-1"))

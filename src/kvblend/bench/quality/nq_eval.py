@@ -264,6 +264,12 @@ def evaluate_question(
                     **guard_fields(stats),
                 }  # fmt: skip
 
+            twin = None if strat.config.reads_cache else next(
+                (r for r in rows if r["strategy"] == strat.name and r["head"] != head), None
+            )
+            if twin is not None:  # it reads no document: the same prefill as another head's
+                rows.append({**twin, "head": head})
+                continue
             guarded = row(strat, strat.name)
             rows.append(guarded)
             if options.unguarded and guarded.get("guard") is not None:
