@@ -160,3 +160,47 @@ def test_reworded_lost_documents_leave_the_escalation_as_it_was(
     assert stats.escalated and stats.strategy_run == "full" and stats.fallback == plain.fallback
     assert stats.documents_lost == [f"#{n} whole because guard" for n in (1, 2, 3)]
     assert stats.recomputed_tokens == plain.recomputed_tokens == stats.moved_tokens
+
+
+def test_a_margin_guard_escalates_below_its_tolerance_and_says_so() -> None:
+    values = [0.2, 0.1, 0.0, 0.5, 0.3]  # shift, kl, flip, margin, stale_mass
+    sent = guard_report(values, 0.6, "margin")
+    assert sent.escalated and sent.signal == "margin" and sent.risk == pytest.approx(0.5)
+    assert "leads the second by only 0.500" in str(sent.reason) and "limit 0.6" in str(sent.reason)
+    assert not guard_report(values, 0.4, "margin").escalated
+    assert not guard_report(values, 0.5, "margin").escalated  # at the tolerance: kept
+    assert guard_report(values, 0.1, "stale_mass").escalated
+    assert not guard_report(values, 0.3, "stale_mass").escalated
+    assert guard_report(values, 0.05, "kl").reason.startswith("the blend's next-token distribution")
+    for signal in GUARD_SIGNALS:  # an infinite tolerance records, whatever the signal
+        assert not guard_report(values, math.inf, signal).escalated
+    assert guard_report(values, 0.1).to_dict()["signal"] == "shift"  # the default
+
+
+def test_the_guard_signal_setting_names_a_signal() -> None:
+    assert BlendConfig().guard_signal == "shift"
+    assert BlendConfig(guard=0.2, guard_signal="margin").guard_signal == "margin"
+    for bad in ("entropy", 1, None):
+        with pytest.raises(ValueError, match="guard_signal"):
+            BlendConfig(guard=0.2, guard_signal=bad)
+    with pytest.raises(ValueError, match="guard_signal"):
+        BlendConfig("epic", guard_signal="margin")
+
+
+def test_a_margin_guard_escalates_the_near_ties(engine: BlendEngine) -> None:
+    """The margin compared is the blend's own (softmax of its logits, top two); a tolerance above
+    it escalates to full prefill, one at or below it keeps the blend."""
+    off = engine.prefill(prompt(), BLEND.replace(guard=None))
+    probs = torch.softmax(off.logits.double(), dim=-1).sort(descending=True).values
+    margin = float(probs[0] - probs[1])
+    watched = engine.prefill(prompt(), BLEND.replace(guard=math.inf, guard_signal="margin"))
+    report = watched.stats.guard
+    assert report is not None and report["signal"] == "margin" and not report["escalated"]
+    assert report["risk"] == pytest.approx(margin, abs=1e-6)
+    assert torch.equal(watched.logits, off.logits)
+    kept = engine.prefill(prompt(), BLEND.replace(guard=margin / 2, guard_signal="margin"))
+    assert not kept.stats.escalated and torch.equal(kept.logits, off.logits)
+    sent = engine.prefill(prompt(), BLEND.replace(guard=margin * 2 + 1e-6, guard_signal="margin"))
+    assert sent.stats.escalated and sent.stats.fallback.startswith("guard: the blend's most likely")
+    full = engine.prefill(prompt(), BlendConfig("full"))
+    assert torch.allclose(sent.logits, full.logits, atol=1e-4, rtol=0)

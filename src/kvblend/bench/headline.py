@@ -264,6 +264,7 @@ _AS_BEFORE = {
     "probe_layers": "1.0",
     "probe_tail": "False",
     "guard": "None",
+    "guard_signal": "shift",
     "stale_temperature": "1.0",
     "window": "1",
     "per_document": "0",

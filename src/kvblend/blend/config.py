@@ -32,7 +32,12 @@ class BlendConfig:
       top), ``short_document`` (32: moved documents of at most this many tokens recomputed
       whole), ``full_above`` (0.8: a blend whose estimated cost is above this share of a full
       prefill's recomputes every moved token; 1 never; ``stats.fallback`` says why),
-      ``correction`` (0.5), ``stale_temperature`` (1).
+      ``correction`` (0.5), ``stale_temperature`` (1), ``guard`` (None: no guard; a tolerance
+      on ``guard_signal`` past which the prompt is computed in full after the blend, ``inf``
+      to record the signals only), ``guard_signal`` (``"shift"``, the total variation between
+      the probe's next-token distribution and the blend's, escalating above the tolerance;
+      ``"margin"``, the blend's top-1 minus top-2 probability, escalating below it; or ``"kl"``,
+      ``"flip"``, ``"stale_mass"``, above it: `kvblend.blend.guard`).
     - ``"cacheblend"``: every moved token is computed up to a check layer, where the ones whose
       KV deviates most from the cache are kept. Settings: ``recompute_ratio`` (0.2),
       ``check_layer`` (1), ``deviation`` (``"value"``, or ``"key"`` as LMCache),

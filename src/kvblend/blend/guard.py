@@ -19,24 +19,39 @@ logits), then read once, with the rows the statistics read anyway:
 - ``stale_mass``: the share of the probe's attention score (the question's reading of the moved
   rows) on the moved rows the blend left stale.
 
-The risk is ``shift`` (`RISK_SIGNAL`); the guard escalates when it is above the tolerance
-(``BlendConfig(guard=...)``): the prompt is computed in full (every moved row recomputed, the
+The signal compared with the tolerance (``BlendConfig(guard=..., guard_signal=...)``) is
+``shift`` by default (`RISK_SIGNAL`). A high value means risk for every signal but ``margin``,
+where a low one does (`LOW_IS_RISK`): the guard escalates when the signal is above the tolerance,
+or for ``margin`` below it. An infinite tolerance records the signals and never escalates,
+whatever the signal. Escalated, the prompt is computed in full (every moved row recomputed, the
 prompt head still read in place), and the result says so (`GuardReport`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["GUARD_SIGNALS", "RISK_SIGNAL", "GuardReport", "guard_signals", "guard_report"]
+__all__ = [
+    "GUARD_SIGNALS",
+    "LOW_IS_RISK",
+    "RISK_SIGNAL",
+    "GuardReport",
+    "at_risk",
+    "guard_report",
+    "guard_signals",
+    "top_margin",
+]
 
 #: The signals, in the order of `guard_signals`' tensor.
 GUARD_SIGNALS = ("shift", "kl", "flip", "margin", "stale_mass")
-#: The signal the tolerance is compared with.
+#: The signal the tolerance is compared with by default (``guard_signal``).
 RISK_SIGNAL = "shift"
+#: Signals where a low value means risk (the guard escalates below the tolerance).
+LOW_IS_RISK = frozenset({"margin"})
 
 
 def guard_signals(
@@ -52,9 +67,29 @@ def guard_signals(
     p = blend.exp()
     shift = 0.5 * (p - probe.exp()).abs().sum()
     kl = (p * (blend - probe)).sum().clamp(min=0)
-    top = torch.topk(p, 2).values
     flip = (probe.argmax() != blend.argmax()).float()
-    return torch.stack((shift, kl, flip, top[0] - top[1], stale_mass.float().reshape(())))
+    return torch.stack((shift, kl, flip, top_margin(p, probs=True), stale_mass.float().reshape(())))
+
+
+def top_margin(scores: torch.Tensor, probs: bool = False) -> torch.Tensor:
+    """Return the most likely token's probability minus the second's, over the last dim.
+
+    ``scores``: logits (``probs=True``: probabilities already); the result keeps the leading
+    dims, on the device (no read).
+    """
+    p = scores.float() if probs else torch.softmax(scores.float(), dim=-1)
+    top = torch.topk(p, 2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
+def at_risk(signal: str, value: float, tolerance: float) -> bool:
+    """Whether ``signal``'s ``value`` is on the risky side of ``tolerance`` (`LOW_IS_RISK`).
+
+    Never with an infinite tolerance (the signals recorded only).
+    """
+    if not math.isfinite(tolerance):
+        return False
+    return value < tolerance if signal in LOW_IS_RISK else value > tolerance
 
 
 @dataclass
@@ -62,8 +97,9 @@ class GuardReport:
     """What the guard saw and did on one prefill (``BlendStats.guard``, as a dict).
 
     ``escalated``: the prompt was computed in full after the blend; ``reason``: why, in words
-    (None when it was not); ``risk``: the signal compared with ``tolerance``; ``signals``:
-    every signal (`GUARD_SIGNALS`).
+    (None when it was not); ``risk``: the value of ``signal`` (`GUARD_SIGNALS`) compared with
+    ``tolerance`` (above it is risk, or below it for a signal of `LOW_IS_RISK`); ``signals``:
+    every signal.
     """
 
     tolerance: float
@@ -71,21 +107,32 @@ class GuardReport:
     escalated: bool
     reason: str | None = None
     signals: dict[str, float] = field(default_factory=dict)
+    signal: str = RISK_SIGNAL
 
     def to_dict(self) -> dict[str, Any]:
         """Return the report as plain JSON-ready values."""
         return asdict(self)
 
 
-def guard_report(values: list[float], tolerance: float) -> GuardReport:
-    """Decide from the signals read back (`guard_signals`' values) whether to escalate."""
+def guard_report(values: list[float], tolerance: float, signal: str = RISK_SIGNAL) -> GuardReport:
+    """Decide from the signals read back (`guard_signals`' values) whether to escalate.
+
+    ``signal``: the one compared with ``tolerance`` (`at_risk`).
+    """
     signals = dict(zip(GUARD_SIGNALS, (float(v) for v in values), strict=True))
-    risk = signals[RISK_SIGNAL]
-    escalated = risk > tolerance
+    risk = signals[signal]
+    escalated = at_risk(signal, risk, tolerance)
     reason = None
     if escalated:
-        reason = (
-            f"the blend moved the next-token distribution by {risk:.3f} from the cached "
-            f"prompt's (limit {tolerance:g}): computed in full"
-        )
-    return GuardReport(tolerance, risk, escalated, reason, signals)
+        reason = f"{_REASONS[signal].format(risk)} (limit {tolerance:g}): computed in full"
+    return GuardReport(tolerance, risk, escalated, reason, signals, signal)
+
+
+#: What each signal says when it escalates, its value formatted in.
+_REASONS = {
+    "shift": "the blend moved the next-token distribution by {:.3f} from the cached prompt's",
+    "kl": "the blend's next-token distribution is {:.3f} nats (KL) from the cached prompt's",
+    "flip": "the blend changed the cached prompt's most likely next token ({:.0f})",
+    "margin": "the blend's most likely next token leads the second by only {:.3f} of probability",
+    "stale_mass": "the rows the blend left stale hold {:.3f} of the question's probe scores",
+}

@@ -149,7 +149,7 @@ def run_blend(
     passes = [selection.start] if selection.start is not None else []
     report = None
     if guard is not None and out.extra is not None and tolerance is not None:  # step 4
-        report = guard_report(out.extra, tolerance)
+        report = guard_report(out.extra, tolerance, selector.guard_signal)
         if report.escalated:  # every row but the prompt head, from the blend's buffer
             passes.append(out)
             out = escalate(adapter, blend_input, out, cancel, tables, pause)

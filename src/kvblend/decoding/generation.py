@@ -8,6 +8,12 @@ nothing more. Transformers' `generate` then continues from a cache of the whole 
 (`cache.py`: a `StaticCache` sized for the answer, written in place) with the first
 token as its only new input: stop strings and streaming of every later token are transformers'.
 
+Asked for (``margins``), the margins of the first new tokens' distributions (the most likely
+token's probability minus the second's) are recorded from the logits decoding makes anyway: the
+prefill's for the first token, then a logits processor that sees each step's logits before the
+others and returns them unchanged (`MarginRecorder`). They stay on the device until decoding
+ends and are read once with the answer.
+
 Sampling draws from generators of the call (`kvblend.decoding.options`), never from the
 process-wide RNG. A stream closed early sets an event that a stopping criterion checks after
 every token, so decoding stops within one token instead of running to ``max_new_tokens`` in the
@@ -22,22 +28,27 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
     StoppingCriteria,
     StoppingCriteriaList,
     StopStringCriteria,
     TextIteratorStreamer,
 )
 
+from kvblend.blend.guard import top_margin
 from kvblend.decoding.options import DecodeOptions, DecodePlan, decode_plan
 from kvblend.errors import BlendCancelledError
 
 __all__ = [
     "GenerationResult",
+    "MarginRecorder",
+    "check_margins",
     "cut_at_stop",
     "decode",
     "decode_stream",
@@ -81,6 +92,10 @@ class GenerationResult:
     #: in a batch ``ttft_s`` is the batch's (every prompt prefilled first) and
     #: ``stats.timings["prefill_s"]`` this prompt's own prefill.
     batch_size: int = 1
+    #: The most likely token's probability minus the second's, in the model's next-token
+    #: distribution before each of the first new tokens (``generate(margins=n)``: n of them,
+    #: fewer when the answer ends first; empty when not asked).
+    margins: list[float] = field(default_factory=list)
 
     @property
     def output_tokens(self) -> int:
@@ -101,6 +116,40 @@ class _Cancelled(StoppingCriteria):
         return torch.full(  # type: ignore[return-value]  # BoolTensor is a Tensor alias
             (input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device
         )
+
+
+def check_margins(margins: object) -> int:
+    """Return ``margins`` if it is an int >= 0 (the new tokens whose margins are recorded)."""
+    if isinstance(margins, bool) or not isinstance(margins, int) or margins < 0:
+        raise ValueError(f"margins must be an int >= 0, got {margins!r}")
+    return margins
+
+
+class MarginRecorder(LogitsProcessor):
+    """Record the top-1 minus top-2 probability of the first ``steps`` distributions it sees.
+
+    As `generate`'s first logits processor it sees each step's logits as the model made them
+    and returns them unchanged; each margin stays on the device (`top_margin`) until `read`.
+    `record` takes a distribution seen elsewhere (the prefill's, for the first token).
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.margins: list[torch.Tensor] = []
+
+    def record(self, logits: torch.Tensor) -> None:
+        """Keep the margin of ``logits`` (``[vocab]``, or the first row of ``[rows, vocab]``)."""
+        if len(self.margins) < self.steps:
+            self.margins.append(top_margin(logits.reshape(-1, logits.shape[-1])[0]))
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """Record the step's margin; return ``scores`` as they came."""
+        self.record(scores)
+        return scores
+
+    def read(self) -> list[float]:
+        """Return the margins recorded, in order (one read from the device)."""
+        return torch.stack(self.margins).tolist() if self.margins else []
 
 
 def _first_token(logits: torch.Tensor, token_ids: Sequence[int], plan: DecodePlan) -> int:
@@ -177,20 +226,27 @@ def decode(
     *,
     started: float,
     cancel: threading.Event | None = None,
+    margins: int = 0,
     **options: Any,
 ) -> GenerationResult:
     """Decode after a blended prefill that began at ``started`` (a perf_counter time).
 
     ``options`` are `DecodeOptions` fields: ``stop`` is one stop sequence (a str) or several;
     ``seed`` seeds this call's own sampler. ``cancel``, once set, stops decoding after the
-    current token (`BlendCancelledError`).
+    current token (`BlendCancelledError`). ``margins``: how many of the first new tokens'
+    margins to record (`GenerationResult.margins`; 0: none).
     """
     plan = decode_plan(model, tokenizer, len(token_ids), DecodeOptions(**options))
     first = _first_token(logits, token_ids, plan)
     first_at = time.perf_counter()
     new_ids = [first]
+    recorder = MarginRecorder(check_margins(margins)) if margins else None
+    if recorder is not None:
+        recorder.record(logits)  # the first token's distribution: the prefill's
     kwargs = _continue_kwargs(model, tokenizer, token_ids, first, keys, values, plan, cancel)
     if kwargs is not None:
+        if recorder is not None and margins > 1:  # first: it sees the model's own logits
+            kwargs["logits_processor"] = LogitsProcessorList([recorder, *plan.processors])
         with torch.inference_mode():
             output = generate_from_cache(model, kwargs)
         new_ids = output[0, len(token_ids) :].tolist()
@@ -206,6 +262,7 @@ def decode(
         total_s=end - started,
         stats=stats,
         finish_reason="stop" if finished else "length",
+        margins=recorder.read() if recorder is not None else [],
     )
 
 

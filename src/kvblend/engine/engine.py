@@ -29,7 +29,7 @@ from kvblend.blend.kv_codec import kv_codec as resolve_codec
 from kvblend.blend.prefill import device_clock, device_times
 from kvblend.decoding.batch import decode_batch
 from kvblend.decoding.cache import check_environment
-from kvblend.decoding.generation import GenerationResult, decode, decode_stream
+from kvblend.decoding.generation import GenerationResult, check_margins, decode, decode_stream
 from kvblend.decoding.options import DecodeOptions
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.documents.library import DocumentLibrary
@@ -465,6 +465,7 @@ class BlendEngine:
         top_k: int = 0,
         repetition_penalty: float = 1.0,
         do_sample: bool | None = None,
+        margins: int = 0,
     ) -> GenerationResult:
         """Blended prefill, then decoding from the fused cache; returns text, TTFT and stats.
 
@@ -473,7 +474,10 @@ class BlendEngine:
         ``repetition_penalty`` go through transformers' own logits processors, for the first
         token (drawn from the blended logits) as for every later one. ``cancel``: once set,
         prefill stops before its next layer and decoding after its next token; either raises
-        `BlendCancelledError`.
+        `BlendCancelledError`. ``margins``: the number of first new tokens whose margin (the
+        model's probability of its most likely token minus the second's, before any processor)
+        `GenerationResult.margins` records, taken from the logits decoding makes anyway and
+        read once after it (0, the default: none).
         """
         started = time.perf_counter()
         options: dict[str, Any] = dict(
@@ -487,6 +491,7 @@ class BlendEngine:
             seed=seed,
         )
         DecodeOptions(**options).check()  # before any model work
+        check_margins(margins)
         _check_call(segments, config, cancel)
         pre = self._prefilled(segments, config, cancel)
         return decode(
@@ -499,6 +504,7 @@ class BlendEngine:
             pre.stats,
             started=started,
             cancel=cancel,
+            margins=margins,
             **options,
         )
 

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
+from kvblend.blend.guard import GUARD_SIGNALS, RISK_SIGNAL
 from kvblend.blend.io import COMPUTE, MOVED, RowSet, to_device
 from kvblend.blend.selectors.base import (
     CORRECTION,
@@ -228,6 +229,12 @@ def _probe_share(name: str, value: Any) -> float:
     return float(value)
 
 
+def _guard_signal(name: str, value: Any) -> str:
+    if value not in GUARD_SIGNALS:
+        raise ValueError(f"{name} must be one of {', '.join(GUARD_SIGNALS)}, got {value!r}")
+    return str(value)
+
+
 def ranked_candidates(score: torch.Tensor, candidates: np.ndarray, count: int) -> torch.Tensor:
     """Return the ``count`` entries of ``candidates`` scoring most, best first (on device)."""
     rows = to_device(candidates, score.device)
@@ -333,8 +340,15 @@ class AttentionSelector(Selector):
         "guard": Setting(
             GUARD_TOLERANCE,
             tolerance,
-            "how far (total variation) the blend may move the next-token distribution from "
-            "the cached prompt's before the prompt is computed in full (None: no guard)",
+            "the tolerance on guard_signal past which the prompt is computed in full after the "
+            "blend (None: no guard; inf: the signals recorded, never computed in full)",
+        ),
+        "guard_signal": Setting(
+            RISK_SIGNAL,
+            _guard_signal,
+            "the guard's signal: shift (total variation from the cached prompt's next-token "
+            "distribution), kl, flip or stale_mass escalate above the tolerance, margin (top-1 "
+            "minus top-2 probability) below it",
         ),
     }
     refine_reads_cache = False  # the funnel narrows to rows chosen before the loop

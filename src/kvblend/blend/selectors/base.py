@@ -243,6 +243,11 @@ class Selector:
         return None if value is None else float(value)
 
     @property
+    def guard_signal(self) -> str:
+        """The signal the guard compares with its tolerance (`kvblend.blend.guard`)."""
+        return str(self.options.get("guard_signal", "shift"))
+
+    @property
     def correction(self) -> float:
         """The stale-KV correction share (0 for strategies without that setting)."""
         return float(self.options.get("correction", 0.0))
