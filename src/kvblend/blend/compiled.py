@@ -96,10 +96,19 @@ def step_bucket(args: tuple[Any, ...]) -> tuple[Any, ...]:
     )
     graph_key = getattr(attention, "graph_key", None)
     return (
-        "step", hidden.device.type, hidden.dtype, type(view).__name__, view.shape,
-        view.windows[index], mode, tuple(hidden.shape), tuple(layer_kv.shape), rows.numel(),
-        shapes, graph_key() if graph_key is not None else type(attention).__name__,
-    )  # fmt: skip
+        "step",
+        hidden.device.type,
+        hidden.dtype,
+        type(view).__name__,
+        view.shape,
+        view.windows[index],
+        mode,
+        tuple(hidden.shape),
+        tuple(layer_kv.shape),
+        rows.numel(),
+        shapes,
+        graph_key() if graph_key is not None else type(attention).__name__,
+    )
 
 
 def compiled_step(*args: Any) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -98,9 +98,14 @@ def stale_correction(
         )
     positions, moved_rows = rows.positions, to_device(moved, device)
     return CorrectionTensors(
-        positions, inverse_table(row_table).unsqueeze(1), weights, moved_rows, column,
-        table.index_select(0, moved_rows).unsqueeze(1), 1.0 / temperature,
-    )  # fmt: skip
+        positions,
+        inverse_table(row_table).unsqueeze(1),
+        weights,
+        moved_rows,
+        column,
+        table.index_select(0, moved_rows).unsqueeze(1),
+        1.0 / temperature,
+    )
 
 
 def _host_means(

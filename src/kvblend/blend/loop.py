@@ -145,9 +145,15 @@ class PassState:
         else:
             padded = self.padded if self.runner.compiled else None
             self.attention = RowAttention(
-                rows, total, adapter.windows, adapter.scaling, adapter.dtype,
-                flex=self.runner.flex, length=self.kv.data.shape[3], padded=padded,
-            )  # fmt: skip
+                rows,
+                total,
+                adapter.windows,
+                adapter.scaling,
+                adapter.dtype,
+                flex=self.runner.flex,
+                length=self.kv.data.shape[3],
+                padded=padded,
+            )
         self.rows = rows = self.attention.rows  # read back when chunks need it (no bounds)
         self.row_table = self.tables.table.index_select(0, self.padded)
         self.correction = None
@@ -157,9 +163,15 @@ class PassState:
                 host = np.pad(host, (0, self.padded.numel() - rows.count), mode="edge")
             spans = moved_span_index(self.host_kinds, self.prompt.spans)
             self.correction = stale_correction(
-                self.host_kinds, spans, RowSet(self.padded, host), self.share, self.tables.table,
-                self.row_table, self.runner.bucket, self.temperature,
-            )  # fmt: skip
+                self.host_kinds,
+                spans,
+                RowSet(self.padded, host),
+                self.share,
+                self.tables.table,
+                self.row_table,
+                self.runner.bucket,
+                self.temperature,
+            )
 
     def narrow(self, narrowing: Narrowing) -> None:
         """Keep only the computed rows ``narrowing.keep`` (indices into the computed rows)."""
@@ -171,9 +183,16 @@ class PassState:
 
 
 def begin_pass(
-    adapter: ModelAdapter, prompt: BlendInput, tables: RopeTables, rows: RowSet, share: float,
-    start: BlendOutput | None, runner: StepRunner, corrected: bool, temperature: float = 1.0,
-) -> PassState:  # fmt: skip
+    adapter: ModelAdapter,
+    prompt: BlendInput,
+    tables: RopeTables,
+    rows: RowSet,
+    share: float,
+    start: BlendOutput | None,
+    runner: StepRunner,
+    corrected: bool,
+    temperature: float = 1.0,
+) -> PassState:
     """Embed the computed rows and prepare their attention and correction.
 
     From ``start`` (a first pass), the pass takes over its K/V buffer and its copies, some of
@@ -192,9 +211,11 @@ def begin_pass(
             adapter, total, tables.table.shape[0], zeroed, runner.compiled, runner.zero_to
         )
     state = PassState(adapter, prompt, prompt.host_kinds, tables, kv, share, runner, temperature)
-    state.loads = start.loads if start is not None and start.loads is not None else (
-        LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table)
-    )  # fmt: skip
+    state.loads = (
+        start.loads
+        if start is not None and start.loads is not None
+        else (LayerLoads.for_pass(adapter, kv, prompt.spans, tables.table))
+    )
     state.set_rows(rows, adapter.embed(prompt.token_ids.index_select(0, rows.positions)))
     return state
 
@@ -254,9 +275,16 @@ def compute_layer(state: PassState, layer: int, mode: str, observer: PassObserve
     """Step 3: run the layer over the computed rows (`layer_step`), then show it to ``observer``."""
     layer_kv = state.kv.layers[layer]
     state.hidden, queries = state.runner.step(
-        state.adapter, layer, mode, state.hidden, layer_kv, state.padded, state.row_table,
-        state.correction, state.attention,
-    )  # fmt: skip
+        state.adapter,
+        layer,
+        mode,
+        state.hidden,
+        layer_kv,
+        state.padded,
+        state.row_table,
+        state.correction,
+        state.attention,
+    )
     state.token_layers += state.rows.count
     if observer is not None:
         total = state.total

@@ -82,10 +82,17 @@ class FirstPass:
         # add nothing), and a correction reads every computed row's K/V: zeroed either way
         every_uncached = np.array_equal(computed.numpy(), uncached)
         return run_pass(
-            self.adapter, self.prompt, Selection(computed), observer=observer,
-            need_logits=logits, cancel=self.cancel, tables=self.tables, layers=layers,
-            corrected=self.corrected or not every_uncached, pause=self.pause,
-        )  # fmt: skip
+            self.adapter,
+            self.prompt,
+            Selection(computed),
+            observer=observer,
+            need_logits=logits,
+            cancel=self.cancel,
+            tables=self.tables,
+            layers=layers,
+            corrected=self.corrected or not every_uncached,
+            pause=self.pause,
+        )
 
 
 def selection_context(
@@ -127,9 +134,10 @@ def run_blend(
     blend_input = on_host(blend_input)
     device = adapter.device
     blend_input = replace(
-        blend_input, token_ids=to_device(blend_input.token_ids, device),
+        blend_input,
+        token_ids=to_device(blend_input.token_ids, device),
         kinds=to_device(blend_input.kinds, device),
-    )  # fmt: skip
+    )
     tables = prompt_tables(adapter, blend_input)  # step 1
     started = time.perf_counter()
     context = selection_context(
@@ -143,9 +151,16 @@ def run_blend(
     if guard is not None:
         after_logits = functools.partial(_guard_signals, *guard)
     out = run_pass(  # step 3
-        adapter, blend_input, selection, selector=selector, need_logits=need_logits,
-        cancel=cancel, tables=tables, after_logits=after_logits, pause=pause,
-    )  # fmt: skip
+        adapter,
+        blend_input,
+        selection,
+        selector=selector,
+        need_logits=need_logits,
+        cancel=cancel,
+        tables=tables,
+        after_logits=after_logits,
+        pause=pause,
+    )
     passes = [selection.start] if selection.start is not None else []
     report = None
     if guard is not None and out.extra is not None and tolerance is not None:  # step 4
@@ -183,9 +198,14 @@ def escalate(
     assert blend_input.host_kinds is not None
     rows = np.flatnonzero(blend_input.host_kinds != PREFIX)
     return run_pass(
-        adapter, blend_input, Selection(rows, start=blend), cancel=cancel, tables=tables,
-        corrected=False, pause=pause,
-    )  # fmt: skip
+        adapter,
+        blend_input,
+        Selection(rows, start=blend),
+        cancel=cancel,
+        tables=tables,
+        corrected=False,
+        pause=pause,
+    )
 
 
 def device_clock(device: torch.device) -> torch.cuda.Event | None:
