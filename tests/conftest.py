@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from conftest_redis import make_redis_server, redis_server  # noqa: F401 - shared fixtures
-from kvblend.engine.threads import use_threads
+from kvblend.engine.torch_threads import use_threads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -78,9 +78,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> pytes
 
 
 # One thread for the whole run, whatever the machine's load (kvblend's default follows the
-# load: `kvblend.engine.threads`); engines built with threads=None keep it. The tests' models
+# load: `kvblend.engine.torch_threads`); engines built with threads=None keep it. The tests' models
 # are tiny, their ops microseconds: on a busy machine a second thread's barrier costs
-# milliseconds an op (`kvblend.blend.threads`), which made the tests' time follow the load
+# milliseconds an op (`kvblend.blend.op_threads`), which made the tests' time follow the load
 # (tests/decoding: 119 s on two threads, 16 s on one, at load 8). Tests of threading set
 # their own counts.
 use_threads(1)

@@ -10,8 +10,8 @@ for every prompt. This module is for the two other ways a caller may mark docume
   found by the document registry's own matcher (`kvblend.documents.registry.DocumentRegistry`,
   here over the given texts alone, in memory): longest documents first, never two overlapping
   matches, every occurrence; its cost grows with the prompt length, not the number of texts.
-  As in the registry, a text shorter than `kvblend.documents.records.MIN_CHARS` (8) characters
-  is never a document.
+  As in the registry, a text shorter than `kvblend.documents.registry_records.MIN_CHARS` (8)
+  characters is never a document.
 - **separator mode** (``separator="..."``, like LMCache's ``blend_special_str``): the prompt is
   split on the separator string, which is removed; every piece between two separators is a
   cached document, the first and last pieces are uncached. The adapters' ``separator`` option
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvblend.documents.records import MIN_CHARS
 from kvblend.documents.registry import DocumentRegistry
+from kvblend.documents.registry_records import MIN_CHARS
 from kvblend.prompt.segments import Segment
 
 __all__ = ["split_prompt"]

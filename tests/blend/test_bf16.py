@@ -13,8 +13,8 @@ import torch
 
 from conftest import FAMILIES, byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.io import COMPUTE, BlendInput
 from kvblend.blend.prefill import run_blend
+from kvblend.blend.types import COMPUTE, BlendInput
 from kvblend.store import MemoryKVStore
 
 SYSTEM = "System: answer from the documents.\n"

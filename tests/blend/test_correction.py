@@ -13,8 +13,8 @@ import torch
 
 from conftest import tiny_model
 from kvblend.blend.correction import apply_correction, stale_correction
-from kvblend.blend.io import COMPUTE, MOVED, PREFIX, RowSet
 from kvblend.blend.rope import inverse_table, rope_table, rotate
+from kvblend.blend.types import COMPUTE, MOVED, PREFIX, RowSet
 from kvblend.models.decoder import Decoder
 
 # prefix 0-3, document A 4-11 (moved), question 12-13, document B 14-19 (moved), C 20-23 (moved)

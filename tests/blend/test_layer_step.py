@@ -12,9 +12,9 @@ import torch
 
 from conftest import tiny_model
 from kvblend.blend.attention.rows import RowAttention
-from kvblend.blend.io import RowSet
 from kvblend.blend.layer_step import FULL, LAST, WRITE, layer_step
 from kvblend.blend.rope import rope_table
+from kvblend.blend.types import RowSet
 from kvblend.models.decoder import Decoder
 
 TOKENS = 19

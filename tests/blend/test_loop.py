@@ -16,11 +16,11 @@ from transformers import DynamicCache
 
 from conftest import tiny_model, transformers_rope
 from kvblend import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput, CachedSpan
 from kvblend.blend.loop import prompt_tables, run_pass
 from kvblend.blend.prefill import run_blend
 from kvblend.blend.rope import rope_table
 from kvblend.blend.selectors import Selection
+from kvblend.blend.types import COMPUTE, BlendInput, CachedSpan
 from kvblend.models.decoder import Decoder
 
 # Longer and shorter than the tiny Mistral's sliding window (48), and a one-token sequence.

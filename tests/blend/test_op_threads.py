@@ -16,7 +16,7 @@ import torch
 
 from kvblend import BlendConfig
 from kvblend.bench.speed.ops import byte_engine, rag_prompt, random_documents
-from kvblend.blend import threads
+from kvblend.blend import op_threads as threads
 
 
 class _Idle:

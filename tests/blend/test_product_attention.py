@@ -19,8 +19,8 @@ from kvblend.blend.attention.rows import (
     product_blocks,
     use_products,
 )
-from kvblend.blend.io import RowSet
 from kvblend.blend.selectors.base import chosen_rows
+from kvblend.blend.types import RowSet
 
 HEADS, KV_HEADS, HEAD_DIM, TOTAL = 6, 2, 16, 700
 

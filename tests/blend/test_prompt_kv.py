@@ -19,9 +19,9 @@ from conftest import make_tiny_engine
 from kvblend import BlendConfig, Segment
 from kvblend.blend import kv_buffer as prompt_kv
 from kvblend.blend import loop as blend_module
-from kvblend.blend.io import CachedSpan
 from kvblend.blend.kv_buffer import CopyStream, LayerLoads, PromptKV, group_layers
 from kvblend.blend.rope import rope_table, rotate
+from kvblend.blend.types import CachedSpan
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.errors import BlendCancelledError
 

@@ -14,7 +14,7 @@ import torch
 
 from conftest import TOY_BLEND_SETTINGS, byte_tokenizer, make_tiny_engine, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.io import COMPUTE, MOVED, RowSet
+from kvblend.blend.types import COMPUTE, MOVED, RowSet
 from kvblend.store import MemoryKVStore
 
 DOCUMENTS = [

@@ -14,7 +14,6 @@ from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend import selectors
 from kvblend.blend.attention.rows import QUERY_CHUNK, RowAttention, attention_mask, sdpa
-from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     Forecast,
     Selection,
@@ -24,6 +23,7 @@ from kvblend.blend.selectors.base import (
     SpanRows,
     ratio,
 )
+from kvblend.blend.types import COMPUTE, MOVED, RowSet
 from kvblend.models.decoder import Decoder
 from kvblend.store import MemoryKVStore
 
@@ -153,7 +153,7 @@ def test_a_new_selector_is_one_class_and_one_registry_line() -> None:
 
 
 def test_a_strategy_registered_from_outside_forecasts_what_its_prefill_recomputes() -> None:
-    from kvblend.vllm.planning import plan_request
+    from kvblend.vllm.request_plan import plan_request
 
     selectors.register(LastTokensSelector)
     try:

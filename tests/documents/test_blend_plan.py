@@ -17,7 +17,7 @@ import torch
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.blend.forecast import Lost
-from kvblend.blend.io import COMPUTE
+from kvblend.blend.types import COMPUTE
 from kvblend.documents.blend_plan import blend_plan
 from kvblend.prompt.plan import PrefillPlan
 from kvblend.prompt.segments import segment_key

@@ -20,10 +20,10 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.io import CachedSpan
 from kvblend.blend.kv_buffer import PromptKV
 from kvblend.blend.kv_codec import CODECS, NO_CODEC, EncodedKV, KVCodec, hadamard, kv_codec, move
 from kvblend.blend.rope import rope_table
+from kvblend.blend.types import CachedSpan
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.store import DiskKVStore, MemoryKVStore
 

@@ -12,8 +12,8 @@ import pytest
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
-from kvblend.documents.records import DOCUMENT, HEAD_CHARS, anchor_hash, text_digest
 from kvblend.documents.registry import DocumentRegistry, Match
+from kvblend.documents.registry_records import DOCUMENT, HEAD_CHARS, anchor_hash, text_digest
 from kvblend.store import DiskKVStore, MemoryKVStore, default_store
 
 A = "Marta Quill is a beekeeper who lives in Lisbon."

@@ -18,7 +18,7 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
-from kvblend.documents.records import text_digest
+from kvblend.documents.registry_records import text_digest
 from kvblend.store import DiskKVStore, MemoryKVStore, RedisKVStore, default_store
 
 A = "Marta Quill is a beekeeper who lives in Lisbon."

@@ -8,10 +8,10 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model, transformers_rope
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.io import COMPUTE, MOVED, BlendInput, RowSet
 from kvblend.blend.prefill import run_blend, selection_context
 from kvblend.blend.selectors.attention import AttentionSelector
 from kvblend.blend.selectors.tail_attention import tail_rows
+from kvblend.blend.types import COMPUTE, MOVED, BlendInput, RowSet
 from kvblend.documents import blend_plan as blend_plan_module
 from kvblend.store import MemoryKVStore
 
@@ -308,8 +308,8 @@ def test_attention_of_active_rows_matches_dense_causal(
     """Masked query chunks (sparse rows; from host bounds of rows chosen on the device too)
     and scattered dense attention (mostly active rows) equal dense causal attention."""
     from kvblend.blend.attention.rows import RowAttention
-    from kvblend.blend.io import RowSet
     from kvblend.blend.selectors.base import chosen_rows
+    from kvblend.blend.types import RowSet
 
     decoder, shape = tiny_engine.decoder, tiny_engine.decoder.shape
     total = 700
@@ -529,8 +529,8 @@ def test_correction_moves_each_document_by_a_share_of_its_recomputed_change(
 def test_kv_kept_for_the_store_owns_its_memory() -> None:
     """The loop keeps every layer's K/V in one buffer, keys rotated; the K/V to be stored
     (`raw_kv`, keys before RoPE) is a tensor of its own, so a store never sees the buffer."""
-    from kvblend.blend.io import COMPUTE, BlendInput
     from kvblend.blend.prefill import run_blend
+    from kvblend.blend.types import COMPUTE, BlendInput
     from kvblend.models.decoder import Decoder
 
     decoder = Decoder(tiny_model("qwen2"))

@@ -34,8 +34,8 @@ from transformers import (
 
 from conftest import TINY, byte_tokenizer, smollm2_tokenizer
 from kvblend import BlendConfig, BlendEngine, Segment
-from kvblend.blend.io import COMPUTE, BlendInput
 from kvblend.blend.prefill import run_blend
+from kvblend.blend.types import COMPUTE, BlendInput
 from kvblend.store import MemoryKVStore
 
 DOCS = [

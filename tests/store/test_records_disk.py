@@ -17,7 +17,7 @@ import pytest
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
 from kvblend.store import DiskKVStore
-from kvblend.store.records import DiskRecordLogs
+from kvblend.store.record_logs import DiskRecordLogs
 from test_store_faults import DOCS, _filled, _full_disk, _question, _read_only, _snapshot
 
 

@@ -436,7 +436,7 @@ def test_a_prompt_computed_in_full_after_its_blend_answers_as_a_fresh_vanilla_vl
     # the head and the document reused in place: their whole blocks (128 tokens each on the
     # CPU) are shared; from the first moved document's block on, none is found
     from kvblend.blend.config import BlendConfig
-    from kvblend.vllm.planning import plan_request
+    from kvblend.vllm.request_plan import plan_request
 
     engine = vllm_runs["engine"]
     ids = engine.encode(vllm_runs["prompts"]["exact"][0])

@@ -24,7 +24,7 @@ from kvblend.vllm.costs import CostModel, blend_features, step_features, vllm_fe
 from kvblend.vllm.execution.blending import WorkerModel
 from kvblend.vllm.execution.pacing import SliceRunner, Task, ThreadChoice
 from kvblend.vllm.execution.worker import Worker
-from kvblend.vllm.planning import plan_request
+from kvblend.vllm.request_plan import plan_request
 from kvblend.vllm.requests import BlendJob, StepMetadata
 from kvblend.vllm.settings import ConnectorSettings
 

@@ -26,7 +26,7 @@ from kvblend.models.decoder import Decoder
 from kvblend.prompt.segments import segment_key
 from kvblend.store import MemoryKVStore
 from kvblend.vllm.execution.blending import WorkerModel, gate, run_job
-from kvblend.vllm.planning import plan_request
+from kvblend.vllm.request_plan import plan_request
 from kvblend.vllm.requests import BlendJob, BlendOutcome, WorkerReport
 from test_vllm_sides import BLOCK, TOY, _document, _PagedLayer, _prompt, _worker
 

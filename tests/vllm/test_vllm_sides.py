@@ -1,6 +1,6 @@
 """The connector's two sides without vLLM: planning, claims and counts; blending into a paged cache.
 
-`kvblend.vllm.planning` and `kvblend.vllm.scheduling.scheduler` decide from token ids alone;
+`kvblend.vllm.request_plan` and `kvblend.vllm.scheduling.scheduler` decide from token ids alone;
 they are checked here against the engine's own forecast (`BlendEngine.explain`) over tiny models.
 `kvblend.vllm.execution.blending` runs the blend loop through any model adapter; here a
 transformers `Decoder` stands in for vLLM's modules and a toy paged cache for vLLM's, and the K/V
@@ -30,7 +30,7 @@ from kvblend.vllm.admission import BlendTimed, Calibrated, admission
 from kvblend.vllm.costs import CostModel, blend_features, vllm_features
 from kvblend.vllm.execution.blending import WorkerModel, gate, run_job
 from kvblend.vllm.execution.calibration import CalibrationJob, synthetic_plan
-from kvblend.vllm.planning import plan_request, restrict
+from kvblend.vllm.request_plan import plan_request, restrict
 from kvblend.vllm.requests import BlendJob, BlendOutcome, RequestStatus, WorkerReport
 from kvblend.vllm.scheduling.scheduler import SchedulerSide
 from kvblend.vllm.settings import ConnectorSettings, check_options, request_config
@@ -966,7 +966,7 @@ def test_core_kvblend_does_not_import_vllm() -> None:
     import subprocess
     import sys
 
-    code = "import sys, kvblend, kvblend.vllm.planning; assert 'vllm' not in sys.modules, 1"
+    code = "import sys, kvblend, kvblend.vllm.request_plan; assert 'vllm' not in sys.modules, 1"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -32,8 +32,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvblend.blend.io import MOVED, RowSet, to_device
 from kvblend.blend.rope import inverse_table, rotate_
+from kvblend.blend.types import MOVED, RowSet, to_device
 
 
 class CorrectionTensors(NamedTuple):

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from kvblend.blend.adapter import ModelAdapter
-from kvblend.blend.io import CachedSpan
 from kvblend.blend.kv_codec import EncodedKV, move
 from kvblend.blend.rope import rotate_
+from kvblend.blend.types import CachedSpan
 
 #: Layers per copy group, by device type; a device type not listed copies every layer at once.
 GROUP_LAYERS: dict[str, int] = {"cuda": 4}

@@ -28,8 +28,8 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.correction import CorrectionTensors, apply_correction
+from kvblend.blend.op_threads import ELEMENT_WORK, big
 from kvblend.blend.rope import rotate, rotate_
-from kvblend.blend.threads import ELEMENT_WORK, big
 
 #: What a step does after writing the layer's K/V: attention and MLP of every computed row
 #: (``FULL``), of the last row only (``LAST``, for the logits), or nothing (``WRITE``).

@@ -30,7 +30,7 @@ then counts what the pass did (`pass_stats`), after its logits.
 
 The loop calls the model only through the `ModelAdapter` protocol (`adapter.py`). Keys are
 stored un-rotated and rotated with the model's own rotary embedding, so re-placing a cached
-segment is exact. Read `io.py` for the token kinds. A pass can pause between layers (``pause``:
+segment is exact. Read `types.py` for the token kinds. A pass can pause between layers (``pause``:
 the vLLM connector's blends yield there until the engine's next step) and be cancelled there
 (``cancel``: a `threading.Event`, or any `CancelFlag`); a pass that stops orders the compute
 stream after every copy it issued before its buffer is handed back (`LayerLoads.fence`).
@@ -54,7 +54,13 @@ from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.attention.rows import RowAttention, SequenceAttention
 from kvblend.blend.compiled import StepRunner, step_runner
 from kvblend.blend.correction import CorrectionTensors, stale_correction
-from kvblend.blend.io import (
+from kvblend.blend.kv_buffer import LayerLoads, PromptKV
+from kvblend.blend.layer_step import FULL, LAST, WRITE
+from kvblend.blend.op_threads import ELEMENT_WORK, big, small_ops
+from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
+from kvblend.blend.selectors import Selection, Selector
+from kvblend.blend.selectors.base import Narrowing, PassObserver
+from kvblend.blend.types import (
     COMPUTE,
     MOVED,
     BlendInput,
@@ -68,12 +74,6 @@ from kvblend.blend.io import (
     rows_read,
     to_device,
 )
-from kvblend.blend.kv_buffer import LayerLoads, PromptKV
-from kvblend.blend.layer_step import FULL, LAST, WRITE
-from kvblend.blend.rope import RopeTables, inverse_table, rope_tables, rotate
-from kvblend.blend.selectors import Selection, Selector
-from kvblend.blend.selectors.base import Narrowing, PassObserver
-from kvblend.blend.threads import ELEMENT_WORK, big, small_ops
 from kvblend.errors import BlendCancelledError
 
 __all__ = [

@@ -26,7 +26,11 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.guard import guard_report, guard_signals
-from kvblend.blend.io import (
+from kvblend.blend.loop import CancelFlag, Pause, prompt_tables, run_pass, with_kv
+from kvblend.blend.rope import RopeTables
+from kvblend.blend.selectors import Selection, SelectionContext, Selector
+from kvblend.blend.selectors.base import PassObserver
+from kvblend.blend.types import (
     COMPUTE,
     PREFIX,
     BlendInput,
@@ -35,10 +39,6 @@ from kvblend.blend.io import (
     on_host,
     to_device,
 )
-from kvblend.blend.loop import CancelFlag, Pause, prompt_tables, run_pass, with_kv
-from kvblend.blend.rope import RopeTables
-from kvblend.blend.selectors import Selection, SelectionContext, Selector
-from kvblend.blend.selectors.base import PassObserver
 
 __all__ = [
     "FirstPass",

@@ -33,10 +33,10 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.forecast import Lost
-from kvblend.blend.io import COMPUTE, BlendInput, BlendOutput, CachedSpan
 from kvblend.blend.loop import CancelFlag, Pause, stop_if_cancelled
 from kvblend.blend.prefill import run_blend
 from kvblend.blend.selectors import Selector
+from kvblend.blend.types import COMPUTE, BlendInput, BlendOutput, CachedSpan
 from kvblend.documents.segment_kv import SegmentKV
 from kvblend.documents.stored_rows import StoredRows
 from kvblend.prompt.plan import PlannedSpan, PrefillPlan

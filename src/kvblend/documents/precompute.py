@@ -27,9 +27,9 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput
 from kvblend.blend.loop import Pause
 from kvblend.blend.prefill import run_blend
+from kvblend.blend.types import COMPUTE, BlendInput
 
 __all__ = ["DEFAULT_BATCH_TOKENS", "document_kv", "length_batches"]
 

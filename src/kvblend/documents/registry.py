@@ -11,7 +11,7 @@ A document is known whatever prompt head (document context) its KV was computed 
 record names the context, and the registry answers `contexts(text)` with every context an entry
 was stored behind, so an engine with another system prompt reuses that KV as a moved document.
 A record holds hashes, never a document's text: a hash of its first characters (its anchor), its
-length, a hash of the whole text and one of its context (`kvblend.documents.records`). A
+length, a hash of the whole text and one of its context (`kvblend.documents.registry_records`). A
 search hashes the prompt's substring of anchor length at every position, looks the anchor up,
 and confirms a candidate by hashing the prompt's substring of the candidate's length; so its
 cost grows with the prompt's length, not with the number of known documents. The registry keeps
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvblend.documents.anchors import non_overlapping, window_crc32
-from kvblend.documents.records import (
+from kvblend.documents.registry_records import (
     ANCHOR_CHARS,
     CONTEXT,
     DOCUMENT,

@@ -45,7 +45,7 @@ from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.kv_codec import NO_CODEC, KVCodec
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS, document_kv, length_batches
 from kvblend.documents.progress import PrecomputeProgress, ProgressListener
-from kvblend.documents.records import document_metadata
+from kvblend.documents.registry_records import document_metadata
 from kvblend.prompt.segments import KV_LAYOUT, segment_key
 from kvblend.prompt.tokens import DocumentLayout, document_layout
 
@@ -219,7 +219,7 @@ class SegmentKV:
         of a batch's pass and after each batch is stored.
         Returns the segment ids, in the order of ``texts``. Entries are computed behind this
         engine's own `doc_prefix` and carry what the registry needs to find them again
-        (`kvblend.documents.records.document_metadata`).
+        (`kvblend.documents.registry_records.document_metadata`).
         """
         context = self.doc_prefix or ""
         layouts = [self.layout(text, context) for text in texts]

@@ -37,7 +37,7 @@ from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DEFAULT_CAPACITY
 from kvblend.engine.explain import Explanation
 from kvblend.engine.results import BlendStats, PrefillResult, count_tokens, escalation
-from kvblend.engine.threads import use_threads
+from kvblend.engine.torch_threads import use_threads
 from kvblend.errors import BlendCancelledError
 from kvblend.models.decoder import Decoder
 from kvblend.models.dtypes import AUTO, DtypeChoice, choose_dtype
@@ -126,7 +126,7 @@ class BlendEngine:
             check_parity: run the parity self-check now (recommended).
             max_documents: documents the registry keeps for finding them in prompt strings
                 (least recently matched dropped first).
-            threads: torch CPU threads, for the whole process (`kvblend.engine.threads`);
+            threads: torch CPU threads, for the whole process (`kvblend.engine.torch_threads`);
                 None: the cores the last minute's load leaves idle, unless the process chose
                 a count already. ``engine.threads`` is the count in use.
             kv_codec: how stored KV is encoded (`kvblend.blend.kv_codec`): None, int8, k8v4, int4.

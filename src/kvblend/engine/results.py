@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.forecast import BlendForecast, Lost, documents
-from kvblend.blend.io import COMPUTE, MOVED, PREFIX, BlendOutput
+from kvblend.blend.types import COMPUTE, MOVED, PREFIX, BlendOutput
 
 if TYPE_CHECKING:
     from kvblend.blend.guard import GuardReport

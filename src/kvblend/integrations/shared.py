@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvblend.engine.engine import BlendEngine
-from kvblend.engine.threads import use_threads
+from kvblend.engine.torch_threads import use_threads
 from kvblend.errors import ModelNotFoundError
 from kvblend.matching import split_prompt
 from kvblend.models.loading import display_name, resolve_model
@@ -71,7 +71,7 @@ def shared_engine(model: str | None = None, threads: int | None = None) -> Blend
     """Return the engine for model spec ``model`` (None = default), loaded once per process.
 
     ``threads``: torch CPU threads of the process when the engine is loaded (None: kvblend's
-    load-aware default, `kvblend.engine.threads`). An engine given to an adapter of the same
+    load-aware default, `kvblend.engine.torch_threads`). An engine given to an adapter of the same
     (resolved) spec is reused. Loading a model while
     adapters use engines of another one logs a warning: that is a second model in memory, and
     documents precomputed by one engine are only found by engines over the same store.

@@ -18,8 +18,8 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.config import BlendConfig
-from kvblend.blend.io import COMPUTE, BlendInput
 from kvblend.blend.prefill import run_blend
+from kvblend.blend.types import COMPUTE, BlendInput
 from kvblend.errors import BlendUnavailableError
 
 #: The text the self-check runs (any text would do; this one mixes words, digits and symbols).

@@ -17,7 +17,7 @@ from types import TracebackType
 
 import torch
 
-from kvblend.store.records import MemoryRecordLogs
+from kvblend.store.record_logs import MemoryRecordLogs
 
 #: Prefix of the metadata entries the store writes itself; callers may not use it.
 RESERVED_METADATA_PREFIX = "kvblend."
@@ -301,7 +301,7 @@ class KVStore(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release background threads and open handles; the store stays usable."""
 
-    # Record logs (see `kvblend.store.records`): small byte records every user of the store
+    # Record logs (see `kvblend.store.record_logs`): small byte records every user of the store
     # reads, such as the engine's registry of known documents. Stores whose entries other
     # processes see keep their logs where those processes see them too; the default keeps them
     # in this process.

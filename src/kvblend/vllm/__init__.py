@@ -4,7 +4,7 @@ Use it with ``kv_transfer_config={"kv_connector": "KVBlendConnector", "kv_connec
 "kvblend.vllm", "kv_role": "kv_both"}`` (``vllm serve MODEL --kv-transfer-config '{...}'``);
 the ``vllm.general_plugins`` entry point `kvblend.vllm.plugin.register` hands the loaded model to
 the connector. ``KVBlendConnector`` is imported on first use, so the package's vLLM-free parts
-(`kvblend.vllm.planning`, `kvblend.vllm.settings`) import without vLLM installed. The
+(`kvblend.vllm.request_plan`, `kvblend.vllm.settings`) import without vLLM installed. The
 scheduler side is in `scheduling/`, the worker side in `execution/`; what vLLM and both sides
 meet (the connector, the plugin, `compat`, the settings, the messages of `requests`) is here.
 """

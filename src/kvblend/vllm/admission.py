@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kvblend.vllm.costs import CostModel, Forecast, blend_features
-from kvblend.vllm.planning import RequestPlan
+from kvblend.vllm.request_plan import RequestPlan
 
 logger = logging.getLogger("kvblend.vllm")
 

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvblend.vllm.scheduling.records import COMMON_REASONS, COUNTS, empty_counts
+from kvblend.vllm.scheduling.request_records import COMMON_REASONS, COUNTS, empty_counts
 
 __all__ = ["BLEND_BUCKETS", "TOKENS", "KVBlendPromMetrics", "KVBlendStats"]
 

@@ -30,7 +30,7 @@ from typing import Any
 from kvblend.blend.config import BlendConfig
 from kvblend.prompt.plan import PrefillPlan
 from kvblend.vllm.admission import BlendTimed, Calibrated, Decision, Observation, StepTimed
-from kvblend.vllm.planning import RequestPlan
+from kvblend.vllm.request_plan import RequestPlan
 
 __all__ = [
     "BlendJob",

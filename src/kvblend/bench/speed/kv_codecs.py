@@ -52,7 +52,7 @@ from kvblend.bench.speed.ttft import (
 )
 from kvblend.blend.kv_codec import NO_CODEC, EncodedKV, KVCodec, kv_codec
 from kvblend.engine.engine import BlendEngine
-from kvblend.engine.threads import use_threads
+from kvblend.engine.torch_threads import use_threads
 from kvblend.store import DiskKVStore, MemoryKVStore, TieredKVStore
 
 LABELS = ("fp16", "none", "int8", "k8v4", "int4")

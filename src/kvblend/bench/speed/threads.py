@@ -5,8 +5,9 @@ The prompt is the README's LangChain chain's: six of the sample corpus's eight p
 model's chat template, as a string in which the engine finds the precomputed documents. Each
 question is answered to its first token (``max_new_tokens=1``) with full prefill and with the
 default blend, under two thread counts: torch's own default (one per physical core, what
-kvblend left in place before it chose) and kvblend's (`kvblend.engine.threads.default_threads`:
-the cores the last minute's load leaves idle), read after the burners started. Repeats
+kvblend left in place before it chose) and kvblend's
+(`kvblend.engine.torch_threads.default_threads`: the cores the last minute's load leaves idle),
+read after the burners started. Repeats
 interleave every setting. ``--busy N`` starts N processes that each burn a CPU for the run (and
 waits ``--settle`` seconds first, so the load average sees them); they are stopped at the end.
 Appends the run to ``threads.json`` in the results folder (``kvblend-bench/``) and prints a
@@ -30,7 +31,7 @@ import torch
 
 from kvblend import BlendConfig, BlendEngine
 from kvblend.bench.commands import RESULTS_DIR
-from kvblend.engine.threads import default_threads, physical_cores
+from kvblend.engine.torch_threads import default_threads, physical_cores
 from kvblend.samples import sample_corpus
 from kvblend.store import MemoryKVStore
 

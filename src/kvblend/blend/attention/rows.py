@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from kvblend.blend.attention.flex import FlexRows, compiled_flex
-from kvblend.blend.io import RowSet
-from kvblend.blend.threads import ELEMENT_WORK, big
+from kvblend.blend.op_threads import ELEMENT_WORK, big
+from kvblend.blend.types import RowSet
 
 # Query rows per attention call when the computed rows are sparse: smaller chunks skip more of
 # the causal upper triangle but keep SDPA's kernels from running at full speed; on a CPU, 256

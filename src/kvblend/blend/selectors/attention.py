@@ -23,7 +23,6 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.guard import GUARD_SIGNALS, RISK_SIGNAL
-from kvblend.blend.io import COMPUTE, MOVED, RowSet, to_device
 from kvblend.blend.selectors.base import (
     CORRECTION,
     STALE_TEMPERATURE,
@@ -49,6 +48,7 @@ from kvblend.blend.selectors.ranking import (
     units_of,
 )
 from kvblend.blend.selectors.tail_attention import TailAttention, tail_rows
+from kvblend.blend.types import COMPUTE, MOVED, RowSet, to_device
 
 __all__ = ["AttentionSelector", "attention_budget"]
 

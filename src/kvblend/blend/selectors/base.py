@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import DecoderShape, ModelAdapter
-from kvblend.blend.io import COMPUTE, MOVED, BlendOutput, CachedSpan, RowSet, to_device
+from kvblend.blend.types import COMPUTE, MOVED, BlendOutput, CachedSpan, RowSet, to_device
 
 
 @dataclass(frozen=True)

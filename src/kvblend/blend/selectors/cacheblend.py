@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from kvblend.blend.adapter import DecoderShape, ModelAdapter
-from kvblend.blend.io import COMPUTE, MOVED, RowSet
 from kvblend.blend.selectors.base import (
     CORRECTION,
     RECOMPUTE_RATIO,
@@ -31,6 +30,7 @@ from kvblend.blend.selectors.base import (
     moved_count,
     ratio,
 )
+from kvblend.blend.types import COMPUTE, MOVED, RowSet
 
 
 def _check_layer(name: str, value: Any) -> int:

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from kvblend.blend.io import MOVED
 from kvblend.blend.selectors.base import (
     CORRECTION,
     STALE_TEMPERATURE,
@@ -24,6 +23,7 @@ from kvblend.blend.selectors.base import (
     SpanRows,
     non_negative_int,
 )
+from kvblend.blend.types import MOVED
 
 
 class EpicSelector(Selector):

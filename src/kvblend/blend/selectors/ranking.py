@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvblend.blend.io import MOVED, to_device
 from kvblend.blend.selectors.base import SpanRows
+from kvblend.blend.types import MOVED, to_device
 
 __all__ = ["Units", "UnitBudget", "candidate_runs", "ranked_units", "unit_budget", "units_of"]
 

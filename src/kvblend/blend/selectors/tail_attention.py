@@ -12,7 +12,7 @@ import torch
 
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.attention.rows import attention_mask
-from kvblend.blend.io import COMPUTE, MOVED, to_device
+from kvblend.blend.types import COMPUTE, MOVED, to_device
 
 
 def tail_rows(kinds: torch.Tensor | np.ndarray) -> np.ndarray:

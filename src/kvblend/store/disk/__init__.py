@@ -4,7 +4,7 @@
 and sweeps what a killed writer left; `readonly` serves a folder on a read-only or full disk.
 The folder plumbing they stand on (`kvblend.store.files`: file modes, links, the bytes-only
 serializer; `kvblend.store.index`: opening and setting aside the SQLite index) lies one level
-up, because the record logs every store keeps (`kvblend.store.records`) are built on it too.
+up, because the record logs every store keeps (`kvblend.store.record_logs`) are built on it too.
 Nothing here imports the Redis back-end.
 """
 

@@ -25,7 +25,7 @@ from kvblend.store.files import (
     disk_class,
     refuse_links,
 )
-from kvblend.store.records import DiskRecordLogs, MemoryRecordLogs
+from kvblend.store.record_logs import DiskRecordLogs, MemoryRecordLogs
 
 logger = logging.getLogger(__name__)
 

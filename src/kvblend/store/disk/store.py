@@ -75,7 +75,7 @@ from kvblend.store.index import (
     set_aside_damaged_index,
 )
 from kvblend.store.lazy import DEFAULT_PREFETCH_AHEAD, LazyTensors, PrefetchPool, lazy_entry
-from kvblend.store.records import DiskRecordLogs
+from kvblend.store.record_logs import DiskRecordLogs
 
 logger = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 `store` is the store itself; `access` keeps secrets out of logs, warns about open servers and
 states the ACL a deployment grants; `health` takes a server that stopped answering out until a
-``PING`` is answered; `payload` reads an entry's tensors with ranged reads; `records` keeps the
-record logs on the server. Importing it needs the ``redis`` package (the ``redis`` extra);
+``PING`` is answered; `payload` reads an entry's tensors with ranged reads; `record_logs` keeps
+the record logs on the server. Importing it needs the ``redis`` package (the ``redis`` extra);
 nothing here imports the disk back-end.
 """
 

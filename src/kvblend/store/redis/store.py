@@ -21,7 +21,7 @@ least: an entry of a key nobody uses any more expires, and the key's slot is the
 this store's own entry.
 
 Record logs (`append_records` / `read_records`) live on the server too, as a counter and a list
-per log changed by Lua scripts (`kvblend.store.redis.records`), so every process sees one
+per log changed by Lua scripts (`kvblend.store.redis.record_logs`), so every process sees one
 sequence.
 
 Failures: every server error is raised as `StoreError` (`RemoteUnavailableError` when the server
@@ -64,11 +64,11 @@ from kvblend.store.entry_format import (
 )
 from kvblend.store.entry_mac import OtherKeyWarnings, load_store_key
 from kvblend.store.lazy import LazyTensors, PrefetchPool, lazy_entry
-from kvblend.store.records import DEFAULT_MAX_RECORDS
+from kvblend.store.record_logs import DEFAULT_MAX_RECORDS
 from kvblend.store.redis.access import redacted, warn_if_open
 from kvblend.store.redis.health import RedisHealth
 from kvblend.store.redis.payload import RangePayload
-from kvblend.store.redis.records import RedisRecordLogs
+from kvblend.store.redis.record_logs import RedisRecordLogs
 
 try:
     import redis

@@ -35,9 +35,9 @@ from kvblend.documents.library import DocumentLibrary
 from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.vllm import compat
 from kvblend.vllm.admission import Admission, Decision
-from kvblend.vllm.planning import NO_DOCUMENT, RequestPlan, plan_request
+from kvblend.vllm.request_plan import NO_DOCUMENT, RequestPlan, plan_request
 from kvblend.vllm.requests import BlendRequest, RequestStatus, StepMetadata, WorkerReport
-from kvblend.vllm.scheduling.records import Counts, RequestLog, planned_record
+from kvblend.vllm.scheduling.request_records import Counts, RequestLog, planned_record
 from kvblend.vllm.settings import ConnectorSettings, RequestChoice, request_config
 
 logger = logging.getLogger("kvblend.vllm")

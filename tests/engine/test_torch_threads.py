@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvblend.engine.threads as threads_module
+import kvblend.engine.torch_threads as threads_module
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendEngine
-from kvblend.engine.threads import default_threads, physical_cores, use_threads
+from kvblend.engine.torch_threads import default_threads, physical_cores, use_threads
 from kvblend.store import MemoryKVStore
 
 

@@ -1,6 +1,6 @@
 """Record logs on a Redis server: a counter and a list per log, changed only by Lua scripts.
 
-The semantics are those of `kvblend.store.records` (sequence numbers from 1, a cursor is the
+The semantics are those of `kvblend.store.record_logs` (sequence numbers from 1, a cursor is the
 last number a reader has seen, the oldest records dropped past ``max_records``, a cleared log
 starts again). A log is two keys, ``<prefix>log:{<name>}:head`` (the last sequence number) and
 ``<prefix>log:{<name>}:records`` (the records kept, oldest first); the name in braces is a
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvblend.store.records import DEFAULT_MAX_RECORDS, _validate_records, validate_log_name
+from kvblend.store.record_logs import DEFAULT_MAX_RECORDS, _validate_records, validate_log_name
 
 __all__ = ["RedisRecordLogs"]
 

@@ -17,7 +17,7 @@ import re
 from typing import Any
 
 from kvblend.blend.forecast import FallbackLog
-from kvblend.vllm.planning import RequestPlan
+from kvblend.vllm.request_plan import RequestPlan
 from kvblend.vllm.requests import BlendOutcome
 
 logger = logging.getLogger("kvblend.vllm")
