@@ -130,7 +130,8 @@ def test_the_calibration_sweep_counts_what_a_limit_would_escalate() -> None:
     assert half["escalated"] == 0.5 and half["precision"] == 0.5 and half["recall"] == 0.5
     assert half["kept_agreement"] == 0.5 and half["agreement"] == 0.75
     assert half["compute"] == pytest.approx(0.3 + 0.5 * 100 / 110)
-    assert at_limit(rows, "margin", 0.45) == {**half, "signal": "margin"}  # low margin is risk
+    # low margin is risk: below 0.55 (margins 0.1, 0.5, 0.6, 0.9) is above 0.45 of shift
+    assert at_limit(rows, "margin", 0.55) == {**half, "signal": "margin", "limit": 0.55}
     table = sweep(rows, "shift")
     assert table[0]["escalated"] == 0 and math.isnan(table[0]["precision"])
     best = choose_limit(table, budget=0.6)
@@ -166,3 +167,40 @@ def test_a_guarded_strategy_gets_its_unguarded_rows(nq_file: Path, tmp_path: Pat
         assert rows[qid, "w@unguarded"]["answer"] == rows[qid, "w"]["answer"]
     rates = {s["strategy"]: s["escalation_rate"] for s in result["summary"]}
     assert rates["g"] == 1.0 and rates["g@unguarded"] == rates["w"] == 0.0
+
+
+@requires_rag_stack
+def test_rows_record_the_margins_of_the_answers_first_tokens(nq_file: Path, tmp_path: Path) -> None:
+    """Every decoded row holds its answer's first margins; full prefill's come with its cached
+    baseline, which gains them by running once more when it was kept without them."""
+    from kvblend.bench.strategies import Strategy
+    from kvblend.blend.config import BlendConfig
+
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="t")
+    blend = BlendConfig(min_recompute=0, short_document=0, full_above=1.0, lead_tokens=1)
+    strategies = [Strategy("full", BlendConfig("full")),
+                  Strategy("w", blend.replace(guard=math.inf, guard_signal="margin"))]  # fmt: skip
+    cache = BaselineCache(tmp_path / "baselines")
+
+    def run(margins: int, name: str) -> list[dict]:
+        result = run_decided({"untold": engine}, nq_file, strategies, ks=(3,), split="all",
+                             questions=2, cache=cache, cache_dir=tmp_path, meta={},
+                             options=RunOptions(max_new_tokens=4, time_every=0, margins=margins),
+                             output=tmp_path / name)  # fmt: skip
+        return result["rows"]
+
+    bare = run(0, "bare.json")
+    assert len(bare) == 6 and all(r["margins"] is None for r in bare)  # none asked for
+    rows = run(3, "margins.json")
+    assert cache.misses == 2 and cache.hits == 2
+    for row in rows:
+        assert 1 <= len(row["margins"]) <= 3 and all(0 <= m <= 1 for m in row["margins"])
+        if row["strategy"] == "full":  # ran again for its margins: timed, the same answer
+            assert row["baseline_confirmed"] is True and row["full_ttft_s"] is not None
+        else:  # the first token's margin is the guard's, made from the same logits
+            assert row["guard"]["signal"] == "margin" and not row["escalated"]
+            assert row["margins"][0] == pytest.approx(row["guard"]["signals"]["margin"], rel=1e-4)
+    again = run(3, "again.json")  # the entries kept the margins: nothing runs full prefill
+    assert cache.hits == 4 and all(r["full_ttft_s"] is None for r in again)
+    assert [r["margins"] for r in again if r["strategy"] == "full"] == [
+        r["margins"] for r in rows if r["strategy"] == "full"]  # fmt: skip

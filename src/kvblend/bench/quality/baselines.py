@@ -5,7 +5,8 @@ is the most expensive row and does not depend on any blend setting, so its answe
 next-token logits are kept per (model fingerprint, compute dtype, prompt token ids, decoding
 options): a later run, a run with other strategies or another setting reads them instead of
 computing them again. An entry is two files under ``<dir>/<key[:2]>/``: ``<key>.json`` (the
-answer, the prompt length, the time it took, when) and ``<key>.npy`` (the logits, float32).
+answer, the prompt length, the time it took, when, and the margins of the answer's first
+tokens when they were recorded) and ``<key>.npy`` (the logits, float32).
 Both are written to a temporary name and renamed, so a run stopped midway leaves no torn entry.
 """
 
@@ -34,12 +35,18 @@ def default_baseline_dir() -> Path:
 
 @dataclass(frozen=True)
 class Baseline:
-    """Full prefill's greedy answer for one prompt and its next-token logits."""
+    """Full prefill's greedy answer for one prompt and its next-token logits.
+
+    ``margins``: the top-1 minus top-2 probability before each of the answer's first
+    ``margin_steps`` tokens (fewer when the answer is shorter; None: not recorded).
+    """
 
     answer: str
     logits: torch.Tensor  # [vocab] float32
     prompt_tokens: int
     ttft_s: float  # prefill and first token, when it was computed
+    margins: list[float] | None = None
+    margin_steps: int = 0
 
 
 class BaselineCache:
@@ -74,7 +81,8 @@ class BaselineCache:
             self.misses += 1
             return None
         self.hits += 1
-        return Baseline(meta["answer"], logits, int(meta["prompt_tokens"]), float(meta["ttft_s"]))
+        return Baseline(meta["answer"], logits, int(meta["prompt_tokens"]), float(meta["ttft_s"]),
+                        meta.get("margins"), int(meta.get("margin_steps", 0)))  # fmt: skip
 
     def put(self, key: str, baseline: Baseline) -> None:
         """Store ``baseline`` under ``key`` (atomically: a temporary file, then a rename)."""
@@ -88,6 +96,8 @@ class BaselineCache:
         meta = {"answer": baseline.answer, "prompt_tokens": baseline.prompt_tokens,
                 "ttft_s": baseline.ttft_s, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                  time.gmtime())}  # fmt: skip
+        if baseline.margins is not None:
+            meta.update(margins=baseline.margins, margin_steps=baseline.margin_steps)
         meta_tmp = meta_path.with_name(meta_path.name + suffix)
         meta_tmp.write_text(json.dumps(meta), encoding="utf-8")
         meta_tmp.replace(meta_path)  # last: an entry with its json has its logits

@@ -20,7 +20,10 @@ best-subspan exact match) run the way a headline figure needs it:
 - **Rows.** Per strategy and question: the answer, right or wrong, whether it equals full
   prefill's (normalised as the metric normalises), whether the first token does, KL(full ||
   strategy) at the first answer token, compute and recompute shares, the TTFT (on timed
-  questions), and what the blend's guard did.
+  questions), what the blend's guard did, and the margins of the answer's first tokens
+  (``margins``: the model's top-1 minus top-2 probability before each of the first
+  `RunOptions.margins` tokens, from the logits decoding makes; None when nothing was decoded),
+  with which `kvblend.bench.quality.guard_calibration` ranks whole answers that differ.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +100,8 @@ class RunOptions:
     time_every: int = 10  # every n-th question times full prefill again (0: only when computed)
     #: a guarded strategy also gets ``NAME@unguarded`` rows: its blends without escalations
     unguarded: bool = True
+    #: the answer's first tokens whose margins each row records (0: none)
+    margins: int = 8
 
 
 def agree(answer: str | None, full_answer: str | None) -> bool | None:
@@ -112,19 +117,21 @@ def _timed(
     strat: Strategy,
     options: RunOptions,
     rounded: RoundedPrefill | None = None,
-) -> tuple[Any, str | None, float | None]:
-    """Prefill (and decode unless KL only); return the prefill, the answer and the TTFT.
+) -> tuple[Any, str | None, float | None, list[float] | None]:
+    """Prefill (and decode unless KL only); return the prefill, answer, TTFT and margins.
 
-    A rounded reference (``strat.rounding``) runs on ``rounded`` and has no TTFT.
+    The margins: the answer's first ``options.margins`` (None without an answer, or at 0). A
+    rounded reference (``strat.rounding``) runs on ``rounded`` and has no TTFT.
     """
     if strat.rounding is not None:
         return _rounded(engine, item, strat, options, rounded)
     pre = engine.prefill(strat.segments(item.segments), strat.config)
     prefill_s = pre.stats.timings.get("prefill_s", 0.0)
     if options.kl_only:
-        return pre, None, prefill_s
-    out = engine.generate(pre, max_new_tokens=options.max_new_tokens, stop=list(STOP))
-    return pre, out.text.strip(), out.ttft_s + prefill_s
+        return pre, None, prefill_s, None
+    out = engine.generate(pre, max_new_tokens=options.max_new_tokens, stop=list(STOP),
+                          margins=options.margins)  # fmt: skip
+    return pre, out.text.strip(), out.ttft_s + prefill_s, out.margins if options.margins else None
 
 
 def _rounded(
@@ -133,7 +140,7 @@ def _rounded(
     strat: Strategy,
     options: RunOptions,
     rounded: RoundedPrefill | None,
-) -> tuple[Any, str | None, None]:
+) -> tuple[Any, str | None, None, list[float] | None]:
     """``strat`` on the bfloat16 copy; decoded by ``engine`` (``prefill``) or in bfloat16."""
     if rounded is None:
         raise ValueError(f"{strat.name} needs the engine's bfloat16 copy (a RoundedPrefill)")
@@ -141,11 +148,12 @@ def _rounded(
     bf16 = rounded.rounded_prefill(strat.segments(item.segments), strat.config, documents)
     pre = rounded.in_engine_dtype(bf16)
     if options.kl_only:
-        return pre, None, None
-    decoding: dict[str, Any] = {"max_new_tokens": options.max_new_tokens, "stop": list(STOP)}
+        return pre, None, None, None
+    decoding: dict[str, Any] = {"max_new_tokens": options.max_new_tokens, "stop": list(STOP),
+                                "margins": options.margins}  # fmt: skip
     out = engine.generate(pre, **decoding) if strat.rounding == "prefill" else rounded.decode(
         bf16, **decoding)  # fmt: skip
-    return pre, out.text.strip(), None
+    return pre, out.text.strip(), None, out.margins if options.margins else None
 
 
 def guard_fields(stats: Any) -> dict[str, Any]:
@@ -170,7 +178,8 @@ def baseline_for(
     Returns the baseline, full prefill's TTFT when it ran now (``retime``, or a miss), and
     whether running again gave the cached answer (None when it did not run again). The key
     holds torch's thread count too: kernels split their sums by thread, and an answer at a
-    near-tie can follow the rounding.
+    near-tie can follow the rounding. A cached answer without the margins ``options`` asks
+    for runs again once, and its entry gains them (when the answer is the same).
     """
     token_ids = engine.plan(item.segments).token_ids.tolist()
     decoding = {"max_new_tokens": options.max_new_tokens, "stop": list(STOP), "greedy": True,
@@ -182,19 +191,25 @@ def baseline_for(
         answered = BaselineCache.key(engine.fingerprint, dtype, token_ids,
                                      {**decoding, "kl_only": False})  # fmt: skip
         cached = cache.get(answered)
-    if cached is not None and not retime:
+    steps = 0 if options.kl_only else options.margins
+    if cached is not None and not retime and cached.margin_steps >= steps:
         return cached, None, None
-    pre, answer, timed = _timed(engine, item, full, options)
+    pre, answer, timed, margins = _timed(engine, item, full, options)
     assert timed is not None  # full prefill is timed (only rounded references are not)
     ttft = timed
     if pre.token_ids != token_ids:
         raise RuntimeError("full prefill read other token ids than the prompt's plan")
-    fresh = Baseline(answer or "", pre.logits.float().cpu(), len(token_ids), ttft)
+    fresh = Baseline(answer or "", pre.logits.float().cpu(), len(token_ids), ttft, margins, steps)
     if cached is None:
         if cache is not None:
             cache.put(key, fresh)
         return fresh, ttft, None
-    return cached, ttft, cached.answer == fresh.answer
+    same = cached.answer == fresh.answer
+    if same and cached.margin_steps < steps:  # the entry gains the margins it lacked
+        cached = replace(cached, margins=margins, margin_steps=steps)
+        if cache is not None:
+            cache.put(key, cached)
+    return cached, ttft, same
 
 
 def evaluate_question(
@@ -234,7 +249,8 @@ def evaluate_question(
                  "agrees": None if full_answer is None else True, "top1_agrees": True,
                  "kl": 0.0, "compute_fraction": 1.0, "recompute_fraction": 0.0,
                  "documents_reused": 0, "recomputed_tokens": 0, "fallback": None,
-                 "ttft_s": full_ttft, "baseline_confirmed": confirmed, "escalated": False}
+                 "ttft_s": full_ttft, "baseline_confirmed": confirmed, "escalated": False,
+                 "margins": None if options.kl_only else base_line.margins}
             )  # fmt: skip
         for strat in strategies[1:]:
             if (head, strat.name) in done:
@@ -245,7 +261,7 @@ def evaluate_question(
             ) -> dict[str, Any]:
                 with strat.loop():
                     copy = None if rounded is None else rounded.get(head)
-                    pre, answer, ttft = _timed(engine, item, strat, options, copy)
+                    pre, answer, ttft, margins = _timed(engine, item, strat, options, copy)
                 if len(pre.token_ids) != base_line.prompt_tokens:
                     raise RuntimeError(f"{name} prefilled another prompt than full prefill")
                 stats = pre.stats
@@ -261,11 +277,15 @@ def evaluate_question(
                     "recomputed_tokens": stats.recomputed_tokens, "fallback": stats.fallback,
                     "prefix_tokens": stats.prefix_tokens,
                     "ttft_s": ttft if full_ttft is not None and ttft is not None else None,
-                    **guard_fields(stats),
+                    **guard_fields(stats), "margins": margins,
                 }  # fmt: skip
 
-            twin = None if strat.config.reads_cache else next(
-                (r for r in rows if r["strategy"] == strat.name and r["head"] != head), None
+            twin = (
+                None
+                if strat.config.reads_cache
+                else next(
+                    (r for r in rows if r["strategy"] == strat.name and r["head"] != head), None
+                )
             )
             if twin is not None:  # it reads no document: the same prefill as another head's
                 rows.append({**twin, "head": head})
