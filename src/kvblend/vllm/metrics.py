@@ -1,6 +1,6 @@
 """kvblend's counts in vLLM's metrics: its periodic stats log line and Prometheus metrics.
 
-The scheduler side counts each finished request it planned (`records.Counts`); vLLM collects
+The scheduler side counts each finished request it planned (`request_records.Counts`); vLLM collects
 the counts through ``get_kv_connector_stats`` every step (`KVBlendStats`), logs their sum with
 its other stats ("KV Transfer metrics: requests=..., blended=..., reused_tokens=...") and exports
 them where its own metrics are: ``/metrics`` of the OpenAI server, ``LLM.get_metrics()`` offline
@@ -8,7 +8,7 @@ them where its own metrics are: ``/metrics`` of the OpenAI server, ``LLM.get_met
 
 - ``vllm:kvblend_blended_requests_total``: requests blended;
 - ``vllm:kvblend_vllm_requests_total`` (label ``reason``): requests left to vLLM's own prefill,
-  by reason (`records.reason_code`: ``vllm_faster``, ``not_stored``, ``empty_store``,
+  by reason (`request_records.reason_code`: ``vllm_faster``, ``not_stored``, ``empty_store``,
   ``refused``...);
 - ``vllm:kvblend_prompt_tokens_total``, and its parts: ``..._prefix_cached_tokens_total`` (held
   by vLLM's prefix cache), ``..._reused_tokens_total`` (read from the store and not recomputed)

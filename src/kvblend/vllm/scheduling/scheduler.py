@@ -1,17 +1,17 @@
 """The connector's scheduler side: which prompt tokens kvblend provides, request by request.
 
 vLLM asks ``get_num_new_matched_tokens(request, num_computed)`` for each waiting request, with
-its own prefix-cache hit (``num_computed``). The scheduler side plans the request (`planning`)
+its own prefix-cache hit (``num_computed``). The scheduler side plans the request (`request_plan`)
 and asks its admission policy (`admission`) whether to blend it. When it blends, it answers "all
 but the last prompt token, loaded asynchronously": the request waits while every other request
 keeps stepping, the workers blend it a slice at a time between steps and report it done; vLLM
 then computes the last prompt token over the blended cache. Otherwise it answers 0 and vLLM
 prefills the prompt itself. This module is the mechanism: one `requests.BlendRequest` per request
 in one map, moved through its lifecycle by vLLM's hooks; what is said of each request
-(`records`) and the choice (`admission`) live elsewhere.
+(`request_records`) and the choice (`admission`) live elsewhere.
 
 Exact stays exact: blocks holding blended KV that may differ from a full prefill's (from the
-first moved document's block on, `planning.approximate_from`) get their prefix-cache hashes
+first moved document's block on, `request_plan.approximate_from`) get their prefix-cache hashes
 salted for the request that wrote them (`compat.salt_hashes`), so no request computing in full
 ever finds them in vLLM's prefix cache; the blocks before keep vLLM's own hashes.
 
@@ -272,7 +272,7 @@ class SchedulerSide:
             self.counts.add(blend.record)
 
     def take_counts(self) -> dict[str, Any]:
-        """Return the counts of the requests finished since the last call (`records.Counts`)."""
+        """Return the counts of the requests finished since the last call (`Counts`)."""
         return self.counts.take()
 
 
