@@ -133,6 +133,8 @@ def test_probe_tail_probes_the_question_alone_and_computes_less(engine: BlendEng
 
 def test_explain_says_the_blend_is_guarded(engine: BlendEngine) -> None:
     assert "guarded (tolerance 0.1)" in str(engine.explain(prompt(), BLEND.replace(guard=0.1)))
+    margin = str(engine.explain(prompt(), BLEND.replace(guard=0.1, guard_signal="margin")))
+    assert "guarded (tolerance 0.1): computed in full after the blend if its most likely" in margin
     assert "guarded" not in str(engine.explain(prompt(), BLEND.replace(guard=None)))
 
 

@@ -34,7 +34,7 @@ def test_defaults_and_settings_of_each_strategy() -> None:
         "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
         "min_recompute": 256, "window": 1, "per_document": 0,
         "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
-        "stale_temperature": 1.0, "probe_tail": False, "guard": None,
+        "stale_temperature": 1.0, "probe_tail": False, "guard": None, "guard_signal": "shift",
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,

@@ -377,6 +377,7 @@ class BlendEngine:
             config.strategy,
             self.library.near_miss(prompt, items),
             config.settings.get("guard"),
+            config.settings.get("guard_signal", "shift"),
         )
 
     # ------------------------------------------------------------------ prefill

@@ -19,6 +19,16 @@ from kvblend.validation import snippet
 __all__ = ["Explanation"]
 
 
+#: When the guard escalates, by its signal (`kvblend.blend.guard`).
+_GUARD_WHEN = {
+    "shift": "it moves the next-token distribution further from the cached prompt's",
+    "kl": "it moves the next-token distribution further (KL) from the cached prompt's",
+    "flip": "it changes the cached prompt's most likely next token",
+    "margin": "its most likely next token leads the second by less",
+    "stale_mass": "the tokens it leaves stale hold more of the question's probe scores",
+}
+
+
 @dataclass(frozen=True)
 class Explanation:
     """The plan of one prompt and its forecast: per segment, the tokens reused and why.
@@ -37,6 +47,7 @@ class Explanation:
     strategy: str = "attention"
     near_miss: str | None = None
     guard: float | None = None  # the config's guard tolerance (None: no guard)
+    guard_signal: str = "shift"  # the signal the guard compares with it
 
     def _count(self, kind: TokenKind) -> int:
         return int(np.count_nonzero(self.plan.kinds == kind))
@@ -87,10 +98,10 @@ class Explanation:
             where = f" after the cached prefix ({head} tokens reused there)" if head else ""
             lines.append(f"  runs as full prefill{where}: {self.fallback}")
         elif self.guard is not None:
+            when = _GUARD_WHEN.get(self.guard_signal, f"its {self.guard_signal} is past it")
             lines.append(
-                f"  guarded (tolerance {self.guard:g}): computed in full after the blend if it "
-                "moves the next-token distribution further from the cached prompt's; "
-                "stats.guard says whether it did"
+                f"  guarded (tolerance {self.guard:g}): computed in full after the blend if "
+                f"{when}; stats.guard says whether it did"
             )
         lines += [f"  not reused: {line}" for line in self.forecast.documents_lost]
         if self.near_miss is not None:
