@@ -249,3 +249,33 @@ def test_a_prefill_reading_no_document_runs_once_for_every_head(
     floor = {(r["qid"], r["head"]): r for r in result["rows"] if r["strategy"] == FLOOR}
     assert len(floor) == 4
     assert all(floor[q, "told"]["kl"] == floor[q, "untold"]["kl"] for q in ("nq-0", "nq-1"))
+
+
+def test_the_closeness_figure_draws_every_strategy_and_the_floor(tmp_path: Path) -> None:
+    from kvblend.bench.report import plot_closeness
+
+    summary = [
+        {
+            "strategy": "full",
+            "head": "told",
+            "compute_fraction": 1.0,
+            "kl_mean": 0.0,
+            "kl_ci": [0.0, 0.0],
+        },
+        {
+            "strategy": FLOOR,
+            "head": "told",
+            "compute_fraction": 1.0,
+            "kl_mean": 0.003,
+            "kl_ci": [0.002, 0.004],
+        },
+        {
+            "strategy": "default",
+            "head": "told",
+            "compute_fraction": 0.4,
+            "kl_mean": 0.03,
+            "kl_ci": [0.02, 0.05],
+        },
+    ]
+    path = plot_closeness([{"model": "m", "summary": summary}], tmp_path / "closeness.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

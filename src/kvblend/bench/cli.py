@@ -244,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--ttft", default=str(RECORDED_DIR / "ttft.json"))
     report.add_argument("--quality", default=str(RECORDED_DIR / "quality.json"))
     report.add_argument("--img-dir", default="docs/img")
+    report.add_argument("--closeness", default="", metavar="FILE[,FILE]",
+                        help="`kvblend bench nq` results: draw IMG_DIR/closeness.png (mean KL "
+                             "against compute, the bfloat16 floor a line)")  # fmt: skip
     report.set_defaults(func=cmd_report)
 
     doc_context = sub.add_parser(

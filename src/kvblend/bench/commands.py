@@ -379,6 +379,11 @@ def cmd_report(args: argparse.Namespace) -> None:
     from kvblend.bench.report import write_report
 
     print(write_report(Path(args.ttft), Path(args.quality), Path(args.img_dir)))
+    if args.closeness:
+        from kvblend.bench.report import plot_closeness
+
+        results = [json.loads(Path(name).read_text()) for name in args.closeness.split(",")]
+        print(f"wrote {plot_closeness(results, Path(args.img_dir) / 'closeness.png')}")
 
 
 def cmd_registry(args: argparse.Namespace) -> None:

@@ -116,6 +116,56 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_closeness(results: list[dict[str, Any]], path: Path, *, head: str | None = None) -> Path:
+    """Mean KL to full prefill against compute, a point per strategy, the rounding floor a line.
+
+    ``results``: `kvblend bench nq` results; every strategy of their summaries (one head: the
+    first, or ``head``) is a point at its mean compute and mean KL, with the KL's 95% interval;
+    a result holding ``full@bf16-prefill`` rows draws the floor's mean KL and 8 times it.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvblend.bench.strategies import FLOOR
+
+    fig, ax = plt.subplots(figsize=(8, 7.5))
+    floors: list[float] = []
+    for result in results:
+        summary = [s for s in result["summary"] if s["strategy"] != "full"]
+        heads = list(dict.fromkeys(s.get("head") for s in summary))
+        chosen = head if head in heads else heads[0] if heads else None
+        label = f"{result.get('model', '?')}"
+        for entry in summary:
+            if entry.get("head") != chosen:
+                continue
+            if entry["strategy"] == FLOOR:
+                floors.append(entry["kl_mean"])
+                continue
+            low, high = entry["kl_ci"]
+            ax.errorbar([entry["compute_fraction"]], [entry["kl_mean"]],
+                        yerr=[[entry["kl_mean"] - low], [high - entry["kl_mean"]]], marker="o",
+                        capsize=3, label=f"{entry['strategy']} ({label}, {chosen})")  # fmt: skip
+    for floor in floors:
+        ax.axhline(floor, color="black", linestyle="--", linewidth=1)
+        ax.axhline(8 * floor, color="grey", linestyle=":", linewidth=1)
+    if floors:
+        ax.plot([], [], color="black", linestyle="--", label="full prefill in bfloat16 (floor)")
+        ax.plot([], [], color="grey", linestyle=":", label="8 x floor")
+    ax.set_xlabel("compute (share of full prefill's token-layers)")
+    ax.set_ylabel("mean KL(full || strategy) at the first answer token, nats")
+    ax.set_yscale("log")
+    ax.set_title("Closeness to full prefill against compute (NQ-open)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=1)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def write_report(ttft_path: Path, quality_path: Path, img_dir: Path) -> str:
     """Markdown of whichever result files exist, with their plots written under ``img_dir``."""
     parts = []
