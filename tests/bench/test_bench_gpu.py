@@ -146,7 +146,7 @@ def test_a_qwen2_shape_builds_a_qwen2_model(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.fixture(scope="module")
 def suite_results(engine: BlendEngine) -> dict:
     """A bench result and a decode result as their writers make them, on the tiny model."""
-    from kvblend.bench.commands import _machine
+    from kvblend.bench.result_files import describe_machine
 
     suite = gpu_suite
     args = build_parser().parse_args(
@@ -155,7 +155,7 @@ def suite_results(engine: BlendEngine) -> dict:
          "--strategies", suite.STRATEGIES]
     )  # fmt: skip
     result = run_gpu(engine, args)
-    result["machine"] = _machine(engine)  # as `kvblend bench gpu` writes it
+    result["machine"] = describe_machine(engine)  # as `kvblend bench gpu` writes it
     decode = bench_decode
     options = argparse.Namespace(threads=1, repeats=1, tokens=3)
     return {

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from kvblend.bench.cli import build_parser
-from kvblend.bench.commands import RECORDED_DIR, RESULTS_DIR
 from kvblend.bench.headline import (
     BEGIN,
     END,
@@ -31,6 +30,7 @@ from kvblend.bench.headline import (
     reproducible_command,
     write_tables,
 )
+from kvblend.bench.result_files import RECORDED_DIR, RESULTS_DIR
 from kvblend.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,7 +168,7 @@ def test_bench_results_never_go_to_the_recorded_folder_by_default() -> None:
     from kvblend.bench.gpu import decode
     from kvblend.bench.gpu import suite as gpu_suite
 
-    assert not str(decode.RESULTS).startswith(str(RECORDED_DIR))
+    assert not str(decode.RESULTS_DIR).startswith(str(RECORDED_DIR))
     assert not str(gpu_suite.DEFAULT_OUT).startswith(str(RECORDED_DIR))
 
 

@@ -103,12 +103,12 @@ def test_a_gguf_files_baseline_is_its_converted_folder(checkpoint: Path) -> None
 
 
 def test_every_written_table_names_the_dtype_and_why(checkpoint: Path, tmp_path: Path) -> None:
-    from kvblend.bench.commands import _machine, _write
+    from kvblend.bench.result_files import describe_machine, write_result
 
     engine = _engine(checkpoint, dtype="bf16")
-    result = {"machine": _machine(engine)}
+    result = {"machine": describe_machine(engine)}
     assert result["machine"]["dtype"] == "bfloat16"
     assert result["machine"]["dtype_reason"] == "asked for"
-    _write(result, tmp_path / "r.json", "| a |\n|---|")
+    write_result(result, tmp_path / "r.json", "| a |\n|---|")
     first = (tmp_path / "r.md").read_text().splitlines()[0]
     assert first.startswith(f"{engine.name}, bfloat16 (asked for), ") and "thread(s)" in first

@@ -32,7 +32,7 @@ MODULES = (
     "kvblend.cli.args",
     "kvblend.bench.gpu.random_models", "kvblend.models.loading", "kvblend.prompt.splice",
     "kvblend.bench.gpu.suite", "kvblend.bench.gpu.suite_summary", "kvblend.bench.gpu.decode",
-    "kvblend.bench.gpu.run",
+    "kvblend.bench.gpu_run",
     "cuda_only",
 )  # fmt: skip
 

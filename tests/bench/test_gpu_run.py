@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from conftest import byte_tokenizer
-from kvblend.bench.gpu.run import OUTPUTS, PHASES
+from kvblend.bench.gpu_run import OUTPUTS, PHASES
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_run.sh"

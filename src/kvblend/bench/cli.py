@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 from kvblend.bench.commands import (
     HEAD_CHOICES,
-    RECORDED_DIR,
-    RESULTS_DIR,
     cmd_doc_context,
     cmd_figures,
     cmd_gpu,
@@ -28,6 +26,7 @@ from kvblend.bench.commands import (
     cmd_ttft,
     cmd_vllm,
 )
+from kvblend.bench.result_files import RECORDED_DIR, RESULTS_DIR
 
 #: Benchmarks that parse their own options: the subcommand, its module and what it measures.
 SCRIPTS = {
@@ -60,7 +59,7 @@ def run_script(name: str, argv: Sequence[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of ``kvblend bench``."""
-    from kvblend.cli.args import OneLineParser
+    from kvblend.command_line import OneLineParser
 
     parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -1,15 +1,11 @@
 """What each ``kvblend bench`` subcommand runs: its engine, its benchmark, its result files.
 
 Every ``cmd_*`` takes the parsed arguments of its subcommand (`kvblend.bench.cli.build_parser`),
-loads the engine the way the docs tell users to (`_engine`), runs the benchmark of its module
-(``kvblend.bench.speed.ttft``, ``quality.qa_bench``, ``quality.nq``...) and writes the result
-as JSON, with the machine it ran on and the command that ran it, and as a Markdown table beside
-it (`_write`), which it also prints.
-
-Results go to `RESULTS_DIR`: ``$KVBLEND_BENCH_DIR``, else ``kvblend-bench/`` in the current
-folder, so a run from a clone never overwrites the results the project records in
-``benchmarks/results/`` (`RECORDED_DIR`, tracked by git): recording one there takes
-``--output benchmarks/results/NAME.json``.
+loads the engine the way the docs tell users to (`kvblend.bench.engines.load_engine`), runs the
+benchmark of its module (``kvblend.bench.speed.ttft``, ``quality.qa_bench``, ``quality.nq``...)
+and writes the result as JSON, with the machine it ran on and the command that ran it, and as a
+Markdown table beside it, which it also prints (`kvblend.bench.result_files.write_result`: the
+results go to ``kvblend-bench/`` unless ``--output`` says otherwise).
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -26,96 +21,8 @@ from typing import Any
 
 import torch
 
-#: Environment variable naming the folder results go to by default.
-BENCH_DIR_ENV = "KVBLEND_BENCH_DIR"
-#: The results the project records (tracked): read by `report` and `headline`, written only
-#: when a command is given ``--output`` there.
-RECORDED_DIR = Path("benchmarks") / "results"
-
-
-def results_dir() -> Path:
-    """Return ``$KVBLEND_BENCH_DIR``, else ``kvblend-bench`` in the current folder."""
-    override = os.environ.get(BENCH_DIR_ENV)
-    return Path(override).expanduser() if override else Path("kvblend-bench")
-
-
-#: Where results go by default (never `RECORDED_DIR`, unless asked for).
-RESULTS_DIR = results_dir()
-
-
-def command_line() -> str:
-    """Return the running command as a user would type it (recorded with each result)."""
-    arguments = sys.argv[1:]
-    if Path(sys.argv[0]).name == "kvblend":
-        return shlex.join(["kvblend", *arguments])
-    return shlex.join(["python", "-m", "kvblend.bench", *arguments])
-
-
-def _engine(args: argparse.Namespace, system_prompt: str) -> Any:
-    """Load the benchmarked engine, configured as the docs tell users to.
-
-    Its system prompt is the one the benchmark's prompts use, so documents are precomputed
-    behind that prompt head (``--engine-system`` overrides it; ``--doc-prefix bos`` drops it).
-    """
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    from kvblend.cli.args import check_device
-    from kvblend.engine.engine import BlendEngine
-    from kvblend.store import MemoryKVStore
-
-    check_device(args.device)  # one line for `--device gpu`, before the model loads
-    transformers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    doc_prefix = getattr(args, "doc_prefix", "auto")
-    engine_system = getattr(args, "engine_system", None)
-    store_dir = getattr(args, "store_dir", None)
-    store: Any = MemoryKVStore(8 << 30)
-    if store_dir:  # documents' KV kept on disk: a later run reads what an earlier one computed
-        from kvblend.store import default_store
-
-        store = default_store(store_dir, disk_bytes=64 << 30)
-    return BlendEngine.from_pretrained(
-        args.model, store=store, device=args.device, dtype=args.dtype,
-        system_prompt=system_prompt if engine_system is None else engine_system,
-        doc_prefix=None if doc_prefix == "bos" else "auto",
-        threads=args.threads or None,  # else a count equal to torch's own is not kept
-    )  # fmt: skip
-
-
-def _machine(engine: Any) -> dict[str, Any]:
-    device = engine.decoder.device
-    return {
-        "model": engine.name,
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "dtype": str(engine.decoder.dtype).replace("torch.", ""),
-        "dtype_reason": engine.dtype_choice.reason,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    }
-
-
-def _write(result: dict[str, Any], path: Path, table: str) -> None:
-    from kvblend.blend.config import BlendConfig
-
-    result.setdefault("command", command_line())
-    result.setdefault("default_config", repr(BlendConfig()))  # what "default" meant
-    machine = result.get("machine") or {}
-    if machine.get("dtype"):  # every table says what the model computed in
-        threads = f", {machine['torch_threads']} thread(s)" if machine.get("torch_threads") else ""
-        reason = f" ({machine['dtype_reason']})" if machine.get("dtype_reason") else ""
-        table = f"{machine.get('model', '')}, {machine['dtype']}{reason}{threads}\n\n{table}"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    path.with_suffix(".md").write_text(table + "\n")
-    print(table)
-    print(f"\nwrote {path} and {path.with_suffix('.md')}", file=sys.stderr)
+from kvblend.bench.engines import load_engine
+from kvblend.bench.result_files import RESULTS_DIR, describe_machine, write_result
 
 
 def cmd_ttft(args: argparse.Namespace) -> None:
@@ -125,7 +32,7 @@ def cmd_ttft(args: argparse.Namespace) -> None:
     from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
-    engine = _engine(args, SYSTEM)
+    engine = load_engine(args, SYSTEM)
     lengths = [int(x) for x in args.lengths.split(",")]
     result = run_ttft(
         engine, lengths=lengths, strategies=strategies, repeats=args.repeats,
@@ -133,8 +40,8 @@ def cmd_ttft(args: argparse.Namespace) -> None:
         disk_strategies=args.disk_strategies.split(",") if args.disk_strategies else None,
         decode_tokens=args.decode_tokens, seed=args.seed, transformers=not args.no_transformers,
     )  # fmt: skip
-    result["machine"] = _machine(engine)
-    _write(result, Path(args.output), ttft_table(result["summary"]))
+    result["machine"] = describe_machine(engine)
+    write_result(result, Path(args.output), ttft_table(result["summary"]))
 
 
 def default_name() -> str:
@@ -155,13 +62,13 @@ def cmd_figures(args: argparse.Namespace) -> None:
     from kvblend.bench.speed.ttft_summary import ttft_table
     from kvblend.bench.strategies import parse_strategies
 
-    engine = _engine(args, SYSTEM)
+    engine = load_engine(args, SYSTEM)
     result = run_ttft(
         engine, lengths=[args.docs * 512],
         strategies=parse_strategies("cacheblend-value-0.15,default"),
         repeats=args.repeats, doc_tokens=512, decode_tokens=0,
     )  # fmt: skip
-    result["machine"] = _machine(engine)
+    result["machine"] = describe_machine(engine)
     summary = {(s["strategy"], s["store"]): s for s in result["summary"]}
     full = summary[("full", "memory")]
     blend = summary[("cacheblend-value-0.15", "memory")]
@@ -188,7 +95,7 @@ def cmd_figures(args: argparse.Namespace) -> None:
         f"MiB, disk {store['disk_mib_per_1k_tokens'] or 0:.1f} MiB"
     )
     text = "\n".join(lines)
-    _write(result, Path(args.output), text + "\n\n" + ttft_table(result["summary"]))
+    write_result(result, Path(args.output), text + "\n\n" + ttft_table(result["summary"]))
 
 
 def cmd_quality(args: argparse.Namespace) -> None:
@@ -201,9 +108,9 @@ def cmd_quality(args: argparse.Namespace) -> None:
 
     items = generate_qa(args.questions, seed=args.seed)
     strategies = parse_strategies(args.strategies)
-    engine = _engine(args, SYSTEM_PROMPT)
+    engine = load_engine(args, SYSTEM_PROMPT)
     meta = {
-        "machine": _machine(engine),
+        "machine": describe_machine(engine),
         "seed": args.seed,
         "doc_prefix": engine.doc_prefix,
         "default_config": repr(BlendConfig()),
@@ -213,7 +120,7 @@ def cmd_quality(args: argparse.Namespace) -> None:
         output=Path(args.output), meta=meta,
     )  # fmt: skip
     result["paired"] = strategy_stats(result["rows"], seed=args.seed)
-    _write(
+    write_result(
         result, Path(args.output),
         quality_report(result["summary"])
         + "\n\nPaired with full prefill (bootstrap over questions):\n\n"
@@ -226,14 +133,14 @@ def cmd_ingest(args: argparse.Namespace) -> None:
     from kvblend.bench.speed.ingest import ingest_table, run_ingest
     from kvblend.bench.speed.ttft import SYSTEM
 
-    engine = _engine(args, SYSTEM)
+    engine = load_engine(args, SYSTEM)
     result = run_ingest(
         engine, documents=args.documents, doc_tokens=args.doc_tokens,
         batch_tokens=[int(x) for x in args.batch_tokens.split(",")], repeats=args.repeats,
         seed=args.seed,
     )  # fmt: skip
-    result["machine"] = _machine(engine)
-    _write(result, Path(args.output), ingest_table(result))
+    result["machine"] = describe_machine(engine)
+    write_result(result, Path(args.output), ingest_table(result))
 
 
 def cmd_gpu(args: argparse.Namespace) -> None:
@@ -241,10 +148,10 @@ def cmd_gpu(args: argparse.Namespace) -> None:
     from kvblend.bench.gpu.figures import gpu_table, run_gpu, shaped_engine
     from kvblend.bench.speed.ttft import SYSTEM
 
-    engine = shaped_engine(args) if args.model_shape else _engine(args, SYSTEM)
+    engine = shaped_engine(args) if args.model_shape else load_engine(args, SYSTEM)
     result = run_gpu(engine, args)
-    result["machine"] = _machine(engine)
-    _write(result, Path(args.output), gpu_table(result))
+    result["machine"] = describe_machine(engine)
+    write_result(result, Path(args.output), gpu_table(result))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:
@@ -273,14 +180,14 @@ def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
     from kvblend.bench.quality.compare import engines_for
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
-    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
     return engines_for(base, HEAD_CHOICES[args.doc_prefix], head_text(base.tokenizer))
 
 
 def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
     from kvblend.blend.config import BlendConfig
 
-    return {"machine": _machine(engine), "default_config": repr(BlendConfig()),
+    return {"machine": describe_machine(engine), "default_config": repr(BlendConfig()),
             "max_new_tokens": args.max_new_tokens}  # fmt: skip
 
 
@@ -347,7 +254,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
         table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], ("k", "place"))
     if shard[1] > 1:  # a shard's own file; the run without --shard writes OUTPUT
         output = shard_path(output, (shard[0], shard[1]))
-    _write(result, output, title + "\n\n" + table)
+    write_result(result, output, title + "\n\n" + table)
 
 
 def cmd_shapes(args: argparse.Namespace) -> None:
@@ -360,7 +267,7 @@ def cmd_shapes(args: argparse.Namespace) -> None:
     shapes = parse_shapes(args.shapes)
     strategies = parse_strategies(args.strategies)
     args.doc_prefix = "bos" if args.heads == "bos" else "auto"
-    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
     result = run_shapes(
         base, shapes, strategies, data=args.data, questions=args.questions, seed=args.seed,
         gold_at=args.gold_at,
@@ -370,7 +277,7 @@ def cmd_shapes(args: argparse.Namespace) -> None:
         log=lambda message: print(message, file=sys.stderr),
     )  # fmt: skip
     title = f"Every prompt shape, {base.name}, {args.questions} questions per shape"
-    _write(result, Path(args.output),
+    write_result(result, Path(args.output),
            title + "\n\n" + summary_table(result["summary"], ("shape", "head")))  # fmt: skip
 
 
@@ -394,7 +301,7 @@ def cmd_registry(args: argparse.Namespace) -> None:
     result = run_registry(counts, docs_in_prompt=args.docs_in_prompt, repeats=args.repeats)
     result["machine"] = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                          "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
-    _write(result, Path(args.output), registry_table(result))
+    write_result(result, Path(args.output), registry_table(result))
 
 
 def cmd_doc_context(args: argparse.Namespace) -> None:
@@ -406,13 +313,13 @@ def cmd_doc_context(args: argparse.Namespace) -> None:
     )
     from kvblend.bench.quality.qa import SYSTEM_PROMPT
 
-    engine = _engine(args, SYSTEM_PROMPT)
+    engine = load_engine(args, SYSTEM_PROMPT)
     items = doc_context_items(args.questions, seed=args.seed)
     result = run_doc_context(
         engine, items, args.contexts.split(","), args.configs.split(","), Path(args.output)
     )
-    result["machine"], result["seed"] = _machine(engine), args.seed
-    _write(result, Path(args.output), doc_context_table(result["summary"]))
+    result["machine"], result["seed"] = describe_machine(engine), args.seed
+    write_result(result, Path(args.output), doc_context_table(result["summary"]))
 
 
 def cmd_redis_ttft(args: argparse.Namespace) -> None:
@@ -421,13 +328,13 @@ def cmd_redis_ttft(args: argparse.Namespace) -> None:
     from kvblend.bench.speed.ttft import SYSTEM
 
     with redis_server(args.redis_url) as url:
-        engine = _engine(args, SYSTEM)
+        engine = load_engine(args, SYSTEM)
         result = run_redis_ttft(
             engine, url, length=args.length, doc_tokens=args.doc_tokens, repeats=args.repeats,
             rounds=args.rounds,
         )  # fmt: skip
-    result["machine"] = _machine(engine)
-    _write(result, Path(args.output), redis_table(result["summary"]))
+    result["machine"] = describe_machine(engine)
+    write_result(result, Path(args.output), redis_table(result["summary"]))
 
 
 def _vllm_machine() -> dict[str, Any]:
@@ -452,7 +359,7 @@ def cmd_vllm(args: argparse.Namespace) -> None:
             work_dir=Path(args.work_dir) if args.work_dir else None, output=output,
         )  # fmt: skip
         result["machine"] = _vllm_machine()
-        _write(result, output, vllm_nq_table(result))
+        write_result(result, output, vllm_nq_table(result))
         return
 
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -463,4 +370,4 @@ def cmd_vllm(args: argparse.Namespace) -> None:
         stall_repeats=args.stall_repeats, rate=not args.no_rate, dtype=args.dtype,
     )  # fmt: skip
     result["machine"] = _vllm_machine()
-    _write(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))
+    write_result(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))

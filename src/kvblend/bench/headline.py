@@ -487,7 +487,7 @@ def readme_table(text: str) -> tuple[int, int]:
 
 def add_headline_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvblend bench headline``."""
-    from kvblend.bench.commands import RECORDED_DIR
+    from kvblend.bench.result_files import RECORDED_DIR
 
     parser.add_argument("--results", default=str(RECORDED_DIR),
                         help="folder of the recorded results (default %(default)s)")  # fmt: skip

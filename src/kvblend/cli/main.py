@@ -19,15 +19,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvblend.cli.args import (
-    CLIError,
-    OneLineParser,
     add_blend_options,
     add_chunk_option,
     add_model_options,
     add_quiet_option,
-    check_device,
-    positive_int,
-    printable,
 )
 from kvblend.cli.precompute import (
     DocumentFiles,
@@ -39,6 +34,7 @@ from kvblend.cli.precompute import (
 )
 from kvblend.cli.report import PrecomputeTally, interrupted, plural, summary
 from kvblend.cli.store import add_store_parser
+from kvblend.command_line import CLIError, OneLineParser, check_device, positive_int, printable
 
 if TYPE_CHECKING:
     from kvblend.blend.config import BlendConfig

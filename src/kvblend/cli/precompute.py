@@ -24,8 +24,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvblend.cli.args import CLIError, printable
 from kvblend.cli.report import PrecomputeTally
+from kvblend.command_line import CLIError, printable
 
 if TYPE_CHECKING:
     from kvblend.engine.engine import BlendEngine

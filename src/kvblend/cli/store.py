@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvblend.cli.args import CLIError
+from kvblend.command_line import CLIError
 
 if TYPE_CHECKING:  # the store (and torch) load only when a store command runs
     from kvblend.store import DiskKVStore, RepairReport

@@ -4,7 +4,7 @@ For each prompt length, one full prefill of synthetic prose; then `engine.genera
 prefill with ``KVBLEND_DECODE_CACHE=static`` and ``=dynamic``, alternated in every repeat.
 Decode tokens/s is the tokens after the first over the time after the first (the cache's
 construction included); greedy outputs are checked equal. Writes ``decode.json`` and
-``decode.md`` into the results folder (``kvblend-bench/``, see `kvblend.bench.commands`).
+``decode.md`` into the results folder (``kvblend-bench/``, see `kvblend.bench.result_files`).
 
     kvblend bench decode [--lengths 512,2048,4096] [--tokens 32] [--repeats 5] [--threads 1]
         [--device cuda] [--output-dir DIR]
@@ -29,15 +29,13 @@ from typing import Any
 import torch
 
 from kvblend import BlendConfig, BlendEngine
-from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.gpu.figures import shape_tokenizer
 from kvblend.bench.gpu.random_models import MODEL_SHAPES, random_model
+from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.bench.speed.synthetic import synthetic_text
 from kvblend.decoding.cache import CACHE_ENV, COMPILE_ENV, KINDS
 from kvblend.models.loading import resolve_device, resolve_dtype
 from kvblend.store import MemoryKVStore
-
-RESULTS = RESULTS_DIR
 
 
 def decode_rate(engine: BlendEngine, pre: Any, kind: str, tokens: int) -> tuple[float, list[int]]:
@@ -122,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=None, help="default: KVBLEND_MODEL or the bundled one")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--name", default="decode", help="results file name (without suffix)")
-    parser.add_argument("--output-dir", type=Path, default=RESULTS, help="folder of the results")
+    parser.add_argument(
+        "--output-dir", type=Path, default=RESULTS_DIR, help="folder of the results"
+    )
     parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
                         help="random weights of this shape instead of --model")  # fmt: skip
     parser.add_argument("--tokenizer", default=None, help="with --model-shape: tokenizer folder")

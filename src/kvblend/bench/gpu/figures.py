@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.gpu.random_models import MODEL_SHAPES
+from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.bench.speed.ingest import ingest_table, run_ingest
 from kvblend.bench.speed.ttft import QUESTION, SYSTEM, build_documents, run_ttft
 from kvblend.bench.speed.ttft_summary import ttft_table
@@ -75,7 +75,7 @@ def shaped_engine(args: argparse.Namespace) -> BlendEngine:
     With ``--tokenizer FOLDER`` the tokenizer is read from that folder alone (no model loaded).
     """
     from kvblend.bench.gpu.random_models import random_model
-    from kvblend.cli.args import check_device
+    from kvblend.command_line import check_device
     from kvblend.models.loading import resolve_device, resolve_dtype
     from kvblend.store import MemoryKVStore
 

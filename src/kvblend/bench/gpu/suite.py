@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.gpu import suite_summary as summary
+from kvblend.bench.result_files import RESULTS_DIR
 
 DEFAULT_OUT = RESULTS_DIR / "gpu_suite"
 STRATEGIES = "full,default,default+probe_layers=0.25,cacheblend-value-0.15,reuse"

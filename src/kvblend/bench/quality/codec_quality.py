@@ -35,11 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvblend.bench.commands import RESULTS_DIR
 from kvblend.bench.quality.compare import PromptItem, evaluate_item
 from kvblend.bench.quality.nq import Retriever, load_nq, write_json
 from kvblend.bench.quality.shapes import MAX_NEW_TOKENS, shape_items
 from kvblend.bench.quality.stats import RESAMPLES, format_ci, paired_stats
+from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.bench.strategies import strategy
 from kvblend.blend.kv_codec import CODECS, kv_codec
 
@@ -287,7 +287,8 @@ def run_codec_quality(
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``kvblend bench codec-quality``."""
-    from kvblend.bench.commands import _engine, _machine, _write
+    from kvblend.bench.engines import load_engine
+    from kvblend.bench.result_files import describe_machine, write_result
     from kvblend.blend.config import BlendConfig
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
@@ -329,9 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown shape(s) {unknown}; use {', '.join(SHAPES)}")
     codecs = [kv_codec(c).name for c in args.codecs.split(",") if c.strip()]
     args.doc_prefix = "auto"
-    base = _engine(args, DEFAULT_SYSTEM_PROMPT)
+    base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
     base.store.max_bytes = 1 << 30  # entries of earlier questions are evicted, not kept
-    meta = {"machine": _machine(base), "default_config": repr(BlendConfig()),
+    meta = {"machine": describe_machine(base), "default_config": repr(BlendConfig()),
             "max_new_tokens": args.max_new_tokens}  # fmt: skip
     result = run_codec_quality(
         base, shapes, codecs, data=args.data, questions=args.questions,
@@ -340,4 +341,4 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     title = (f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
              f"{args.strategy}, engine at its defaults")  # fmt: skip
-    _write(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))
+    write_result(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))

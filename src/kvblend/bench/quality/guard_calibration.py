@@ -314,11 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         text += ["", "No answers in these rows (a --kl-only run): no limits to choose."]
     print("\n".join(text))
     if args.output:
-        from kvblend.bench.commands import command_line
+        from kvblend.bench.result_files import running_command
 
         output = Path(args.output)
         record = {
-            "benchmark": "guard", "command": command_line(), "source": args.result,
+            "benchmark": "guard", "command": running_command(), "source": args.result,
             "source_command": result.get("command"), "machine": result.get("machine"),
             "model": result.get("model"), "split": result.get("split"),
             "file_range": result.get("file_range"), "strategy": args.strategy,

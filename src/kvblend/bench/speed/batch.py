@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvblend import BlendConfig, BlendEngine
-from kvblend.bench.commands import RESULTS_DIR
+from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.store import MemoryKVStore
 
 CORPUS = [
@@ -41,7 +41,6 @@ QUESTIONS = [
     "What is the Orion Cafe's most popular dish?",
     "What does Lena Park ride to school?",
 ]
-RESULTS = RESULTS_DIR
 
 
 def prompts(engine: BlendEngine) -> list[str]:
@@ -133,8 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         report["langchain_speedup"] = round(
             report["ChatBlend.invoke x4"]["median_s"] / report["ChatBlend.batch"]["median_s"], 2
         )
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "batch.json").write_text(json.dumps(report, indent=2) + "\n")
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "batch.json").write_text(json.dumps(report, indent=2) + "\n")
     rows = [
         "| way | median s | requests/s | output tokens/s |",
         "|---|---|---|---|",
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
         + (f", ChatBlend.batch {report['langchain_speedup']}x" if chat is not None else "")
         + "\n\n"
     )
-    (RESULTS / "batch.md").write_text(header + "\n".join(rows) + "\n")
+    (RESULTS_DIR / "batch.md").write_text(header + "\n".join(rows) + "\n")
     print(header + "\n".join(rows))
 
 

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from kvblend.bench.commands import RESULTS_DIR
+from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.bench.speed.ttft import (
     QUESTION,
     SYSTEM,
@@ -354,7 +354,8 @@ def codecs_report(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``kvblend bench codecs``."""
-    from kvblend.bench.commands import _engine, _machine, _write
+    from kvblend.bench.engines import load_engine
+    from kvblend.bench.result_files import describe_machine, write_result
     from kvblend.bench.speed.redis_ttft import redis_server
 
     parser = argparse.ArgumentParser(prog="kvblend bench codecs",
@@ -384,11 +385,15 @@ def main(argv: list[str] | None = None) -> None:
     for label in labels:
         if label != "fp16":
             kv_codec(label)  # an unknown name is refused before the model loads
-    base = _engine(argparse.Namespace(**vars(args), doc_prefix="auto"), SYSTEM)
+    base = load_engine(argparse.Namespace(**vars(args), doc_prefix="auto"), SYSTEM)
     if args.threads:  # as asked, whatever the load (an engine's default follows the load)
         use_threads(args.threads)
-    result: dict[str, Any] = {"benchmark": "codecs", "machine": _machine(base), "codecs": labels,
-                              "parts": sorted(parts)}  # fmt: skip
+    result: dict[str, Any] = {
+        "benchmark": "codecs",
+        "machine": describe_machine(base),
+        "codecs": labels,
+        "parts": sorted(parts),
+    }
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
@@ -416,4 +421,4 @@ def main(argv: list[str] | None = None) -> None:
         result["decode"] = run_decode(base, labels, doc_tokens=args.doc_tokens,
                                       rounds=10 * args.repeats)  # fmt: skip
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    _write(result, Path(args.output), codecs_report(result))
+    write_result(result, Path(args.output), codecs_report(result))

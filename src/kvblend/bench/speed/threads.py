@@ -30,12 +30,11 @@ from typing import Any
 import torch
 
 from kvblend import BlendConfig, BlendEngine
-from kvblend.bench.commands import RESULTS_DIR
+from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.engine.torch_threads import default_threads, physical_cores
 from kvblend.samples import sample_corpus
 from kvblend.store import MemoryKVStore
 
-RESULTS = RESULTS_DIR
 TEMPLATE = "Answer from the documents.\n\nDocuments:\n{context}\n\nQuestion: {question}"
 
 
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     run = measure(args)
     print(table(run))
-    path = RESULTS / "threads.json"
+    path = RESULTS_DIR / "threads.json"
     runs = json.loads(path.read_text()) if path.exists() else []
     runs.append(run)
     path.write_text(json.dumps(runs, indent=1) + "\n")

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from kvblend.bench.speed.peak_memory import PeakMemory
 from kvblend.bench.speed.ttft_summary import BASELINE
 from kvblend.engine.engine import BlendEngine
 from kvblend.models.loading import model_folder
@@ -81,8 +82,6 @@ class TransformersBaseline:
 
     def time(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         """One run from ``messages`` to the first token: its TTFT and what it read and made."""
-        from kvblend.bench.speed.ttft import PeakMemory
-
         with PeakMemory(self.device) as peak:
             started = time.perf_counter()
             inputs = self.tokenizer.apply_chat_template(

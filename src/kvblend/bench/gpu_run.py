@@ -2,9 +2,9 @@
 
 A lent GPU machine gives about 15 minutes in all, its start (1-2 minutes) included, in commands
 of at most 10 minutes, and copies back what the command leaves under ``$OUT``. The shell script
-is that one command: it runs each phase here as ``python3 -m kvblend.bench.gpu.run PHASE``
+is that one command: it runs each phase here as ``python3 -m kvblend.bench.gpu_run PHASE``
 under its own time limit (a hang or a crash loses that phase alone), then, after every phase,
-the summary (``python3 -m kvblend.bench.gpu.run summary``) and the archive, so a phase cut
+the summary (``python3 -m kvblend.bench.gpu_run summary``) and the archive, so a phase cut
 short still leaves a partial summary. In order, the figures first:
 
 - ``env``: the GPU, torch, transformers and triton versions;
@@ -125,11 +125,11 @@ def summary(out: Path, cpu: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one phase (or the summary): ``python -m kvblend.bench.gpu.run PHASE [options]``.
+    """Run one phase (or the summary): ``python -m kvblend.bench.gpu_run PHASE [options]``.
 
     Options after ``--`` go to the phase's ``kvblend bench gpu`` or ``pytest``.
     """
-    parser = argparse.ArgumentParser(prog="python -m kvblend.bench.gpu.run",
+    parser = argparse.ArgumentParser(prog="python -m kvblend.bench.gpu_run",
                                      description=(__doc__ or "").split("\n")[0])  # fmt: skip
     parser.add_argument("phase", choices=(*PHASES, "summary"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
