@@ -68,33 +68,46 @@ def build_parser() -> argparse.ArgumentParser:
         """Add the model's options; ``dtype``: the default of ``--dtype`` (quality: float32)."""
         p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
         p.add_argument("--device", default="auto")
-        p.add_argument("--dtype", default=dtype,
-                       help="auto, float32, bf16, fp16 (default %(default)s; auto: the "
-                            "engine's default, bf16 where the device has bfloat16 matrix "
-                            "units unless the checkpoint is float32, else float32; the quality "
-                            "benchmarks measure in float32, the exact reference)")  # fmt: skip
+        p.add_argument(
+            "--dtype",
+            default=dtype,
+            help="auto, float32, bf16, fp16 (default %(default)s; auto: the "
+            "engine's default, bf16 where the device has bfloat16 matrix "
+            "units unless the checkpoint is float32, else float32; the quality "
+            "benchmarks measure in float32, the exact reference)",
+        )
         p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
         p.add_argument("--seed", type=int, default=0)
 
     ttft = sub.add_parser("ttft", help="TTFT of every strategy at several prompt lengths")
     model_options(ttft)
     ttft.add_argument("--lengths", default="1024,2048,4096,7680", help="prompt tokens, comma list")
-    ttft.add_argument("--strategies", default="all",
-                      help="comma list or 'all' (full, prefix, cacheblend-value|key-RATIO, epic, "
-                           "reuse); full is always run first")  # fmt: skip
+    ttft.add_argument(
+        "--strategies",
+        default="all",
+        help="comma list or 'all' (full, prefix, cacheblend-value|key-RATIO, epic, "
+        "reuse); full is always run first",
+    )
     ttft.add_argument("--repeats", type=int, default=3)
     ttft.add_argument("--doc-tokens", type=int, default=512)
     ttft.add_argument("--no-disk", action="store_true", help="skip the cold-disk runs")
-    ttft.add_argument("--disk-strategies", default="default,reuse",
-                      help="also timed from the cold disk tier ('' for all)")  # fmt: skip
+    ttft.add_argument(
+        "--disk-strategies",
+        default="default,reuse",
+        help="also timed from the cold disk tier ('' for all)",
+    )
     ttft.add_argument("--decode-tokens", type=int, default=16, help="0 to skip decode speed")
     ttft.add_argument("--output", default=str(RESULTS_DIR / "ttft.json"))
-    ttft.add_argument("--quick", action="store_true",
-                      help="1K and 2K tokens, 4 strategies, 3 repeats")  # fmt: skip
-    ttft.add_argument("--no-transformers", action="store_true",
-                      help="skip the transformers row: plain AutoModelForCausalLM on the same "
-                           "checkpoint and dtype, chat template and generate(max_new_tokens=1) "
-                           "on the same text, the user's baseline")  # fmt: skip
+    ttft.add_argument(
+        "--quick", action="store_true", help="1K and 2K tokens, 4 strategies, 3 repeats"
+    )
+    ttft.add_argument(
+        "--no-transformers",
+        action="store_true",
+        help="skip the transformers row: plain AutoModelForCausalLM on the same "
+        "checkpoint and dtype, chat template and generate(max_new_tokens=1) "
+        "on the same text, the user's baseline",
+    )
     ttft.set_defaults(func=cmd_ttft)
 
     figures = sub.add_parser("figures", help="the 8 x 512-token figures of issues 2 and 3")
@@ -107,17 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
     quality = sub.add_parser("quality", help="accuracy and KL of every strategy on the QA task")
     model_options(quality, dtype="float32")
     quality.add_argument("--questions", type=int, default=200)
-    quality.add_argument("--strategies", default="default,reuse,epic,attention-0.1,"
-                         "attention-0.15,attention-0.3,attention-0.2-c0,cacheblend-value-0.05,"
-                         "cacheblend-value-0.1,cacheblend-value-0.15,cacheblend-value-0.2,"
-                         "cacheblend-value-0.3,cacheblend-key-0.15,cacheblend-key-0.3,"
-                         "cacheblend-value-0.2-c0.5")  # fmt: skip
-    quality.add_argument("--doc-prefix", choices=["auto", "bos"], default="auto",
-                         help="what documents are precomputed behind: the prompt head (auto, "
-                              "the engine default) or the BOS token alone")  # fmt: skip
-    quality.add_argument("--engine-system", default=None,
-                         help="the engine's system prompt, when it should differ from the one "
-                              "in the prompts (measures an unconfigured engine)")  # fmt: skip
+    quality.add_argument(
+        "--strategies",
+        default="default,reuse,epic,attention-0.1,"
+        "attention-0.15,attention-0.3,attention-0.2-c0,cacheblend-value-0.05,"
+        "cacheblend-value-0.1,cacheblend-value-0.15,cacheblend-value-0.2,"
+        "cacheblend-value-0.3,cacheblend-key-0.15,cacheblend-key-0.3,"
+        "cacheblend-value-0.2-c0.5",
+    )
+    quality.add_argument(
+        "--doc-prefix",
+        choices=["auto", "bos"],
+        default="auto",
+        help="what documents are precomputed behind: the prompt head (auto, "
+        "the engine default) or the BOS token alone",
+    )
+    quality.add_argument(
+        "--engine-system",
+        default=None,
+        help="the engine's system prompt, when it should differ from the one "
+        "in the prompts (measures an unconfigured engine)",
+    )
     quality.add_argument("--max-new-tokens", type=int, default=12)
     quality.add_argument("--output", default=str(RESULTS_DIR / "quality.json"))
     quality.set_defaults(func=cmd_quality)
@@ -126,8 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(ingest)
     ingest.add_argument("--documents", type=int, default=16)
     ingest.add_argument("--doc-tokens", type=int, default=512)
-    ingest.add_argument("--batch-tokens", default="2048,4096,8192",
-                        help="token budgets of the batched runs, comma list")  # fmt: skip
+    ingest.add_argument(
+        "--batch-tokens",
+        default="2048,4096,8192",
+        help="token budgets of the batched runs, comma list",
+    )
     ingest.add_argument("--repeats", type=int, default=3)
     ingest.add_argument("--output", default=str(RESULTS_DIR / "precompute.json"))
     ingest.set_defaults(func=cmd_ingest)
@@ -162,39 +188,63 @@ def build_parser() -> argparse.ArgumentParser:
     nq_strategies = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
 
     def retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:
-        p.add_argument("--data", required=required,
-                       help="NQ jsonl(.gz): question, answers, title, text per line")  # fmt: skip
-        p.add_argument("--cache-dir", default=None,
-                       help="corpus embeddings cache (default: kvblend's)")  # fmt: skip
+        p.add_argument(
+            "--data",
+            required=required,
+            help="NQ jsonl(.gz): question, answers, title, text per line",
+        )
+        p.add_argument(
+            "--cache-dir", default=None, help="corpus embeddings cache (default: kvblend's)"
+        )
         p.add_argument("--strategies", default=nq_strategies, help="comma list; full runs first")
-        p.add_argument("--engine-system", default=None,
-                       help="the system prompt of the engine not told the head")  # fmt: skip
+        p.add_argument(
+            "--engine-system",
+            default=None,
+            help="the system prompt of the engine not told the head",
+        )
         p.add_argument("--max-new-tokens", type=int, default=32)
-        p.add_argument("--gold-at", choices=["retrieved", "random", "places"],
-                       default="retrieved",
-                       help="gold passage where the retriever ranked it (put in at a random "
-                            "place when missed), always at a random place, or first, middle "
-                            "or last by the question (a third each; `nq`'s default)")  # fmt: skip
+        p.add_argument(
+            "--gold-at",
+            choices=["retrieved", "random", "places"],
+            default="retrieved",
+            help="gold passage where the retriever ranked it (put in at a random "
+            "place when missed), always at a random place, or first, middle "
+            "or last by the question (a third each; `nq`'s default)",
+        )
 
     nq = sub.add_parser("nq", help="accuracy and KL on NQ-open over retrieved passages")
     model_options(nq, dtype="float32")
     retrieval_options(nq, required=True)
     nq.add_argument("--k", default="10", help="passages per prompt, comma list (e.g. 5,10,20)")
     nq.add_argument("--questions", type=int, default=100, help="questions of the split to run")
-    nq.add_argument("--split", choices=["eval", "calibration", "all"], default="eval",
-                    help="eval: the file's first 500 questions (reported figures); calibration: "
-                         "those from 1000 on (choosing settings); all: the whole file")  # fmt: skip
+    nq.add_argument(
+        "--split",
+        choices=["eval", "calibration", "all"],
+        default="eval",
+        help="eval: the file's first 500 questions (reported figures); calibration: "
+        "those from 1000 on (choosing settings); all: the whole file",
+    )
     nq.add_argument("--offset", type=int, default=0, help="first question to use, in the split")
-    nq.add_argument("--baselines", default=None,
-                    help="folder keeping full prefill's answers and logits for later runs "
-                         "(default: kvblend's cache folder, baselines/)")  # fmt: skip
+    nq.add_argument(
+        "--baselines",
+        default=None,
+        help="folder keeping full prefill's answers and logits for later runs "
+        "(default: kvblend's cache folder, baselines/)",
+    )
     nq.add_argument("--no-baselines", action="store_true", help="compute full prefill every time")
-    nq.add_argument("--store-dir", default=None,
-                    help="keep the documents' KV in this folder, so a later run reads them "
-                         "instead of precomputing them (default: in memory, per run)")  # fmt: skip
-    nq.add_argument("--time-every", type=int, default=10,
-                    help="time full prefill again on every N-th question for the TTFT shares "
-                         "(0: only where it is computed)")  # fmt: skip
+    nq.add_argument(
+        "--store-dir",
+        default=None,
+        help="keep the documents' KV in this folder, so a later run reads them "
+        "instead of precomputing them (default: in memory, per run)",
+    )
+    nq.add_argument(
+        "--time-every",
+        type=int,
+        default=10,
+        help="time full prefill again on every N-th question for the TTFT shares "
+        "(0: only where it is computed)",
+    )
     nq.add_argument(
         "--kl-only",
         action="store_true",
@@ -203,28 +253,44 @@ def build_parser() -> argparse.ArgumentParser:
     nq.add_argument(
         "--fresh", action="store_true", help="start over instead of continuing the rows in --output"
     )
-    nq.add_argument("--doc-prefix", choices=sorted(HEAD_CHOICES), default="auto",
-                    help="documents precomputed behind: the engine's defaults, not told "
-                         "the prompts' head (auto), their head (head), both, or BOS")  # fmt: skip
-    nq.add_argument("--labels", choices=["computed", "cached"], default="computed",
-                    help="each passage's title label computed with its number (the paper's "
-                         "layout), or cached with the passage text (only `Document [i](` "
-                         "computed); the prompt text is the same")  # fmt: skip
+    nq.add_argument(
+        "--doc-prefix",
+        choices=sorted(HEAD_CHOICES),
+        default="auto",
+        help="documents precomputed behind: the engine's defaults, not told "
+        "the prompts' head (auto), their head (head), both, or BOS",
+    )
+    nq.add_argument(
+        "--labels",
+        choices=["computed", "cached"],
+        default="computed",
+        help="each passage's title label computed with its number (the paper's "
+        "layout), or cached with the passage text (only `Document [i](` "
+        "computed); the prompt text is the same",
+    )
     nq.add_argument("--output", default=str(RESULTS_DIR / "nq.json"))
-    nq.add_argument("--shard", default="0/1", metavar="K/N",
-                    help="run every N-th question from the K-th (0 <= K < N) into "
-                         "OUTPUT.shard-K-of-N.json, one process per core; a run without --shard "
-                         "then takes the shards' rows and writes OUTPUT")  # fmt: skip
-    nq.add_argument("--write-prompts", metavar="FILE",
-                    help="write the prompts to a JSONL file and run no strategy (the input of "
-                         "`kvblend bench vllm --nq FILE`)")  # fmt: skip
+    nq.add_argument(
+        "--shard",
+        default="0/1",
+        metavar="K/N",
+        help="run every N-th question from the K-th (0 <= K < N) into "
+        "OUTPUT.shard-K-of-N.json, one process per core; a run without --shard "
+        "then takes the shards' rows and writes OUTPUT",
+    )
+    nq.add_argument(
+        "--write-prompts",
+        metavar="FILE",
+        help="write the prompts to a JSONL file and run no strategy (the input of "
+        "`kvblend bench vllm --nq FILE`)",
+    )
     nq.set_defaults(func=cmd_nq, gold_at="places")
 
     shapes = sub.add_parser("shapes", help="every prompt shape in one report, head told or not")
     model_options(shapes, dtype="float32")
     retrieval_options(shapes, required=False)
-    shapes.add_argument("--shapes", default="all",
-                        help="comma list: nq-5, nq-10, nq-20, qa, records, long, all")  # fmt: skip
+    shapes.add_argument(
+        "--shapes", default="all", help="comma list: nq-5, nq-10, nq-20, qa, records, long, all"
+    )
     shapes.add_argument("--questions", type=int, default=40, help="questions per shape")
     shapes.add_argument("--heads", choices=sorted(HEAD_CHOICES), default="both")
     shapes.add_argument("--output", default=str(RESULTS_DIR / "shapes.json"))
@@ -243,9 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--ttft", default=str(RECORDED_DIR / "ttft.json"))
     report.add_argument("--quality", default=str(RECORDED_DIR / "quality.json"))
     report.add_argument("--img-dir", default="docs/img")
-    report.add_argument("--closeness", default="", metavar="FILE[,FILE]",
-                        help="`kvblend bench nq` results: draw IMG_DIR/closeness.png (mean KL "
-                             "against compute, the bfloat16 floor a line)")  # fmt: skip
+    report.add_argument(
+        "--closeness",
+        default="",
+        metavar="FILE[,FILE]",
+        help="`kvblend bench nq` results: draw IMG_DIR/closeness.png (mean KL "
+        "against compute, the bfloat16 floor a line)",
+    )
     report.set_defaults(func=cmd_report)
 
     doc_context = sub.add_parser(
@@ -282,16 +352,27 @@ def build_parser() -> argparse.ArgumentParser:
     vllm.add_argument("--rate-length", type=int, default=2048, help="prompt tokens of req/s runs")
     vllm.add_argument("--rate-tokens", type=int, default=16, help="tokens each request generates")
     vllm.add_argument("--work-dir", help="folder for the store, jobs and vLLM logs (default: tmp)")
-    vllm.add_argument("--busy-core", action="store_true",
-                      help="a second process keeps one core busy during the run")  # fmt: skip
-    vllm.add_argument("--stall-repeats", type=int, default=2,
-                      help="rounds of the stall test (0: none)")  # fmt: skip
+    vllm.add_argument(
+        "--busy-core",
+        action="store_true",
+        help="a second process keeps one core busy during the run",
+    )
+    vllm.add_argument(
+        "--stall-repeats", type=int, default=2, help="rounds of the stall test (0: none)"
+    )
     vllm.add_argument("--no-rate", action="store_true", help="skip the requests/s runs")
-    vllm.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                      help="what both servers serve in (documents precomputed in it)")  # fmt: skip
-    vllm.add_argument("--nq", metavar="PROMPTS",
-                      help="instead of timing: accuracy on the prompts of `kvblend bench "
-                           "nq --write-prompts PROMPTS`, vLLM vs the engine")  # fmt: skip
+    vllm.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="what both servers serve in (documents precomputed in it)",
+    )
+    vllm.add_argument(
+        "--nq",
+        metavar="PROMPTS",
+        help="instead of timing: accuracy on the prompts of `kvblend bench "
+        "nq --write-prompts PROMPTS`, vLLM vs the engine",
+    )
     vllm.add_argument("--questions", type=int, default=0, help="--nq: the first N (0: all)")
     vllm.add_argument("--max-new-tokens", type=int, default=32, help="--nq: answer tokens")
     vllm.add_argument("--seed", type=int, default=0, help="--nq: seed of the bootstrap")
@@ -300,8 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     vllm.set_defaults(func=cmd_vllm)
     for name, (_, what) in SCRIPTS.items():  # listed here; `main` hands them their options
-        script = sub.add_parser(name, help=f"{what} (options: kvblend bench {name} --help)",
-                                add_help=False)  # fmt: skip
+        script = sub.add_parser(
+            name, help=f"{what} (options: kvblend bench {name} --help)", add_help=False
+        )
         script.add_argument("args", nargs=argparse.REMAINDER)
         script.set_defaults(func=lambda args, name=name: run_script(name, args.args))
     return parser

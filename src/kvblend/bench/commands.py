@@ -35,11 +35,17 @@ def cmd_ttft(args: argparse.Namespace) -> None:
     engine = load_engine(args, SYSTEM)
     lengths = [int(x) for x in args.lengths.split(",")]
     result = run_ttft(
-        engine, lengths=lengths, strategies=strategies, repeats=args.repeats,
-        doc_tokens=args.doc_tokens, disk=not args.no_disk,
+        engine,
+        lengths=lengths,
+        strategies=strategies,
+        repeats=args.repeats,
+        doc_tokens=args.doc_tokens,
+        disk=not args.no_disk,
         disk_strategies=args.disk_strategies.split(",") if args.disk_strategies else None,
-        decode_tokens=args.decode_tokens, seed=args.seed, transformers=not args.no_transformers,
-    )  # fmt: skip
+        decode_tokens=args.decode_tokens,
+        seed=args.seed,
+        transformers=not args.no_transformers,
+    )
     result["machine"] = describe_machine(engine)
     write_result(result, Path(args.output), ttft_table(result["summary"]))
 
@@ -64,10 +70,13 @@ def cmd_figures(args: argparse.Namespace) -> None:
 
     engine = load_engine(args, SYSTEM)
     result = run_ttft(
-        engine, lengths=[args.docs * 512],
+        engine,
+        lengths=[args.docs * 512],
         strategies=parse_strategies("cacheblend-value-0.15,default"),
-        repeats=args.repeats, doc_tokens=512, decode_tokens=0,
-    )  # fmt: skip
+        repeats=args.repeats,
+        doc_tokens=512,
+        decode_tokens=0,
+    )
     result["machine"] = describe_machine(engine)
     summary = {(s["strategy"], s["store"]): s for s in result["summary"]}
     full = summary[("full", "memory")]
@@ -116,16 +125,21 @@ def cmd_quality(args: argparse.Namespace) -> None:
         "default_config": repr(BlendConfig()),
     }
     result = run_quality(
-        engine, items, strategies, max_new_tokens=args.max_new_tokens,
-        output=Path(args.output), meta=meta,
-    )  # fmt: skip
+        engine,
+        items,
+        strategies,
+        max_new_tokens=args.max_new_tokens,
+        output=Path(args.output),
+        meta=meta,
+    )
     result["paired"] = strategy_stats(result["rows"], seed=args.seed)
     write_result(
-        result, Path(args.output),
+        result,
+        Path(args.output),
         quality_report(result["summary"])
         + "\n\nPaired with full prefill (bootstrap over questions):\n\n"
         + paired_table(result["paired"]),
-    )  # fmt: skip
+    )
 
 
 def cmd_ingest(args: argparse.Namespace) -> None:
@@ -135,10 +149,13 @@ def cmd_ingest(args: argparse.Namespace) -> None:
 
     engine = load_engine(args, SYSTEM)
     result = run_ingest(
-        engine, documents=args.documents, doc_tokens=args.doc_tokens,
-        batch_tokens=[int(x) for x in args.batch_tokens.split(",")], repeats=args.repeats,
+        engine,
+        documents=args.documents,
+        doc_tokens=args.doc_tokens,
+        batch_tokens=[int(x) for x in args.batch_tokens.split(",")],
+        repeats=args.repeats,
         seed=args.seed,
-    )  # fmt: skip
+    )
     result["machine"] = describe_machine(engine)
     write_result(result, Path(args.output), ingest_table(result))
 
@@ -187,8 +204,11 @@ def _heads_engines(args: argparse.Namespace, head_text: Any) -> dict[str, Any]:
 def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
     from kvblend.blend.config import BlendConfig
 
-    return {"machine": describe_machine(engine), "default_config": repr(BlendConfig()),
-            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    return {
+        "machine": describe_machine(engine),
+        "default_config": repr(BlendConfig()),
+        "max_new_tokens": args.max_new_tokens,
+    }
 
 
 def cmd_nq(args: argparse.Namespace) -> None:
@@ -214,13 +234,21 @@ def cmd_nq(args: argparse.Namespace) -> None:
         total = sum(1 for _ in load_nq(args.data)[1])
         start, _ = split_questions(args.split, args.offset, args.questions, total)
         written = run_nq(
-            engines, args.data, [], ks=ks, questions=args.questions, offset=start,
-            seed=args.seed, gold_at=args.gold_at, cache_dir=cache_dir,
+            engines,
+            args.data,
+            [],
+            ks=ks,
+            questions=args.questions,
+            offset=start,
+            seed=args.seed,
+            gold_at=args.gold_at,
+            cache_dir=cache_dir,
             prompts_file=Path(args.write_prompts),
-        )  # fmt: skip
+        )
         recall = ", ".join(f"{v:.0%}" for v in written["recall"].values())
-        print(f"wrote {written['prompts']} prompts to {args.write_prompts} (gold retrieved: "
-              f"{recall})")  # fmt: skip
+        print(
+            f"wrote {written['prompts']} prompts to {args.write_prompts} (gold retrieved: {recall})"
+        )
         return
     output = Path(args.output)
     shard = tuple(int(part) for part in args.shard.split("/")) if "/" in args.shard else ()
@@ -231,13 +259,26 @@ def cmd_nq(args: argparse.Namespace) -> None:
     cache = None if args.no_baselines else BaselineCache(args.baselines)
     options = RunOptions(args.max_new_tokens, args.kl_only, args.time_every)
     result = run_decided(
-        engines, args.data, strategies, ks=ks, split=args.split, questions=args.questions,
-        offset=args.offset, seed=args.seed, gold_at=args.gold_at, labels=args.labels,
-        options=options, cache=cache, shard=(shard[0], shard[1]),
-        cache_dir=cache_dir, output=output, meta=_meta(args, engine),
-        log=lambda message: print(time.strftime("%H:%M:%S ") + message, file=sys.stderr,
-                                  flush=True),
-    )  # fmt: skip
+        engines,
+        args.data,
+        strategies,
+        ks=ks,
+        split=args.split,
+        questions=args.questions,
+        offset=args.offset,
+        seed=args.seed,
+        gold_at=args.gold_at,
+        labels=args.labels,
+        options=options,
+        cache=cache,
+        shard=(shard[0], shard[1]),
+        cache_dir=cache_dir,
+        output=output,
+        meta=_meta(args, engine),
+        log=lambda message: print(
+            time.strftime("%H:%M:%S ") + message, file=sys.stderr, flush=True
+        ),
+    )
     recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
     title = (
         f"NQ-open, {engine.name} ({result['dtype']}), {result['split']} questions "
@@ -247,9 +288,11 @@ def cmd_nq(args: argparse.Namespace) -> None:
     table = decided_table(result["summary"], ("k", "head"))
     if result["by_place"]:
         table += "\n\nBy gold place:\n\n" + decided_table(result["by_place"], ("k", "place"))
-    table += ("\n\nAgreement with full prefill, and as a multiple of bfloat16 rounding's "
-              f"({FLOOR}: full prefill computed in bfloat16, decoded in {result['dtype']}):\n\n"
-              + closeness_table(result["summary"], ("k", "head")))  # fmt: skip
+    table += (
+        "\n\nAgreement with full prefill, and as a multiple of bfloat16 rounding's "
+        f"({FLOOR}: full prefill computed in bfloat16, decoded in {result['dtype']}):\n\n"
+        + closeness_table(result["summary"], ("k", "head"))
+    )
     if result["by_place"]:
         table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], ("k", "place"))
     if shard[1] > 1:  # a shard's own file; the run without --shard writes OUTPUT
@@ -269,16 +312,26 @@ def cmd_shapes(args: argparse.Namespace) -> None:
     args.doc_prefix = "bos" if args.heads == "bos" else "auto"
     base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
     result = run_shapes(
-        base, shapes, strategies, data=args.data, questions=args.questions, seed=args.seed,
+        base,
+        shapes,
+        strategies,
+        data=args.data,
+        questions=args.questions,
+        seed=args.seed,
         gold_at=args.gold_at,
-        max_new_tokens=args.max_new_tokens, heads=HEAD_CHOICES[args.heads],
+        max_new_tokens=args.max_new_tokens,
+        heads=HEAD_CHOICES[args.heads],
         cache_dir=Path(args.cache_dir) if args.cache_dir else None,
-        output=Path(args.output), meta=_meta(args, base),
+        output=Path(args.output),
+        meta=_meta(args, base),
         log=lambda message: print(message, file=sys.stderr),
-    )  # fmt: skip
+    )
     title = f"Every prompt shape, {base.name}, {args.questions} questions per shape"
-    write_result(result, Path(args.output),
-           title + "\n\n" + summary_table(result["summary"], ("shape", "head")))  # fmt: skip
+    write_result(
+        result,
+        Path(args.output),
+        title + "\n\n" + summary_table(result["summary"], ("shape", "head")),
+    )
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -299,8 +352,11 @@ def cmd_registry(args: argparse.Namespace) -> None:
 
     counts = tuple(int(x) for x in args.counts.split(","))
     result = run_registry(counts, docs_in_prompt=args.docs_in_prompt, repeats=args.repeats)
-    result["machine"] = {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
+    result["machine"] = {
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     write_result(result, Path(args.output), registry_table(result))
 
 
@@ -330,19 +386,25 @@ def cmd_redis_ttft(args: argparse.Namespace) -> None:
     with redis_server(args.redis_url) as url:
         engine = load_engine(args, SYSTEM)
         result = run_redis_ttft(
-            engine, url, length=args.length, doc_tokens=args.doc_tokens, repeats=args.repeats,
+            engine,
+            url,
+            length=args.length,
+            doc_tokens=args.doc_tokens,
+            repeats=args.repeats,
             rounds=args.rounds,
-        )  # fmt: skip
+        )
     result["machine"] = describe_machine(engine)
     write_result(result, Path(args.output), redis_table(result["summary"]))
 
 
 def _vllm_machine() -> dict[str, Any]:
     return {
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
-    }  # fmt: skip
+    }
 
 
 def cmd_vllm(args: argparse.Namespace) -> None:
@@ -354,20 +416,31 @@ def cmd_vllm(args: argparse.Namespace) -> None:
 
         output = Path(args.output or RESULTS_DIR / "vllm_nq.json")
         result = run_vllm_nq(
-            args.model, Path(args.nq), questions=args.questions,
-            max_new_tokens=args.max_new_tokens, seed=args.seed,
-            work_dir=Path(args.work_dir) if args.work_dir else None, output=output,
-        )  # fmt: skip
+            args.model,
+            Path(args.nq),
+            questions=args.questions,
+            max_new_tokens=args.max_new_tokens,
+            seed=args.seed,
+            work_dir=Path(args.work_dir) if args.work_dir else None,
+            output=output,
+        )
         result["machine"] = _vllm_machine()
         write_result(result, output, vllm_nq_table(result))
         return
 
     lengths = [int(x) for x in args.lengths.split(",")]
     result = run_vllm_bench(
-        args.model, lengths=lengths, repeats=args.repeats, doc_tokens=args.doc_tokens,
-        rate_length=args.rate_length, rate_tokens=args.rate_tokens,
-        work_dir=Path(args.work_dir) if args.work_dir else None, busy=args.busy_core,
-        stall_repeats=args.stall_repeats, rate=not args.no_rate, dtype=args.dtype,
-    )  # fmt: skip
+        args.model,
+        lengths=lengths,
+        repeats=args.repeats,
+        doc_tokens=args.doc_tokens,
+        rate_length=args.rate_length,
+        rate_tokens=args.rate_tokens,
+        work_dir=Path(args.work_dir) if args.work_dir else None,
+        busy=args.busy_core,
+        stall_repeats=args.stall_repeats,
+        rate=not args.no_rate,
+        dtype=args.dtype,
+    )
     result["machine"] = _vllm_machine()
     write_result(result, Path(args.output or RESULTS_DIR / "vllm.json"), vllm_table(result))

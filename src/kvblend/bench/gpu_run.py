@@ -68,8 +68,7 @@ def pytest_argv(phase: str, cpu: bool, out: Path) -> list[str]:
     from kvblend.bench.gpu.suite import CUDA_TESTS, SMOKE_TESTS
 
     if phase == "tests":
-        files = list(SMOKE_TESTS[:1]) if cpu else [t for t in CUDA_TESTS
-                                                   if t not in COMPILED_TESTS]  # fmt: skip
+        files = list(SMOKE_TESTS[:1]) if cpu else [t for t in CUDA_TESTS if t not in COMPILED_TESTS]
         marks = ["-m", "not slow"]
     else:  # on the CPU the quick ones only: compiling is minutes there
         files, marks = list(COMPILED_TESTS[:1]), ["-m", "not slow"] if cpu else []
@@ -129,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Options after ``--`` go to the phase's ``kvblend bench gpu`` or ``pytest``.
     """
-    parser = argparse.ArgumentParser(prog="python -m kvblend.bench.gpu_run",
-                                     description=(__doc__ or "").split("\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m kvblend.bench.gpu_run", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("phase", choices=(*PHASES, "summary"))
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--kit", type=Path, default=Path("gpu_kit"), help="scripts/gpu_kit.py's")

@@ -179,12 +179,14 @@ def _ttft(result: Mapping[str, Any], figure: Figure) -> str:
     against it, in the dtype both ran in, with kvblend's own full prefill beside it.
     """
     summary = result.get("summary") or (result.get("ttft") or {}).get("summary") or []
-    row = _one(summary, figure, target_tokens=figure.tokens, strategy=figure.strategy,
-               store="memory")  # fmt: skip
+    row = _one(
+        summary, figure, target_tokens=figure.tokens, strategy=figure.strategy, store="memory"
+    )
     full = _one(summary, figure, target_tokens=figure.tokens, strategy="full", store="memory")
     if any(s.get("strategy") == "transformers" for s in summary):
-        plain = _one(summary, figure, target_tokens=figure.tokens, strategy="transformers",
-                     store="none")  # fmt: skip
+        plain = _one(
+            summary, figure, target_tokens=figure.tokens, strategy="transformers", store="none"
+        )
         dtype = (result.get("machine") or {}).get("dtype", "the same dtype")
         return (
             f"**{row['ttft_vs_transformers']:.2f}** of plain transformers' TTFT in {dtype} "
@@ -290,13 +292,19 @@ def _setting(result: Mapping[str, Any], figure: Figure) -> str:
     if recorded is None:
         raise HeadlineError(f"{figure.result}: no default_config recorded; give the Figure one")
     then, now = config_fields(str(recorded)), config_fields(repr(BlendConfig()))
-    changed = [f"{name} {then[name]} (now {value})" for name, value in now.items()
-               if name in then and then[name] != value]  # fmt: skip
+    changed = [
+        f"{name} {then[name]} (now {value})"
+        for name, value in now.items()
+        if name in then and then[name] != value
+    ]
     unchanged = {name for name, value in _AS_BEFORE.items() if now.get(name) == value}
     if "early_layers" in unchanged:
         unchanged.add("early_ratio")
-    missing = [f"{name} (now {value})" for name, value in now.items()
-               if name not in then and name not in unchanged]  # fmt: skip
+    missing = [
+        f"{name} (now {value})"
+        for name, value in now.items()
+        if name not in then and name not in unchanged
+    ]
     if not changed and not missing:
         return "`BlendConfig()`, today's default"
     parts = changed + ([f"without {', '.join(missing)}"] if missing else [])
@@ -340,8 +348,12 @@ def _git_date(results: Path, name: str) -> str:
     try:
         done = subprocess.run(
             ["git", "log", "-1", "--format=%ad", "--date=short", "--", name],
-            cwd=results, capture_output=True, text=True, timeout=30, check=False,
-        )  # fmt: skip
+            cwd=results,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
     except OSError:
         return "not recorded (no git)"
     day = done.stdout.strip()
@@ -427,10 +439,17 @@ def headline_rows(
         result = _load(results, figure.result)
         measured = reader(result, figure) + (f"; {figure.note}" if figure.note else "")
         run = f"{_command(result, figure)} ([{figure.result}]({link}{figure.result}))"
-        rows.append([
-            figure.what, measured, _setting(result, figure), _model(result), _machine(result),
-            _date(results, result, figure), run,
-        ])  # fmt: skip
+        rows.append(
+            [
+                figure.what,
+                measured,
+                _setting(result, figure),
+                _model(result),
+                _machine(result),
+                _date(results, result, figure),
+                run,
+            ]
+        )
     return rows
 
 
@@ -441,17 +460,21 @@ def headline_table(
     lines = [
         "| " + " | ".join(_COLUMNS) + " |",
         "|" + "---|" * len(_COLUMNS),
-        *("| " + " | ".join(_cell(cell) for cell in row) + " |"
-          for row in headline_rows(results, figures, link)),
-    ]  # fmt: skip
+        *(
+            "| " + " | ".join(_cell(cell) for cell in row) + " |"
+            for row in headline_rows(results, figures, link)
+        ),
+    ]
     return "\n".join(lines)
 
 
 def _markers(name: str) -> tuple[str, str]:
     if name == "figures":
         return BEGIN, END
-    return (f"<!-- {name}:begin (written by `kvblend bench headline --write FILE`) -->",
-            f"<!-- {name}:end -->")  # fmt: skip
+    return (
+        f"<!-- {name}:begin (written by `kvblend bench headline --write FILE`) -->",
+        f"<!-- {name}:end -->",
+    )
 
 
 def write_tables(text: str, results: Path, page: Path) -> str:
@@ -489,13 +512,18 @@ def add_headline_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvblend bench headline``."""
     from kvblend.bench.result_files import RECORDED_DIR
 
-    parser.add_argument("--results", default=str(RECORDED_DIR),
-                        help="folder of the recorded results (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--results",
+        default=str(RECORDED_DIR),
+        help="folder of the recorded results (default %(default)s)",
+    )
     where = parser.add_mutually_exclusive_group()
-    where.add_argument("--write", metavar="README",
-                       help="replace the table between the README's markers")  # fmt: skip
-    where.add_argument("--check", metavar="README",
-                       help="exit 1 when the README's table differs from the results")  # fmt: skip
+    where.add_argument(
+        "--write", metavar="README", help="replace the table between the README's markers"
+    )
+    where.add_argument(
+        "--check", metavar="README", help="exit 1 when the README's table differs from the results"
+    )
 
 
 def cmd_headline(args: argparse.Namespace) -> None:

@@ -34,10 +34,17 @@ def plot_ttft(result: dict[str, Any], path: Path) -> Path:
         xs = [p[0] for p in points]
         ys = [p[1] for p in points]
         err = [[p[1] - p[2] for p in points], [p[3] - p[1] for p in points]]
-        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=name,
-                    color=colors[index % len(colors)],
-                    linestyle="--" if name.startswith("cacheblend") else "-",
-                    linewidth=2.5 if name in ("full", "default") else 1.2)  # fmt: skip
+        ax.errorbar(
+            xs,
+            ys,
+            yerr=err,
+            marker="o",
+            capsize=3,
+            label=name,
+            color=colors[index % len(colors)],
+            linestyle="--" if name.startswith("cacheblend") else "-",
+            linewidth=2.5 if name in ("full", "default") else 1.2,
+        )
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (s, median, bars: min-max)")
     ax.set_yscale("log")
@@ -144,9 +151,14 @@ def plot_closeness(results: list[dict[str, Any]], path: Path, *, head: str | Non
                 floors.append(entry["kl_mean"])
                 continue
             low, high = entry["kl_ci"]
-            ax.errorbar([entry["compute_fraction"]], [entry["kl_mean"]],
-                        yerr=[[entry["kl_mean"] - low], [high - entry["kl_mean"]]], marker="o",
-                        capsize=3, label=f"{entry['strategy']} ({label}, {chosen})")  # fmt: skip
+            ax.errorbar(
+                [entry["compute_fraction"]],
+                [entry["kl_mean"]],
+                yerr=[[entry["kl_mean"] - low], [high - entry["kl_mean"]]],
+                marker="o",
+                capsize=3,
+                label=f"{entry['strategy']} ({label}, {chosen})",
+            )
     for floor in floors:
         ax.axhline(floor, color="black", linestyle="--", linewidth=1)
         ax.axhline(8 * floor, color="grey", linestyle=":", linewidth=1)
@@ -179,7 +191,11 @@ def write_report(ttft_path: Path, quality_path: Path, img_dir: Path) -> str:
             quality["summary"] = summarize(quality["rows"])
         plot = plot_quality(quality, img_dir / "quality_vs_ratio.png")
         parts += [
-            f"## Quality ({quality['questions']} questions)", "",
-            quality_report(quality["summary"]), "", f"![quality]({plot})", "",
-        ]  # fmt: skip
+            f"## Quality ({quality['questions']} questions)",
+            "",
+            quality_report(quality["summary"]),
+            "",
+            f"![quality]({plot})",
+            "",
+        ]
     return "\n".join(parts) if parts else "no results found"

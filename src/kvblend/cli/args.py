@@ -26,35 +26,53 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     """Options of every command that loads the model."""
     p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ... (default auto)")
-    p.add_argument("--dtype", default="auto",
-                   choices=["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"],
-                   help="the model's dtype; auto (default): bf16 where the device has bfloat16 "
-                        "matrix units (CUDA, a CPU with AVX512-BF16 or AMX) unless the "
-                        "checkpoint is float32, else fp32; float32 is the exact reference. "
-                        "Stored KV is keyed by it, so precompute in the dtype you ask or serve "
-                        "in (a vLLM server's --dtype)")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"],
+        help="the model's dtype; auto (default): bf16 where the device has bfloat16 "
+        "matrix units (CUDA, a CPU with AVX512-BF16 or AMX) unless the "
+        "checkpoint is float32, else fp32; float32 is the exact reference. "
+        "Stored KV is keyed by it, so precompute in the dtype you ask or serve "
+        "in (a vLLM server's --dtype)",
+    )
     p.add_argument("--store-dir", help="KV store folder (default: user cache dir)")
     p.add_argument("--memory-only", action="store_true", help="keep KV in memory only")
-    p.add_argument("--system", default=None,
-                   help="system prompt of the RAG prompt; documents are precomputed behind "
-                        "it, so use the same one for precompute and ask (default: "
-                        "'Answer the question using only the documents.')")  # fmt: skip
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: the physical cores the last minute's "
-                        "load leaves idle, at least 1)")  # fmt: skip
+    p.add_argument(
+        "--system",
+        default=None,
+        help="system prompt of the RAG prompt; documents are precomputed behind "
+        "it, so use the same one for precompute and ask (default: "
+        "'Answer the question using only the documents.')",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch CPU threads (default: the physical cores the last minute's "
+        "load leaves idle, at least 1)",
+    )
     add_quiet_option(p)
-    p.add_argument("--kv-codec", default="none", choices=KV_CODECS,
-                   help="how documents' KV is stored: none (full precision), int8, k8v4 "
-                        "(8-bit keys, 4-bit values) or int4; part of each entry's identity, "
-                        "so use the same one for precompute and ask (default none)")  # fmt: skip
+    p.add_argument(
+        "--kv-codec",
+        default="none",
+        choices=KV_CODECS,
+        help="how documents' KV is stored: none (full precision), int8, k8v4 "
+        "(8-bit keys, 4-bit values) or int4; part of each entry's identity, "
+        "so use the same one for precompute and ask (default none)",
+    )
 
 
 def add_quiet_option(p: argparse.ArgumentParser) -> None:
     """``--quiet``: no progress bars and no lines about loading or precomputing."""
-    p.add_argument("-q", "--quiet", action="store_true",
-                   help="no progress bars and no lines about loading and precomputing (results, "
-                        "warnings and errors are still printed; bars show only on a "
-                        "terminal)")  # fmt: skip
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bars and no lines about loading and precomputing (results, "
+        "warnings and errors are still printed; bars show only on a "
+        "terminal)",
+    )
 
 
 def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> None:
@@ -65,22 +83,41 @@ def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> No
         help=f"how reused tokens are chosen for recompute: {', '.join(STRATEGIES)} "
         "(default %(default)s)",
     )
-    p.add_argument("--ratio", type=float, default=None,
-                   help="recompute ratio for attention and cacheblend "
-                        f"(default {DEFAULT_RATIO})")  # fmt: skip
-    p.add_argument("--deviation", default=None, choices=["value", "key"],
-                   help="cacheblend's deviation metric (default value)")  # fmt: skip
-    p.add_argument("--correction", type=float, default=None,
-                   help="share of the recomputed tokens' mean KV change added to the other "
-                        "tokens of their document, for attention, cacheblend and epic "
-                        f"(default {DEFAULT_CORRECTION}; 0: off)")  # fmt: skip
-    p.add_argument("--set", action="append", metavar="NAME=VALUE",
-                   help="any other setting of the strategy, such as lead_tokens=16 or "
-                        "short_document=0 (docs/configuration.md); repeatable")  # fmt: skip
+    p.add_argument(
+        "--ratio",
+        type=float,
+        default=None,
+        help=f"recompute ratio for attention and cacheblend (default {DEFAULT_RATIO})",
+    )
+    p.add_argument(
+        "--deviation",
+        default=None,
+        choices=["value", "key"],
+        help="cacheblend's deviation metric (default value)",
+    )
+    p.add_argument(
+        "--correction",
+        type=float,
+        default=None,
+        help="share of the recomputed tokens' mean KV change added to the other "
+        "tokens of their document, for attention, cacheblend and epic "
+        f"(default {DEFAULT_CORRECTION}; 0: off)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="NAME=VALUE",
+        help="any other setting of the strategy, such as lead_tokens=16 or "
+        "short_document=0 (docs/configuration.md); repeatable",
+    )
     if decodes:
-        p.add_argument("--max-new-tokens", type=positive_int, default=24,
-                       help="tokens to generate at most, fewer than the model's context "
-                            "window (default %(default)s)")  # fmt: skip
+        p.add_argument(
+            "--max-new-tokens",
+            type=positive_int,
+            default=24,
+            help="tokens to generate at most, fewer than the model's context "
+            "window (default %(default)s)",
+        )
 
 
 #: Tokens of a chunk of a file too long for the model (``--chunk-tokens``).
@@ -92,12 +129,20 @@ def add_chunk_option(p: argparse.ArgumentParser, *, always: bool = False) -> Non
 
     ``always``: the command splits such files anyway (``ask``); ``--chunk`` is accepted.
     """
-    p.add_argument("--chunk", action="store_true",
-                   help=argparse.SUPPRESS if always else
-                   "split a file longer than the model's context window into chunks of "
-                   "--chunk-tokens tokens, each stored as a document (default: skip it, "
-                   "naming it)")  # fmt: skip
-    p.add_argument("--chunk-tokens", type=positive_int, default=DEFAULT_CHUNK_TOKENS,
-                   metavar="N",
-                   help="tokens of a chunk of a file too long for the model (default "
-                        "%(default)s; use the same for precompute and ask)")  # fmt: skip
+    p.add_argument(
+        "--chunk",
+        action="store_true",
+        help=argparse.SUPPRESS
+        if always
+        else "split a file longer than the model's context window into chunks of "
+        "--chunk-tokens tokens, each stored as a document (default: skip it, "
+        "naming it)",
+    )
+    p.add_argument(
+        "--chunk-tokens",
+        type=positive_int,
+        default=DEFAULT_CHUNK_TOKENS,
+        metavar="N",
+        help="tokens of a chunk of a file too long for the model (default "
+        "%(default)s; use the same for precompute and ask)",
+    )

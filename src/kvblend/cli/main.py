@@ -91,8 +91,11 @@ def _config(args: argparse.Namespace) -> BlendConfig:
     """
     from kvblend.blend.config import BlendConfig, parse_setting
 
-    options = {"recompute_ratio": args.ratio, "deviation": args.deviation,
-               "correction": args.correction}  # fmt: skip
+    options = {
+        "recompute_ratio": args.ratio,
+        "deviation": args.deviation,
+        "correction": args.correction,
+    }
     given = {name: value for name, value in options.items() if value is not None}
     for text in getattr(args, "set", None) or []:
         name, value = parse_setting(text)
@@ -102,8 +105,11 @@ def _config(args: argparse.Namespace) -> BlendConfig:
     try:
         return BlendConfig(args.strategy, **given)
     except ValueError as error:
-        flags = {"recompute_ratio": "--ratio", "deviation": "--deviation",
-                 "correction": "--correction"}  # fmt: skip
+        flags = {
+            "recompute_ratio": "--ratio",
+            "deviation": "--deviation",
+            "correction": "--correction",
+        }
         message = str(error)
         for name, flag in flags.items():
             message = message.replace(repr(name), flag)
@@ -125,10 +131,14 @@ def _engine(
     if args.system is not None:
         system = args.system
     engine = BlendEngine.from_pretrained(
-        args.model, store=store, device=args.device,
-        system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system, threads=args.threads,
-        kv_codec=getattr(args, "kv_codec", None), dtype=getattr(args, "dtype", "auto"),
-    )  # fmt: skip
+        args.model,
+        store=store,
+        device=args.device,
+        system_prompt=DEFAULT_SYSTEM_PROMPT if system is None else system,
+        threads=args.threads,
+        kv_codec=getattr(args, "kv_codec", None),
+        dtype=getattr(args, "dtype", "auto"),
+    )
     _say(
         args,
         f"loaded {engine.name} on {engine.decoder.device} in {time.perf_counter() - started:.1f} s "
@@ -198,8 +208,10 @@ def _store(args: argparse.Namespace, *, keeps: bool = False):  # noqa: ANN202
                 f"the KV store in {store.disk.directory} is read-only: nothing precomputed "
                 "could be kept"
             )
-        logger.warning("the KV store in %s is read-only: what is computed here is not kept",
-                       store.disk.directory)  # fmt: skip
+        logger.warning(
+            "the KV store in %s is read-only: what is computed here is not kept",
+            store.disk.directory,
+        )
     return store
 
 
@@ -357,8 +369,10 @@ def cmd_ask(args: argparse.Namespace) -> None:
         print(f"blended       ({out.ttft_s:.2f} s to first token): {out.text.strip()}")
     else:
         print(out.text.strip())
-    print(f"[{token_counts(out.stats)}; TTFT {out.ttft_s:.2f} s{fallback_clause(out.stats)}]",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"[{token_counts(out.stats)}; TTFT {out.ttft_s:.2f} s{fallback_clause(out.stats)}]",
+        file=sys.stderr,
+    )
 
 
 #: Prompt tokens ``ask`` counts for each document beyond its own: the separator, and slack.
@@ -511,10 +525,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
     add_model_options(pre)
-    pre.add_argument("paths", nargs="*", help="text files or folders (one document per file; "
-                                              "hidden files and folders are skipped)")  # fmt: skip
-    pre.add_argument("--samples", action="store_true",
-                     help="also the documents of the bundled sample corpus")  # fmt: skip
+    pre.add_argument(
+        "paths",
+        nargs="*",
+        help="text files or folders (one document per file; hidden files and folders are skipped)",
+    )
+    pre.add_argument(
+        "--samples", action="store_true", help="also the documents of the bundled sample corpus"
+    )
     add_chunk_option(pre)
     pre.set_defaults(func=cmd_precompute)
 
@@ -522,15 +540,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_options(ask)
     add_blend_options(ask)
     ask.add_argument("question")
-    ask.add_argument("--docs", nargs="+", required=True,
-                     help="text files or folders: all in one prompt when they fit "
-                          "--prompt-tokens, else the --top-k most relevant to the question; "
-                          "a file longer than the model's window is split into chunks")  # fmt: skip
+    ask.add_argument(
+        "--docs",
+        nargs="+",
+        required=True,
+        help="text files or folders: all in one prompt when they fit "
+        "--prompt-tokens, else the --top-k most relevant to the question; "
+        "a file longer than the model's window is split into chunks",
+    )
     add_chunk_option(ask, always=True)
-    ask.add_argument("--prompt-tokens", type=positive_int, default=DEFAULT_PROMPT_TOKENS,
-                     metavar="N",
-                     help="document tokens one prompt holds at most (default %(default)s, at "
-                          "most what the model's window leaves)")  # fmt: skip
+    ask.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=DEFAULT_PROMPT_TOKENS,
+        metavar="N",
+        help="document tokens one prompt holds at most (default %(default)s, at "
+        "most what the model's window leaves)",
+    )
     ask.add_argument(
         "-k",
         "--top-k",
@@ -538,10 +564,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TOP_K,
         help="documents retrieved when they do not all fit (default %(default)s)",
     )
-    ask.add_argument("--retriever", choices=["auto", "embeddings", "bm25"], default="auto",
-                     help="how documents are ranked when they do not all fit: embeddings "
-                          "(all-MiniLM-L6-v2, the retrieval extra), bm25, or auto (embeddings "
-                          "where installed; default)")  # fmt: skip
+    ask.add_argument(
+        "--retriever",
+        choices=["auto", "embeddings", "bm25"],
+        default="auto",
+        help="how documents are ranked when they do not all fit: embeddings "
+        "(all-MiniLM-L6-v2, the retrieval extra), bm25, or auto (embeddings "
+        "where installed; default)",
+    )
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
 

@@ -118,8 +118,11 @@ def read_files(paths: Sequence[Path], files: DocumentFiles) -> list[tuple[str, s
         try:
             size = path.stat().st_size
             if size > MAX_FILE_BYTES:
-                files.skip(name, f"{size / 2**20:,.0f} MiB, larger than a document file may be "
-                                 f"({MAX_FILE_BYTES >> 20} MiB)")  # fmt: skip
+                files.skip(
+                    name,
+                    f"{size / 2**20:,.0f} MiB, larger than a document file may be "
+                    f"({MAX_FILE_BYTES >> 20} MiB)",
+                )
                 continue
             text = path.read_text("utf-8").strip()
         except UnicodeDecodeError as error:
@@ -158,8 +161,10 @@ def _blocks(text: str, size: int) -> Iterator[str]:
     """``text`` in pieces of about ``size`` characters, each cut before a whitespace."""
     start = 0
     while len(text) - start > size:
-        cut = max(text.rfind(" ", start + size // 2, start + size),
-                  text.rfind("\n", start + size // 2, start + size))  # fmt: skip
+        cut = max(
+            text.rfind(" ", start + size // 2, start + size),
+            text.rfind("\n", start + size // 2, start + size),
+        )
         cut = cut if cut > start else start + size
         yield text[start:cut]
         start = cut
@@ -329,8 +334,11 @@ def not_kept(store: Any, stored: Sequence[tuple[str, str]]) -> list[str]:  # noq
     """
     from kvblend.store import StoreError
 
-    tiers = [tier for tier in (getattr(store, "disk", None), getattr(store, "remote", None))
-             if tier is not None]  # fmt: skip
+    tiers = [
+        tier
+        for tier in (getattr(store, "disk", None), getattr(store, "remote", None))
+        if tier is not None
+    ]
     if not tiers:
         return []
     missing = []
@@ -356,7 +364,8 @@ def unstored_files(files: DocumentFiles, missing: Sequence[str]) -> str | None:
             listed = ", ".join(str(number) for number in gone[:10])
             more = f" and {len(gone) - 10} more" if len(gone) > 10 else ""
             parts.append(f"{name} (chunks {listed}{more} of {count})")
-    chunks_of = {chunk_name(name, index) for name, count in files.chunked.items()
-                 for index in range(count)}  # fmt: skip
+    chunks_of = {
+        chunk_name(name, index) for name, count in files.chunked.items() for index in range(count)
+    }
     parts += [name for name in missing if name not in chunks_of]
     return ", ".join(parts) if parts else None

@@ -173,7 +173,9 @@ def _print_survey(report: RepairReport) -> None:
         print(_other_keys_line(report))
     print(f"entries: {report.entries}, bytes: {report.bytes:,}")
     healthy = not (
-        report.index_damaged or report.rows_broken or report.files_unindexed
+        report.index_damaged
+        or report.rows_broken
+        or report.files_unindexed
         or report.entries_damaged
-    )  # fmt: skip
+    )
     print("healthy" if healthy else "run repair where the folder can be written to fix these")

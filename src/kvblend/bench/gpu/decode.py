@@ -101,10 +101,15 @@ def shaped_engine(shape: str, model: str | None, tokenizer: str | None, device: 
 def results(engine: BlendEngine, args: argparse.Namespace, rows: list[dict]) -> dict[str, Any]:
     """Return the JSON written: the settings (``meta``; ``compiled`` as decoding ran), rows."""
     compiled = os.environ.get(COMPILE_ENV, "0").strip() == "1"
-    meta = {"model": engine.name, "device": str(engine.decoder.device), "threads": args.threads,
-            "repeats": args.repeats, "tokens": args.tokens,
-            "model_shape": getattr(args, "model_shape", None),
-            "compiled": compiled and engine.decoder.device.type == "cuda"}  # fmt: skip
+    meta = {
+        "model": engine.name,
+        "device": str(engine.decoder.device),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "tokens": args.tokens,
+        "model_shape": getattr(args, "model_shape", None),
+        "compiled": compiled and engine.decoder.device.type == "cuda",
+    }
     return {"meta": meta, "rows": rows}
 
 
@@ -123,8 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--output-dir", type=Path, default=RESULTS_DIR, help="folder of the results"
     )
-    parser.add_argument("--model-shape", choices=sorted(MODEL_SHAPES), default=None,
-                        help="random weights of this shape instead of --model")  # fmt: skip
+    parser.add_argument(
+        "--model-shape",
+        choices=sorted(MODEL_SHAPES),
+        default=None,
+        help="random weights of this shape instead of --model",
+    )
     parser.add_argument("--tokenizer", default=None, help="with --model-shape: tokenizer folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

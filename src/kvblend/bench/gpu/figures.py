@@ -49,13 +49,18 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--decode-tokens", type=int, default=32, help="0 to skip decode speed")
     parser.add_argument("--no-disk", action="store_true", help="skip the cold-disk runs")
-    parser.add_argument("--no-host", action="store_true",
-                        help="skip the runs with the documents in host memory")  # fmt: skip
-    parser.add_argument("--ingest-documents", type=int, default=None,
-                        help="documents of the precompute timing (default 64 on a GPU, 4 on "
-                             "the CPU; 0 to skip it)")  # fmt: skip
-    parser.add_argument("--batch-tokens", default="4096,16384",
-                        help="token budgets of the batched precompute runs")  # fmt: skip
+    parser.add_argument(
+        "--no-host", action="store_true", help="skip the runs with the documents in host memory"
+    )
+    parser.add_argument(
+        "--ingest-documents",
+        type=int,
+        default=None,
+        help="documents of the precompute timing (default 64 on a GPU, 4 on the CPU; 0 to skip it)",
+    )
+    parser.add_argument(
+        "--batch-tokens", default="4096,16384", help="token budgets of the batched precompute runs"
+    )
     parser.add_argument(
         "--model-shape",
         choices=sorted(MODEL_SHAPES),
@@ -63,9 +68,12 @@ def add_gpu_arguments(parser: argparse.ArgumentParser) -> None:
         help="time a model of this shape with random weights instead of --model "
         "(whose tokenizer is still used)",
     )
-    parser.add_argument("--tokenizer", default=None,
-                        help="with --model-shape: a folder of tokenizer files to use instead of "
-                             "loading --model (no weights needed)")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with --model-shape: a folder of tokenizer files to use instead of "
+        "loading --model (no weights needed)",
+    )
     parser.add_argument("--output", default=str(RESULTS_DIR / "gpu.json"))
 
 
@@ -85,9 +93,12 @@ def shaped_engine(args: argparse.Namespace) -> BlendEngine:
     tokenizer = shape_tokenizer(args.model, args.tokenizer)
     model = random_model(args.model_shape, tokenizer, device, dtype)
     return BlendEngine(
-        model, tokenizer, store=MemoryKVStore(8 << 30), system_prompt=SYSTEM,
+        model,
+        tokenizer,
+        store=MemoryKVStore(8 << 30),
+        system_prompt=SYSTEM,
         name=f"{args.model_shape} (random weights)",
-    )  # fmt: skip
+    )
 
 
 def shape_tokenizer(model: str | None, folder: str | None) -> Any:
@@ -123,25 +134,39 @@ def run_gpu(engine: BlendEngine, args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     ttft = run_ttft(
-        engine, lengths=parse_lengths(args.lengths), strategies=parse_strategies(args.strategies),
-        repeats=args.repeats, doc_tokens=args.doc_tokens, disk=not args.no_disk,
-        disk_strategies=None, decode_tokens=args.decode_tokens, seed=args.seed,
-        host=not args.no_host, from_text=True,
-    )  # fmt: skip
+        engine,
+        lengths=parse_lengths(args.lengths),
+        strategies=parse_strategies(args.strategies),
+        repeats=args.repeats,
+        doc_tokens=args.doc_tokens,
+        disk=not args.no_disk,
+        disk_strategies=None,
+        decode_tokens=args.decode_tokens,
+        seed=args.seed,
+        host=not args.no_host,
+        from_text=True,
+    )
     documents = args.ingest_documents
     if documents is None:
         documents = 64 if device.type == "cuda" else 4
     ingest = None
     if documents > 0:
         ingest = run_ingest(
-            engine, documents=documents, doc_tokens=args.doc_tokens,
-            batch_tokens=parse_lengths(args.batch_tokens), repeats=args.repeats,
+            engine,
+            documents=documents,
+            doc_tokens=args.doc_tokens,
+            batch_tokens=parse_lengths(args.batch_tokens),
+            repeats=args.repeats,
             seed=args.seed,
-        )  # fmt: skip
+        )
     baseline = run_transformers(
-        engine, parse_lengths(args.lengths), args.repeats, args.doc_tokens, args.seed,
+        engine,
+        parse_lengths(args.lengths),
+        args.repeats,
+        args.doc_tokens,
+        args.seed,
         decode_tokens=args.decode_tokens,
-    )  # fmt: skip
+    )
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
     return {
         "benchmark": "gpu",
@@ -223,10 +248,14 @@ def run_transformers(
 
     def generate(ids: torch.Tensor, tokens: int = 1) -> None:
         model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-            min_new_tokens=tokens, do_sample=False, pad_token_id=engine.tokenizer.eos_token_id,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=engine.tokenizer.eos_token_id,
             stopping_criteria=StoppingCriteriaList([clock.start()]) if tokens > 1 else None,
-        )  # fmt: skip
+        )
 
     runs: dict[str, Any] = {
         "transformers-forward": lambda n: forward(device_ids[n]),
@@ -257,7 +286,7 @@ def run_transformers(
             "run": name,
             "ttft_median_s": statistics.median(values),
             "ttft_min_s": min(values),
-        }  # fmt: skip
+        }
         for (length, name), values in times.items()
         if name in runs and name != "transformers-decode"
     ]
@@ -306,11 +335,16 @@ def _decode_rows(
             continue
         after_first = times[(length, "decode-after-first")]
         rates = [(tokens - 1) / seconds for seconds in after_first if seconds > 0]
-        rows.append({
-            "target_tokens": length, "prompt_tokens": ids.shape[1], "run": "transformers-decode",
-            "decode_tokens": tokens, "total_median_s": statistics.median(whole),
-            "decode_tok_s_median": statistics.median(rates) if rates else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "target_tokens": length,
+                "prompt_tokens": ids.shape[1],
+                "run": "transformers-decode",
+                "decode_tokens": tokens,
+                "total_median_s": statistics.median(whole),
+                "decode_tok_s_median": statistics.median(rates) if rates else None,
+            }
+        )
     return rows
 
 
@@ -338,12 +372,16 @@ def baseline_table(result: dict[str, Any]) -> str:
         generate, generate_ids = (
             median(length, "transformers-generate" + k) for k in ("-text", "")
         )
-        memory = {s["strategy"]: s for s in summary
-                  if s["store"] == "memory" and s["target_tokens"] == length}  # fmt: skip
+        memory = {
+            s["strategy"]: s
+            for s in summary
+            if s["store"] == "memory" and s["target_tokens"] == length
+        }
         names = ("full", "default", "reuse")
         ratios = [_ratio(memory.get(name, {}).get("ttft_median_s"), forward) for name in names]
-        from_ids = [_ratio(memory.get(n, {}).get("ttft_from_ids_median_s"), forward_ids)
-                    for n in names]  # fmt: skip
+        from_ids = [
+            _ratio(memory.get(n, {}).get("ttft_from_ids_median_s"), forward_ids) for n in names
+        ]
         rates = [
             baseline.get((length, "transformers-decode"), {}).get("decode_tok_s_median"),
             memory.get("default", {}).get("decode_tok_s_median"),

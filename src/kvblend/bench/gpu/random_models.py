@@ -59,8 +59,9 @@ def random_model(shape: str, tokenizer: Any, device: torch.device, dtype: torch.
     fields = dict(MODEL_SHAPES[shape])
     kind = fields.pop("model_type", "llama")
     config_class, model_class = {
-        "llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    }[kind]  # fmt: skip
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    }[kind]
     fields["vocab_size"] = max(fields["vocab_size"], len(tokenizer))
     config = config_class(
         **fields, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id

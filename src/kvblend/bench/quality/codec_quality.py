@@ -55,11 +55,21 @@ def codec_engines(base: Any, codecs: Sequence[str]) -> dict[str, Any]:
     engines = {}
     for name in codecs:
         codec = kv_codec(name)
-        engines[codec.name] = base if codec == base.kv_codec else BlendEngine(
-            base.model, base.tokenizer, store=base.store, kv_dtype=base.kv_dtype,
-            system_prompt=base.system_prompt, doc_prefix=base.doc_prefix, name=str(base.name),
-            kv_codec=codec, check_parity=False,
-        )  # fmt: skip
+        engines[codec.name] = (
+            base
+            if codec == base.kv_codec
+            else BlendEngine(
+                base.model,
+                base.tokenizer,
+                store=base.store,
+                kv_dtype=base.kv_dtype,
+                system_prompt=base.system_prompt,
+                doc_prefix=base.doc_prefix,
+                name=str(base.name),
+                kv_codec=codec,
+                check_parity=False,
+            )
+        )
     return engines
 
 
@@ -82,8 +92,9 @@ def transcode(source: Any, engines: dict[str, Any], texts: Sequence[str]) -> int
             target = engine.segment_id(text)
             if engine is source or engine.store.contains(target):
                 continue
-            engine.store.put(target, engine.kv_codec.encode(kv),
-                             {**metadata, "codec": engine.kv_codec.name})  # fmt: skip
+            engine.store.put(
+                target, engine.kv_codec.encode(kv), {**metadata, "codec": engine.kv_codec.name}
+            )
             written += 1
     return written
 
@@ -137,38 +148,50 @@ def codec_summary(
             kl = np.array([blend[q]["kl"] for q in qids])
             base_kl = np.array([base[q]["kl"] for q in qids])
             vs_full = paired_stats(
-                correct, [full[q]["correct"] for q in qids], kl=kl.tolist(),
-                agrees=[blend[q]["agrees"] for q in qids], seed=seed,
-            )  # fmt: skip
+                correct,
+                [full[q]["correct"] for q in qids],
+                kl=kl.tolist(),
+                agrees=[blend[q]["agrees"] for q in qids],
+                seed=seed,
+            )
             vs_base = paired_stats(
-                correct, [base[q]["correct"] for q in qids],
-                agrees=[blend[q]["answer"] == base[q]["answer"] for q in qids], seed=seed,
-            )  # fmt: skip
+                correct,
+                [base[q]["correct"] for q in qids],
+                agrees=[blend[q]["answer"] == base[q]["answer"] for q in qids],
+                seed=seed,
+            )
             rng = np.random.default_rng(seed)
             index = rng.integers(0, len(qids), size=(RESAMPLES, len(qids)))
             base_correct = np.array([base[q]["correct"] for q in qids], dtype=float)
             base_ci = _interval(base_correct[index].mean(axis=1))
             kl_diff = float(kl.mean() - base_kl.mean())
             accuracy = vs_full["accuracy"]
-            out.append({
-                "shape": shape, "codec": codec, "n": len(qids),
-                "full_accuracy": vs_full["full_accuracy"], "accuracy": accuracy,
-                "difference_vs_full": vs_full["difference"],
-                "difference_vs_full_ci": vs_full["difference_ci"],
-                "none_accuracy": vs_base["full_accuracy"], "none_accuracy_ci": base_ci,
-                "difference_vs_none": vs_base["difference"],
-                "difference_vs_none_ci": vs_base["difference_ci"],
-                "kl_mean": vs_full["kl_mean"], "kl_ci": vs_full["kl_ci"],
-                "kl_vs_none": kl_diff,
-                "kl_vs_none_ci": _interval((kl - base_kl)[index].mean(axis=1)),
-                "agreement_with_full": vs_full["agreement"],
-                "same_answer_as_none": vs_base["agreement"],
-                "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
-                "kl_within_margin": kl_diff <= KL_MARGIN,
-                "seconds_mean": statistics.fmean(blend[q]["ttft_s"] for q in qids),
-                "compute_mean": statistics.fmean(blend[q]["compute_fraction"] for q in qids),
-                "fallback_share": statistics.fmean(bool(blend[q]["fallback"]) for q in qids),
-            })  # fmt: skip
+            out.append(
+                {
+                    "shape": shape,
+                    "codec": codec,
+                    "n": len(qids),
+                    "full_accuracy": vs_full["full_accuracy"],
+                    "accuracy": accuracy,
+                    "difference_vs_full": vs_full["difference"],
+                    "difference_vs_full_ci": vs_full["difference_ci"],
+                    "none_accuracy": vs_base["full_accuracy"],
+                    "none_accuracy_ci": base_ci,
+                    "difference_vs_none": vs_base["difference"],
+                    "difference_vs_none_ci": vs_base["difference_ci"],
+                    "kl_mean": vs_full["kl_mean"],
+                    "kl_ci": vs_full["kl_ci"],
+                    "kl_vs_none": kl_diff,
+                    "kl_vs_none_ci": _interval((kl - base_kl)[index].mean(axis=1)),
+                    "agreement_with_full": vs_full["agreement"],
+                    "same_answer_as_none": vs_base["agreement"],
+                    "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
+                    "kl_within_margin": kl_diff <= KL_MARGIN,
+                    "seconds_mean": statistics.fmean(blend[q]["ttft_s"] for q in qids),
+                    "compute_mean": statistics.fmean(blend[q]["compute_fraction"] for q in qids),
+                    "fallback_share": statistics.fmean(bool(blend[q]["fallback"]) for q in qids),
+                }
+            )
     return out
 
 
@@ -184,8 +207,11 @@ def codec_table(summary: Sequence[dict[str, Any]]) -> str:
         diff, ci = s["difference_vs_none"], s["difference_vs_none_ci"]
         low, high = s["none_accuracy_ci"]
         kl_low, kl_high = s["kl_vs_none_ci"]
-        met = "-" if s["codec"] == "none" else (
-            "yes" if s["accuracy_within_none_ci"] and s["kl_within_margin"] else "no")  # fmt: skip
+        met = (
+            "-"
+            if s["codec"] == "none"
+            else ("yes" if s["accuracy_within_none_ci"] and s["kl_within_margin"] else "no")
+        )
         lines.append(
             f"| {s['shape']} | {s['codec']} | {s['n']} | {s['full_accuracy']:.1%} | "
             f"{s['accuracy']:.1%} | {diff * 100:+.1f} [{ci[0] * 100:+.1f}, {ci[1] * 100:+.1f}] | "
@@ -224,8 +250,9 @@ def run_codec_quality(
     """
     shard_index, shard_count = shard
     if not 0 <= shard_index < shard_count:
-        raise ValueError(f"shard {shard_index}/{shard_count}: needs 0 <= {shard_index} < "
-                         f"{shard_count}")  # fmt: skip
+        raise ValueError(
+            f"shard {shard_index}/{shard_count}: needs 0 <= {shard_index} < {shard_count}"
+        )
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
     strategies = [strategy("full"), strategy(blend_strategy)]
@@ -243,11 +270,18 @@ def run_codec_quality(
         return loaded[0]
 
     result: dict[str, Any] = {
-        "benchmark": "codec-quality", **(meta or {}), "data": str(data) if data else None,
-        "questions_per_shape": questions, "seed": seed, "shapes": list(shapes),
-        "codecs": list(engines), "strategy": blend_strategy, "kl_margin": KL_MARGIN,
-        "rows_file": str(rows_path), "summary": [],
-    }  # fmt: skip
+        "benchmark": "codec-quality",
+        **(meta or {}),
+        "data": str(data) if data else None,
+        "questions_per_shape": questions,
+        "seed": seed,
+        "shapes": list(shapes),
+        "codecs": list(engines),
+        "strategy": blend_strategy,
+        "kl_margin": KL_MARGIN,
+        "rows_file": str(rows_path),
+        "summary": [],
+    }
     output.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     for shape in shapes:
@@ -276,10 +310,15 @@ def run_codec_quality(
                 result["summary"] = codec_summary(rows, seed=seed, blend_strategy=blend_strategy)
                 result["elapsed_s"] = time.perf_counter() - started
                 write_json(result, output)
-                line = ", ".join(f"{s['codec']} {s['accuracy']:.0%}/{s['kl_mean']:.3f}"
-                                 for s in result["summary"] if s["shape"] == shape)  # fmt: skip
-                log(f"[{shape} {count}/{len(todo)}, {time.perf_counter() - began:.1f} s "
-                    f"per question] {line}")  # fmt: skip
+                line = ", ".join(
+                    f"{s['codec']} {s['accuracy']:.0%}/{s['kl_mean']:.3f}"
+                    for s in result["summary"]
+                    if s["shape"] == shape
+                )
+                log(
+                    f"[{shape} {count}/{len(todo)}, {time.perf_counter() - began:.1f} s "
+                    f"per question] {line}"
+                )
     result["summary"] = codec_summary(rows, seed=seed, blend_strategy=blend_strategy)
     write_json(result, output)
     return result
@@ -297,19 +336,26 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="float32",
-                        help="auto, float32, bf16, fp16 (default float32: the exact "
-                             "reference the codecs' error is measured against)")  # fmt: skip
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="auto, float32, bf16, fp16 (default float32: the exact "
+        "reference the codecs' error is measured against)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", help="NQ jsonl(.gz) (the nq-10 and long shapes)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " +
-                        ", ".join(SHAPES))  # fmt: skip
+    parser.add_argument(
+        "--shapes", default=",".join(SHAPES), help="comma list of " + ", ".join(SHAPES)
+    )
     parser.add_argument("--codecs", default=",".join(CODECS), help="comma list; none always runs")
     parser.add_argument("--questions", type=int, default=300, help="questions per shape")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--strategy", default="default", help="the blend every codec runs, "
-                        "with +setting=value overrides (default: default)")  # fmt: skip
+    parser.add_argument(
+        "--strategy",
+        default="default",
+        help="the blend every codec runs, with +setting=value overrides (default: default)",
+    )
     parser.add_argument(
         "--shard",
         default="0/1",
@@ -332,13 +378,26 @@ def main(argv: list[str] | None = None) -> None:
     args.doc_prefix = "auto"
     base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
     base.store.max_bytes = 1 << 30  # entries of earlier questions are evicted, not kept
-    meta = {"machine": describe_machine(base), "default_config": repr(BlendConfig()),
-            "max_new_tokens": args.max_new_tokens}  # fmt: skip
+    meta = {
+        "machine": describe_machine(base),
+        "default_config": repr(BlendConfig()),
+        "max_new_tokens": args.max_new_tokens,
+    }
     result = run_codec_quality(
-        base, shapes, codecs, data=args.data, questions=args.questions,
-        output=Path(args.output), seed=args.seed, max_new_tokens=args.max_new_tokens, meta=meta,
-        blend_strategy=args.strategy, shard=(shard[0], shard[1]),
-    )  # fmt: skip
-    title = (f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
-             f"{args.strategy}, engine at its defaults")  # fmt: skip
+        base,
+        shapes,
+        codecs,
+        data=args.data,
+        questions=args.questions,
+        output=Path(args.output),
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        meta=meta,
+        blend_strategy=args.strategy,
+        shard=(shard[0], shard[1]),
+    )
+    title = (
+        f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
+        f"{args.strategy}, engine at its defaults"
+    )
     write_result(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))

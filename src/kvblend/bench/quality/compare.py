@@ -58,9 +58,14 @@ def engine_with_head(engine: BlendEngine, doc_prefix: str | None) -> BlendEngine
     The store keys include the document context, so both engines can share the store.
     """
     return BlendEngine(
-        engine.model, engine.tokenizer, store=engine.store, kv_dtype=engine.kv_dtype,
-        system_prompt=engine.system_prompt, doc_prefix=doc_prefix, name=str(engine.name),
-    )  # fmt: skip
+        engine.model,
+        engine.tokenizer,
+        store=engine.store,
+        kv_dtype=engine.kv_dtype,
+        system_prompt=engine.system_prompt,
+        doc_prefix=doc_prefix,
+        name=str(engine.name),
+    )
 
 
 def engines_for(base: BlendEngine, heads: Sequence[str], head_text: str) -> dict[str, BlendEngine]:
@@ -119,28 +124,49 @@ def evaluate_item(
     rows: list[dict[str, Any]] = []
     for head, engine in engines.items():
         rows.append(
-            {**base, "head": head, "strategy": "full", "answer": full_answer,
-             "correct": item.score(full_answer), "agrees": True, "kl": 0.0,
-             "compute_fraction": 1.0, "recompute_fraction": 0.0, "documents_reused": 0,
-             "reused_tokens": full_pre.stats.reused_tokens, "recomputed_tokens": 0,
-             "fallback": None, "ttft_s": full_ttft, "ttft_ratio": 1.0}
-        )  # fmt: skip
+            {
+                **base,
+                "head": head,
+                "strategy": "full",
+                "answer": full_answer,
+                "correct": item.score(full_answer),
+                "agrees": True,
+                "kl": 0.0,
+                "compute_fraction": 1.0,
+                "recompute_fraction": 0.0,
+                "documents_reused": 0,
+                "reused_tokens": full_pre.stats.reused_tokens,
+                "recomputed_tokens": 0,
+                "fallback": None,
+                "ttft_s": full_ttft,
+                "ttft_ratio": 1.0,
+            }
+        )
         for strat in strategies[1:]:
-            pre, answer, ttft = _run(engine, strat.segments(item.segments), strat.config,
-                                     max_new_tokens)  # fmt: skip
+            pre, answer, ttft = _run(
+                engine, strat.segments(item.segments), strat.config, max_new_tokens
+            )
             if pre.token_ids != full_pre.token_ids:
                 raise RuntimeError(f"{strat.name} prefilled other token ids than full prefill")
             rows.append(
-                {**base, "head": head, "strategy": strat.name, "answer": answer,
-                 "correct": item.score(answer), "agrees": answer == full_answer,
-                 "kl": kl_divergence(full_pre.logits, pre.logits),
-                 "compute_fraction": pre.stats.compute_fraction,
-                 "recompute_fraction": pre.stats.recompute_fraction,
-                 "documents_reused": pre.stats.documents_reused,
-                 "reused_tokens": pre.stats.reused_tokens,
-                 "recomputed_tokens": pre.stats.recomputed_tokens,
-                 "fallback": pre.stats.fallback, "ttft_s": ttft, "ttft_ratio": ttft / full_ttft}
-            )  # fmt: skip
+                {
+                    **base,
+                    "head": head,
+                    "strategy": strat.name,
+                    "answer": answer,
+                    "correct": item.score(answer),
+                    "agrees": answer == full_answer,
+                    "kl": kl_divergence(full_pre.logits, pre.logits),
+                    "compute_fraction": pre.stats.compute_fraction,
+                    "recompute_fraction": pre.stats.recompute_fraction,
+                    "documents_reused": pre.stats.documents_reused,
+                    "reused_tokens": pre.stats.reused_tokens,
+                    "recomputed_tokens": pre.stats.recomputed_tokens,
+                    "fallback": pre.stats.fallback,
+                    "ttft_s": ttft,
+                    "ttft_ratio": ttft / full_ttft,
+                }
+            )
     return rows
 
 

@@ -67,11 +67,14 @@ def context_engines(base: BlendEngine, contexts: Sequence[str], head: str) -> di
         raise ValueError(f"unknown context {unknown}; choose from {', '.join(CONTEXTS)}")
     return {
         name: BlendEngine(
-            base.model, base.tokenizer, store=MemoryKVStore(), doc_prefix=doc_prefixes[name],
+            base.model,
+            base.tokenizer,
+            store=MemoryKVStore(),
+            doc_prefix=doc_prefixes[name],
             name=base.name,
         )
         for name in contexts
-    }  # fmt: skip
+    }
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -101,11 +104,13 @@ def summarize(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _agreement(group: Sequence[dict[str, Any]], full: dict[str, str]) -> float | None:
     marks = [
-        row["agrees"] if "agrees" in row
-        else row["answer"] == full[row["qid"]] if "answer" in row and row["qid"] in full
+        row["agrees"]
+        if "agrees" in row
+        else row["answer"] == full[row["qid"]]
+        if "answer" in row and row["qid"] in full
         else None
         for row in group
-    ]  # fmt: skip
+    ]
     if any(mark is None for mark in marks):
         return None
     return sum(bool(mark) for mark in marks) / len(marks)
@@ -156,22 +161,34 @@ def run_doc_context(
         segments = prompt_segments(base, item)
         full = base.prefill(segments, BlendConfig("full"))
         full_answer = base.generate(full, max_new_tokens=max_new_tokens, stop=list(STOP))
-        rows.append({"qid": item.qid, "context": "-", "config": "full",
-                     "correct": score(full_answer.text.strip(), item.answers, item.wrong),
-                     "agrees": True, "kl": 0.0, "recompute_fraction": 0.0,
-                     "answer": full_answer.text.strip()})  # fmt: skip
+        rows.append(
+            {
+                "qid": item.qid,
+                "context": "-",
+                "config": "full",
+                "correct": score(full_answer.text.strip(), item.answers, item.wrong),
+                "agrees": True,
+                "kl": 0.0,
+                "recompute_fraction": 0.0,
+                "answer": full_answer.text.strip(),
+            }
+        )
         for context, engine in engines.items():
             for name in configs:
                 pre = engine.prefill(segments, CONFIGS[name])
                 answer = engine.generate(pre, max_new_tokens=max_new_tokens, stop=list(STOP))
-                rows.append({
-                    "qid": item.qid, "context": context, "config": name,
-                    "correct": score(answer.text.strip(), item.answers, item.wrong),
-                    "agrees": answer.text.strip() == full_answer.text.strip(),
-                    "kl": kl_divergence(full.logits, pre.logits),
-                    "recompute_fraction": pre.stats.recompute_fraction,
-                    "answer": answer.text.strip(),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "qid": item.qid,
+                        "context": context,
+                        "config": name,
+                        "correct": score(answer.text.strip(), item.answers, item.wrong),
+                        "agrees": answer.text.strip() == full_answer.text.strip(),
+                        "kl": kl_divergence(full.logits, pre.logits),
+                        "recompute_fraction": pre.stats.recompute_fraction,
+                        "answer": answer.text.strip(),
+                    }
+                )
         if (index + 1) % 20 == 0 or index + 1 == len(items):
             elapsed = time.perf_counter() - started
             print(f"[{index + 1}/{len(items)} in {elapsed:.0f} s]", file=sys.stderr)

@@ -114,10 +114,13 @@ def at_limit(rows: Sequence[dict[str, Any]], signal: str, limit: float) -> dict[
     caught = sum(e and d for e, d in zip(escalate, differ, strict=True))
     caught_first = sum(e and d for e, d in zip(escalate, first_differs, strict=True))
     steps = decode_steps(signal)
-    cost = [_escalated_cost(r, steps) if e else r["compute_fraction"]
-            for r, e in zip(rows, escalate, strict=True)]  # fmt: skip
-    correct = [r["full_correct"] if e else r["correct"]
-               for r, e in zip(rows, escalate, strict=True)]  # fmt: skip
+    cost = [
+        _escalated_cost(r, steps) if e else r["compute_fraction"]
+        for r, e in zip(rows, escalate, strict=True)
+    ]
+    correct = [
+        r["full_correct"] if e else r["correct"] for r, e in zip(rows, escalate, strict=True)
+    ]
     full_accuracy = statistics.fmean(float(r["full_correct"]) for r in rows)
     escalated = sum(escalate)
     return {
@@ -131,7 +134,7 @@ def at_limit(rows: Sequence[dict[str, Any]], signal: str, limit: float) -> dict[
         "kept_agreement": statistics.fmean(float(r["agrees"]) for r in kept) if kept else math.nan,
         "agreement": statistics.fmean(
             float(e or r["agrees"]) for r, e in zip(rows, escalate, strict=True)
-        ),  # fmt: skip
+        ),
         "compute": statistics.fmean(cost),
         "share_of_full": statistics.fmean(float(c) for c in correct) / full_accuracy
         if full_accuracy
@@ -161,8 +164,9 @@ def sweep(
     points = list(quantiles) if quantiles is not None else np.linspace(1.0, 0.5, 11).tolist()
     if low_is_risk(signal):  # the low tail is at risk: the limits from the least value up
         points = [1.0 - q for q in points]
-    limits = sorted({float(np.quantile(values, q)) for q in points},
-                    reverse=not low_is_risk(signal))  # fmt: skip
+    limits = sorted(
+        {float(np.quantile(values, q)) for q in points}, reverse=not low_is_risk(signal)
+    )
     table, seen = [], set()
     for limit in limits:  # a limit that escalates the same questions as one before: left out
         escalated = tuple(escalates(row, signal, limit) for row in rows)
@@ -203,19 +207,29 @@ def separation(
     draws = [_auc(risks[i], differ[i]) for i in picks]
     finite = [d for d in draws if math.isfinite(d)]
     interval = [float(np.quantile(finite, q)) for q in (0.025, 0.975)] if finite else [math.nan] * 2
-    return {"signal": signal, "target": target, "n": len(kept), "differ": int(differ.sum()),
-            "auc": _auc(risks, differ), "auc_ci": interval}  # fmt: skip
+    return {
+        "signal": signal,
+        "target": target,
+        "n": len(kept),
+        "differ": int(differ.sum()),
+        "auc": _auc(risks, differ),
+        "auc_ci": interval,
+    }
 
 
 def separation_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown of `separation` rows."""
-    lines = ["| signal | predicts a differing | n | differing | AUC [95% CI] |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| signal | predicts a differing | n | differing | AUC [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
         what = "answer" if row["target"] == "agrees" else "first token"
         low, high = row["auc_ci"]
-        lines.append(f"| {row['signal']} | {what} | {row['n']} | {row['differ']} | "
-                     f"{row['auc']:.2f} [{low:.2f}, {high:.2f}] |")  # fmt: skip
+        lines.append(
+            f"| {row['signal']} | {what} | {row['n']} | {row['differ']} | "
+            f"{row['auc']:.2f} [{low:.2f}, {high:.2f}] |"
+        )
     return "\n".join(lines)
 
 
@@ -234,9 +248,11 @@ def _percent(value: float) -> str:
 
 def calibration_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown of `sweep` (or `choose_limit`) rows."""
-    lines = ["| signal | limit | n | escalated | precision | first-token precision | recall "
-             "| agreement kept | agreement | compute | % of full |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| signal | limit | n | escalated | precision | first-token precision | recall "
+        "| agreement kept | agreement | compute | % of full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in rows:
         lines.append(
             f"| {row['signal']} | {row['limit']:.4g} | {row['n']} | {row['escalated']:.0%} | "
@@ -255,11 +271,13 @@ def chosen_line(best: dict[str, Any], budget: float) -> str:
     setting = f"guard={limit:.4g}, guard_signal={signal}"
     if steps:
         setting = f"a check after {steps} decoded token(s): no setting yet"
-    return (f"{signal} within compute {budget:g}: limit {limit:.4g} (escalate {past}; {setting}): "
-            f"escalates {best['escalated']:.0%}, precision {_percent(best['precision'])} "
-            f"(first token {_percent(best['first_token_precision'])}), mean compute "
-            f"{best['compute']:.3f} with escalations, agreement {best['agreement']:.0%}, "
-            f"{_percent(best['share_of_full'])} of full's accuracy")  # fmt: skip
+    return (
+        f"{signal} within compute {budget:g}: limit {limit:.4g} (escalate {past}; {setting}): "
+        f"escalates {best['escalated']:.0%}, precision {_percent(best['precision'])} "
+        f"(first token {_percent(best['first_token_precision'])}), mean compute "
+        f"{best['compute']:.3f} with escalations, agreement {best['agreement']:.0%}, "
+        f"{_percent(best['share_of_full'])} of full's accuracy"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -288,12 +306,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = paired_rows(result["rows"], args.strategy)
     if not rows:
         parser.error(f"no {args.strategy} rows with guard signals or margins in {args.result}")
-    separations = [separation(rows, signal, target=target, resamples=args.resamples)
-                   for target in ("top1_agrees", "agrees") for signal in signals]  # fmt: skip
+    separations = [
+        separation(rows, signal, target=target, resamples=args.resamples)
+        for target in ("top1_agrees", "agrees")
+        for signal in signals
+    ]
     separations = [row for row in separations if row["n"]]  # signals the rows have
-    text = [f"Signals of {args.strategy} on {len(rows)} questions of {args.result}: how well each "
-            "ranks the questions whose first token or whole answer differed from full prefill's",
-            "", separation_table(separations)]  # fmt: skip
+    text = [
+        f"Signals of {args.strategy} on {len(rows)} questions of {args.result}: how well each "
+        "ranks the questions whose first token or whole answer differed from full prefill's",
+        "",
+        separation_table(separations),
+    ]
     answered = [r for r in rows if r.get("agrees") is not None and r.get("correct") is not None]
     sweeps: dict[str, list[dict[str, Any]]] = {}
     chosen: list[dict[str, Any]] = []
@@ -308,8 +332,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             text += ["", chosen_line(best, args.budget)]
     if chosen:
         chosen.sort(key=lambda row: (-row["agreement"], row["compute"]))
-        text += ["", f"The limit each signal picks within compute {args.budget:g}, best first:", "",
-                 calibration_table(chosen)]  # fmt: skip
+        text += [
+            "",
+            f"The limit each signal picks within compute {args.budget:g}, best first:",
+            "",
+            calibration_table(chosen),
+        ]
     elif not answered:
         text += ["", "No answers in these rows (a --kl-only run): no limits to choose."]
     print("\n".join(text))
@@ -318,13 +346,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         output = Path(args.output)
         record = {
-            "benchmark": "guard", "command": running_command(), "source": args.result,
-            "source_command": result.get("command"), "machine": result.get("machine"),
-            "model": result.get("model"), "split": result.get("split"),
-            "file_range": result.get("file_range"), "strategy": args.strategy,
-            "budget": args.budget, "n": len(rows), "separation": separations, "sweeps": sweeps,
+            "benchmark": "guard",
+            "command": running_command(),
+            "source": args.result,
+            "source_command": result.get("command"),
+            "machine": result.get("machine"),
+            "model": result.get("model"),
+            "split": result.get("split"),
+            "file_range": result.get("file_range"),
+            "strategy": args.strategy,
+            "budget": args.budget,
+            "n": len(rows),
+            "separation": separations,
+            "sweeps": sweeps,
             "chosen": chosen,
-        }  # fmt: skip
+        }
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps(record, indent=1))
         output.with_suffix(".md").write_text("\n".join(text) + "\n")

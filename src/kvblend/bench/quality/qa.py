@@ -228,8 +228,16 @@ def _same_city(people: list[Person], rng: random.Random) -> tuple[list[Person], 
     if same:
         moved = people[j]
         people = list(people)
-        people[j] = Person(moved.first, moved.last, people[i].city, moved.job, moved.pet,
-                           moved.employer, moved.year, moved.hobby)  # fmt: skip
+        people[j] = Person(
+            moved.first,
+            moved.last,
+            people[i].city,
+            moved.job,
+            moved.pet,
+            moved.employer,
+            moved.year,
+            moved.hobby,
+        )
     a, b = people[i], people[j]
     question = f"Do {a.name} and {b.name} live in the same city? Answer yes or no."
     return people, ("same_city", question, ["yes" if same else "no"], [], [i, j], "Answer:")

@@ -75,11 +75,20 @@ def shape_items(
         return qa_items(engine, shape, questions, seed)
     corpus, nq_questions, retriever = nq()
     if shape == "long":
-        return nq_items(engine, corpus, nq_questions[:questions], retriever,
-                        k=LONG_PASSAGES, seed=seed, group=LONG_GROUP, gold_at=gold_at)  # fmt: skip
+        return nq_items(
+            engine,
+            corpus,
+            nq_questions[:questions],
+            retriever,
+            k=LONG_PASSAGES,
+            seed=seed,
+            group=LONG_GROUP,
+            gold_at=gold_at,
+        )
     k = int(shape.removeprefix("nq-"))
-    return nq_items(engine, corpus, nq_questions[:questions], retriever, k=k, seed=seed,
-                    gold_at=gold_at)  # fmt: skip
+    return nq_items(
+        engine, corpus, nq_questions[:questions], retriever, k=k, seed=seed, gold_at=gold_at
+    )
 
 
 def run_shapes(
@@ -106,15 +115,24 @@ def run_shapes(
             raise ValueError("the nq-* and long shapes need the NQ data file (--data)")
         if not loaded:
             corpus, nq_questions = load_nq(data)
-            loaded.append((corpus, nq_questions, Retriever(corpus, data_path=data,
-                                                          cache_dir=cache_dir)))  # fmt: skip
+            loaded.append(
+                (corpus, nq_questions, Retriever(corpus, data_path=data, cache_dir=cache_dir))
+            )
         return loaded[0]
 
     result: dict[str, Any] = {
-        "benchmark": "shapes", **(meta or {}), "data": str(data) if data else None,
-        "questions_per_shape": questions, "seed": seed, "gold_at": gold_at, "shapes": list(shapes),
-        "strategies": [s.name for s in strategies], "heads": {}, "summary": [], "rows": [],
-    }  # fmt: skip
+        "benchmark": "shapes",
+        **(meta or {}),
+        "data": str(data) if data else None,
+        "questions_per_shape": questions,
+        "seed": seed,
+        "gold_at": gold_at,
+        "shapes": list(shapes),
+        "strategies": [s.name for s in strategies],
+        "heads": {},
+        "summary": [],
+        "rows": [],
+    }
     done: list[dict[str, Any]] = []
     for shape in shapes:
         items = shape_items(base, shape, questions, seed, nq, gold_at)
@@ -130,13 +148,17 @@ def run_shapes(
 
         def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
             result["rows"] = earlier + rows
-            result["summary"] = summarize_rows(result["rows"], group_by=("shape", "head"),
-                                               seed=seed)  # fmt: skip
+            result["summary"] = summarize_rows(
+                result["rows"], group_by=("shape", "head"), seed=seed
+            )
             write_json(result, output)
 
         done += run_items(
-            engines, items, strategies, log=log,
+            engines,
+            items,
+            strategies,
+            log=log,
             checkpoint=functools.partial(checkpoint, list(done)),
             max_new_tokens=MAX_NEW_TOKENS.get(shape, max_new_tokens),
-        )  # fmt: skip
+        )
     return result

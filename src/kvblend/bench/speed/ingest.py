@@ -34,9 +34,14 @@ def _synchronize(engine: BlendEngine) -> None:
 
 def _fresh(engine: BlendEngine) -> BlendEngine:
     return BlendEngine(
-        engine.model, engine.tokenizer, store=MemoryKVStore(8 << 30), name=engine.name,
-        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt, check_parity=False,
-    )  # fmt: skip
+        engine.model,
+        engine.tokenizer,
+        store=MemoryKVStore(8 << 30),
+        name=engine.name,
+        doc_prefix=engine.doc_prefix,
+        system_prompt=engine.system_prompt,
+        check_parity=False,
+    )
 
 
 def one_by_one(engine: BlendEngine, texts: Sequence[str]) -> None:
@@ -90,8 +95,16 @@ def run_ingest(
             _synchronize(engine)
             seconds = time.perf_counter() - started
             cpu_s = time.process_time() - cpu_started
-            rows.append({"repeat": repeat, "setting": name, "seconds": seconds, "docs": documents,
-                         "docs_per_s": documents / seconds, "cpu_s": cpu_s})  # fmt: skip
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "setting": name,
+                    "seconds": seconds,
+                    "docs": documents,
+                    "docs_per_s": documents / seconds,
+                    "cpu_s": cpu_s,
+                }
+            )
         latest = rows[-len(settings) :]
         log(
             f"repeat {repeat + 1}/{repeats}: "

@@ -66,10 +66,15 @@ def engine_for(base: BlendEngine, label: str, store: Any) -> BlendEngine:
     """Return an engine over ``base``'s model storing KV as ``label`` says, over ``store``."""
     fp16 = label == "fp16"
     return BlendEngine(
-        base.model, base.tokenizer, store=store, name=str(base.name), system_prompt=SYSTEM,
+        base.model,
+        base.tokenizer,
+        store=store,
+        name=str(base.name),
+        system_prompt=SYSTEM,
         kv_dtype=torch.float16 if fp16 else base.kv_dtype,
-        kv_codec=NO_CODEC if fp16 else kv_codec(label), check_parity=False,
-    )  # fmt: skip
+        kv_codec=NO_CODEC if fp16 else kv_codec(label),
+        check_parity=False,
+    )
 
 
 def bytes_table_rows(labels: Sequence[str], model_shape: tuple[str, int, int, int]) -> list[dict]:
@@ -83,9 +88,16 @@ def bytes_table_rows(labels: Sequence[str], model_shape: tuple[str, int, int, in
                 if label in ("fp16", "none"):
                     continue
                 stored = kv_codec(label).bytes_per_token(heads, dim, tokens) * layers
-                rows.append({"shape": name, "tokens": tokens, "codec": label,
-                             "bytes_per_token": stored, "fp16_bytes_per_token": fp16,
-                             "of_fp16": stored / fp16})  # fmt: skip
+                rows.append(
+                    {
+                        "shape": name,
+                        "tokens": tokens,
+                        "codec": label,
+                        "bytes_per_token": stored,
+                        "fp16_bytes_per_token": fp16,
+                        "of_fp16": stored / fp16,
+                    }
+                )
     return rows
 
 
@@ -149,9 +161,15 @@ def _read_and_place(engine: BlendEngine, keys: Sequence[str], tokens: Sequence[i
 
 
 def run_throughput(
-    base: BlendEngine, labels: Sequence[str], redis_url: str | None, *, documents: int,
-    doc_tokens: int, repeats: int, log: Any,
-) -> list[dict]:  # fmt: skip
+    base: BlendEngine,
+    labels: Sequence[str],
+    redis_url: str | None,
+    *,
+    documents: int,
+    doc_tokens: int,
+    repeats: int,
+    log: Any,
+) -> list[dict]:
     """Precompute into, then read from, every tier, every codec; one row per (tier, codec)."""
     folder = Path(tempfile.mkdtemp(prefix="kvblend-codec-bench-"))
     tiers = _tiers(folder, redis_url, base.decoder.device)
@@ -173,13 +191,23 @@ def run_throughput(
                     reads.append(time.perf_counter() - started)
                 read_s = statistics.median(reads)
                 total = sum(tokens)
-                rows.append({"tier": tier, "codec": label, "documents": len(texts),
-                             "tokens": total, "stored_bytes": stored,
-                             "precompute_tok_s": total / precompute_s,
-                             "read_tok_s": total / read_s, "read_mb_s": stored / read_s / 1e6,
-                             "read_s": reads})  # fmt: skip
-                log(f"{tier} {label}: precompute {total / precompute_s:,.0f} tok/s, read "
-                    f"{total / read_s:,.0f} tok/s ({stored / read_s / 1e6:,.0f} MB/s)")  # fmt: skip
+                rows.append(
+                    {
+                        "tier": tier,
+                        "codec": label,
+                        "documents": len(texts),
+                        "tokens": total,
+                        "stored_bytes": stored,
+                        "precompute_tok_s": total / precompute_s,
+                        "read_tok_s": total / read_s,
+                        "read_mb_s": stored / read_s / 1e6,
+                        "read_s": reads,
+                    }
+                )
+                log(
+                    f"{tier} {label}: precompute {total / precompute_s:,.0f} tok/s, read "
+                    f"{total / read_s:,.0f} tok/s ({stored / read_s / 1e6:,.0f} MB/s)"
+                )
     finally:
         _close(tiers, folder)
     return rows
@@ -223,9 +251,16 @@ def run_decode(
     rows: list[dict[str, Any]] = []
     for label, seconds in times.items():
         median = statistics.median(seconds[1:])
-        rows.append({"codec": label, "tokens": doc_tokens, "dtype": str(dtype).split(".")[-1],
-                     "median_ms": median * 1e3, "tok_s": doc_tokens / median,
-                     "ms": [t * 1e3 for t in seconds[1:]]})  # fmt: skip
+        rows.append(
+            {
+                "codec": label,
+                "tokens": doc_tokens,
+                "dtype": str(dtype).split(".")[-1],
+                "median_ms": median * 1e3,
+                "tok_s": doc_tokens / median,
+                "ms": [t * 1e3 for t in seconds[1:]],
+            }
+        )
     copy = next((r["median_ms"] for r in rows if r["codec"] in ("fp16", "none")), None)
     for row in rows:
         row["vs_copy"] = row["median_ms"] / copy if copy else None
@@ -240,17 +275,29 @@ def _close(tiers: dict[str, Any], folder: Path) -> None:
 
 
 def run_codec_ttft(
-    base: BlendEngine, labels: Sequence[str], redis_url: str | None, *, length: int,
-    doc_tokens: int, repeats: int, log: Any,
-) -> list[dict]:  # fmt: skip
+    base: BlendEngine,
+    labels: Sequence[str],
+    redis_url: str | None,
+    *,
+    length: int,
+    doc_tokens: int,
+    repeats: int,
+    log: Any,
+) -> list[dict]:
     """TTFT of the default blend, documents on a cold disk and in Redis, every codec interleaved."""
     from kvblend.bench.strategies import strategy
 
     folder = Path(tempfile.mkdtemp(prefix="kvblend-codec-ttft-"))
-    tiers = {name: store for name, store in _tiers(folder, redis_url, base.decoder.device).items()
-             if name in ("disk", "redis")}  # fmt: skip
-    engines = {(tier, label): engine_for(base, label, store)
-               for tier, store in tiers.items() for label in labels}  # fmt: skip
+    tiers = {
+        name: store
+        for name, store in _tiers(folder, redis_url, base.decoder.device).items()
+        if name in ("disk", "redis")
+    }
+    engines = {
+        (tier, label): engine_for(base, label, store)
+        for tier, store in tiers.items()
+        for label in labels
+    }
     documents = build_documents(base, length, doc_tokens, seed=length)
     segments = base.rag_segments(QUESTION, documents, system=SYSTEM)
     full, default = strategy("full"), strategy("default")
@@ -261,17 +308,28 @@ def run_codec_ttft(
             engine.prefill(default.segments(segments), default.config)  # warm; stores the head
         memory = engine_for(base, "none", MemoryKVStore(1 << 30))
         for repeat in range(repeats):
-            rows.append({"repeat": repeat, "tier": "-", "codec": "-", "strategy": "full",
-                         **time_prefill(memory, segments, full)})  # fmt: skip
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "tier": "-",
+                    "codec": "-",
+                    "strategy": "full",
+                    **time_prefill(memory, segments, full),
+                }
+            )
             for (tier, label), engine in engines.items():
                 _make_cold(tiers[tier], folder)
                 row = time_prefill(engine, segments, default)
                 if row["segments_precomputed"]:
                     raise RuntimeError(f"{tier}/{label}: documents were computed, not read")
-                rows.append({"repeat": repeat, "tier": tier, "codec": label,
-                             "strategy": "default", **row})  # fmt: skip
-            timed = ", ".join(f"{r['tier']}/{r['codec']} {r['ttft_s']:.2f}s"
-                              for r in rows if r["repeat"] == repeat)  # fmt: skip
+                rows.append(
+                    {"repeat": repeat, "tier": tier, "codec": label, "strategy": "default", **row}
+                )
+            timed = ", ".join(
+                f"{r['tier']}/{r['codec']} {r['ttft_s']:.2f}s"
+                for r in rows
+                if r["repeat"] == repeat
+            )
             log(f"repeat {repeat + 1}/{repeats}: {timed}")
     finally:
         _close(tiers, folder)
@@ -283,15 +341,20 @@ def ttft_summary(rows: Sequence[dict], labels: Sequence[str]) -> list[dict]:
     full = statistics.median(r["ttft_s"] for r in rows if r["strategy"] == "full")
     out = []
     for tier in dict.fromkeys(r["tier"] for r in rows if r["tier"] != "-"):
-        mine = {label: {r["repeat"]: r for r in rows if (r["tier"], r["codec"]) == (tier, label)}
-                for label in labels}  # fmt: skip
+        mine = {
+            label: {r["repeat"]: r for r in rows if (r["tier"], r["codec"]) == (tier, label)}
+            for label in labels
+        }
         for label in labels:
-            entry = {"tier": tier, "codec": label,
-                     "ttft_median_s": statistics.median(r["ttft_s"] for r in mine[label].values()),
-                     "load_median_s": statistics.median(r["load_s"] or 0.0
-                                                        for r in mine[label].values()),
-                     "ttft_vs_full": statistics.median(r["ttft_s"] for r in mine[label].values())
-                     / full}  # fmt: skip
+            entry = {
+                "tier": tier,
+                "codec": label,
+                "ttft_median_s": statistics.median(r["ttft_s"] for r in mine[label].values()),
+                "load_median_s": statistics.median(
+                    r["load_s"] or 0.0 for r in mine[label].values()
+                ),
+                "ttft_vs_full": statistics.median(r["ttft_s"] for r in mine[label].values()) / full,
+            }
             for reference in ("fp16", "none"):
                 if reference in mine and reference != label:
                     entry[f"vs_{reference}"] = statistics.median(
@@ -305,16 +368,20 @@ def ttft_summary(rows: Sequence[dict], labels: Sequence[str]) -> list[dict]:
 
 def codecs_report(result: dict[str, Any]) -> str:
     """Markdown of every part a run measured."""
-    parts = [f"KV codecs, {result['machine']['model']}, {result['machine']['torch_threads']} "
-             f"thread(s), {result['machine']['date']}"]  # fmt: skip
+    parts = [
+        f"KV codecs, {result['machine']['model']}, {result['machine']['torch_threads']} "
+        f"thread(s), {result['machine']['date']}"
+    ]
     if "bytes" in result:
         lines = [
             "| shape | document tokens | codec | bytes per token | of fp16 |",
             "|---|---|---|---|---|",
         ]
         for r in result["bytes"]:
-            lines.append(f"| {r['shape']} | {r['tokens']} | {r['codec']} | "
-                         f"{r['bytes_per_token']:,.0f} | {r['of_fp16']:.3f} |")  # fmt: skip
+            lines.append(
+                f"| {r['shape']} | {r['tokens']} | {r['codec']} | "
+                f"{r['bytes_per_token']:,.0f} | {r['of_fp16']:.3f} |"
+            )
         lines += ["", "| codec | entry file (512-token document) | of fp16 |", "|---|---|---|"]
         for r in result["entry_files"]:
             share = f"{r['of_fp16']:.3f}" if r["of_fp16"] else "-"
@@ -323,11 +390,15 @@ def codecs_report(result: dict[str, Any]) -> str:
             )
         parts.append("\n".join(lines))
     if "throughput" in result:
-        lines = ["| tier | codec | precompute tok/s | read and place tok/s | read MB/s (stored) |",
-                 "|---|---|---|---|---|"]  # fmt: skip
+        lines = [
+            "| tier | codec | precompute tok/s | read and place tok/s | read MB/s (stored) |",
+            "|---|---|---|---|---|",
+        ]
         for r in result["throughput"]:
-            lines.append(f"| {r['tier']} | {r['codec']} | {r['precompute_tok_s']:,.0f} | "
-                         f"{r['read_tok_s']:,.0f} | {r['read_mb_s']:,.0f} |")  # fmt: skip
+            lines.append(
+                f"| {r['tier']} | {r['codec']} | {r['precompute_tok_s']:,.0f} | "
+                f"{r['read_tok_s']:,.0f} | {r['read_mb_s']:,.0f} |"
+            )
         parts.append("\n".join(lines))
     if "ttft_summary" in result:
         lines = [
@@ -342,12 +413,16 @@ def codecs_report(result: dict[str, Any]) -> str:
             )
         parts.append("\n".join(lines))
     if "decode" in result:
-        lines = ["| codec | buffer dtype | entry tokens | place, ms (median) | tok/s | x copy |",
-                 "|---|---|---|---|---|---|"]  # fmt: skip
+        lines = [
+            "| codec | buffer dtype | entry tokens | place, ms (median) | tok/s | x copy |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in result["decode"]:
             vs = f"{r['vs_copy']:.2f}" if r["vs_copy"] else "-"
-            lines.append(f"| {r['codec']} | {r['dtype']} | {r['tokens']} | "
-                         f"{r['median_ms']:.2f} | {r['tok_s']:,.0f} | {vs} |")  # fmt: skip
+            lines.append(
+                f"| {r['codec']} | {r['dtype']} | {r['tokens']} | "
+                f"{r['median_ms']:.2f} | {r['tok_s']:,.0f} | {vs} |"
+            )
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
@@ -358,8 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     from kvblend.bench.result_files import describe_machine, write_result
     from kvblend.bench.speed.redis_ttft import redis_server
 
-    parser = argparse.ArgumentParser(prog="kvblend bench codecs",
-                                     description=(__doc__ or "").split("\n")[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="kvblend bench codecs", description=(__doc__ or "").split("\n")[0]
+    )
     parser.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
     parser.add_argument("--device", default="auto")
     parser.add_argument(
@@ -409,16 +485,28 @@ def main(argv: list[str] | None = None) -> None:
         with server as redis_url:
             if "throughput" in parts:
                 result["throughput"] = run_throughput(
-                    base, labels, redis_url, documents=args.documents,
-                    doc_tokens=args.doc_tokens, repeats=args.repeats, log=log,
-                )  # fmt: skip
+                    base,
+                    labels,
+                    redis_url,
+                    documents=args.documents,
+                    doc_tokens=args.doc_tokens,
+                    repeats=args.repeats,
+                    log=log,
+                )
             if "ttft" in parts:
-                rows = run_codec_ttft(base, labels, redis_url, length=args.length,
-                                      doc_tokens=args.doc_tokens, repeats=args.repeats,
-                                      log=log)  # fmt: skip
+                rows = run_codec_ttft(
+                    base,
+                    labels,
+                    redis_url,
+                    length=args.length,
+                    doc_tokens=args.doc_tokens,
+                    repeats=args.repeats,
+                    log=log,
+                )
                 result["ttft_rows"], result["ttft_summary"] = rows, ttft_summary(rows, labels)
     if "decode" in parts:
-        result["decode"] = run_decode(base, labels, doc_tokens=args.doc_tokens,
-                                      rounds=10 * args.repeats)  # fmt: skip
+        result["decode"] = run_decode(
+            base, labels, doc_tokens=args.doc_tokens, rounds=10 * args.repeats
+        )
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     write_result(result, Path(args.output), codecs_report(result))

@@ -196,14 +196,22 @@ def byte_engine(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
     config = Qwen2Config(
-        vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        max_position_embeddings=65536, bos_token_id=2, eos_token_id=1, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=65536,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval().to(device)
-    return BlendEngine(model, fast, store=MemoryKVStore(8 << 30), name=f"qwen2-{layers}-layers",
-                       kv_codec=kv_codec)  # fmt: skip
+    return BlendEngine(
+        model, fast, store=MemoryKVStore(8 << 30), name=f"qwen2-{layers}-layers", kv_codec=kv_codec
+    )
 
 
 def rag_prompt(documents: list[str]) -> list[Segment]:
@@ -279,8 +287,9 @@ def add_ops_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=512)
     parser.add_argument("--strategies", default="reuse,default,cacheblend,epic,full")
     parser.add_argument("--verbose", action="store_true", help="print the most frequent ops")
-    parser.add_argument("--kv-codec", default="none",
-                        help="how the documents' KV is stored: none, int8, k8v4, int4")  # fmt: skip
+    parser.add_argument(
+        "--kv-codec", default="none", help="how the documents' KV is stored: none, int8, k8v4, int4"
+    )
 
 
 def cmd_ops(args: argparse.Namespace) -> None:

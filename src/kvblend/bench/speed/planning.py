@@ -37,9 +37,14 @@ def tokenizer_engine(tokenizer: Any) -> BlendEngine:
     from kvblend.store import MemoryKVStore
 
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=65536,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=65536,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     return BlendEngine(

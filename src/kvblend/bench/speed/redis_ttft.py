@@ -101,9 +101,12 @@ def run_redis_ttft(
     remote.clear()
     try:
         over_redis = BlendEngine(
-            memory.model, memory.tokenizer, name=memory.name, system_prompt=SYSTEM,
+            memory.model,
+            memory.tokenizer,
+            name=memory.name,
+            system_prompt=SYSTEM,
             store=RemoteTieredKVStore(MemoryKVStore(0), None, remote=remote),
-        )  # fmt: skip
+        )
         documents = build_documents(memory, length, doc_tokens, seed=length)
         segments = memory.rag_segments(QUESTION, documents, system=SYSTEM)
         engines = {"memory": memory, "disk": cold.engine, "redis": over_redis}
@@ -114,8 +117,14 @@ def run_redis_ttft(
             engine.prefill(default.segments(segments), default.config)
         rows = []
         for repeat in range(repeats):
-            rows.append({"repeat": repeat, "store": "memory", "strategy": "full",
-                         **time_prefill(memory, segments, full)})  # fmt: skip
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "store": "memory",
+                    "strategy": "full",
+                    **time_prefill(memory, segments, full),
+                }
+            )
             for name, engine in engines.items():
                 if name == "disk":
                     cold.make_cold()

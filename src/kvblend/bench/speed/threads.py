@@ -103,10 +103,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for name, threads in settings.items():
         full = statistics.median(times[(name, "full")])
         blend = statistics.median(times[(name, "default")])
-        rows.append({
-            "threads": name, "count": threads, "full_ttft_s": full, "blend_ttft_s": blend,
-            "blend_over_full": blend / full,
-        })  # fmt: skip
+        rows.append(
+            {
+                "threads": name,
+                "count": threads,
+                "full_ttft_s": full,
+                "blend_ttft_s": blend,
+                "blend_over_full": blend / full,
+            }
+        )
     return {
         "label": args.label or ("busy" if args.busy else "idle"),
         "burners": args.busy,

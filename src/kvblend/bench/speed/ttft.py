@@ -97,9 +97,13 @@ class ColdDisk:
         self.directory = directory
         self.store = TieredKVStore(MemoryKVStore(), DiskKVStore(directory))
         self.engine = BlendEngine(
-            engine.model, engine.tokenizer, store=self.store, name=engine.name,
-            doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
-        )  # fmt: skip
+            engine.model,
+            engine.tokenizer,
+            store=self.store,
+            name=engine.name,
+            doc_prefix=engine.doc_prefix,
+            system_prompt=engine.system_prompt,
+        )
 
     def make_cold(self) -> None:
         """Empty the memory tier and drop the store's files from the page cache."""
@@ -237,8 +241,16 @@ def run_ttft(
             segments = prompts[length]
             if baseline is not None:
                 row = baseline.time(messages[length])
-                rows.append({"repeat": repeat, "target_tokens": length, "strategy": BASELINE,
-                             "ratio": None, "store": "none", **row})  # fmt: skip
+                rows.append(
+                    {
+                        "repeat": repeat,
+                        "target_tokens": length,
+                        "strategy": BASELINE,
+                        "ratio": None,
+                        "store": "none",
+                        **row,
+                    }
+                )
             for strat in strategies:
                 row = time_prefill(memory_engine, segments, strat, from_text)
                 rows.append(_row(repeat, length, strat, "memory", row))
@@ -305,11 +317,21 @@ def run_ttft(
 def _engine_over(engine: BlendEngine, store: MemoryKVStore) -> BlendEngine:
     """Return an engine over ``engine``'s model and settings, reading ``store``."""
     return BlendEngine(
-        engine.model, engine.tokenizer, store=store, name=engine.name,
-        doc_prefix=engine.doc_prefix, system_prompt=engine.system_prompt,
-    )  # fmt: skip
+        engine.model,
+        engine.tokenizer,
+        store=store,
+        name=engine.name,
+        doc_prefix=engine.doc_prefix,
+        system_prompt=engine.system_prompt,
+    )
 
 
 def _row(repeat: int, length: int, strat: Strategy, store: str, data: dict) -> dict[str, Any]:
-    return {"repeat": repeat, "target_tokens": length, "strategy": strat.name,
-            "ratio": strat.recompute_ratio, "store": store, **data}  # fmt: skip
+    return {
+        "repeat": repeat,
+        "target_tokens": length,
+        "strategy": strat.name,
+        "ratio": strat.recompute_ratio,
+        "store": store,
+        **data,
+    }

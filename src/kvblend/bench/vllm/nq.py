@@ -86,8 +86,15 @@ def _warmup(engine: Any) -> str:
 
 
 def _engine_row(row: dict[str, Any]) -> dict[str, Any]:
-    keys = ("answer", "correct", "prompt_tokens", "reused_tokens", "recomputed_tokens",
-            "fallback", "kl")  # fmt: skip
+    keys = (
+        "answer",
+        "correct",
+        "prompt_tokens",
+        "reused_tokens",
+        "recomputed_tokens",
+        "fallback",
+        "kl",
+    )
     return {key: row[key] for key in keys}
 
 
@@ -115,10 +122,16 @@ def run_vllm_nq(
     engine.precompute(sorted({text for item in items for text in item.documents}))
     engines, strategies = {"untold": engine}, parse_strategies("full,default")
     result: dict[str, Any] = {
-        "benchmark": "vllm-nq", "model": str(folder), "prompts": str(prompts),
-        "questions": len(items), "max_new_tokens": max_new_tokens, "seed": seed,
-        "work_dir": str(work), "systems": SYSTEMS, "records": [],
-    }  # fmt: skip
+        "benchmark": "vllm-nq",
+        "model": str(folder),
+        "prompts": str(prompts),
+        "questions": len(items),
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+        "work_dir": str(work),
+        "systems": SYSTEMS,
+        "records": [],
+    }
     started = time.perf_counter()
     with serving(folder, work, engine.context_window, _warmup(engine), {}) as servers:
         warm_up(engines, items[0])
@@ -158,7 +171,7 @@ def summarize_nq(records: Sequence[dict[str, Any]], *, seed: int = 0) -> dict[st
             "prompt_tokens": _mean([row.get("prompt_tokens") for row in rows]),
             "cached_tokens": _mean(
                 [row.get("cached_tokens", row.get("reused_tokens")) for row in rows]
-            ),  # fmt: skip
+            ),
             "recomputed_tokens": _mean([_recomputed(row) for row in rows]),
         }
     pairs = []
@@ -220,8 +233,10 @@ def vllm_nq_table(result: dict[str, Any]) -> str:
     for name, s in summary["systems"].items():
         cached = "-" if s["cached_tokens"] is None else f"{s['cached_tokens']:.0f}"
         recomputed = "-" if s["recomputed_tokens"] is None else f"{s['recomputed_tokens']:.0f}"
-        lines.append(f"| {SYSTEMS[name]} | {s['accuracy']:.1%} | {s['prompt_tokens']:.0f} | "
-                     f"{cached} | {recomputed} |")  # fmt: skip
+        lines.append(
+            f"| {SYSTEMS[name]} | {s['accuracy']:.1%} | {s['prompt_tokens']:.0f} | "
+            f"{cached} | {recomputed} |"
+        )
     lines += [
         "",
         "| system vs baseline (same questions) | n | accuracy | baseline | "

@@ -88,9 +88,14 @@ class VLLMServer:
 def first_token(url: str, prompt: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Stream one completion of ``prompt``; return the seconds to its first token and the usage."""
     body = {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-        "stream": True, "stream_options": {"include_usage": True}, **(extra or {}),
-    }  # fmt: skip
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **(extra or {}),
+    }
     started = time.perf_counter()
     ttft, usage = None, None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800.0) as response:
@@ -113,9 +118,13 @@ def complete(
     EOS is ignored unless ``extra`` (more fields of the request) says otherwise.
     """
     body = {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "ignore_eos": True, **(extra or {}),
-    }  # fmt: skip
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        **(extra or {}),
+    }
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=1800.0)
     response.raise_for_status()
     result: dict[str, Any] = response.json()

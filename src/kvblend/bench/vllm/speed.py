@@ -116,12 +116,19 @@ def time_ttft(
         for name in names:
             timed = first_token(servers[name].url, item["prompt"])
             usage = timed["usage"] or {}
-            rows[name].append({
-                "length": item["length"], "repeat": item["repeat"], "ttft_s": timed["ttft_s"],
-                "prompt_tokens": usage.get("prompt_tokens"), "num_cached_tokens": _cached(usage),
-            })  # fmt: skip
-            log(f"{name} {length_label(item['length'])} repeat {item['repeat']}: "
-                f"TTFT {timed['ttft_s']:.2f} s, {_cached(usage)} cached")  # fmt: skip
+            rows[name].append(
+                {
+                    "length": item["length"],
+                    "repeat": item["repeat"],
+                    "ttft_s": timed["ttft_s"],
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "num_cached_tokens": _cached(usage),
+                }
+            )
+            log(
+                f"{name} {length_label(item['length'])} repeat {item['repeat']}: "
+                f"TTFT {timed['ttft_s']:.2f} s, {_cached(usage)} cached"
+            )
     return rows
 
 
@@ -144,18 +151,25 @@ def time_rate(
                 done = list(pool.map(functools.partial(complete, url, max_tokens=tokens), prompts))
             seconds = time.perf_counter() - began
             cached = sum(_cached(result.get("usage")) for result in done)
-            rows[name].append({
-                "concurrency": len(prompts), "seconds": seconds,
-                "requests_s": len(prompts) / seconds, "cached_tokens": cached,
-            })  # fmt: skip
+            rows[name].append(
+                {
+                    "concurrency": len(prompts),
+                    "seconds": seconds,
+                    "requests_s": len(prompts) / seconds,
+                    "cached_tokens": cached,
+                }
+            )
             log(f"{name} {len(prompts)} concurrent: {len(prompts) / seconds:.3f} req/s")
     return rows
 
 
 def stream_pauses(
-    url: str, prompts: Sequence[str], *, stream_tokens: int = STREAM_TOKENS,
+    url: str,
+    prompts: Sequence[str],
+    *,
+    stream_tokens: int = STREAM_TOKENS,
     prompt_tokens: int = STALL_TOKENS,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Stream one completion; once it has produced tokens, send ``prompts`` together.
 
     Returns the stream's longest pause between two tokens after the prompts were sent, the
@@ -172,9 +186,13 @@ def stream_pauses(
     arrivals: list[float] = []
     started = threading.Event()
     body = {
-        "model": MODEL_NAME, "prompt": STREAM_PROMPT, "max_tokens": stream_tokens,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
-    }  # fmt: skip
+        "model": MODEL_NAME,
+        "prompt": STREAM_PROMPT,
+        "max_tokens": stream_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     def stream() -> None:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=1800.0) as reply:
@@ -198,9 +216,10 @@ def stream_pauses(
     after = [t for t in arrivals if t >= sent]
     gaps = [b - a for a, b in zip([sent, *after], after, strict=False)]
     return {
-        "longest_pause_s": max(gaps, default=0.0), "prompts_s": answered,
+        "longest_pause_s": max(gaps, default=0.0),
+        "prompts_s": answered,
         "stream_tokens": len(arrivals),
-    }  # fmt: skip
+    }
 
 
 def time_stall(
@@ -213,8 +232,10 @@ def time_stall(
         for name in names:
             row = stream_pauses(servers[name].url, prompts)
             rows[name].append(row)
-            log(f"{name} stall round {number}: longest pause {row['longest_pause_s']:.2f} s, "
-                f"{len(prompts)} prompts in {row['prompts_s']:.2f} s")  # fmt: skip
+            log(
+                f"{name} stall round {number}: longest pause {row['longest_pause_s']:.2f} s, "
+                f"{len(prompts)} prompts in {row['prompts_s']:.2f} s"
+            )
     return rows
 
 
@@ -288,12 +309,20 @@ def run_vllm_bench(
         "stall": stall_rows["kvblend"],
     }
     return {
-        "model": str(folder), "doc_tokens": doc_tokens, "repeats": repeats,
-        "rate_length": rate_length, "rate_tokens": rate_tokens, "work_dir": str(work),
-        "busy_core": busy, "reserved_cpus": int(reserved_cpus()), "dtype": dtype,
-        "load_average_at_start": load, "vanilla": vanilla, "kvblend": kvblend,
+        "model": str(folder),
+        "doc_tokens": doc_tokens,
+        "repeats": repeats,
+        "rate_length": rate_length,
+        "rate_tokens": rate_tokens,
+        "work_dir": str(work),
+        "busy_core": busy,
+        "reserved_cpus": int(reserved_cpus()),
+        "dtype": dtype,
+        "load_average_at_start": load,
+        "vanilla": vanilla,
+        "kvblend": kvblend,
         "summary": summarize(vanilla, kvblend),
-    }  # fmt: skip
+    }
 
 
 def log_line(message: str) -> None:
@@ -319,9 +348,11 @@ def bench_engine(
     work = Path(work_dir or tempfile.mkdtemp(prefix="kvblend-bench-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
     engine = BlendEngine.from_pretrained(
-        str(folder), store=default_store(work / "store"), system_prompt=system_prompt,
+        str(folder),
+        store=default_store(work / "store"),
+        system_prompt=system_prompt,
         dtype=getattr(torch, dtype),
-    )  # fmt: skip
+    )
     return folder, work, engine
 
 
@@ -350,18 +381,25 @@ def serving(
     # one thread and the connector's server's on two, a 2x gap that is not the blend's.
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = reserved_cpus()
     connector = {
-        "kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm",
-        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector": "KVBlendConnector",
+        "kv_connector_module_path": "kvblend.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra_config,
-    }  # fmt: skip
+    }
     servers = {
-        "vanilla": VLLMServer(str(folder), work / "vanilla.log", max_model_len=max_model_len,
-                              env=env, dtype=dtype),
-        "kvblend": VLLMServer(
-            str(folder), work / "kvblend.log", max_model_len=max_model_len, env=env,
-            kv_transfer_config=connector, dtype=dtype,
+        "vanilla": VLLMServer(
+            str(folder), work / "vanilla.log", max_model_len=max_model_len, env=env, dtype=dtype
         ),
-    }  # fmt: skip
+        "kvblend": VLLMServer(
+            str(folder),
+            work / "kvblend.log",
+            max_model_len=max_model_len,
+            env=env,
+            kv_transfer_config=connector,
+            dtype=dtype,
+        ),
+    }
     try:
         for server in servers.values():
             server.wait()
@@ -380,23 +418,25 @@ def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any
     for length in sorted({row["length"] for row in kvblend["ttft"]}):
         ours = [row for row in kvblend["ttft"] if row["length"] == length]
         theirs = [by_key[(row["length"], row["repeat"])] for row in ours]
-        ttft.append({
-            "length": length,
-            "prompt_tokens": ours[0]["prompt_tokens"],
-            "vanilla_s": statistics.median(row["ttft_s"] for row in theirs),
-            "kvblend_s": statistics.median(row["ttft_s"] for row in ours),
-            "ratio": statistics.median(
-                a["ttft_s"] / b["ttft_s"] for a, b in zip(ours, theirs, strict=True)
-            ),
-            "cached_tokens": statistics.median(row["num_cached_tokens"] or 0 for row in ours),
-        })  # fmt: skip
+        ttft.append(
+            {
+                "length": length,
+                "prompt_tokens": ours[0]["prompt_tokens"],
+                "vanilla_s": statistics.median(row["ttft_s"] for row in theirs),
+                "kvblend_s": statistics.median(row["ttft_s"] for row in ours),
+                "ratio": statistics.median(
+                    a["ttft_s"] / b["ttft_s"] for a, b in zip(ours, theirs, strict=True)
+                ),
+                "cached_tokens": statistics.median(row["num_cached_tokens"] or 0 for row in ours),
+            }
+        )
     rate = [
         {
             "concurrency": a["concurrency"],
             "vanilla_rps": b["requests_s"],
             "kvblend_rps": a["requests_s"],
             "ratio": a["requests_s"] / b["requests_s"],
-        }  # fmt: skip
+        }
         for a, b in zip(kvblend["rate"], vanilla["rate"], strict=True)
     ]
     stall = {}
@@ -405,9 +445,10 @@ def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any
             ours = [row[key] for row in kvblend["stall"]]
             theirs = [row[key] for row in vanilla["stall"]]
             stall[key] = {
-                "vanilla": statistics.median(theirs), "kvblend": statistics.median(ours),
+                "vanilla": statistics.median(theirs),
+                "kvblend": statistics.median(ours),
                 "ratio": statistics.median(a / b for a, b in zip(ours, theirs, strict=True)),
-            }  # fmt: skip
+            }
     return {"ttft": ttft, "rate": rate, "stall": stall}
 
 
@@ -434,8 +475,10 @@ def vllm_table(result: dict[str, Any]) -> str:
             "| vanilla vLLM | vLLM + kvblend | kvblend / vanilla |",
             "|---|---|---|---|",
         ]
-        for key, label in (("longest_pause_s", "stream's longest pause"),
-                           ("prompts_s", "prompts answered in")):  # fmt: skip
+        for key, label in (
+            ("longest_pause_s", "stream's longest pause"),
+            ("prompts_s", "prompts answered in"),
+        ):
             row = stall[key]
             lines.append(
                 f"| {label} | {row['vanilla']:.2f} s | {row['kvblend']:.2f} s | "
