@@ -279,3 +279,21 @@ def test_the_closeness_figure_draws_every_strategy_and_the_floor(tmp_path: Path)
     ]
     path = plot_closeness([{"model": "m", "summary": summary}], tmp_path / "closeness.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+@requires_rag_stack
+def test_a_run_under_another_default_keeps_every_row_but_the_default_s(
+    nq_file: Path, tmp_path: Path
+) -> None:
+    engine = _engine()
+    output = tmp_path / "nq.json"
+    common = dict(ks=(3,), split="all", questions=2, options=RunOptions(max_new_tokens=2),
+                  cache_dir=tmp_path, output=output)  # fmt: skip
+    strategies = parse_strategies("full,reuse,default+min_recompute=0")
+    then, now = ({"default_config": f"BlendConfig('attention', a={n})"} for n in (1, 2))
+    first = run_decided({"untold": engine}, nq_file, strategies, meta=then, **common)
+    again = run_decided({"untold": engine}, nq_file, strategies, meta=now, **common)
+    kept = [r for r in first["rows"] if not r["strategy"].startswith("default")]
+    assert again["rows"][: len(kept)] == kept  # full and reuse kept, not run again
+    rerun = again["rows"][len(kept) :]
+    assert [r["strategy"] for r in rerun] == ["default+min_recompute=0"] * 2

@@ -457,12 +457,15 @@ def _load_previous(output: Path | None, settings: dict[str, Any]) -> list[dict[s
     clash = {key: (previous.get(key, RESUME_DEFAULTS.get(key)), settings[key])
              for key in RESUME_KEYS
              if previous.get(key, RESUME_DEFAULTS.get(key)) != settings[key]}  # fmt: skip
+    rows = list(previous.get("rows", []))
+    if set(clash) == {"default_config"}:  # rows of another BlendConfig(): "default" meant it
+        return [row for row in rows if not row["strategy"].startswith("default")]
     if clash:
         detail = "; ".join(f"{key}: {was!r} there, {now!r} now"
                            for key, (was, now) in clash.items())  # fmt: skip
         raise ValueError(f"{output} holds rows of another run ({detail}); give another --output "
                          "or --fresh to start over")  # fmt: skip
-    return list(previous.get("rows", []))
+    return rows
 
 
 def progress_message(
@@ -513,11 +516,12 @@ def run_decided(
     """Every strategy on ``questions`` questions of ``split`` at each k; resumable, JSON as it goes.
 
     An existing ``output`` of the same settings is continued: the (question, k, head, strategy)
-    rows it holds are kept and not run again. ``shard`` ``(k, n)`` with ``n > 1``: only every
-    ``n``-th question from the ``k``-th, its rows written to `shard_path` (``n`` processes, one
-    per core, each with its own file; rows ``output`` holds already are not run again); a run
-    without a shard takes the rows of every shard file beside ``output`` as done, runs what is
-    left and writes the whole result to ``output``.
+    rows it holds are kept and not run again; when only ``BlendConfig()`` changed since, its
+    ``default`` rows (which measured the other default) are dropped and run again. ``shard``
+    ``(k, n)`` with ``n > 1``: only every ``n``-th question from the ``k``-th, its rows written
+    to `shard_path` (``n`` processes, one per core, each with its own file; rows ``output``
+    holds already are not run again); a run without a shard takes the rows of every shard file
+    beside ``output`` as done, runs what is left and writes the whole result to ``output``.
     """
     index, count = shard
     if not 0 <= index < count:
