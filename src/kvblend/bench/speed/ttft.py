@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -187,131 +188,217 @@ def run_ttft(
     log = log or (lambda message: print(message, file=sys.stderr))
     if not strategies or strategies[0].name != "full":
         raise ValueError("the first strategy must be 'full', the baseline")
-    memory_engine = _engine_over(engine, MemoryKVStore(8 << 30, device=engine.decoder.device))
-    host_engine = _engine_over(engine, MemoryKVStore(8 << 30)) if host else None
-    temp = None
-    if disk and store_dir is None:
-        temp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
-        store_dir = Path(temp.name)
-    cold = ColdDisk(engine, store_dir) if disk and store_dir is not None else None
-    cached = [s for s in strategies if s.name != "full"]
-    if disk_strategies is not None:
-        disk_set = set(disk_strategies)
-        disk_list = [s for s in cached if s.name in disk_set]
-    else:
-        disk_list = cached
-    baseline = TransformersBaseline(engine) if transformers else None
-    prompts: dict[int, list[Segment]] = {}
-    messages: dict[int, list[dict[str, str]]] = {}
-    doc_token_total: dict[int, int] = {}
+    run = _Run.open(engine, strategies, disk, disk_strategies, store_dir, host, from_text)
+    run.baseline = TransformersBaseline(engine) if transformers else None
     started = time.perf_counter()
-    for length in lengths:
-        documents = build_documents(engine, length, doc_tokens, seed + length)
-        prompts[length] = engine.rag_segments(QUESTION, documents, system=SYSTEM)
-        messages[length] = rag_messages(SYSTEM, documents, QUESTION)
-        doc_token_total[length] = sum(len(engine.tokenize(d)) for d in documents)
-        for warm in (memory_engine, host_engine):
-            if warm is not None:
-                warm.precompute(documents, progress=None)  # a bar on a terminal
-        if cold is not None:
-            cold.engine.precompute(documents, progress=None)
+    prompts = _Prompts.build(run, engine, lengths, doc_tokens, seed)
     log(f"precomputed documents in {time.perf_counter() - started:.1f} s")
-    # warm-up: store every prefix segment and touch every code path once (compile it, for
-    # the compiled loop: the first run's TTFT is kept in ``warmup``)
-    warmup = []
-    for length in lengths[:1]:
-        if baseline is not None:
-            first = baseline.time(messages[length])
-            warmup.append({"target_tokens": length, "strategy": BASELINE, **first})
-        for strat in strategies:
-            first = time_prefill(memory_engine, prompts[length], strat, from_text)
-            warmup.append({"target_tokens": length, "strategy": strat.name, **first})
-    for length in lengths:
-        for strat in cached:
-            with strat.loop():
-                memory_engine.prefill(strat.segments(prompts[length]), strat.config)
-                if host_engine is not None:
-                    host_engine.prefill(strat.segments(prompts[length]), strat.config)
-                if cold is not None and strat in disk_list:
-                    cold.engine.prefill(strat.segments(prompts[length]), strat.config)
+    warmup = run.warm_up(prompts, lengths)
     rows: list[dict[str, Any]] = []
     decode_strategy = strategy(decode_config)
     for repeat in range(repeats):
         for length in lengths:
-            segments = prompts[length]
-            if baseline is not None:
-                row = baseline.time(messages[length])
-                rows.append(
-                    {
-                        "repeat": repeat,
-                        "target_tokens": length,
-                        "strategy": BASELINE,
-                        "ratio": None,
-                        "store": "none",
-                        **row,
-                    }
-                )
-            for strat in strategies:
-                row = time_prefill(memory_engine, segments, strat, from_text)
-                rows.append(_row(repeat, length, strat, "memory", row))
-                if host_engine is not None and strat in cached:
-                    row = time_prefill(host_engine, segments, strat, from_text)
-                    rows.append(_row(repeat, length, strat, "host", row))
-                if cold is not None and strat in disk_list:
-                    cold.make_cold()
-                    row = time_prefill(cold.engine, segments, strat, from_text)
-                    rows.append(_row(repeat, length, strat, "disk", row))
+            timed = run.time_repeat(prompts, repeat, length)
             if decode_tokens > 1:
                 for strat in (strategies[0], decode_strategy):
-                    row = time_decode(memory_engine, segments, strat.config, decode_tokens)
-                    rows.append(_row(repeat, length, strat, "decode", row))
-            log(
-                f"repeat {repeat + 1}/{repeats}, {length_label(length)}: "
-                + ", ".join(
-                    f"{r['strategy']}"
-                    f"{'' if r['store'] in ('memory', 'none') else '(' + r['store'] + ')'} "
-                    f"{r['ttft_s']:.2f}s"
-                    for r in rows
-                    if r["repeat"] == repeat and r["target_tokens"] == length and "ttft_s" in r
-                )
-            )
-    store_bytes = None
-    if cold is not None:
-        disk_stats = cold.store.stats().tiers.get("disk")
-        store_bytes = disk_stats.bytes if disk_stats is not None else None
-    memory_bytes = memory_engine.store.stats().bytes
-    stored_tokens = sum(doc_token_total.values())
+                    row = time_decode(
+                        run.memory, prompts.segments[length], strat.config, decode_tokens
+                    )
+                    timed.append(_row(repeat, length, strat, "decode", row))
+            rows += timed
+            log(_repeat_line(repeat, repeats, length, timed))
     result = {
         "benchmark": "ttft",
         "lengths": list(lengths),
         "doc_tokens": doc_tokens,
         "repeats": repeats,
-        "strategies": [s.name for s in strategies],
-        "disk_strategies": [s.name for s in disk_list] if cold is not None else [],
-        "host": host_engine is not None,
-        "from_text": from_text,
-        "baseline": baseline.describe() if baseline is not None else None,
+        **run.describe(),
         "elapsed_s": time.perf_counter() - started,
-        "store": {
-            "memory_bytes": memory_bytes,
-            "disk_bytes": store_bytes,
-            "document_tokens": stored_tokens,
-            "memory_mib_per_1k_tokens": memory_bytes / 2**20 / stored_tokens * 1000,
-            "disk_mib_per_1k_tokens": (
-                store_bytes / 2**20 / stored_tokens * 1000 if store_bytes else None
-            ),
-        },
+        "store": run.store_sizes(sum(prompts.document_tokens.values())),
         "rows": rows,
         "warmup": warmup,
     }
     result["summary"] = summarize_ttft(rows)
-    if cold is not None:
-        cold.store.close()
-    if baseline is not None:
-        baseline.close()
-    if temp is not None:
-        temp.cleanup()
+    run.close()
     return result
+
+
+@dataclass
+class _Run:
+    """The engines of one TTFT run, one per place the documents are read from, and what each times.
+
+    ``memory``: documents in the model device's memory (every strategy); ``host``: in host
+    memory (the strategies that cache documents); ``cold``: from a cold disk tier (``disk``);
+    ``baseline``: plain transformers, timed before the strategies in every repeat.
+    """
+
+    strategies: Sequence[Strategy]
+    from_text: bool
+    memory: BlendEngine
+    host: BlendEngine | None
+    cold: ColdDisk | None
+    cached: list[Strategy]
+    disk: list[Strategy]
+    temp: tempfile.TemporaryDirectory[str] | None = None
+    baseline: TransformersBaseline | None = None
+
+    @classmethod
+    def open(
+        cls,
+        engine: BlendEngine,
+        strategies: Sequence[Strategy],
+        disk: bool,
+        disk_strategies: Sequence[str] | None,
+        store_dir: Path | None,
+        host: bool,
+        from_text: bool,
+    ) -> _Run:
+        """Open the stores and engines over ``engine``'s model (a temporary disk store if none)."""
+        memory = _engine_over(engine, MemoryKVStore(8 << 30, device=engine.decoder.device))
+        host_engine = _engine_over(engine, MemoryKVStore(8 << 30)) if host else None
+        temp = None
+        if disk and store_dir is None:
+            temp = tempfile.TemporaryDirectory(prefix="kvblend-bench-")
+            store_dir = Path(temp.name)
+        cold = ColdDisk(engine, store_dir) if disk and store_dir is not None else None
+        cached = [s for s in strategies if s.name != "full"]
+        on_disk = cached
+        if disk_strategies is not None:
+            names = set(disk_strategies)
+            on_disk = [s for s in cached if s.name in names]
+        return cls(strategies, from_text, memory, host_engine, cold, cached, on_disk, temp)
+
+    def precompute(self, documents: list[str]) -> None:
+        """Store ``documents`` in every store of the run."""
+        for warm in (self.memory, self.host):
+            if warm is not None:
+                warm.precompute(documents, progress=None)  # a bar on a terminal
+        if self.cold is not None:
+            self.cold.engine.precompute(documents, progress=None)
+
+    def warm_up(self, prompts: _Prompts, lengths: Sequence[int]) -> list[dict[str, Any]]:
+        """Store every prefix segment and run every code path once; return the first runs.
+
+        The first length's runs are kept (``warmup``: for the compiled loop, the first run's
+        TTFT is its compile); then every strategy that caches documents prefills every length
+        from every store it is timed from.
+        """
+        warmup = []
+        for length in lengths[:1]:
+            if self.baseline is not None:
+                first = self.baseline.time(prompts.messages[length])
+                warmup.append({"target_tokens": length, "strategy": BASELINE, **first})
+            for strat in self.strategies:
+                first = time_prefill(self.memory, prompts.segments[length], strat, self.from_text)
+                warmup.append({"target_tokens": length, "strategy": strat.name, **first})
+        for length in lengths:
+            for strat in self.cached:
+                segments = strat.segments(prompts.segments[length])
+                with strat.loop():
+                    self.memory.prefill(segments, strat.config)
+                    if self.host is not None:
+                        self.host.prefill(segments, strat.config)
+                    if self.cold is not None and strat in self.disk:
+                        self.cold.engine.prefill(segments, strat.config)
+        return warmup
+
+    def time_repeat(self, prompts: _Prompts, repeat: int, length: int) -> list[dict[str, Any]]:
+        """Time the prompt of ``length`` once: the baseline, then each strategy from each store."""
+        segments = prompts.segments[length]
+        rows = []
+        if self.baseline is not None:
+            row = self.baseline.time(prompts.messages[length])
+            rows.append(
+                {
+                    "repeat": repeat,
+                    "target_tokens": length,
+                    "strategy": BASELINE,
+                    "ratio": None,
+                    "store": "none",
+                    **row,
+                }
+            )
+        for strat in self.strategies:
+            row = time_prefill(self.memory, segments, strat, self.from_text)
+            rows.append(_row(repeat, length, strat, "memory", row))
+            if self.host is not None and strat in self.cached:
+                row = time_prefill(self.host, segments, strat, self.from_text)
+                rows.append(_row(repeat, length, strat, "host", row))
+            if self.cold is not None and strat in self.disk:
+                self.cold.make_cold()
+                row = time_prefill(self.cold.engine, segments, strat, self.from_text)
+                rows.append(_row(repeat, length, strat, "disk", row))
+        return rows
+
+    def describe(self) -> dict[str, Any]:
+        """Say what the run timed: its strategies, those from disk, host memory, the baseline."""
+        return {
+            "strategies": [s.name for s in self.strategies],
+            "disk_strategies": [s.name for s in self.disk] if self.cold is not None else [],
+            "host": self.host is not None,
+            "from_text": self.from_text,
+            "baseline": self.baseline.describe() if self.baseline is not None else None,
+        }
+
+    def store_sizes(self, document_tokens: int) -> dict[str, Any]:
+        """Return the stores' sizes, in all and per 1,000 document tokens."""
+        disk_bytes = None
+        if self.cold is not None:
+            disk_stats = self.cold.store.stats().tiers.get("disk")
+            disk_bytes = disk_stats.bytes if disk_stats is not None else None
+        memory_bytes = self.memory.store.stats().bytes
+        return {
+            "memory_bytes": memory_bytes,
+            "disk_bytes": disk_bytes,
+            "document_tokens": document_tokens,
+            "memory_mib_per_1k_tokens": memory_bytes / 2**20 / document_tokens * 1000,
+            "disk_mib_per_1k_tokens": (
+                disk_bytes / 2**20 / document_tokens * 1000 if disk_bytes else None
+            ),
+        }
+
+    def close(self) -> None:
+        """Close the disk store and the baseline; remove the temporary store folder."""
+        if self.cold is not None:
+            self.cold.store.close()
+        if self.baseline is not None:
+            self.baseline.close()
+        if self.temp is not None:
+            self.temp.cleanup()
+
+
+@dataclass
+class _Prompts:
+    """Each length's prompt, as segments and as the baseline's messages, and its document tokens."""
+
+    segments: dict[int, list[Segment]]
+    messages: dict[int, list[dict[str, str]]]
+    document_tokens: dict[int, int]
+
+    @classmethod
+    def build(
+        cls, run: _Run, engine: BlendEngine, lengths: Sequence[int], doc_tokens: int, seed: int
+    ) -> _Prompts:
+        """Build each length's documents and prompt; precompute the documents in ``run``."""
+        prompts = cls({}, {}, {})
+        for length in lengths:
+            documents = build_documents(engine, length, doc_tokens, seed + length)
+            prompts.segments[length] = engine.rag_segments(QUESTION, documents, system=SYSTEM)
+            prompts.messages[length] = rag_messages(SYSTEM, documents, QUESTION)
+            prompts.document_tokens[length] = sum(len(engine.tokenize(d)) for d in documents)
+            run.precompute(documents)
+        return prompts
+
+
+def _repeat_line(repeat: int, repeats: int, length: int, rows: list[dict[str, Any]]) -> str:
+    """Return the progress line of one repeat of one length: each timed row's TTFT."""
+    return f"repeat {repeat + 1}/{repeats}, {length_label(length)}: " + ", ".join(
+        f"{r['strategy']}"
+        f"{'' if r['store'] in ('memory', 'none') else '(' + r['store'] + ')'} "
+        f"{r['ttft_s']:.2f}s"
+        for r in rows
+        if "ttft_s" in r
+    )
 
 
 def _engine_over(engine: BlendEngine, store: MemoryKVStore) -> BlendEngine:
