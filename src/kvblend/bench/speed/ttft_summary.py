@@ -31,16 +31,8 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     TTFT less its prompt handling (``prompt_s``).
     """
     timed = [r for r in rows if r["store"] in ("memory", "host", "disk", "none")]
-    full = {
-        (r["repeat"], r["target_tokens"]): r["ttft_s"]
-        for r in timed
-        if r["strategy"] == "full" and r["store"] == "memory"
-    }
-    users = {
-        (r["repeat"], r["target_tokens"]): r["ttft_s"]
-        for r in timed
-        if r["strategy"] == BASELINE and r["store"] == "none"
-    }
+    full = _ttft_by_repeat(timed, "full", "memory")
+    users = _ttft_by_repeat(timed, BASELINE, "none")
     memory = {
         (r["repeat"], r["target_tokens"], r["strategy"]): r["ttft_s"]
         for r in timed
@@ -49,19 +41,9 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for r in timed:
         groups.setdefault((r["target_tokens"], r["strategy"], r["store"]), []).append(r)
-    decode: dict[tuple[int, str], list[float]] = {}
-    for r in rows:
-        if r["store"] == "decode" and r.get("decode_tok_s"):
-            decode.setdefault((r["target_tokens"], r["strategy"]), []).append(r["decode_tok_s"])
+    decode = _decode_rates(rows)
     out = []
     for (length, name, store), group in groups.items():
-        ttfts = [r["ttft_s"] for r in group]
-        speedups = [full[(r["repeat"], length)] / r["ttft_s"] for r in group]
-        versus_users = [
-            users[(r["repeat"], length)] / r["ttft_s"]
-            for r in group
-            if (r["repeat"], length) in users
-        ]
         entry = {
             "target_tokens": length,
             "prompt_tokens": group[0]["prompt_tokens"],
@@ -69,24 +51,10 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "store": store,
             "ratio": group[0]["ratio"],
             "runs": len(group),
-            "ttft_median_s": statistics.median(ttfts),
-            "ttft_min_s": min(ttfts),
-            "ttft_max_s": max(ttfts),
-            "speedup_vs_full": statistics.median(speedups),
-            "ttft_vs_full": statistics.median(1 / s for s in speedups),
-            "speedup_vs_transformers": _median(versus_users),
-            "ttft_vs_transformers": _median(1 / s for s in versus_users),
+            **_ttft_shares(group, full, users),
             "recompute_fraction": group[0]["recompute_fraction"],
             "compute_fraction": group[0]["compute_fraction"],
-            "peak_mib_median": statistics.median(r["peak_mib"] for r in group),
-            "load_s_median": statistics.median(r["load_s"] or 0.0 for r in group),
-            "blend_device_s_median": _median(r.get("blend_device_s") for r in group),
-            "load_device_s_median": _median(r.get("load_device_s") for r in group),
-            "uncompiled_calls": max(r.get("uncompiled_calls") or 0 for r in group),
-            "prompt_s_median": statistics.median(r.get("prompt_s") or 0.0 for r in group),
-            "ttft_from_ids_median_s": statistics.median(
-                r["ttft_s"] - (r.get("prompt_s") or 0.0) for r in group
-            ),
+            **_phases(group),
         }
         if store in ("host", "disk"):
             entry[f"{store}_vs_memory"] = statistics.median(
@@ -96,6 +64,65 @@ def summarize_ttft(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             entry["decode_tok_s_median"] = statistics.median(decode[(length, name)])
         out.append(entry)
     return out
+
+
+def _ttft_by_repeat(
+    rows: Sequence[dict[str, Any]], strategy: str, store: str
+) -> dict[tuple[int, int], float]:
+    """Return the TTFT of ``strategy``'s run from ``store`` in each (repeat, length)."""
+    return {
+        (r["repeat"], r["target_tokens"]): r["ttft_s"]
+        for r in rows
+        if r["strategy"] == strategy and r["store"] == store
+    }
+
+
+def _decode_rates(rows: Sequence[dict[str, Any]]) -> dict[tuple[int, str], list[float]]:
+    """Each (length, strategy)'s decode rates, tokens/s, of the runs that decoded."""
+    decode: dict[tuple[int, str], list[float]] = {}
+    for r in rows:
+        if r["store"] == "decode" and r.get("decode_tok_s"):
+            decode.setdefault((r["target_tokens"], r["strategy"]), []).append(r["decode_tok_s"])
+    return decode
+
+
+def _ttft_shares(
+    group: Sequence[dict[str, Any]],
+    full: dict[tuple[int, int], float],
+    users: dict[tuple[int, int], float],
+) -> dict[str, Any]:
+    """Return a group's median, min and max TTFT and its medians over each repeat's baselines."""
+    ttfts = [r["ttft_s"] for r in group]
+    speedups = [full[(r["repeat"], r["target_tokens"])] / r["ttft_s"] for r in group]
+    versus_users = [
+        users[(r["repeat"], r["target_tokens"])] / r["ttft_s"]
+        for r in group
+        if (r["repeat"], r["target_tokens"]) in users
+    ]
+    return {
+        "ttft_median_s": statistics.median(ttfts),
+        "ttft_min_s": min(ttfts),
+        "ttft_max_s": max(ttfts),
+        "speedup_vs_full": statistics.median(speedups),
+        "ttft_vs_full": statistics.median(1 / s for s in speedups),
+        "speedup_vs_transformers": _median(versus_users),
+        "ttft_vs_transformers": _median(1 / s for s in versus_users),
+    }
+
+
+def _phases(group: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Return a group's medians of peak memory, loading, device times and prompt handling."""
+    return {
+        "peak_mib_median": statistics.median(r["peak_mib"] for r in group),
+        "load_s_median": statistics.median(r["load_s"] or 0.0 for r in group),
+        "blend_device_s_median": _median(r.get("blend_device_s") for r in group),
+        "load_device_s_median": _median(r.get("load_device_s") for r in group),
+        "uncompiled_calls": max(r.get("uncompiled_calls") or 0 for r in group),
+        "prompt_s_median": statistics.median(r.get("prompt_s") or 0.0 for r in group),
+        "ttft_from_ids_median_s": statistics.median(
+            r["ttft_s"] - (r.get("prompt_s") or 0.0) for r in group
+        ),
+    }
 
 
 def ttft_table(summary: Sequence[dict[str, Any]]) -> str:
