@@ -170,16 +170,16 @@ def test_a_run_reports_every_strategy_against_the_floor(nq_file: Path, tmp_path:
     result = run_decided(
         {"untold": engine},
         nq_file,
-        parse_strategies("full,reuse,full@bf16-prefill,full@bf16,reuse@bf16"),
+        parse_strategies("full,reuse,full@bf16-prefill,full@bf16,reuse@bf16,reuse@cached-labels"),
         ks=(3,),
         split="all",
         questions=3,
         options=RunOptions(max_new_tokens=3),
         cache_dir=tmp_path,
         meta={"default_config": "x"},
-        labels="cached",
+        labels="computed",
     )
-    assert result["rounding"] == "emulated" and result["labels"] == "cached"
+    assert result["rounding"] == "emulated" and result["labels"] == "computed"
     rows = [r for r in result["rows"] if r["strategy"] in (FLOOR, "full@bf16", "reuse@bf16")]
     assert len(rows) == 9 and all(r["answer"] is not None and r["ttft_s"] is None for r in rows)
     assert all(r["kl"] > 0 for r in rows)  # rounding moved the first token's distribution
@@ -192,6 +192,11 @@ def test_a_run_reports_every_strategy_against_the_floor(nq_file: Path, tmp_path:
     cold = {r["qid"]: r for r in result["rows"] if r["strategy"] == "reuse"}
     assert all(hot[q]["documents_reused"] == cold[q]["documents_reused"] > 0 for q in hot)
     assert all(abs(hot[q]["kl"] - cold[q]["kl"]) < 0.5 * cold[q]["kl"] + 0.01 for q in hot)
+    # the titles cached with their passages: the same prompt, every passage read, other KV
+    titled = {r["qid"]: r for r in result["rows"] if r["strategy"] == "reuse@cached-labels"}
+    assert all(titled[q]["prompt_tokens"] == cold[q]["prompt_tokens"] for q in titled)
+    assert all(titled[q]["documents_reused"] == cold[q]["documents_reused"] for q in titled)
+    assert any(titled[q]["kl"] != cold[q]["kl"] for q in titled)
 
 
 @requires_rag_stack
@@ -297,3 +302,18 @@ def test_a_run_under_another_default_keeps_every_row_but_the_default_s(
     assert again["rows"][: len(kept)] == kept  # full and reuse kept, not run again
     rerun = again["rows"][len(kept) :]
     assert [r["strategy"] for r in rerun] == ["default+min_recompute=0"] * 2
+
+
+def test_cached_labels_is_a_layout_of_any_strategy() -> None:
+    from kvblend.bench.quality.nq import cache_labels
+
+    tokenizer = byte_tokenizer()
+    passages = [Passage("Paris", "The capital of France."), Passage("Rome", "Italy's capital.")]
+    computed = nq_segments(tokenizer, "capital?", passages)
+    assert cache_labels(computed) == nq_segments(tokenizer, "capital?", passages, labels="cached")
+    blend = strategy("default+lead_tokens=4@cached-labels")
+    assert blend.config == BlendConfig(lead_tokens=4)
+    assert blend.segments(computed) == cache_labels(computed)
+    hot = strategy("default@cached-labels@bf16")
+    assert hot.rounding == "answer" and hot.segments(computed) == cache_labels(computed)
+    assert strategy("default").segments(computed) == computed

@@ -14,14 +14,16 @@ Two references measure what rounding alone does to full prefill (`kvblend.bench.
 ``full@bf16-prefill`` is full prefill computed in bfloat16 and decoded in the engine's dtype (the
 floor a blend, which changes only the prefill, is read against), ``full@bf16`` computes and decodes
 the whole answer in bfloat16. Any strategy takes the ``@bf16`` suffix (``default@bf16``: the blend
-a bfloat16 engine runs, decoded in bfloat16) or ``@bf16-prefill``.
+a bfloat16 engine runs, decoded in bfloat16) or ``@bf16-prefill``. ``@cached-labels`` lays the
+prompt out with each retrieved passage's title label cached with the passage (the prompt's text
+is the same): ``default+early_layers=0.25@cached-labels``. Suffixes come after the settings.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvblend.blend.compiled import COMPILE_ENV
@@ -44,6 +46,8 @@ class Strategy:
     #: the prefill run on a bfloat16 copy of the model (`ROUNDED`): ``prefill`` (decoded in the
     #: engine's dtype) or ``answer`` (prefill and decoding in bfloat16); None: the engine's own
     rounding: str | None = None
+    #: how the strategy lays out the prompt's segments (`LAYOUTS`); None: as given
+    layout: Callable[[Sequence[Segment]], list[Segment]] | None = None
 
     @contextlib.contextmanager
     def loop(self) -> Iterator[None]:
@@ -70,6 +74,8 @@ class Strategy:
 
     def segments(self, segments: Sequence[Segment]) -> list[Segment]:
         """Return the prompt as this strategy sees it: documents uncached for ``prefix``."""
+        if self.layout is not None:
+            segments = self.layout(segments)
         if self.cache_documents:
             return list(segments)
         return [
@@ -78,6 +84,17 @@ class Strategy:
         ]
 
 
+def _cached_labels(segments: Sequence[Segment]) -> list[Segment]:
+    from kvblend.bench.quality.nq import cache_labels
+
+    return cache_labels(segments)
+
+
+#: Suffixes that lay the prompt out otherwise: ``@cached-labels`` caches each retrieved
+#: passage's ``Title: X)`` label with the passage (`kvblend.bench.quality.nq.cache_labels`).
+LAYOUTS: dict[str, Callable[[Sequence[Segment]], list[Segment]]] = {
+    "@cached-labels": _cached_labels
+}
 #: Suffixes that run a strategy on a bfloat16 copy of the model: suffix -> what is rounded.
 ROUNDED = {"@bf16-prefill": "prefill", "@bf16": "answer"}
 #: The floor every closeness figure is read against (prefill-only rounding).
@@ -96,12 +113,19 @@ def strategy(name: str) -> Strategy:
     Any name takes ``+setting=value`` suffixes that set one `BlendConfig` setting each, such
     as ``attention-0.2+lead_tokens=8``.
     """
+    for suffix, layout in LAYOUTS.items():
+        if name.endswith(suffix):
+            found = strategy(name.removesuffix(suffix))
+            if found.layout is not None or not found.cache_documents:
+                raise ValueError(f"{name}: {suffix} takes a strategy with its own layout")
+            return Strategy(name, found.config, compiled=found.compiled,
+                            rounding=found.rounding, layout=layout)  # fmt: skip
     for suffix, rounding in ROUNDED.items():
         if name.endswith(suffix):
             found = strategy(name.removesuffix(suffix))
             if found.rounding is not None or found.compiled or not found.cache_documents:
                 raise ValueError(f"{name}: {suffix} takes a plain strategy")
-            return Strategy(name, found.config, rounding=rounding)
+            return Strategy(name, found.config, rounding=rounding, layout=found.layout)
     if name.endswith("@compiled"):
         found = strategy(name.removesuffix("@compiled"))
         return Strategy(name, found.config, found.cache_documents, compiled=True)
@@ -150,7 +174,8 @@ def strategy(name: str) -> Strategy:
         f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
         "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
         f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
-        " and an @compiled one, and a strategy run in bfloat16: full@bf16-prefill, default@bf16"
+        " and an @compiled one, a strategy run in bfloat16: full@bf16-prefill, default@bf16, and a "
+        "layout: default@cached-labels"
     )
 
 

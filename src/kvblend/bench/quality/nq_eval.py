@@ -144,7 +144,7 @@ def _rounded(
     """``strat`` on the bfloat16 copy; decoded by ``engine`` (``prefill``) or in bfloat16."""
     if rounded is None:
         raise ValueError(f"{strat.name} needs the engine's bfloat16 copy (a RoundedPrefill)")
-    documents = item.documents if strat.config.reads_cache else ()
+    documents = strategy_documents(strat, item) if strat.config.reads_cache else ()
     bf16 = rounded.rounded_prefill(strat.segments(item.segments), strat.config, documents)
     pre = rounded.in_engine_dtype(bf16)
     if options.kl_only:
@@ -154,6 +154,11 @@ def _rounded(
     out = engine.generate(pre, **decoding) if strat.rounding == "prefill" else rounded.decode(
         bf16, **decoding)  # fmt: skip
     return pre, out.text.strip(), None, out.margins if options.margins else None
+
+
+def strategy_documents(strat: Strategy, item: PromptItem) -> list[str]:
+    """Return the document texts ``strat`` caches in ``item``'s prompt (its own layout)."""
+    return [s.text for s in strat.segments(item.segments) if s.cache and s.role == "document"]
 
 
 def guard_fields(stats: Any) -> dict[str, Any]:
@@ -232,8 +237,9 @@ def evaluate_question(
     """
     if not strategies or strategies[0].name != "full":
         raise ValueError("the first strategy must be 'full', the baseline")
+    documents = dict.fromkeys(text for s in strategies for text in strategy_documents(s, item))
     for engine in engines.values():
-        engine.precompute(item.documents, progress=False)
+        engine.precompute(list(documents), progress=False)
     first = next(iter(engines.values()))
     base_line, full_ttft, confirmed = baseline_for(first, item, strategies[0], cache, options,
                                                   retime)  # fmt: skip
