@@ -305,7 +305,7 @@ def test_a_run_under_another_default_keeps_every_row_but_the_default_s(
 
 
 def test_cached_labels_is_a_layout_of_any_strategy() -> None:
-    from kvblend.bench.quality.nq import cache_labels
+    from kvblend.bench.strategies import cache_labels
 
     tokenizer = byte_tokenizer()
     passages = [Passage("Paris", "The capital of France."), Passage("Rome", "Italy's capital.")]

@@ -84,17 +84,36 @@ class Strategy:
         ]
 
 
-def _cached_labels(segments: Sequence[Segment]) -> list[Segment]:
-    from kvblend.bench.quality.nq import cache_labels
+def cache_labels(segments: Sequence[Segment]) -> list[Segment]:
+    """Return the prompt with each passage's ``Title: X)`` moved into its cached text.
 
-    return cache_labels(segments)
+    The layout ``labels="cached"`` of `kvblend.bench.quality.nq.nq_segments` made from
+    ``labels="computed"`` segments: a computed segment ending in a retriever label
+    ``...](Title: X)`` right before a cached passage keeps ``...](`` and the passage starts with
+    ``Title: X)``. The prompt's text is the same; other segments are left as they are.
+    """
+    out: list[Segment] = []
+    carried = ""
+    for segment in segments:
+        if carried:  # this passage takes the title of the label before it
+            out.append(Segment(carried + segment.text, role=segment.role))
+            carried = ""
+            continue
+        at = segment.text.rfind("](Title: ")
+        follows = len(out) + 1 < len(segments)
+        if not segment.cache and at >= 0 and segment.text.endswith(")") and follows:
+            after = segments[len(out) + 1]
+            if after.cache and after.role == "document":
+                out.append(Segment(segment.text[: at + 2], cache=False))
+                carried = segment.text[at + 2 :]
+                continue
+        out.append(segment)
+    return out
 
 
 #: Suffixes that lay the prompt out otherwise: ``@cached-labels`` caches each retrieved
-#: passage's ``Title: X)`` label with the passage (`kvblend.bench.quality.nq.cache_labels`).
-LAYOUTS: dict[str, Callable[[Sequence[Segment]], list[Segment]]] = {
-    "@cached-labels": _cached_labels
-}
+#: passage's ``Title: X)`` label with the passage (`cache_labels`).
+LAYOUTS: dict[str, Callable[[Sequence[Segment]], list[Segment]]] = {"@cached-labels": cache_labels}
 #: Suffixes that run a strategy on a bfloat16 copy of the model: suffix -> what is rounded.
 ROUNDED = {"@bf16-prefill": "prefill", "@bf16": "answer"}
 #: The floor every closeness figure is read against (prefill-only rounding).

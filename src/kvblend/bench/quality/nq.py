@@ -240,33 +240,6 @@ def nq_segments(
     return segments
 
 
-def cache_labels(segments: Sequence[Segment]) -> list[Segment]:
-    """Return the prompt with each passage's ``Title: X)`` moved into its cached text.
-
-    The `nq_segments` layout ``labels="cached"`` made from ``labels="computed"`` segments: a
-    computed segment ending in a retriever label ``...](Title: X)`` right before a cached
-    passage keeps ``...](`` and the passage starts with ``Title: X)``. The prompt's text is the
-    same; other segments are left as they are.
-    """
-    out: list[Segment] = []
-    carried = ""
-    for segment in segments:
-        if carried:  # this passage takes the title of the label before it
-            out.append(Segment(carried + segment.text, role=segment.role))
-            carried = ""
-            continue
-        at = segment.text.rfind("](Title: ")
-        follows = len(out) + 1 < len(segments)
-        if not segment.cache and at >= 0 and segment.text.endswith(")") and follows:
-            after = segments[len(out) + 1]
-            if after.cache and after.role == "document":
-                out.append(Segment(segment.text[: at + 2], cache=False))
-                carried = segment.text[at + 2 :]
-                continue
-        out.append(segment)
-    return out
-
-
 def nq_items(
     engine: BlendEngine,
     corpus: Sequence[Passage],
