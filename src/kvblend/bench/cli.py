@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvblend.bench.commands import (
     HEAD_CHOICES,
@@ -27,6 +28,11 @@ from kvblend.bench.commands import (
     cmd_vllm,
 )
 from kvblend.bench.result_files import RECORDED_DIR, RESULTS_DIR
+
+if TYPE_CHECKING:
+    from kvblend.command_line import OneLineParser
+
+    Subcommands = argparse._SubParsersAction[OneLineParser]  # noqa: SLF001
 
 #: Benchmarks that parse their own options: the subcommand, its module and what it measures.
 SCRIPTS = {
@@ -58,29 +64,65 @@ def run_script(name: str, argv: Sequence[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser of ``kvblend bench``."""
+    """Build the argument parser of ``kvblend bench``: a subcommand per benchmark."""
     from kvblend.command_line import OneLineParser
 
     parser = OneLineParser(prog="kvblend bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
 
-    def model_options(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
-        """Add the model's options; ``dtype``: the default of ``--dtype`` (quality: float32)."""
-        p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
-        p.add_argument("--device", default="auto")
-        p.add_argument(
-            "--dtype",
-            default=dtype,
-            help="auto, float32, bf16, fp16 (default %(default)s; auto: the "
-            "engine's default, bf16 where the device has bfloat16 matrix "
-            "units unless the checkpoint is float32, else float32; the quality "
-            "benchmarks measure in float32, the exact reference)",
-        )
-        p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-        p.add_argument("--seed", type=int, default=0)
 
+#: ``nq``'s and ``shapes``' strategies by default (full prefill, the baseline, first).
+NQ_STRATEGIES = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
+
+
+def _model_options(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
+    """Add the model's options; ``dtype``: the default of ``--dtype`` (quality: float32)."""
+    p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
+    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--dtype",
+        default=dtype,
+        help="auto, float32, bf16, fp16 (default %(default)s; auto: the "
+        "engine's default, bf16 where the device has bfloat16 matrix "
+        "units unless the checkpoint is float32, else float32; the quality "
+        "benchmarks measure in float32, the exact reference)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:
+    """Add the options of the benchmarks over NQ-open passages (``required``: ``--data``)."""
+    p.add_argument(
+        "--data",
+        required=required,
+        help="NQ jsonl(.gz): question, answers, title, text per line",
+    )
+    p.add_argument("--cache-dir", default=None, help="corpus embeddings cache (default: kvblend's)")
+    p.add_argument("--strategies", default=NQ_STRATEGIES, help="comma list; full runs first")
+    p.add_argument(
+        "--engine-system",
+        default=None,
+        help="the system prompt of the engine not told the head",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--gold-at",
+        choices=["retrieved", "random", "places"],
+        default="retrieved",
+        help="gold passage where the retriever ranked it (put in at a random "
+        "place when missed), always at a random place, or first, middle "
+        "or last by the question (a third each; `nq`'s default)",
+    )
+
+
+def _add_ttft(sub: Subcommands) -> None:
+    """Add ``ttft``: TTFT of every strategy at several prompt lengths."""
     ttft = sub.add_parser("ttft", help="TTFT of every strategy at several prompt lengths")
-    model_options(ttft)
+    _model_options(ttft)
     ttft.add_argument("--lengths", default="1024,2048,4096,7680", help="prompt tokens, comma list")
     ttft.add_argument(
         "--strategies",
@@ -110,15 +152,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ttft.set_defaults(func=cmd_ttft)
 
+
+def _add_figures(sub: Subcommands) -> None:
+    """Add ``figures``: the figures at 8 x 512-token documents."""
     figures = sub.add_parser("figures", help="the 8 x 512-token figures of issues 2 and 3")
-    model_options(figures)
+    _model_options(figures)
     figures.add_argument("--docs", type=int, default=8)
     figures.add_argument("--repeats", type=int, default=5)
     figures.add_argument("--output", default=str(RESULTS_DIR / "figures.json"))
     figures.set_defaults(func=cmd_figures)
 
+
+def _add_quality(sub: Subcommands) -> None:
+    """Add ``quality``: accuracy and KL of every strategy on the generated QA task."""
     quality = sub.add_parser("quality", help="accuracy and KL of every strategy on the QA task")
-    model_options(quality, dtype="float32")
+    _model_options(quality, dtype="float32")
     quality.add_argument("--questions", type=int, default=200)
     quality.add_argument(
         "--strategies",
@@ -145,8 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     quality.add_argument("--output", default=str(RESULTS_DIR / "quality.json"))
     quality.set_defaults(func=cmd_quality)
 
+
+def _add_ingest(sub: Subcommands) -> None:
+    """Add ``ingest``: documents/s of precompute, one by one vs batched."""
     ingest = sub.add_parser("ingest", help="documents/s of precompute, one by one vs batched")
-    model_options(ingest)
+    _model_options(ingest)
     ingest.add_argument("--documents", type=int, default=16)
     ingest.add_argument("--doc-tokens", type=int, default=512)
     ingest.add_argument(
@@ -158,26 +209,38 @@ def build_parser() -> argparse.ArgumentParser:
     ingest.add_argument("--output", default=str(RESULTS_DIR / "precompute.json"))
     ingest.set_defaults(func=cmd_ingest)
 
+
+def _add_gpu(sub: Subcommands) -> None:
+    """Add ``gpu``: TTFT, decode, peak memory and ingestion on one device."""
     from kvblend.bench.gpu.figures import add_gpu_arguments
 
     gpu = sub.add_parser("gpu", help="TTFT, decode, peak memory and ingestion on a GPU in bf16")
-    model_options(gpu)
+    _model_options(gpu)
     add_gpu_arguments(gpu)
     gpu.set_defaults(func=cmd_gpu)
 
+
+def _add_plan(sub: Subcommands) -> None:
+    """Add ``plan``: tokenizing and matching a string prompt vs the tokenizer."""
     from kvblend.bench.speed.planning import add_plan_arguments
 
     plan = sub.add_parser("plan", help="tokenizing and matching a string prompt vs the tokenizer")
-    model_options(plan)
+    _model_options(plan)
     add_plan_arguments(plan)
     plan.set_defaults(func=cmd_plan)
 
+
+def _add_ops(sub: Subcommands) -> None:
+    """Add ``ops``: aten ops per layer and host syncs of a prefill."""
     from kvblend.bench.speed.ops import add_ops_arguments, cmd_ops
 
     ops = sub.add_parser("ops", help="aten ops per layer and host syncs of a prefill (CPU)")
     add_ops_arguments(ops)
     ops.set_defaults(func=cmd_ops)
 
+
+def _add_headline(sub: Subcommands) -> None:
+    """Add ``headline``: the figures tables from the recorded results."""
     from kvblend.bench.headline import add_headline_arguments, cmd_headline
 
     headline = sub.add_parser(
@@ -185,36 +248,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_headline_arguments(headline)
     headline.set_defaults(func=cmd_headline)
-    nq_strategies = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
 
-    def retrieval_options(p: argparse.ArgumentParser, required: bool) -> None:
-        p.add_argument(
-            "--data",
-            required=required,
-            help="NQ jsonl(.gz): question, answers, title, text per line",
-        )
-        p.add_argument(
-            "--cache-dir", default=None, help="corpus embeddings cache (default: kvblend's)"
-        )
-        p.add_argument("--strategies", default=nq_strategies, help="comma list; full runs first")
-        p.add_argument(
-            "--engine-system",
-            default=None,
-            help="the system prompt of the engine not told the head",
-        )
-        p.add_argument("--max-new-tokens", type=int, default=32)
-        p.add_argument(
-            "--gold-at",
-            choices=["retrieved", "random", "places"],
-            default="retrieved",
-            help="gold passage where the retriever ranked it (put in at a random "
-            "place when missed), always at a random place, or first, middle "
-            "or last by the question (a third each; `nq`'s default)",
-        )
 
+def _add_nq(sub: Subcommands) -> None:
+    """Add ``nq``: accuracy and KL on NQ-open over retrieved passages."""
     nq = sub.add_parser("nq", help="accuracy and KL on NQ-open over retrieved passages")
-    model_options(nq, dtype="float32")
-    retrieval_options(nq, required=True)
+    _model_options(nq, dtype="float32")
+    _retrieval_options(nq, required=True)
     nq.add_argument("--k", default="10", help="passages per prompt, comma list (e.g. 5,10,20)")
     nq.add_argument("--questions", type=int, default=100, help="questions of the split to run")
     nq.add_argument(
@@ -225,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
         "those from 1000 on (choosing settings); all: the whole file",
     )
     nq.add_argument("--offset", type=int, default=0, help="first question to use, in the split")
+    _nq_run_options(nq)
+    _nq_prompt_options(nq)
+    nq.set_defaults(func=cmd_nq, gold_at="places")
+
+
+def _nq_run_options(nq: argparse.ArgumentParser) -> None:
+    """Add what an ``nq`` run keeps for later runs and reruns: baselines, documents, timing."""
     nq.add_argument(
         "--baselines",
         default=None,
@@ -253,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     nq.add_argument(
         "--fresh", action="store_true", help="start over instead of continuing the rows in --output"
     )
+
+
+def _nq_prompt_options(nq: argparse.ArgumentParser) -> None:
+    """Add how ``nq`` lays out its prompts and where its results and prompts go."""
     nq.add_argument(
         "--doc-prefix",
         choices=sorted(HEAD_CHOICES),
@@ -283,11 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the prompts to a JSONL file and run no strategy (the input of "
         "`kvblend bench vllm --nq FILE`)",
     )
-    nq.set_defaults(func=cmd_nq, gold_at="places")
 
+
+def _add_shapes(sub: Subcommands) -> None:
+    """Add ``shapes``: every prompt shape in one report."""
     shapes = sub.add_parser("shapes", help="every prompt shape in one report, head told or not")
-    model_options(shapes, dtype="float32")
-    retrieval_options(shapes, required=False)
+    _model_options(shapes, dtype="float32")
+    _retrieval_options(shapes, required=False)
     shapes.add_argument(
         "--shapes", default="all", help="comma list: nq-5, nq-10, nq-20, qa, records, long, all"
     )
@@ -296,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     shapes.add_argument("--output", default=str(RESULTS_DIR / "shapes.json"))
     shapes.set_defaults(func=cmd_shapes)
 
+
+def _add_registry(sub: Subcommands) -> None:
+    """Add ``registry``: the cost of finding documents in a prompt."""
     registry = sub.add_parser(
         "registry", help="document-finding cost with 100 vs 100,000 known documents"
     )
@@ -305,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     registry.add_argument("--output", default=str(RESULTS_DIR / "registry.json"))
     registry.set_defaults(func=cmd_registry)
 
+
+def _add_report(sub: Subcommands) -> None:
+    """Add ``report``: Markdown tables and PNG plots from saved results."""
     report = sub.add_parser("report", help="markdown tables and PNG plots from saved results")
     report.add_argument("--ttft", default=str(RECORDED_DIR / "ttft.json"))
     report.add_argument("--quality", default=str(RECORDED_DIR / "quality.json"))
@@ -318,10 +377,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     report.set_defaults(func=cmd_report)
 
+
+def _add_doc_context(sub: Subcommands) -> None:
+    """Add ``doc-context``: documents precomputed behind other contexts."""
     doc_context = sub.add_parser(
         "doc-context", help="blend settings with documents precomputed behind other contexts"
     )
-    model_options(doc_context, dtype="float32")
+    _model_options(doc_context, dtype="float32")
     doc_context.add_argument("--questions", type=int, default=80)
     doc_context.add_argument("--contexts", default="bos,prefix,sys", help="comma list")
     doc_context.add_argument(
@@ -330,8 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
     doc_context.add_argument("--output", default=str(RESULTS_DIR / "doc_context.json"))
     doc_context.set_defaults(func=cmd_doc_context)
 
+
+def _add_redis_ttft(sub: Subcommands) -> None:
+    """Add ``redis-ttft``: TTFT with documents from Redis; its throughput."""
     redis = sub.add_parser("redis-ttft", help="TTFT with documents from Redis; Redis throughput")
-    model_options(redis)
+    _model_options(redis)
     redis.add_argument("--length", type=int, default=4096, help="prompt tokens")
     redis.add_argument("--doc-tokens", type=int, default=512)
     redis.add_argument("--repeats", type=int, default=5)
@@ -340,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     redis.add_argument("--output", default=str(RESULTS_DIR / "redis_ttft.json"))
     redis.set_defaults(func=cmd_redis_ttft)
 
+
+def _add_vllm(sub: Subcommands) -> None:
+    """Add ``vllm``: vLLM with kvblend's connector against vanilla vLLM."""
     vllm = sub.add_parser(
         "vllm", help="vLLM + kvblend vs vanilla vLLM: TTFT and requests/s (run in vLLM's venv)"
     )
@@ -380,13 +448,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--output", default=None, help=f"default: {RESULTS_DIR}/vllm.json (--nq: vllm_nq.json)"
     )
     vllm.set_defaults(func=cmd_vllm)
+
+
+def _add_scripts(sub: Subcommands) -> None:
+    """Add The `SCRIPTS`, each handed its own options by `main`."""
     for name, (_, what) in SCRIPTS.items():  # listed here; `main` hands them their options
         script = sub.add_parser(
             name, help=f"{what} (options: kvblend bench {name} --help)", add_help=False
         )
         script.add_argument("args", nargs=argparse.REMAINDER)
         script.set_defaults(func=lambda args, name=name: run_script(name, args.args))
-    return parser
+
+
+#: The subcommands, in the order ``kvblend bench --help`` lists them.
+SUBCOMMANDS: tuple[Callable[[Subcommands], None], ...] = (
+    _add_ttft,
+    _add_figures,
+    _add_quality,
+    _add_ingest,
+    _add_gpu,
+    _add_plan,
+    _add_ops,
+    _add_headline,
+    _add_nq,
+    _add_shapes,
+    _add_registry,
+    _add_report,
+    _add_doc_context,
+    _add_redis_ttft,
+    _add_vllm,
+    _add_scripts,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,8 @@ from kvblend.command_line import CLIError, OneLineParser, check_device, positive
 if TYPE_CHECKING:
     from kvblend.blend.config import BlendConfig
     from kvblend.engine.engine import BlendEngine
+
+    Subcommands = argparse._SubParsersAction[OneLineParser]  # noqa: SLF001
 
 logger = logging.getLogger("kvblend")
 
@@ -511,7 +513,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reuse the KV cache of documents wherever they land in a RAG prompt.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
 
+
+def _add_demo(sub: Subcommands) -> None:
+    """Add ``demo``: the bundled sample corpus's questions, full vs blended."""
     demo = sub.add_parser(
         "demo", help="answer the bundled sample corpus's questions, full vs blended"
     )
@@ -523,6 +531,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the document shuffles")
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_precompute(sub: Subcommands) -> None:
+    """Add ``precompute``: the KV of text files into the store."""
     pre = sub.add_parser("precompute", help="precompute the KV of text files into the store")
     add_model_options(pre)
     pre.add_argument(
@@ -536,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_chunk_option(pre)
     pre.set_defaults(func=cmd_precompute)
 
+
+def _add_ask(sub: Subcommands) -> None:
+    """Add ``ask``: a question over documents, with blended prefill."""
     ask = sub.add_parser("ask", help="answer a question over documents with blended prefill")
     add_model_options(ask)
     add_blend_options(ask)
@@ -575,6 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--compare", action="store_true", help="also answer with full prefill")
     ask.set_defaults(func=cmd_ask)
 
+
+def _add_explain(sub: Subcommands) -> None:
+    """Add ``explain``: what a prompt would reuse, and why."""
     explain = sub.add_parser(
         "explain", help="show what a prompt would reuse from the store, and why (computes nothing)"
     )
@@ -586,8 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_chunk_option(explain)
     explain.set_defaults(func=cmd_explain)
 
-    add_store_parser(sub)
 
+def _add_model_folder(sub: Subcommands) -> None:
+    """Add ``model-folder``: the model's local folder."""
     folder = sub.add_parser(
         "model-folder",
         help="print the model's local folder, a GGUF file converted once (e.g. for vllm serve)",
@@ -596,13 +614,27 @@ def build_parser() -> argparse.ArgumentParser:
     add_quiet_option(folder)
     folder.set_defaults(func=cmd_model_folder)
 
+
+def _add_bench(sub: Subcommands) -> None:
+    """Add ``bench``, listed: `main` hands its arguments to the bench's parser."""
     # `kvblend bench ...` is handed to the bench parser whole (see `main`); this entry lists it.
     sub.add_parser(
         "bench",
         help="benchmarks: ttft, quality, ingest, gpu, doc-context, redis-ttft ... "
         "(see docs/benchmarks.md)",
     )
-    return parser
+
+
+#: The commands, in the order ``kvblend --help`` lists them.
+SUBCOMMANDS: tuple[Callable[[Subcommands], None], ...] = (
+    _add_demo,
+    _add_precompute,
+    _add_ask,
+    _add_explain,
+    add_store_parser,
+    _add_model_folder,
+    _add_bench,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -199,12 +199,9 @@ def run_ttft(
     for repeat in range(repeats):
         for length in lengths:
             timed = run.time_repeat(prompts, repeat, length)
-            if decode_tokens > 1:
-                for strat in (strategies[0], decode_strategy):
-                    row = time_decode(
-                        run.memory, prompts.segments[length], strat.config, decode_tokens
-                    )
-                    timed.append(_row(repeat, length, strat, "decode", row))
+            if decode_tokens > 1:  # after full prefill and after the decode config's
+                pair = (strategies[0], decode_strategy)
+                timed += run.time_decode(prompts, repeat, length, pair, decode_tokens)
             rows += timed
             log(_repeat_line(repeat, repeats, length, timed))
     result = {
@@ -328,6 +325,21 @@ class _Run:
                 self.cold.make_cold()
                 row = time_prefill(self.cold.engine, segments, strat, self.from_text)
                 rows.append(_row(repeat, length, strat, "disk", row))
+        return rows
+
+    def time_decode(
+        self,
+        prompts: _Prompts,
+        repeat: int,
+        length: int,
+        strategies: Sequence[Strategy],
+        tokens: int,
+    ) -> list[dict[str, Any]]:
+        """Time decoding ``tokens`` tokens after each of ``strategies``' prefills (memory)."""
+        rows = []
+        for strat in strategies:
+            row = time_decode(self.memory, prompts.segments[length], strat.config, tokens)
+            rows.append(_row(repeat, length, strat, "decode", row))
         return rows
 
     def describe(self) -> dict[str, Any]:
