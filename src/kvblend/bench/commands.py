@@ -214,16 +214,9 @@ def _meta(args: argparse.Namespace, engine: Any) -> dict[str, Any]:
 def cmd_nq(args: argparse.Namespace) -> None:
     """Every strategy on NQ-open questions over retrieved Wikipedia passages (resumable)."""
     from kvblend.bench.quality.baselines import BaselineCache
-    from kvblend.bench.quality.closeness import closeness_table
-    from kvblend.bench.quality.nq import load_nq, nq_head, run_nq
-    from kvblend.bench.quality.nq_eval import (
-        RunOptions,
-        decided_table,
-        run_decided,
-        shard_path,
-        split_questions,
-    )
-    from kvblend.bench.strategies import FLOOR, parse_strategies
+    from kvblend.bench.quality.nq import nq_head
+    from kvblend.bench.quality.nq_eval import RunOptions, run_decided, shard_path
+    from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
     engines = _heads_engines(args, nq_head)
@@ -231,29 +224,10 @@ def cmd_nq(args: argparse.Namespace) -> None:
     cache_dir = Path(args.cache_dir) if args.cache_dir else None
     ks = [int(k) for k in args.k.split(",")]
     if args.write_prompts:  # the split's questions, as a run would ask them
-        total = sum(1 for _ in load_nq(args.data)[1])
-        start, _ = split_questions(args.split, args.offset, args.questions, total)
-        written = run_nq(
-            engines,
-            args.data,
-            [],
-            ks=ks,
-            questions=args.questions,
-            offset=start,
-            seed=args.seed,
-            gold_at=args.gold_at,
-            cache_dir=cache_dir,
-            prompts_file=Path(args.write_prompts),
-        )
-        recall = ", ".join(f"{v:.0%}" for v in written["recall"].values())
-        print(
-            f"wrote {written['prompts']} prompts to {args.write_prompts} (gold retrieved: {recall})"
-        )
+        _write_nq_prompts(args, engines, ks, cache_dir)
         return
     output = Path(args.output)
-    shard = tuple(int(part) for part in args.shard.split("/")) if "/" in args.shard else ()
-    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
-        raise SystemExit(f"kvblend bench nq: --shard {args.shard!r}: give K/N with 0 <= K < N")
+    shard = _nq_shard(args.shard)
     if args.fresh and output.exists():
         output.unlink()
     cache = None if args.no_baselines else BaselineCache(args.baselines)
@@ -271,7 +245,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
         labels=args.labels,
         options=options,
         cache=cache,
-        shard=(shard[0], shard[1]),
+        shard=shard,
         cache_dir=cache_dir,
         output=output,
         meta=_meta(args, engine),
@@ -279,9 +253,53 @@ def cmd_nq(args: argparse.Namespace) -> None:
             time.strftime("%H:%M:%S ") + message, file=sys.stderr, flush=True
         ),
     )
+    if shard[1] > 1:  # a shard's own file; the run without --shard writes OUTPUT
+        output = shard_path(output, shard)
+    write_result(result, output, _nq_report(args, engine.name, result))
+
+
+def _write_nq_prompts(
+    args: argparse.Namespace, engines: dict[str, Any], ks: list[int], cache_dir: Path | None
+) -> None:
+    """Write the prompts of ``--split``'s questions, as a run would ask them, to a JSONL file."""
+    from kvblend.bench.quality.nq import load_nq, run_nq
+    from kvblend.bench.quality.nq_eval import split_questions
+
+    total = sum(1 for _ in load_nq(args.data)[1])
+    start, _ = split_questions(args.split, args.offset, args.questions, total)
+    written = run_nq(
+        engines,
+        args.data,
+        [],
+        ks=ks,
+        questions=args.questions,
+        offset=start,
+        seed=args.seed,
+        gold_at=args.gold_at,
+        cache_dir=cache_dir,
+        prompts_file=Path(args.write_prompts),
+    )
+    recall = ", ".join(f"{v:.0%}" for v in written["recall"].values())
+    print(f"wrote {written['prompts']} prompts to {args.write_prompts} (gold retrieved: {recall})")
+
+
+def _nq_shard(text: str) -> tuple[int, int]:
+    """Return ``--shard K/N`` as ``(K, N)``; exit with one line unless ``0 <= K < N``."""
+    shard = tuple(int(part) for part in text.split("/")) if "/" in text else ()
+    if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+        raise SystemExit(f"kvblend bench nq: --shard {text!r}: give K/N with 0 <= K < N")
+    return shard[0], shard[1]
+
+
+def _nq_report(args: argparse.Namespace, model: str, result: dict[str, Any]) -> str:
+    """Return the NQ run's title and tables: answers, closeness, by head and by gold place."""
+    from kvblend.bench.quality.closeness import closeness_table
+    from kvblend.bench.quality.nq_eval import decided_table
+    from kvblend.bench.strategies import FLOOR
+
     recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
     title = (
-        f"NQ-open, {engine.name} ({result['dtype']}), {result['split']} questions "
+        f"NQ-open, {model} ({result['dtype']}), {result['split']} questions "
         f"{result['file_range'][0]}-{result['file_range'][1] - 1} of the file, k = {args.k}, "
         f"gold {args.gold_at} (gold retrieved: {recall})"
     )
@@ -295,9 +313,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
     )
     if result["by_place"]:
         table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], ("k", "place"))
-    if shard[1] > 1:  # a shard's own file; the run without --shard writes OUTPUT
-        output = shard_path(output, (shard[0], shard[1]))
-    write_result(result, output, title + "\n\n" + table)
+    return title + "\n\n" + table
 
 
 def cmd_shapes(args: argparse.Namespace) -> None:

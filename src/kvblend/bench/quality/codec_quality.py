@@ -130,69 +130,84 @@ def codec_summary(
     every moved token (``fallback``) read only its reused head from the codec's entries.
     """
     out = []
-    shapes = list(dict.fromkeys(row["shape"] for row in rows))
-    for shape in shapes:
-        mine = [row for row in rows if row["shape"] == shape]
+    for shape in list(dict.fromkeys(row["shape"] for row in rows)):
         by: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
-        for row in mine:
-            by.setdefault((row["codec"], row["strategy"]), {})[row["qid"]] = row
-        codecs = list(dict.fromkeys(r["codec"] for r in mine))
+        for row in rows:
+            if row["shape"] == shape:
+                by.setdefault((row["codec"], row["strategy"]), {})[row["qid"]] = row
+        codecs = list(dict.fromkeys(codec for codec, _ in by))
         full = by.get((codecs[0], "full"), {})
         base = by.get((baseline, blend_strategy), {})
         for codec in codecs:
             blend = by.get((codec, blend_strategy), {})
             qids = [q for q in blend if q in full and q in base]
-            if not qids:
-                continue
-            correct = [blend[q]["correct"] for q in qids]
-            kl = np.array([blend[q]["kl"] for q in qids])
-            base_kl = np.array([base[q]["kl"] for q in qids])
-            vs_full = paired_stats(
-                correct,
-                [full[q]["correct"] for q in qids],
-                kl=kl.tolist(),
-                agrees=[blend[q]["agrees"] for q in qids],
-                seed=seed,
-            )
-            vs_base = paired_stats(
-                correct,
-                [base[q]["correct"] for q in qids],
-                agrees=[blend[q]["answer"] == base[q]["answer"] for q in qids],
-                seed=seed,
-            )
-            rng = np.random.default_rng(seed)
-            index = rng.integers(0, len(qids), size=(RESAMPLES, len(qids)))
-            base_correct = np.array([base[q]["correct"] for q in qids], dtype=float)
-            base_ci = _interval(base_correct[index].mean(axis=1))
-            kl_diff = float(kl.mean() - base_kl.mean())
-            accuracy = vs_full["accuracy"]
-            out.append(
-                {
-                    "shape": shape,
-                    "codec": codec,
-                    "n": len(qids),
-                    "full_accuracy": vs_full["full_accuracy"],
-                    "accuracy": accuracy,
-                    "difference_vs_full": vs_full["difference"],
-                    "difference_vs_full_ci": vs_full["difference_ci"],
-                    "none_accuracy": vs_base["full_accuracy"],
-                    "none_accuracy_ci": base_ci,
-                    "difference_vs_none": vs_base["difference"],
-                    "difference_vs_none_ci": vs_base["difference_ci"],
-                    "kl_mean": vs_full["kl_mean"],
-                    "kl_ci": vs_full["kl_ci"],
-                    "kl_vs_none": kl_diff,
-                    "kl_vs_none_ci": _interval((kl - base_kl)[index].mean(axis=1)),
-                    "agreement_with_full": vs_full["agreement"],
-                    "same_answer_as_none": vs_base["agreement"],
-                    "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
-                    "kl_within_margin": kl_diff <= KL_MARGIN,
-                    "seconds_mean": statistics.fmean(blend[q]["ttft_s"] for q in qids),
-                    "compute_mean": statistics.fmean(blend[q]["compute_fraction"] for q in qids),
-                    "fallback_share": statistics.fmean(bool(blend[q]["fallback"]) for q in qids),
-                }
-            )
+            if qids:
+                paired = _Paired(qids, blend, full, base)
+                out.append({"shape": shape, "codec": codec, **paired.summary(seed)})
     return out
+
+
+class _Paired:
+    """One codec's blends of a shape, each paired with full prefill's and the baseline blend's."""
+
+    def __init__(
+        self,
+        qids: list[str],
+        blend: dict[str, dict[str, Any]],
+        full: dict[str, dict[str, Any]],
+        base: dict[str, dict[str, Any]],
+    ) -> None:
+        self.qids, self.blend, self.full, self.base = qids, blend, full, base
+
+    def column(self, rows: dict[str, dict[str, Any]], field: str) -> list[Any]:
+        """Return ``field`` of each question's row in ``rows``."""
+        return [rows[q][field] for q in self.qids]
+
+    def summary(self, seed: int) -> dict[str, Any]:
+        """Return the paired statistics against full prefill and against the baseline blend."""
+        correct = self.column(self.blend, "correct")
+        kl = np.array(self.column(self.blend, "kl"))
+        base_kl = np.array(self.column(self.base, "kl"))
+        vs_full = paired_stats(
+            correct,
+            self.column(self.full, "correct"),
+            kl=kl.tolist(),
+            agrees=self.column(self.blend, "agrees"),
+            seed=seed,
+        )
+        answers = zip(
+            self.column(self.blend, "answer"), self.column(self.base, "answer"), strict=True
+        )
+        same = [a == b for a, b in answers]
+        vs_base = paired_stats(correct, self.column(self.base, "correct"), agrees=same, seed=seed)
+        rng = np.random.default_rng(seed)
+        index = rng.integers(0, len(self.qids), size=(RESAMPLES, len(self.qids)))
+        base_correct = np.array(self.column(self.base, "correct"), dtype=float)
+        base_ci = _interval(base_correct[index].mean(axis=1))
+        kl_diff = float(kl.mean() - base_kl.mean())
+        accuracy = vs_full["accuracy"]
+        return {
+            "n": len(self.qids),
+            "full_accuracy": vs_full["full_accuracy"],
+            "accuracy": accuracy,
+            "difference_vs_full": vs_full["difference"],
+            "difference_vs_full_ci": vs_full["difference_ci"],
+            "none_accuracy": vs_base["full_accuracy"],
+            "none_accuracy_ci": base_ci,
+            "difference_vs_none": vs_base["difference"],
+            "difference_vs_none_ci": vs_base["difference_ci"],
+            "kl_mean": vs_full["kl_mean"],
+            "kl_ci": vs_full["kl_ci"],
+            "kl_vs_none": kl_diff,
+            "kl_vs_none_ci": _interval((kl - base_kl)[index].mean(axis=1)),
+            "agreement_with_full": vs_full["agreement"],
+            "same_answer_as_none": vs_base["agreement"],
+            "accuracy_within_none_ci": base_ci[0] <= accuracy <= base_ci[1],
+            "kl_within_margin": kl_diff <= KL_MARGIN,
+            "seconds_mean": statistics.fmean(self.column(self.blend, "ttft_s")),
+            "compute_mean": statistics.fmean(self.column(self.blend, "compute_fraction")),
+            "fallback_share": statistics.fmean(map(bool, self.column(self.blend, "fallback"))),
+        }
 
 
 def codec_table(summary: Sequence[dict[str, Any]]) -> str:
@@ -255,21 +270,10 @@ def run_codec_quality(
         )
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
-    strategies = [strategy("full"), strategy(blend_strategy)]
     rows_path = output.with_suffix(".rows.jsonl")
-    rows = read_rows(rows_path)
-    done = {(row["shape"], row["qid"]) for row in rows if row["strategy"] == blend_strategy}
-    loaded: list[tuple[Any, Any, Retriever]] = []
-
-    def nq() -> tuple[Any, Any, Retriever]:
-        if data is None:
-            raise ValueError("the nq-10 and long shapes need the NQ data file (--data)")
-        if not loaded:
-            corpus, nq_questions = load_nq(data)
-            loaded.append((corpus, nq_questions, Retriever(corpus, data_path=data)))
-        return loaded[0]
-
-    result: dict[str, Any] = {
+    run = _CodecRun(engines, blend_strategy, rows_path, seed, log)
+    nq = _NQData(data)
+    run.result = {
         "benchmark": "codec-quality",
         **(meta or {}),
         "data": str(data) if data else None,
@@ -283,45 +287,93 @@ def run_codec_quality(
         "summary": [],
     }
     output.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     for shape in shapes:
         items: list[PromptItem] = shape_items(base, shape, questions, seed, nq)
-        mine = [item for place, item in enumerate(items) if place % shard_count == shard_index]
-        todo = [item for item in mine if (shape, item.qid) not in done]
-        log(
-            f"shape {shape}: {len(items)} questions, {len(mine)} in shard {shard_index}/"
-            f"{shard_count}, {len(mine) - len(todo)} of them done before"
+        run.run_shape(shape, items, shard, MAX_NEW_TOKENS.get(shape, max_new_tokens), output)
+    run.result["summary"] = codec_summary(run.rows, seed=seed, blend_strategy=blend_strategy)
+    write_json(run.result, output)
+    return run.result
+
+
+class _CodecRun:
+    """A codec-quality run: its engines and blend, its rows so far (those done), its result."""
+
+    def __init__(
+        self, engines: dict[str, Any], blend_strategy: str, rows_path: Path, seed: int, log: Any
+    ) -> None:
+        self.engines, self.blend_strategy, self.rows_path = engines, blend_strategy, rows_path
+        self.strategies = [strategy("full"), strategy(blend_strategy)]
+        self.seed, self.log = seed, log
+        self.rows = read_rows(rows_path)
+        self.done = {(r["shape"], r["qid"]) for r in self.rows if r["strategy"] == blend_strategy}
+        self.result: dict[str, Any] = {}
+        self.started = time.perf_counter()
+
+    def run_shape(
+        self,
+        shape: str,
+        items: list[PromptItem],
+        shard: tuple[int, int],
+        max_new_tokens: int,
+        output: Path,
+    ) -> None:
+        """Run the shard's questions not done; write the summary every ten and at the end."""
+        mine = [item for place, item in enumerate(items) if place % shard[1] == shard[0]]
+        todo = [item for item in mine if (shape, item.qid) not in self.done]
+        self.log(
+            f"shape {shape}: {len(items)} questions, {len(mine)} in shard {shard[0]}/"
+            f"{shard[1]}, {len(mine) - len(todo)} of them done before"
         )
         for count, item in enumerate(todo, start=1):
-            began, cpu = time.perf_counter(), time.process_time()
-            transcode(engines["none"], engines, item.documents)
-            budget = MAX_NEW_TOKENS.get(shape, max_new_tokens)
-            new = evaluate_item(engines, item, strategies, max_new_tokens=budget)
-            for row in new:
-                row["shape"], row["codec"] = shape, row.pop("head")
-            with rows_path.open("a") as file:
-                file.writelines(json.dumps(row) + "\n" for row in new)
-            rows += new
-            log(
-                f"{shape} {item.qid}: {time.perf_counter() - began:.1f} s, "
-                f"{time.process_time() - cpu:.1f} s of CPU"
-            )
+            began = time.perf_counter()
+            self.rows += self.run_question(shape, item, max_new_tokens)
             if count % 10 == 0 or count == len(todo):
-                result["summary"] = codec_summary(rows, seed=seed, blend_strategy=blend_strategy)
-                result["elapsed_s"] = time.perf_counter() - started
-                write_json(result, output)
+                self.result["summary"] = codec_summary(
+                    self.rows, seed=self.seed, blend_strategy=self.blend_strategy
+                )
+                self.result["elapsed_s"] = time.perf_counter() - self.started
+                write_json(self.result, output)
                 line = ", ".join(
                     f"{s['codec']} {s['accuracy']:.0%}/{s['kl_mean']:.3f}"
-                    for s in result["summary"]
+                    for s in self.result["summary"]
                     if s["shape"] == shape
                 )
-                log(
-                    f"[{shape} {count}/{len(todo)}, {time.perf_counter() - began:.1f} s "
-                    f"per question] {line}"
-                )
-    result["summary"] = codec_summary(rows, seed=seed, blend_strategy=blend_strategy)
-    write_json(result, output)
-    return result
+                per = time.perf_counter() - began
+                self.log(f"[{shape} {count}/{len(todo)}, {per:.1f} s per question] {line}")
+
+    def run_question(
+        self, shape: str, item: PromptItem, max_new_tokens: int
+    ) -> list[dict[str, Any]]:
+        """Run one question on every codec's engine; append its rows to the rows file."""
+        began, cpu = time.perf_counter(), time.process_time()
+        transcode(self.engines["none"], self.engines, item.documents)
+        new = evaluate_item(self.engines, item, self.strategies, max_new_tokens=max_new_tokens)
+        for row in new:
+            row["shape"], row["codec"] = shape, row.pop("head")
+        with self.rows_path.open("a") as file:
+            file.writelines(json.dumps(row) + "\n" for row in new)
+        self.log(
+            f"{shape} {item.qid}: {time.perf_counter() - began:.1f} s, "
+            f"{time.process_time() - cpu:.1f} s of CPU"
+        )
+        return new
+
+
+class _NQData:
+    """The NQ data file's corpus, questions and retriever, loaded when a shape first needs them."""
+
+    def __init__(self, data: str | Path | None) -> None:
+        self.data = data
+        self.loaded: tuple[Any, Any, Retriever] | None = None
+
+    def __call__(self) -> tuple[Any, Any, Retriever]:
+        """Return the corpus, the questions and the retriever over the corpus."""
+        if self.data is None:
+            raise ValueError("the nq-10 and long shapes need the NQ data file (--data)")
+        if self.loaded is None:
+            corpus, nq_questions = load_nq(self.data)
+            self.loaded = (corpus, nq_questions, Retriever(corpus, data_path=self.data))
+        return self.loaded
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -331,6 +383,38 @@ def main(argv: list[str] | None = None) -> None:
     from kvblend.blend.config import BlendConfig
     from kvblend.engine.engine import DEFAULT_SYSTEM_PROMPT
 
+    args, shard, shapes = _arguments(argv)
+    codecs = [kv_codec(c).name for c in args.codecs.split(",") if c.strip()]
+    args.doc_prefix = "auto"
+    base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
+    base.store.max_bytes = 1 << 30  # entries of earlier questions are evicted, not kept
+    meta = {
+        "machine": describe_machine(base),
+        "default_config": repr(BlendConfig()),
+        "max_new_tokens": args.max_new_tokens,
+    }
+    result = run_codec_quality(
+        base,
+        shapes,
+        codecs,
+        data=args.data,
+        questions=args.questions,
+        output=Path(args.output),
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        meta=meta,
+        blend_strategy=args.strategy,
+        shard=shard,
+    )
+    title = (
+        f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
+        f"{args.strategy}, engine at its defaults"
+    )
+    write_result(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))
+
+
+def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[int, int], list[str]]:
+    """Parse ``kvblend bench codec-quality``'s options: the options, ``--shard``, the shapes."""
     parser = argparse.ArgumentParser(
         prog="kvblend bench codec-quality", description=(__doc__ or "").split("\n")[0]
     )
@@ -374,30 +458,4 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shape(s) {unknown}; use {', '.join(SHAPES)}")
-    codecs = [kv_codec(c).name for c in args.codecs.split(",") if c.strip()]
-    args.doc_prefix = "auto"
-    base = load_engine(args, DEFAULT_SYSTEM_PROMPT)
-    base.store.max_bytes = 1 << 30  # entries of earlier questions are evicted, not kept
-    meta = {
-        "machine": describe_machine(base),
-        "default_config": repr(BlendConfig()),
-        "max_new_tokens": args.max_new_tokens,
-    }
-    result = run_codec_quality(
-        base,
-        shapes,
-        codecs,
-        data=args.data,
-        questions=args.questions,
-        output=Path(args.output),
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        meta=meta,
-        blend_strategy=args.strategy,
-        shard=(shard[0], shard[1]),
-    )
-    title = (
-        f"KV codecs on {base.name}, {torch.get_num_threads()} thread(s), strategy "
-        f"{args.strategy}, engine at its defaults"
-    )
-    write_result(result, Path(args.output), title + "\n\n" + codec_table(result["summary"]))
+    return args, (shard[0], shard[1]), shapes

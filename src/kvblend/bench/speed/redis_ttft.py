@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ import torch
 from kvblend.bench.speed.ttft import QUESTION, SYSTEM, ColdDisk, build_documents, time_prefill
 from kvblend.bench.strategies import strategy
 from kvblend.engine.engine import BlendEngine
+from kvblend.prompt.segments import Segment
 from kvblend.store import MemoryKVStore, RedisKVStore, RemoteTieredKVStore
 
 PROCESSES = 4
@@ -112,53 +113,18 @@ def run_redis_ttft(
         engines = {"memory": memory, "disk": cold.engine, "redis": over_redis}
         for engine in engines.values():
             engine.precompute(documents, progress=False)
-        full, default = strategy("full"), strategy("default")
+        default = strategy("default")
         for engine in engines.values():  # warm-up; stores the prompt head everywhere
             engine.prefill(default.segments(segments), default.config)
-        rows = []
-        for repeat in range(repeats):
-            rows.append(
-                {
-                    "repeat": repeat,
-                    "store": "memory",
-                    "strategy": "full",
-                    **time_prefill(memory, segments, full),
-                }
-            )
-            for name, engine in engines.items():
-                if name == "disk":
-                    cold.make_cold()
-                row = time_prefill(engine, segments, default)
-                assert row["segments_precomputed"] == 0, (name, row)
-                rows.append({"repeat": repeat, "store": name, "strategy": "default", **row})
-            timed = ", ".join(f"{r['store']}/{r['strategy']} {r['ttft_s']:.3f}s" for r in rows[-4:])
-            print(f"repeat {repeat + 1}: {timed}", file=sys.stderr)
-
+        rows = _time_stores(engines, cold, segments, repeats)
         keys = [memory.segment_id(d) for d in documents]
         redis_bytes = remote.stats().bytes
-        with multiprocessing.get_context("spawn").Pool(PROCESSES) as pool:
-            started = time.perf_counter()
-            work = [(url, remote.prefix, keys, worker, rounds) for worker in range(PROCESSES)]
-            parts = pool.starmap(_throughput_worker, work)
-            wall = time.perf_counter() - started
+        parts, wall = _throughput(url, remote.prefix, keys, rounds)
     finally:
         remote.clear()
         remote.close()
         cold.store.close()
         shutil.rmtree(temp, ignore_errors=True)
-
-    def median(store: str, strat: str, field: str = "ttft_s") -> float:
-        return statistics.median(
-            r[field] for r in rows if r["store"] == store and r["strategy"] == strat
-        )
-
-    def ratio(store: str) -> float:
-        blended = [r for r in rows if r["store"] == store and r["strategy"] == "default"]
-        in_memory = [r for r in rows if r["store"] == "memory" and r["strategy"] == "default"]
-        return statistics.median(
-            a["ttft_s"] / b["ttft_s"] for a, b in zip(blended, in_memory, strict=True)
-        )
-
     summary = {
         "tokens": rows[0]["prompt_tokens"],
         "documents": len(documents),
@@ -166,14 +132,7 @@ def run_redis_ttft(
         "repeats": repeats,
         "rounds": rounds,
         "threads": torch.get_num_threads(),
-        "ttft_s": {
-            "full (memory)": median("memory", "full"),
-            "default, memory": median("memory", "default"),
-            "default, cold disk": median("disk", "default"),
-            "default, redis": median("redis", "default"),
-        },
-        "lookup_s": {s: median(s, "default", "lookup_s") for s in engines},
-        "ratio_to_memory": {s: ratio(s) for s in engines},
+        **_ttft_summary(rows, engines),
         "throughput_4_processes": {
             "read_mb_s": sum(p["read_bytes"] for p in parts)
             / max(p["read_s"] for p in parts)
@@ -188,6 +147,65 @@ def run_redis_ttft(
         "redis_bytes": redis_bytes,
     }
     return {"summary": summary, "rows": rows}
+
+
+def _time_stores(
+    engines: dict[str, BlendEngine], cold: ColdDisk, segments: list[Segment], repeats: int
+) -> list[dict[str, Any]]:
+    """Time full prefill from memory, then the default from each store, in every repeat."""
+    full, default = strategy("full"), strategy("default")
+    rows = []
+    for repeat in range(repeats):
+        row = time_prefill(engines["memory"], segments, full)
+        rows.append({"repeat": repeat, "store": "memory", "strategy": "full", **row})
+        for name, engine in engines.items():
+            if name == "disk":
+                cold.make_cold()
+            row = time_prefill(engine, segments, default)
+            assert row["segments_precomputed"] == 0, (name, row)
+            rows.append({"repeat": repeat, "store": name, "strategy": "default", **row})
+        timed = ", ".join(f"{r['store']}/{r['strategy']} {r['ttft_s']:.3f}s" for r in rows[-4:])
+        print(f"repeat {repeat + 1}: {timed}", file=sys.stderr)
+    return rows
+
+
+def _throughput(
+    url: str, prefix: str, keys: list[str], rounds: int
+) -> tuple[list[dict[str, Any]], float]:
+    """Read and write ``keys`` on Redis from `PROCESSES` processes at once: each's counts, wall."""
+    with multiprocessing.get_context("spawn").Pool(PROCESSES) as pool:
+        started = time.perf_counter()
+        work = [(url, prefix, keys, worker, rounds) for worker in range(PROCESSES)]
+        parts = pool.starmap(_throughput_worker, work)
+        wall = time.perf_counter() - started
+    return parts, wall
+
+
+def _ttft_summary(rows: list[dict[str, Any]], stores: Iterable[str]) -> dict[str, Any]:
+    """Return the median TTFTs, each store's lookup time and its TTFT over memory's."""
+
+    def median(store: str, strat: str, field: str = "ttft_s") -> float:
+        return statistics.median(
+            r[field] for r in rows if r["store"] == store and r["strategy"] == strat
+        )
+
+    def ratio(store: str) -> float:
+        blended = [r for r in rows if r["store"] == store and r["strategy"] == "default"]
+        in_memory = [r for r in rows if r["store"] == "memory" and r["strategy"] == "default"]
+        return statistics.median(
+            a["ttft_s"] / b["ttft_s"] for a, b in zip(blended, in_memory, strict=True)
+        )
+
+    return {
+        "ttft_s": {
+            "full (memory)": median("memory", "full"),
+            "default, memory": median("memory", "default"),
+            "default, cold disk": median("disk", "default"),
+            "default, redis": median("redis", "default"),
+        },
+        "lookup_s": {s: median(s, "default", "lookup_s") for s in stores},
+        "ratio_to_memory": {s: ratio(s) for s in stores},
+    }
 
 
 def redis_table(summary: dict[str, Any]) -> str:
