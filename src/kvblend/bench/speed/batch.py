@@ -91,26 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = {}
     for _ in range(args.repeats):
         if chat is not None:
-            started = time.perf_counter()
-            one_by_one = [chat.invoke(question) for question in questions]
-            times["ChatBlend.invoke x4"].append(time.perf_counter() - started)
-            started = time.perf_counter()
-            if [m.text for m in chat.batch(questions)] != [m.text for m in one_by_one]:
-                raise SystemExit("ChatBlend.batch answers differ from the one-by-one answers")
-            times["ChatBlend.batch"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        one = [engine.generate(text, config, **options) for text in texts]
-        times["sequential"].append(time.perf_counter() - started)
-        started = time.perf_counter()
-        many = engine.generate_batch(texts, config, **options)
-        times["batched"].append(time.perf_counter() - started)
-        if [r.token_ids for r in one] != [r.token_ids for r in many]:
-            raise SystemExit("batched greedy outputs differ from the one-by-one outputs")
-        tokens = {
-            "output_tokens": sum(len(r.token_ids) for r in many),
-            "reused_tokens": sum(r.stats.reused_tokens for r in many),
-            "prompt_tokens": sum(r.stats.prompt_tokens for r in many),
-        }
+            _time_chat(chat, questions, times)
+        tokens = _time_engine(engine, texts, config, options, times)
     report = {
         "model": str(engine.name),
         "device": str(engine.decoder.device) if hasattr(engine.decoder, "device") else "cpu",
@@ -119,19 +101,67 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": args.max_new_tokens,
         **tokens,
     }
+    _add_rates(report, times, len(texts), chat is not None)
+    _write_report(report, times, args)
+
+
+def _time_chat(chat: Any, questions: list[str], times: dict[str, list[float]]) -> None:
+    """Time the questions through ``ChatBlend.invoke`` one by one, then ``ChatBlend.batch``."""
+    started = time.perf_counter()
+    one_by_one = [chat.invoke(question) for question in questions]
+    times["ChatBlend.invoke x4"].append(time.perf_counter() - started)
+    started = time.perf_counter()
+    if [m.text for m in chat.batch(questions)] != [m.text for m in one_by_one]:
+        raise SystemExit("ChatBlend.batch answers differ from the one-by-one answers")
+    times["ChatBlend.batch"].append(time.perf_counter() - started)
+
+
+def _time_engine(
+    engine: BlendEngine,
+    texts: list[str],
+    config: BlendConfig,
+    options: dict[str, Any],
+    times: dict[str, list[float]],
+) -> dict[str, int]:
+    """Time the prompts one by one, then in one batch; return the batch's token counts."""
+    started = time.perf_counter()
+    one = [engine.generate(text, config, **options) for text in texts]
+    times["sequential"].append(time.perf_counter() - started)
+    started = time.perf_counter()
+    many = engine.generate_batch(texts, config, **options)
+    times["batched"].append(time.perf_counter() - started)
+    if [r.token_ids for r in one] != [r.token_ids for r in many]:
+        raise SystemExit("batched greedy outputs differ from the one-by-one outputs")
+    return {
+        "output_tokens": sum(len(r.token_ids) for r in many),
+        "reused_tokens": sum(r.stats.reused_tokens for r in many),
+        "prompt_tokens": sum(r.stats.prompt_tokens for r in many),
+    }
+
+
+def _add_rates(
+    report: dict[str, Any], times: dict[str, list[float]], requests: int, chat: bool
+) -> None:
+    """Add each way's times, rates and the speedups to ``report``."""
     for way, seconds in times.items():
         median = statistics.median(seconds)
         report[way] = {
             "seconds": [round(s, 3) for s in seconds],
             "median_s": round(median, 3),
-            "requests_per_s": round(len(texts) / median, 3),
-            "output_tokens_per_s": round(tokens["output_tokens"] / median, 1),
+            "requests_per_s": round(requests / median, 3),
+            "output_tokens_per_s": round(report["output_tokens"] / median, 1),
         }
     report["speedup"] = round(report["sequential"]["median_s"] / report["batched"]["median_s"], 2)
-    if chat is not None:
+    if chat:
         report["langchain_speedup"] = round(
             report["ChatBlend.invoke x4"]["median_s"] / report["ChatBlend.batch"]["median_s"], 2
         )
+
+
+def _write_report(
+    report: dict[str, Any], times: dict[str, list[float]], args: argparse.Namespace
+) -> None:
+    """Write ``batch.json`` and ``batch.md`` into the results folder; print the table."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "batch.json").write_text(json.dumps(report, indent=2) + "\n")
     rows = [
@@ -144,10 +174,14 @@ def main(argv: list[str] | None = None) -> None:
         ),
     ]
     header = (
-        f"{len(texts)} requests, {report['model']}, {args.threads} thread(s), "
-        f"{args.max_new_tokens} new tokens at most ({tokens['output_tokens']} generated), "
+        f"{report['requests']} requests, {report['model']}, {args.threads} thread(s), "
+        f"{args.max_new_tokens} new tokens at most ({report['output_tokens']} generated), "
         f"{args.repeats} repeats; batched is {report['speedup']}x sequential"
-        + (f", ChatBlend.batch {report['langchain_speedup']}x" if chat is not None else "")
+        + (
+            f", ChatBlend.batch {report['langchain_speedup']}x"
+            if "langchain_speedup" in report
+            else ""
+        )
         + "\n\n"
     )
     (RESULTS_DIR / "batch.md").write_text(header + "\n".join(rows) + "\n")
