@@ -108,12 +108,33 @@ def paired_rows(rows: Sequence[dict[str, Any]], strategy: str) -> list[dict[str,
 def at_limit(rows: Sequence[dict[str, Any]], signal: str, limit: float) -> dict[str, Any]:
     """Return what a guard escalating past ``limit`` of ``signal`` would do on ``rows``."""
     escalate = [escalates(r, signal, limit) for r in rows]
+    return {
+        "signal": signal,
+        "limit": limit,
+        "n": len(rows),
+        **_caught(rows, escalate),
+        **_outcome(rows, escalate, decode_steps(signal)),
+    }
+
+
+def _caught(rows: Sequence[dict[str, Any]], escalate: list[bool]) -> dict[str, float]:
+    """Return the share escalated, and of the answers unlike full's how many were caught."""
     differ = [not r["agrees"] for r in rows]
     first_differs = [not r.get("top1_agrees", True) for r in rows]
-    kept = [r for r, e in zip(rows, escalate, strict=True) if not e]
     caught = sum(e and d for e, d in zip(escalate, differ, strict=True))
     caught_first = sum(e and d for e, d in zip(escalate, first_differs, strict=True))
-    steps = decode_steps(signal)
+    escalated = sum(escalate)
+    return {
+        "escalated": escalated / len(rows),
+        "precision": caught / escalated if escalated else math.nan,
+        "first_token_precision": caught_first / escalated if escalated else math.nan,
+        "recall": caught / sum(differ) if any(differ) else math.nan,
+    }
+
+
+def _outcome(rows: Sequence[dict[str, Any]], escalate: list[bool], steps: int) -> dict[str, float]:
+    """Return the agreement with full, the compute and the accuracy with the escalations."""
+    kept = [r for r, e in zip(rows, escalate, strict=True) if not e]
     cost = [
         _escalated_cost(r, steps) if e else r["compute_fraction"]
         for r, e in zip(rows, escalate, strict=True)
@@ -122,15 +143,7 @@ def at_limit(rows: Sequence[dict[str, Any]], signal: str, limit: float) -> dict[
         r["full_correct"] if e else r["correct"] for r, e in zip(rows, escalate, strict=True)
     ]
     full_accuracy = statistics.fmean(float(r["full_correct"]) for r in rows)
-    escalated = sum(escalate)
     return {
-        "signal": signal,
-        "limit": limit,
-        "n": len(rows),
-        "escalated": escalated / len(rows),
-        "precision": caught / escalated if escalated else math.nan,
-        "first_token_precision": caught_first / escalated if escalated else math.nan,
-        "recall": caught / sum(differ) if any(differ) else math.nan,
         "kept_agreement": statistics.fmean(float(r["agrees"]) for r in kept) if kept else math.nan,
         "agreement": statistics.fmean(
             float(e or r["agrees"]) for r, e in zip(rows, escalate, strict=True)
@@ -318,6 +331,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         separation_table(separations),
     ]
+    sweeps, chosen = _calibrate(rows, signals, args.budget, text)
+    print("\n".join(text))
+    if args.output:
+        record = {
+            "source": args.result,
+            "source_command": result.get("command"),
+            **{key: result.get(key) for key in ("machine", "model", "split", "file_range")},
+            "strategy": args.strategy,
+            "budget": args.budget,
+            "n": len(rows),
+            "separation": separations,
+            "sweeps": sweeps,
+            "chosen": chosen,
+        }
+        _write_record(Path(args.output), record, text)
+    return 0
+
+
+def _calibrate(
+    rows: list[dict[str, Any]], signals: list[str], budget: float, text: list[str]
+) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """Sweep each signal's limits over the answered rows and choose one within ``budget``.
+
+    Appends each signal's table and choice, then the choices best first, to ``text``; returns
+    the sweeps and the choices.
+    """
     answered = [r for r in rows if r.get("agrees") is not None and r.get("correct") is not None]
     sweeps: dict[str, list[dict[str, Any]]] = {}
     chosen: list[dict[str, Any]] = []
@@ -326,42 +365,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not table:
             continue
         text += ["", f"{signal}:", "", calibration_table(table)]
-        best = choose_limit(table, args.budget)
+        best = choose_limit(table, budget)
         if best is not None:
             chosen.append(best)
-            text += ["", chosen_line(best, args.budget)]
+            text += ["", chosen_line(best, budget)]
     if chosen:
         chosen.sort(key=lambda row: (-row["agreement"], row["compute"]))
         text += [
             "",
-            f"The limit each signal picks within compute {args.budget:g}, best first:",
+            f"The limit each signal picks within compute {budget:g}, best first:",
             "",
             calibration_table(chosen),
         ]
     elif not answered:
         text += ["", "No answers in these rows (a --kl-only run): no limits to choose."]
-    print("\n".join(text))
-    if args.output:
-        from kvblend.bench.result_files import running_command
+    return sweeps, chosen
 
-        output = Path(args.output)
-        record = {
-            "benchmark": "guard",
-            "command": running_command(),
-            "source": args.result,
-            "source_command": result.get("command"),
-            "machine": result.get("machine"),
-            "model": result.get("model"),
-            "split": result.get("split"),
-            "file_range": result.get("file_range"),
-            "strategy": args.strategy,
-            "budget": args.budget,
-            "n": len(rows),
-            "separation": separations,
-            "sweeps": sweeps,
-            "chosen": chosen,
-        }
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(record, indent=1))
-        output.with_suffix(".md").write_text("\n".join(text) + "\n")
-    return 0
+
+def _write_record(output: Path, record: dict[str, Any], text: list[str]) -> None:
+    """Write the calibration as JSON to ``output``, with the command, and its text beside it."""
+    from kvblend.bench.result_files import running_command
+
+    record = {"benchmark": "guard", "command": running_command(), **record}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(record, indent=1))
+    output.with_suffix(".md").write_text("\n".join(text) + "\n")
