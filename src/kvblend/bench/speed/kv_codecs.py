@@ -225,29 +225,9 @@ def run_decode(
     kv_shape = (shape.num_layers, 2, shape.num_kv_heads, doc_tokens, shape.head_dim)
     device, dtype = base.decoder.device, base.decoder.dtype
     kv = torch.randn(kv_shape, generator=torch.Generator().manual_seed(0)).to(device)
-    sources: dict[str, Any] = {}
-    for label in labels:
-        if label in ("fp16", "none"):
-            sources[label] = kv.to(torch.float16 if label == "fp16" else dtype)
-            continue
-        codec = kv_codec(label)
-        sources[label] = codec.open(codec.encode(kv), kv_shape)
-        if label == "k8v4":
-            sources["k8v4 v1"] = K8V4_V1.open(K8V4_V1.encode(kv), kv_shape)
+    sources = _decode_sources(kv, labels, dtype)
     target = torch.empty(kv_shape, dtype=dtype, device=device)
-    times: dict[str, list[float]] = {label: [] for label in sources}
-    for _ in range(rounds + 1):  # the first round warms up and is not kept
-        for label, source in sources.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            if isinstance(source, EncodedKV):
-                source.place(target)
-            else:
-                target.copy_(source)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times[label].append(time.perf_counter() - started)
+    times = _time_placements(sources, target, rounds)
     rows: list[dict[str, Any]] = []
     for label, seconds in times.items():
         median = statistics.median(seconds[1:])
@@ -265,6 +245,41 @@ def run_decode(
     for row in rows:
         row["vs_copy"] = row["median_ms"] / copy if copy else None
     return rows
+
+
+def _decode_sources(kv: torch.Tensor, labels: Sequence[str], dtype: torch.dtype) -> dict[str, Any]:
+    """Each codec's entry of ``kv`` as read from a store (``fp16``, ``none``: a plain tensor)."""
+    sources: dict[str, Any] = {}
+    for label in labels:
+        if label in ("fp16", "none"):
+            sources[label] = kv.to(torch.float16 if label == "fp16" else dtype)
+            continue
+        codec = kv_codec(label)
+        sources[label] = codec.open(codec.encode(kv), tuple(kv.shape))
+        if label == "k8v4":
+            sources["k8v4 v1"] = K8V4_V1.open(K8V4_V1.encode(kv), tuple(kv.shape))
+    return sources
+
+
+def _time_placements(
+    sources: dict[str, Any], target: torch.Tensor, rounds: int
+) -> dict[str, list[float]]:
+    """Time placing each source into ``target``, interleaved, ``rounds + 1`` times each."""
+    device = target.device
+    times: dict[str, list[float]] = {label: [] for label in sources}
+    for _ in range(rounds + 1):  # the first round warms up and is not kept
+        for label, source in sources.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            if isinstance(source, EncodedKV):
+                source.place(target)
+            else:
+                target.copy_(source)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[label].append(time.perf_counter() - started)
+    return times
 
 
 def _close(tiers: dict[str, Any], folder: Path) -> None:
@@ -345,25 +360,28 @@ def ttft_summary(rows: Sequence[dict], labels: Sequence[str]) -> list[dict]:
             label: {r["repeat"]: r for r in rows if (r["tier"], r["codec"]) == (tier, label)}
             for label in labels
         }
-        for label in labels:
-            entry = {
-                "tier": tier,
-                "codec": label,
-                "ttft_median_s": statistics.median(r["ttft_s"] for r in mine[label].values()),
-                "load_median_s": statistics.median(
-                    r["load_s"] or 0.0 for r in mine[label].values()
-                ),
-                "ttft_vs_full": statistics.median(r["ttft_s"] for r in mine[label].values()) / full,
-            }
-            for reference in ("fp16", "none"):
-                if reference in mine and reference != label:
-                    entry[f"vs_{reference}"] = statistics.median(
-                        mine[label][k]["ttft_s"] / mine[reference][k]["ttft_s"]
-                        for k in mine[label]
-                        if k in mine[reference]
-                    )
-            out.append(entry)
+        out += [_tier_codec(tier, label, mine, full) for label in labels]
     return out
+
+
+def _tier_codec(tier: str, label: str, mine: dict[str, dict[int, dict]], full: float) -> dict:
+    """Return one codec's medians from ``tier`` (``mine``: each codec's runs by repeat)."""
+    runs = mine[label]
+    entry = {
+        "tier": tier,
+        "codec": label,
+        "ttft_median_s": statistics.median(r["ttft_s"] for r in runs.values()),
+        "load_median_s": statistics.median(r["load_s"] or 0.0 for r in runs.values()),
+        "ttft_vs_full": statistics.median(r["ttft_s"] for r in runs.values()) / full,
+    }
+    for reference in ("fp16", "none"):
+        if reference in mine and reference != label:
+            entry[f"vs_{reference}"] = statistics.median(
+                runs[k]["ttft_s"] / mine[reference][k]["ttft_s"]
+                for k in runs
+                if k in mine[reference]
+            )
+    return entry
 
 
 def codecs_report(result: dict[str, Any]) -> str:
@@ -431,8 +449,35 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``kvblend bench codecs``."""
     from kvblend.bench.engines import load_engine
     from kvblend.bench.result_files import describe_machine, write_result
-    from kvblend.bench.speed.redis_ttft import redis_server
 
+    args, parts, labels = _arguments(argv)
+    base = load_engine(argparse.Namespace(**vars(args), doc_prefix="auto"), SYSTEM)
+    if args.threads:  # as asked, whatever the load (an engine's default follows the load)
+        use_threads(args.threads)
+    result: dict[str, Any] = {
+        "benchmark": "codecs",
+        "machine": describe_machine(base),
+        "codecs": labels,
+        "parts": sorted(parts),
+    }
+    shape = base.decoder.shape
+    if "bytes" in parts:
+        model_shape = (str(base.name), shape.num_layers, shape.num_kv_heads, shape.head_dim)
+        result["bytes"] = bytes_table_rows(labels, model_shape)
+        with tempfile.TemporaryDirectory() as folder:
+            result["entry_files"] = entry_files(base, labels, Path(folder))
+    if parts & {"throughput", "ttft"}:
+        result |= _tier_parts(base, labels, parts, args)
+    if "decode" in parts:
+        result["decode"] = run_decode(
+            base, labels, doc_tokens=args.doc_tokens, rounds=10 * args.repeats
+        )
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    write_result(result, Path(args.output), codecs_report(result))
+
+
+def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, set[str], list[str]]:
+    """Parse ``kvblend bench codecs``' options: the options, the parts, the codecs' labels."""
     parser = argparse.ArgumentParser(
         prog="kvblend bench codecs", description=(__doc__ or "").split("\n")[0]
     )
@@ -461,52 +506,40 @@ def main(argv: list[str] | None = None) -> None:
     for label in labels:
         if label != "fp16":
             kv_codec(label)  # an unknown name is refused before the model loads
-    base = load_engine(argparse.Namespace(**vars(args), doc_prefix="auto"), SYSTEM)
-    if args.threads:  # as asked, whatever the load (an engine's default follows the load)
-        use_threads(args.threads)
-    result: dict[str, Any] = {
-        "benchmark": "codecs",
-        "machine": describe_machine(base),
-        "codecs": labels,
-        "parts": sorted(parts),
-    }
+    return args, parts, labels
+
+
+def _tier_parts(
+    base: BlendEngine, labels: list[str], parts: set[str], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Run the parts that read the store tiers (Redis's too, unless ``--no-redis``)."""
+    from kvblend.bench.speed.redis_ttft import redis_server
 
     def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    shape = base.decoder.shape
-    if "bytes" in parts:
-        model_shape = (str(base.name), shape.num_layers, shape.num_kv_heads, shape.head_dim)
-        result["bytes"] = bytes_table_rows(labels, model_shape)
-        with tempfile.TemporaryDirectory() as folder:
-            result["entry_files"] = entry_files(base, labels, Path(folder))
-    if parts & {"throughput", "ttft"}:
-        server = contextlib.nullcontext(None) if args.no_redis else redis_server(args.redis_url)
-        with server as redis_url:
-            if "throughput" in parts:
-                result["throughput"] = run_throughput(
-                    base,
-                    labels,
-                    redis_url,
-                    documents=args.documents,
-                    doc_tokens=args.doc_tokens,
-                    repeats=args.repeats,
-                    log=log,
-                )
-            if "ttft" in parts:
-                rows = run_codec_ttft(
-                    base,
-                    labels,
-                    redis_url,
-                    length=args.length,
-                    doc_tokens=args.doc_tokens,
-                    repeats=args.repeats,
-                    log=log,
-                )
-                result["ttft_rows"], result["ttft_summary"] = rows, ttft_summary(rows, labels)
-    if "decode" in parts:
-        result["decode"] = run_decode(
-            base, labels, doc_tokens=args.doc_tokens, rounds=10 * args.repeats
-        )
-    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    write_result(result, Path(args.output), codecs_report(result))
+    result: dict[str, Any] = {}
+    server = contextlib.nullcontext(None) if args.no_redis else redis_server(args.redis_url)
+    with server as redis_url:
+        if "throughput" in parts:
+            result["throughput"] = run_throughput(
+                base,
+                labels,
+                redis_url,
+                documents=args.documents,
+                doc_tokens=args.doc_tokens,
+                repeats=args.repeats,
+                log=log,
+            )
+        if "ttft" in parts:
+            rows = run_codec_ttft(
+                base,
+                labels,
+                redis_url,
+                length=args.length,
+                doc_tokens=args.doc_tokens,
+                repeats=args.repeats,
+                log=log,
+            )
+            result["ttft_rows"], result["ttft_summary"] = rows, ttft_summary(rows, labels)
+    return result
