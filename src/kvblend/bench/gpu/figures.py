@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -230,41 +231,10 @@ def run_transformers(
     (`_FirstTokenClock`), so it is positive whatever else the machine does (a difference of two
     runs was not: on a busy CPU the 1-token run could take longer).
     """
-    model: Any = engine.model
-    device = engine.decoder.device
     prompts = _prompts(engine, lengths, doc_tokens, seed)
-    device_ids = {length: ids.to(device) for length, (_, _, ids) in prompts.items()}
-
-    def encode(length: int) -> torch.Tensor:
-        text, specials, _ = prompts[length]
-        ids = engine.tokenizer(text, add_special_tokens=specials, return_tensors="pt")
-        return ids["input_ids"].to(device)
-
-    def forward(ids: torch.Tensor) -> None:
-        logits = model(ids, logits_to_keep=1).logits
-        int(logits[0, -1].argmax())
-
-    clock = _FirstTokenClock(device)
-
-    def generate(ids: torch.Tensor, tokens: int = 1) -> None:
-        model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=tokens,
-            min_new_tokens=tokens,
-            do_sample=False,
-            pad_token_id=engine.tokenizer.eos_token_id,
-            stopping_criteria=StoppingCriteriaList([clock.start()]) if tokens > 1 else None,
-        )
-
-    runs: dict[str, Any] = {
-        "transformers-forward": lambda n: forward(device_ids[n]),
-        "transformers-forward-text": lambda n: forward(encode(n)),
-        "transformers-generate": lambda n: generate(device_ids[n]),
-        "transformers-generate-text": lambda n: generate(encode(n)),
-    }
-    if decode_tokens > 1:
-        runs["transformers-decode"] = lambda n: generate(device_ids[n], decode_tokens)
+    calls = _TransformersCalls(engine, prompts)
+    runs = calls.runs(decode_tokens)
+    device = calls.device
     times: dict[tuple[int, str], list[float]] = {}
     with torch.inference_mode():
         for length in lengths[:1]:  # warm-up
@@ -277,12 +247,12 @@ def run_transformers(
                     times.setdefault((length, name), []).append(elapsed)
                     if name == "transformers-decode":  # the same run's time after its first token
                         times.setdefault((length, "decode-after-first"), []).append(
-                            clock.after_first()
+                            calls.clock.after_first()
                         )
     rows = [
         {
             "target_tokens": length,
-            "prompt_tokens": device_ids[length].shape[1],
+            "prompt_tokens": calls.device_ids[length].shape[1],
             "run": name,
             "ttft_median_s": statistics.median(values),
             "ttft_min_s": min(values),
@@ -290,7 +260,59 @@ def run_transformers(
         for (length, name), values in times.items()
         if name in runs and name != "transformers-decode"
     ]
-    return rows + _decode_rows(times, device_ids, decode_tokens)
+    return rows + _decode_rows(times, calls.device_ids, decode_tokens)
+
+
+class _TransformersCalls:
+    """transformers' own calls on the TTFT prompts: its forward and ``generate``.
+
+    Each from the prompt string (tokenized and copied to the device in the timed call) or from
+    its token ids already on the device.
+    """
+
+    def __init__(
+        self, engine: BlendEngine, prompts: dict[int, tuple[str, bool, torch.Tensor]]
+    ) -> None:
+        self.engine, self.prompts = engine, prompts
+        self.model: Any = engine.model
+        self.device = engine.decoder.device
+        self.device_ids = {length: ids.to(self.device) for length, (_, _, ids) in prompts.items()}
+        self.clock = _FirstTokenClock(self.device)
+
+    def encode(self, length: int) -> torch.Tensor:
+        """Tokenize the prompt of ``length`` and copy its ids to the device."""
+        text, specials, _ = self.prompts[length]
+        ids = self.engine.tokenizer(text, add_special_tokens=specials, return_tensors="pt")
+        return ids["input_ids"].to(self.device)
+
+    def forward(self, ids: torch.Tensor) -> None:
+        """Run the model's forward, the last position's logits only, and read the first token."""
+        logits = self.model(ids, logits_to_keep=1).logits
+        int(logits[0, -1].argmax())
+
+    def generate(self, ids: torch.Tensor, tokens: int = 1) -> None:
+        """Run ``generate`` to exactly ``tokens`` tokens (the clock times those after the first)."""
+        self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=self.engine.tokenizer.eos_token_id,
+            stopping_criteria=StoppingCriteriaList([self.clock.start()]) if tokens > 1 else None,
+        )
+
+    def runs(self, decode_tokens: int) -> dict[str, Callable[[int], None]]:
+        """Return the timed runs by name, each taking a prompt length."""
+        runs: dict[str, Callable[[int], None]] = {
+            "transformers-forward": lambda n: self.forward(self.device_ids[n]),
+            "transformers-forward-text": lambda n: self.forward(self.encode(n)),
+            "transformers-generate": lambda n: self.generate(self.device_ids[n]),
+            "transformers-generate-text": lambda n: self.generate(self.encode(n)),
+        }
+        if decode_tokens > 1:
+            runs["transformers-decode"] = lambda n: self.generate(self.device_ids[n], decode_tokens)
+        return runs
 
 
 class _FirstTokenClock(StoppingCriteria):

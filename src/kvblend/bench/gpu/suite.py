@@ -288,21 +288,33 @@ def run_all(
         left = deadline - time.monotonic()
         if step.name not in chosen:
             continue
-        for name in step.outputs:  # nothing of an earlier run passes for this one's
-            (out / name).unlink(missing_ok=True)
-        if step.cuda_only and not cuda:
-            step.status = "skipped: no CUDA"
-        elif left < 60:
-            step.status = f"not run: {left:.0f} s of the {args.budget} s budget left"
-        else:
-            clock = time.strftime("%H:%M:%S")
-            print(f"[{clock}] {step.name} (limit {min(step.limit, left):.0f} s)", flush=True)
-            run_step(step, out, min(step.limit, left))
+        _run_if_possible(step, out, cuda, left, args.budget)
         print(f"  {step.name}: {step.status} ({step.seconds:.0f} s)", flush=True)
-        records = [kept.get(s.name) or s.record() for s in steps if s.name in chosen | set(kept)]
-        records += [r for name, r in kept.items() if name not in {s.name for s in steps}]
-        data = {"steps": records, "target_lengths": lengths}
-        (out / "steps.json").write_text(json.dumps(data, indent=1) + "\n")
+        _write_steps(out, steps, chosen, kept, lengths)
+
+
+def _write_steps(
+    out: Path, steps: list[Step], chosen: set[str], kept: dict[str, Any], lengths: dict | None
+) -> None:
+    """Write ``steps.json``: this run's steps so far, and those of an earlier run not run again."""
+    records = [kept.get(s.name) or s.record() for s in steps if s.name in chosen | set(kept)]
+    records += [r for name, r in kept.items() if name not in {s.name for s in steps}]
+    data = {"steps": records, "target_lengths": lengths}
+    (out / "steps.json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _run_if_possible(step: Step, out: Path, cuda: bool, left: float, budget: int) -> None:
+    """Run ``step`` within ``left`` seconds, unless it needs CUDA or a minute is not left."""
+    for name in step.outputs:  # nothing of an earlier run passes for this one's
+        (out / name).unlink(missing_ok=True)
+    if step.cuda_only and not cuda:
+        step.status = "skipped: no CUDA"
+    elif left < 60:
+        step.status = f"not run: {left:.0f} s of the {budget} s budget left"
+    else:
+        clock = time.strftime("%H:%M:%S")
+        print(f"[{clock}] {step.name} (limit {min(step.limit, left):.0f} s)", flush=True)
+        run_step(step, out, min(step.limit, left))
 
 
 def use_kit(args: argparse.Namespace) -> None:
@@ -320,6 +332,50 @@ def use_kit(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the suite: ``kvblend bench gpu-suite [options]``."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.kit is not None:
+        use_kit(args)
+    if args.summarize:
+        print(summary.write(summary.summarize(args.summarize), args.out))
+        return 0
+    import torch
+
+    if args.save_tokenizer:
+        from kvblend.models.loading import load_model, resolve_model
+
+        tokenizer = load_model(resolve_model(None), torch.device("cpu"), torch.float32)[1]
+        print("\n".join(tokenizer.save_pretrained(args.save_tokenizer)))
+        return 0
+    cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not cuda:
+        parser.error("no CUDA device here: --device cpu runs the smoke test of every step")
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    steps = plan_steps(args, out)
+    known = {s.name for s in steps}
+    if args.steps and not set(args.steps.split(",")) <= known:
+        parser.error(f"--steps takes a comma list of {', '.join(sorted(known))}")
+    for line in (
+        preflight(args.tokenizer),
+        qwen_model(args.qwen)[1] if args.device == "cuda" else None,
+    ):
+        if line:
+            print(line, flush=True)
+    # the smoke run checks the targets at its own length (numbers that mean nothing)
+    lengths = {name: [1024] for name in summary.RUNS} if args.device == "cpu" else None
+    run_all(steps, args, out, cuda, lengths)
+    text = summary.write(summary.summarize([out]), out)
+    print(text)
+    if args.archive:
+        with tarfile.open(args.archive, "w:gz") as archive:
+            archive.add(out, arcname=out.name)
+        print(f"packed {out} into {args.archive}")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """Return the parser of ``kvblend bench gpu-suite``'s options."""
     parser = argparse.ArgumentParser(
         prog="kvblend bench gpu-suite", description=(__doc__ or "").split("\n")[0]
     )
@@ -373,47 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="only summarize these folders' results (into --out)",
     )
-    args = parser.parse_args(argv)
-    if args.kit is not None:
-        use_kit(args)
-    if args.summarize:
-        print(summary.write(summary.summarize(args.summarize), args.out))
-        return 0
-    if args.save_tokenizer:
-        import torch
-
-        from kvblend.models.loading import load_model, resolve_model
-
-        tokenizer = load_model(resolve_model(None), torch.device("cpu"), torch.float32)[1]
-        print("\n".join(tokenizer.save_pretrained(args.save_tokenizer)))
-        return 0
-    import torch
-
-    cuda = torch.cuda.is_available()
-    if args.device == "cuda" and not cuda:
-        parser.error("no CUDA device here: --device cpu runs the smoke test of every step")
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    steps = plan_steps(args, out)
-    known = {s.name for s in steps}
-    if args.steps and not set(args.steps.split(",")) <= known:
-        parser.error(f"--steps takes a comma list of {', '.join(sorted(known))}")
-    for line in (
-        preflight(args.tokenizer),
-        qwen_model(args.qwen)[1] if args.device == "cuda" else None,
-    ):
-        if line:
-            print(line, flush=True)
-    # the smoke run checks the targets at its own length (numbers that mean nothing)
-    lengths = {name: [1024] for name in summary.RUNS} if args.device == "cpu" else None
-    run_all(steps, args, out, cuda, lengths)
-    text = summary.write(summary.summarize([out]), out)
-    print(text)
-    if args.archive:
-        with tarfile.open(args.archive, "w:gz") as archive:
-            archive.add(out, arcname=out.name)
-        print(f"packed {out} into {args.archive}")
-    return 0
+    return parser
 
 
 if __name__ == "__main__":
