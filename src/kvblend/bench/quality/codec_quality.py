@@ -36,8 +36,8 @@ import numpy as np
 import torch
 
 from kvblend.bench.quality.compare import PromptItem, evaluate_item
-from kvblend.bench.quality.nq import Retriever, load_nq, write_json
-from kvblend.bench.quality.shapes import MAX_NEW_TOKENS, shape_items
+from kvblend.bench.quality.nq import write_json
+from kvblend.bench.quality.shapes import MAX_NEW_TOKENS, NQData, shape_items
 from kvblend.bench.quality.stats import RESAMPLES, format_ci, paired_stats
 from kvblend.bench.result_files import RESULTS_DIR
 from kvblend.bench.strategies import strategy
@@ -272,7 +272,7 @@ def run_codec_quality(
     engines = codec_engines(base, ["none", *[c for c in codecs if kv_codec(c).name != "none"]])
     rows_path = output.with_suffix(".rows.jsonl")
     run = _CodecRun(engines, blend_strategy, rows_path, seed, log)
-    nq = _NQData(data)
+    nq = NQData(data, shapes="nq-10 and long")
     run.result = {
         "benchmark": "codec-quality",
         **(meta or {}),
@@ -357,23 +357,6 @@ class _CodecRun:
             f"{time.process_time() - cpu:.1f} s of CPU"
         )
         return new
-
-
-class _NQData:
-    """The NQ data file's corpus, questions and retriever, loaded when a shape first needs them."""
-
-    def __init__(self, data: str | Path | None) -> None:
-        self.data = data
-        self.loaded: tuple[Any, Any, Retriever] | None = None
-
-    def __call__(self) -> tuple[Any, Any, Retriever]:
-        """Return the corpus, the questions and the retriever over the corpus."""
-        if self.data is None:
-            raise ValueError("the nq-10 and long shapes need the NQ data file (--data)")
-        if self.loaded is None:
-            corpus, nq_questions = load_nq(self.data)
-            self.loaded = (corpus, nq_questions, Retriever(corpus, data_path=self.data))
-        return self.loaded
 
 
 def main(argv: list[str] | None = None) -> None:

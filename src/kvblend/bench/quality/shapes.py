@@ -108,18 +108,7 @@ def run_shapes(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Every strategy on ``questions`` questions of each shape, under each head."""
-    loaded: list[tuple[Any, Any, Retriever]] = []
-
-    def nq() -> tuple[Any, Any, Retriever]:
-        if data is None:
-            raise ValueError("the nq-* and long shapes need the NQ data file (--data)")
-        if not loaded:
-            corpus, nq_questions = load_nq(data)
-            loaded.append(
-                (corpus, nq_questions, Retriever(corpus, data_path=data, cache_dir=cache_dir))
-            )
-        return loaded[0]
-
+    nq = NQData(data, cache_dir=cache_dir)
     result: dict[str, Any] = {
         "benchmark": "shapes",
         **(meta or {}),
@@ -133,26 +122,19 @@ def run_shapes(
         "summary": [],
         "rows": [],
     }
+
+    def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
+        result["rows"] = earlier + rows
+        result["summary"] = summarize_rows(result["rows"], group_by=("shape", "head"), seed=seed)
+        write_json(result, output)
+
     done: list[dict[str, Any]] = []
     for shape in shapes:
         items = shape_items(base, shape, questions, seed, nq, gold_at)
-        head = items[0].head
-        if any(item.head != head for item in items):
-            raise RuntimeError(f"the prompts of shape {shape} do not share one head")
-        engines = engines_for(base, heads, head)
+        engines = _shape_engines(base, shape, items, heads)
         result["heads"][shape] = {name: engine.doc_prefix for name, engine in engines.items()}
-        for item in items:
-            item.meta["shape"] = shape
         if log is not None:
             log(f"shape {shape}: {len(items)} questions")
-
-        def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
-            result["rows"] = earlier + rows
-            result["summary"] = summarize_rows(
-                result["rows"], group_by=("shape", "head"), seed=seed
-            )
-            write_json(result, output)
-
         done += run_items(
             engines,
             items,
@@ -162,3 +144,43 @@ def run_shapes(
             max_new_tokens=MAX_NEW_TOKENS.get(shape, max_new_tokens),
         )
     return result
+
+
+def _shape_engines(
+    base: BlendEngine, shape: str, items: list[PromptItem], heads: Sequence[str]
+) -> dict[str, BlendEngine]:
+    """Return the engines of ``heads`` for the shape's one prompt head; mark its items."""
+    head = items[0].head
+    if any(item.head != head for item in items):
+        raise RuntimeError(f"the prompts of shape {shape} do not share one head")
+    engines = engines_for(base, heads, head)
+    for item in items:
+        item.meta["shape"] = shape
+    return engines
+
+
+class NQData:
+    """The NQ data file's corpus, questions and retriever, loaded when a shape first needs them.
+
+    ``shapes`` names the shapes that need it in the error a missing ``--data`` raises.
+    """
+
+    def __init__(
+        self,
+        data: str | Path | None,
+        *,
+        cache_dir: Path | None = None,
+        shapes: str = "nq-* and long",
+    ) -> None:
+        self.data, self.cache_dir, self.shapes = data, cache_dir, shapes
+        self.loaded: tuple[Any, Any, Retriever] | None = None
+
+    def __call__(self) -> tuple[Any, Any, Retriever]:
+        """Return the corpus, the questions and the retriever over the corpus."""
+        if self.data is None:
+            raise ValueError(f"the {self.shapes} shapes need the NQ data file (--data)")
+        if self.loaded is None:
+            corpus, nq_questions = load_nq(self.data)
+            retriever = Retriever(corpus, data_path=self.data, cache_dir=self.cache_dir)
+            self.loaded = (corpus, nq_questions, retriever)
+        return self.loaded
