@@ -21,6 +21,7 @@ from kvblend.bench.quality.stats import strategy_stats
 from kvblend.bench.strategies import Strategy
 from kvblend.blend.config import BlendConfig
 from kvblend.engine.engine import BlendEngine
+from kvblend.engine.results import PrefillResult
 from kvblend.prompt.segments import Segment
 
 #: Engine heads: ``told`` precomputes documents behind the prompt's exact head; ``untold`` is an
@@ -121,53 +122,60 @@ def evaluate_item(
         first, item.segments, strategies[0].config, max_new_tokens
     )
     base = {"qid": item.qid, **item.meta, "prompt_tokens": full_pre.stats.prompt_tokens}
+    full = {
+        "strategy": "full",
+        "answer": full_answer,
+        "correct": item.score(full_answer),
+        "agrees": True,
+        "kl": 0.0,
+        "compute_fraction": 1.0,
+        "recompute_fraction": 0.0,
+        "documents_reused": 0,
+        "reused_tokens": full_pre.stats.reused_tokens,
+        "recomputed_tokens": 0,
+        "fallback": None,
+        "ttft_s": full_ttft,
+        "ttft_ratio": 1.0,
+    }
     rows: list[dict[str, Any]] = []
     for head, engine in engines.items():
-        rows.append(
-            {
-                **base,
-                "head": head,
-                "strategy": "full",
-                "answer": full_answer,
-                "correct": item.score(full_answer),
-                "agrees": True,
-                "kl": 0.0,
-                "compute_fraction": 1.0,
-                "recompute_fraction": 0.0,
-                "documents_reused": 0,
-                "reused_tokens": full_pre.stats.reused_tokens,
-                "recomputed_tokens": 0,
-                "fallback": None,
-                "ttft_s": full_ttft,
-                "ttft_ratio": 1.0,
-            }
-        )
+        rows.append({**base, "head": head, **full})
         for strat in strategies[1:]:
             pre, answer, ttft = _run(
                 engine, strat.segments(item.segments), strat.config, max_new_tokens
             )
             if pre.token_ids != full_pre.token_ids:
                 raise RuntimeError(f"{strat.name} prefilled other token ids than full prefill")
+            compared = _compared(item, pre, answer, full_pre, full_answer)
             rows.append(
                 {
                     **base,
                     "head": head,
                     "strategy": strat.name,
                     "answer": answer,
-                    "correct": item.score(answer),
-                    "agrees": answer == full_answer,
-                    "kl": kl_divergence(full_pre.logits, pre.logits),
-                    "compute_fraction": pre.stats.compute_fraction,
-                    "recompute_fraction": pre.stats.recompute_fraction,
-                    "documents_reused": pre.stats.documents_reused,
-                    "reused_tokens": pre.stats.reused_tokens,
-                    "recomputed_tokens": pre.stats.recomputed_tokens,
-                    "fallback": pre.stats.fallback,
+                    **compared,
                     "ttft_s": ttft,
                     "ttft_ratio": ttft / full_ttft,
                 }
             )
     return rows
+
+
+def _compared(
+    item: PromptItem, pre: PrefillResult, answer: str, full_pre: PrefillResult, full_answer: str
+) -> dict[str, Any]:
+    """Return a blend's answer and prefill against full prefill's: score, agreement, KL, counts."""
+    return {
+        "correct": item.score(answer),
+        "agrees": answer == full_answer,
+        "kl": kl_divergence(full_pre.logits, pre.logits),
+        "compute_fraction": pre.stats.compute_fraction,
+        "recompute_fraction": pre.stats.recompute_fraction,
+        "documents_reused": pre.stats.documents_reused,
+        "reused_tokens": pre.stats.reused_tokens,
+        "recomputed_tokens": pre.stats.recomputed_tokens,
+        "fallback": pre.stats.fallback,
+    }
 
 
 def summarize_rows(
