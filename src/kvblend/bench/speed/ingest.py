@@ -70,31 +70,13 @@ def run_ingest(
         synthetic_text(engine.tokenizer, doc_tokens, seed * 1000 + index)
         for index in range(documents)
     ]
-    settings: list[tuple[str, Callable[[BlendEngine], None]]] = [
-        ("one-by-one", lambda target: one_by_one(target, texts))
-    ]
-
-    def batched(budget: int) -> Callable[[BlendEngine], None]:
-        def run(target: BlendEngine) -> None:
-            target.precompute(texts, progress=False, force=True, batch_tokens=budget)
-
-        return run
-
-    settings += [(f"batched-{budget}", batched(budget)) for budget in batch_tokens]
+    settings = _settings(texts, batch_tokens)
     for _, run in settings:  # warm-up: tokenizer caches, allocator, kernels
         run(_fresh(engine))
     rows: list[dict[str, Any]] = []
     for repeat in range(repeats):
         for name, run in settings:
-            target = _fresh(engine)
-            for text in texts:
-                target.library.segment_kv.layout(text)  # tokenizing is not what is compared
-            _synchronize(engine)
-            started, cpu_started = time.perf_counter(), time.process_time()
-            run(target)
-            _synchronize(engine)
-            seconds = time.perf_counter() - started
-            cpu_s = time.process_time() - cpu_started
+            seconds, cpu_s = _timed(engine, texts, run)
             rows.append(
                 {
                     "repeat": repeat,
@@ -119,6 +101,38 @@ def run_ingest(
         "rows": rows,
         "summary": summarize_ingest(rows),
     }
+
+
+def _settings(
+    texts: list[str], batch_tokens: Sequence[int]
+) -> list[tuple[str, Callable[[BlendEngine], None]]]:
+    """Return each timed setting by name: one by one, then batched at each token budget."""
+
+    def batched(budget: int) -> Callable[[BlendEngine], None]:
+        def run(target: BlendEngine) -> None:
+            target.precompute(texts, progress=False, force=True, batch_tokens=budget)
+
+        return run
+
+    settings: list[tuple[str, Callable[[BlendEngine], None]]] = [
+        ("one-by-one", lambda target: one_by_one(target, texts))
+    ]
+    return settings + [(f"batched-{budget}", batched(budget)) for budget in batch_tokens]
+
+
+def _timed(
+    engine: BlendEngine, texts: list[str], run: Callable[[BlendEngine], None]
+) -> tuple[float, float]:
+    """Return the wall and CPU seconds of ``run`` on a fresh engine, its texts tokenized before."""
+    target = _fresh(engine)
+    for text in texts:
+        target.library.segment_kv.layout(text)  # tokenizing is not what is compared
+    _synchronize(engine)
+    started, cpu_started = time.perf_counter(), time.process_time()
+    run(target)
+    _synchronize(engine)
+    seconds = time.perf_counter() - started
+    return seconds, time.process_time() - cpu_started
 
 
 def summarize_ingest(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
