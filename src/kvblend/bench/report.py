@@ -72,25 +72,7 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
         ("cacheblend-value-", "cacheblend value (as published)"),
         ("cacheblend-key-", "cacheblend key (as published)"),
     ):
-        # the default belongs on its strategy's line too
-        default_strategy = (
-            "default"
-            if result.get("default_config", "").startswith(
-                f"BlendConfig(strategy='{prefix.split('-')[0]}'"
-            )
-            and prefix != "cacheblend-key-"
-            else None
-        )
-        points = sorted(
-            (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
-            for name, s in summary.items()
-            if (
-                name.startswith(prefix)
-                and not name.endswith(("-L2", "-L3"))
-                and not _CORRECTION_SUFFIX.search(name)  # each line is one correction setting
-            )
-            or name == default_strategy
-        )
+        points = _line_points(summary, prefix, result.get("default_config", ""))
         if points:
             left.plot([p[0] for p in points], [p[1] for p in points], "o-", label=label)
             right.plot([p[0] for p in points], [p[2] for p in points], "o-", label=label)
@@ -121,6 +103,32 @@ def plot_quality(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _line_points(
+    summary: dict[str, Any], prefix: str, default_config: str
+) -> list[tuple[float, float, float]]:
+    """Return one selection method's points: (recomputed fraction, accuracy, mean KL), sorted.
+
+    Its strategies named ``prefix...`` at one correction setting and one check layer, and the
+    default when it is this method (a cacheblend key line never holds it).
+    """
+    default_strategy = (
+        "default"
+        if default_config.startswith(f"BlendConfig(strategy='{prefix.split('-')[0]}'")
+        and prefix != "cacheblend-key-"
+        else None
+    )
+    return sorted(
+        (s["recompute_fraction"], s["accuracy"], s["kl_mean"])
+        for name, s in summary.items()
+        if (
+            name.startswith(prefix)
+            and not name.endswith(("-L2", "-L3"))
+            and not _CORRECTION_SUFFIX.search(name)  # each line is one correction setting
+        )
+        or name == default_strategy
+    )
 
 
 def plot_closeness(results: list[dict[str, Any]], path: Path, *, head: str | None = None) -> Path:
