@@ -158,37 +158,7 @@ def run_doc_context(
     result: dict[str, Any] = {}
     started = time.perf_counter()
     for index, item in enumerate(items):
-        segments = prompt_segments(base, item)
-        full = base.prefill(segments, BlendConfig("full"))
-        full_answer = base.generate(full, max_new_tokens=max_new_tokens, stop=list(STOP))
-        rows.append(
-            {
-                "qid": item.qid,
-                "context": "-",
-                "config": "full",
-                "correct": score(full_answer.text.strip(), item.answers, item.wrong),
-                "agrees": True,
-                "kl": 0.0,
-                "recompute_fraction": 0.0,
-                "answer": full_answer.text.strip(),
-            }
-        )
-        for context, engine in engines.items():
-            for name in configs:
-                pre = engine.prefill(segments, CONFIGS[name])
-                answer = engine.generate(pre, max_new_tokens=max_new_tokens, stop=list(STOP))
-                rows.append(
-                    {
-                        "qid": item.qid,
-                        "context": context,
-                        "config": name,
-                        "correct": score(answer.text.strip(), item.answers, item.wrong),
-                        "agrees": answer.text.strip() == full_answer.text.strip(),
-                        "kl": kl_divergence(full.logits, pre.logits),
-                        "recompute_fraction": pre.stats.recompute_fraction,
-                        "answer": answer.text.strip(),
-                    }
-                )
+        rows += _answer(base, engines, configs, item, max_new_tokens)
         if (index + 1) % 20 == 0 or index + 1 == len(items):
             elapsed = time.perf_counter() - started
             print(f"[{index + 1}/{len(items)} in {elapsed:.0f} s]", file=sys.stderr)
@@ -198,3 +168,45 @@ def run_doc_context(
             output.write_text(json.dumps(result))
     result["summary"] = summarize(rows)
     return result
+
+
+def _answer(
+    base: BlendEngine,
+    engines: dict[str, BlendEngine],
+    configs: Sequence[str],
+    item: QAItem,
+    max_new_tokens: int,
+) -> list[dict[str, Any]]:
+    """Return ``item``'s rows: full prefill's, then each setting's in each context."""
+    segments = prompt_segments(base, item)
+    full = base.prefill(segments, BlendConfig("full"))
+    full_answer = base.generate(full, max_new_tokens=max_new_tokens, stop=list(STOP))
+    rows: list[dict[str, Any]] = [
+        {
+            "qid": item.qid,
+            "context": "-",
+            "config": "full",
+            "correct": score(full_answer.text.strip(), item.answers, item.wrong),
+            "agrees": True,
+            "kl": 0.0,
+            "recompute_fraction": 0.0,
+            "answer": full_answer.text.strip(),
+        }
+    ]
+    for context, engine in engines.items():
+        for name in configs:
+            pre = engine.prefill(segments, CONFIGS[name])
+            answer = engine.generate(pre, max_new_tokens=max_new_tokens, stop=list(STOP))
+            rows.append(
+                {
+                    "qid": item.qid,
+                    "context": context,
+                    "config": name,
+                    "correct": score(answer.text.strip(), item.answers, item.wrong),
+                    "agrees": answer.text.strip() == full_answer.text.strip(),
+                    "kl": kl_divergence(full.logits, pre.logits),
+                    "recompute_fraction": pre.stats.recompute_fraction,
+                    "answer": answer.text.strip(),
+                }
+            )
+    return rows
