@@ -100,35 +100,39 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     full_acc = None
     summary: dict[str, dict[str, Any]] = {}
     for name, group in by_strategy.items():
-        n = len(group)
-        accuracy = sum(r["correct"] for r in group) / n
+        summary[name] = entry = _strategy_summary(group)
         if name == "full":
-            full_acc = accuracy
-        kls = [r["kl"] for r in group]
-        entry = {
-            "questions": n,
-            "accuracy": accuracy,
-            "agreement": sum(r["agrees"] for r in group) / n,
-            "top1_agreement": sum(r["top1_agrees"] for r in group) / n,
-            "kl_mean": statistics.fmean(kls),
-            "kl_median": statistics.median(kls),
-            "recompute_fraction": statistics.fmean(r["recompute_fraction"] for r in group),
-            "compute_fraction": statistics.fmean(r["compute_fraction"] for r in group),
-            "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in group),
-            "by_type": {},
-        }
-        for qtype in QUESTION_TYPES:
-            typed = [r for r in group if r["qtype"] == qtype]
-            if typed:
-                entry["by_type"][qtype] = {
-                    "questions": len(typed),
-                    "accuracy": sum(r["correct"] for r in typed) / len(typed),
-                    "agreement": sum(r["agrees"] for r in typed) / len(typed),
-                }
-        summary[name] = entry
+            full_acc = entry["accuracy"]
     for entry in summary.values():
         entry["relative_accuracy"] = entry["accuracy"] / full_acc if full_acc else math.nan
     return summary
+
+
+def _strategy_summary(group: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Return one strategy's accuracy, agreement, KL and recompute, overall and by type."""
+    n = len(group)
+    kls = [r["kl"] for r in group]
+    entry: dict[str, Any] = {
+        "questions": n,
+        "accuracy": sum(r["correct"] for r in group) / n,
+        "agreement": sum(r["agrees"] for r in group) / n,
+        "top1_agreement": sum(r["top1_agrees"] for r in group) / n,
+        "kl_mean": statistics.fmean(kls),
+        "kl_median": statistics.median(kls),
+        "recompute_fraction": statistics.fmean(r["recompute_fraction"] for r in group),
+        "compute_fraction": statistics.fmean(r["compute_fraction"] for r in group),
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in group),
+        "by_type": {},
+    }
+    for qtype in QUESTION_TYPES:
+        typed = [r for r in group if r["qtype"] == qtype]
+        if typed:
+            entry["by_type"][qtype] = {
+                "questions": len(typed),
+                "accuracy": sum(r["correct"] for r in typed) / len(typed),
+                "agreement": sum(r["agrees"] for r in typed) / len(typed),
+            }
+    return entry
 
 
 def run_quality(
