@@ -414,17 +414,7 @@ def summarize(
     runs = {name: Run(results[file]) if file in results else None for name, file in RUNS.items()}
     why = {name: _why_missing(steps, name, file) for name, file in RUNS.items()}
     checks = run_checks(runs, why, lengths, tiers)
-    figures = run_figures(runs, lengths)
-    if {"decode.json", "decode_compiled.json"} & results.keys() or "decode" in steps:
-        figures += decode_figures(results, steps)
-    if any(name.startswith("gpu_attention_") for name in results) or "attention-flex" in steps:
-        figures += attention_figures(results, steps)
-    figures += junit_figures(results, steps)
-    if COMPILED in results or "compiled" in steps:
-        figures += compiled_figures(results, steps)
-    if "compiled-tests.xml" in results or "compiled-tests" in steps:
-        figures += junit_figures(results, steps, "compiled-tests")
-    figures += results["unreadable"]
+    figures = run_figures(runs, lengths) + _step_figures(results, steps)
     return {
         "folders": [str(folder) for folder in folders],
         "smoke": {k: list(v) for k, v in lengths.items()}
@@ -434,6 +424,24 @@ def summarize(
         "targets": [asdict(c) for c in checks],
         "figures": figures,
     }
+
+
+def _step_figures(results: dict[str, Any], steps: dict[str, Any]) -> list[str]:
+    """Return the figures of the steps that ran or were due: decode, attention, tests, compiled.
+
+    Then a line for each result file that could not be read.
+    """
+    figures = []
+    if {"decode.json", "decode_compiled.json"} & results.keys() or "decode" in steps:
+        figures += decode_figures(results, steps)
+    if any(name.startswith("gpu_attention_") for name in results) or "attention-flex" in steps:
+        figures += attention_figures(results, steps)
+    figures += junit_figures(results, steps)
+    if COMPILED in results or "compiled" in steps:
+        figures += compiled_figures(results, steps)
+    if "compiled-tests.xml" in results or "compiled-tests" in steps:
+        figures += junit_figures(results, steps, "compiled-tests")
+    return figures + results["unreadable"]
 
 
 def markdown(summary: dict[str, Any]) -> str:
