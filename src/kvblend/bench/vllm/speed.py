@@ -413,6 +413,20 @@ def serving(
 
 def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any]:
     """Median TTFT per length and its ratio to vanilla's; requests/s per concurrency."""
+    rate = [
+        {
+            "concurrency": a["concurrency"],
+            "vanilla_rps": b["requests_s"],
+            "kvblend_rps": a["requests_s"],
+            "ratio": a["requests_s"] / b["requests_s"],
+        }
+        for a, b in zip(kvblend["rate"], vanilla["rate"], strict=True)
+    ]
+    return {"ttft": _ttft(vanilla, kvblend), "rate": rate, "stall": _stall(vanilla, kvblend)}
+
+
+def _ttft(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> list[dict[str, Any]]:
+    """Return each length's median TTFTs and the median ratio of each repeat's pair."""
     by_key = {(row["length"], row["repeat"]): row for row in vanilla["ttft"]}
     ttft = []
     for length in sorted({row["length"] for row in kvblend["ttft"]}):
@@ -430,15 +444,11 @@ def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any
                 "cached_tokens": statistics.median(row["num_cached_tokens"] or 0 for row in ours),
             }
         )
-    rate = [
-        {
-            "concurrency": a["concurrency"],
-            "vanilla_rps": b["requests_s"],
-            "kvblend_rps": a["requests_s"],
-            "ratio": a["requests_s"] / b["requests_s"],
-        }
-        for a, b in zip(kvblend["rate"], vanilla["rate"], strict=True)
-    ]
+    return ttft
+
+
+def _stall(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any]:
+    """Return the stall test's medians (the longest pause, the prompts' time) and ratios."""
     stall = {}
     if kvblend.get("stall"):
         for key in ("longest_pause_s", "prompts_s"):
@@ -449,7 +459,7 @@ def summarize(vanilla: dict[str, Any], kvblend: dict[str, Any]) -> dict[str, Any
                 "kvblend": statistics.median(ours),
                 "ratio": statistics.median(a / b for a, b in zip(ours, theirs, strict=True)),
             }
-    return {"ttft": ttft, "rate": rate, "stall": stall}
+    return stall
 
 
 def vllm_table(result: dict[str, Any]) -> str:
