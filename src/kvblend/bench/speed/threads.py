@@ -81,19 +81,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         engine.precompute(corpus, progress=False)
         texts = prompts(engine, args.questions, args.documents)
         settings = {"torch default": torch_default, "kvblend default": kvblend_default}
-        configs = {"full": BlendConfig("full"), "default": BlendConfig()}
-        for threads in set(settings.values()):  # warm-up of each thread count
-            torch.set_num_threads(threads)
-            for config in configs.values():
-                ttft(engine, texts[0], config)
-        times: dict[tuple[str, str], list[float]] = {}
-        fallbacks = {engine.prefill(text).stats.fallback for text in texts}
-        for _ in range(args.repeats):
-            for name, threads in settings.items():
-                torch.set_num_threads(threads)
-                for text in texts:
-                    for config_name, config in configs.items():
-                        times.setdefault((name, config_name), []).append(ttft(engine, text, config))
+        fallbacks, times = _time_settings(engine, texts, settings, args.repeats)
         load_after = os.getloadavg()[0]
     finally:
         for process in burners:
@@ -124,6 +112,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "fallbacks": sorted(str(f) for f in fallbacks),
         "rows": rows,
     }
+
+
+def _time_settings(
+    engine: BlendEngine, texts: list[str], settings: dict[str, int], repeats: int
+) -> tuple[set[Any], dict[tuple[str, str], list[float]]]:
+    """Time full prefill and the default at each thread count, interleaved, after a warm-up.
+
+    Returns the prompts' fallbacks (why a prompt was not blended) and the TTFTs by (thread
+    setting, config).
+    """
+    configs = {"full": BlendConfig("full"), "default": BlendConfig()}
+    for threads in set(settings.values()):  # warm-up of each thread count
+        torch.set_num_threads(threads)
+        for config in configs.values():
+            ttft(engine, texts[0], config)
+    times: dict[tuple[str, str], list[float]] = {}
+    fallbacks = {engine.prefill(text).stats.fallback for text in texts}
+    for _ in range(repeats):
+        for name, threads in settings.items():
+            torch.set_num_threads(threads)
+            for text in texts:
+                for config_name, config in configs.items():
+                    times.setdefault((name, config_name), []).append(ttft(engine, text, config))
+    return fallbacks, times
 
 
 def table(run: dict[str, Any]) -> str:
