@@ -6,6 +6,7 @@ without documents.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 
@@ -14,6 +15,8 @@ import pytest
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine, Segment
 from kvblend.blend.forecast import NO_DOCUMENTS
+from kvblend.blend.selectors import Fallback
+from kvblend.blend.selectors import base as selectors_base
 from kvblend.blend.selectors.attention import share_above
 from kvblend.store import MemoryKVStore
 
@@ -128,6 +131,59 @@ def test_a_prompt_without_documents_says_so_and_warns_nothing(
     explained = engine.explain("Hi")
     assert explained.fallback == NO_DOCUMENTS and "no_documents" in str(explained)
     assert engine.prefill("Hi", BlendConfig("full")).stats.fallback is None  # as asked
+
+
+def test_reworded_fallbacks_keep_their_causes_and_are_logged_once_per_cause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fallback's rule is decided with it, never read back from its words: every fallback
+    reworded (the renderer patched, new words each time), each prefill names the same cause and
+    the same documents recomputed whole, and the log warns once per cause, not per wording."""
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    rng = random.Random(3)
+    documents = [_document(rng, 8) for _ in range(3)]  # about 150 moved tokens
+    engine.precompute(documents)
+    prompt = "Documents:\n" + "\n\n".join(documents) + "\n\nQuestion: which river?"
+    one = "Documents:\n" + documents[0] + "\n\nQuestion: which river?"  # 52 moved tokens
+    blends = {"min_recompute": 0, "short_document": 0, "full_above": 1.0}  # unless told
+    cases = {
+        "min_recompute": (prompt, BlendConfig()),
+        "short_document": (prompt, BlendConfig(min_recompute=0, short_document=100)),
+        "full_above": (prompt, BlendConfig(**{**blends, "full_above": 0.1})),
+        "per_document": (prompt, BlendConfig(**blends, per_document=64)),
+        "window": (one, BlendConfig(**blends, recompute_ratio=0.9, window=8, lead_tokens=4)),
+        "guard": (prompt, BlendConfig(**blends, guard=0.0)),
+        "no_documents": ("Hi", BlendConfig()),
+    }
+    plain = {cause: engine.prefill(text, config).stats for cause, (text, config) in cases.items()}
+    for cause, stats in plain.items():
+        assert stats.fallback_cause == cause and str(stats.fallback).startswith(f"{cause}: ")
+        assert stats.strategy_run == "full"
+    said = itertools.count()
+
+    def reworded(fallback: Fallback) -> str:
+        return f"({next(said)}) {fallback.detail.upper()}, SAYS {fallback.rule[::-1].upper()}"
+
+    monkeypatch.setattr(selectors_base, "describe_fallback", reworded)
+    engine._fallback_log._last.clear()  # noqa: SLF001 - a fresh minute
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvblend.engine.engine"):
+        for _ in range(2):  # each prefill words its fallback anew
+            for cause, (text, config) in cases.items():
+                stats = engine.prefill(text, config).stats
+                where = f"{cause}: {stats.fallback}"
+                assert stats.fallback_cause == cause and stats.strategy_run == "full", where
+                assert str(stats.fallback).endswith(f"SAYS {cause[::-1].upper()}"), where
+                assert stats.documents_lost == plain[cause].documents_lost, where
+                assert stats.recomputed_tokens == plain[cause].recomputed_tokens, where
+                forecast = engine.explain(text, config).forecast
+                if cause != "guard":  # the guard decides after the blend
+                    assert forecast.cause == cause and forecast.fallback != stats.fallback, where
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == len(cases) - 1, warned  # a prompt without documents: INFO, once
+    for cause in cases.keys() - {"no_documents"}:
+        assert sum(f"SAYS {cause[::-1].upper()}" in line for line in warned) == 1, warned
+    assert sum(r.levelno == logging.INFO for r in caplog.records) == 1
 
 
 def test_full_above_never_prints_a_cost_equal_to_its_limit(engine: BlendEngine) -> None:

@@ -8,7 +8,8 @@ in its stats, `BlendEngine.explain` prints it and vLLM's scheduler counts the ca
 it, so the three agree by construction, for a strategy registered from outside too.
 
 What the forecast says in words is rendered from its records where a person reads it
-(`describe_lost`); `FallbackLog` logs the reasons a prefill was not blended as asked, each
+(`describe_lost`, a `Fallback`'s `describe_fallback`), its fallback's rule kept beside the words
+(`BlendForecast.cause`); `FallbackLog` logs the reasons a prefill was not blended as asked, each
 cause once a minute (the engine's reports, the vLLM connector's own reasons).
 """
 
@@ -21,12 +22,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblend.blend.selectors import Forecast, Selector
+from kvblend.blend.selectors import Fallback, Forecast, Selector
 from kvblend.prompt.plan import PrefillPlan, SpanReport, TokenKind
 
 __all__ = [
     "NO_DOCUMENTS",
     "NO_DOCUMENTS_CAUSE",
+    "NO_DOCUMENTS_FALLBACK",
     "BlendForecast",
     "FallbackLog",
     "Lost",
@@ -37,10 +39,12 @@ __all__ = [
 
 #: The cause of `NO_DOCUMENTS`.
 NO_DOCUMENTS_CAUSE = "no_documents"
-#: `BlendStats.fallback` of a prompt without a cached document: nothing to blend.
-NO_DOCUMENTS = (
-    f"{NO_DOCUMENTS_CAUSE}: the prompt holds no known document, so it is computed in full"
+#: Why a prompt without a cached document is computed in full: nothing to blend.
+NO_DOCUMENTS_FALLBACK = Fallback(
+    NO_DOCUMENTS_CAUSE, "the prompt holds no known document, so it is computed in full"
 )
+#: `BlendStats.fallback` of a prompt without a cached document (`NO_DOCUMENTS_FALLBACK`).
+NO_DOCUMENTS = str(NO_DOCUMENTS_FALLBACK)
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,8 @@ class BlendForecast:
     #: counted by its share of them (`Selector.forecast`'s ``partial_rows``): what vLLM's
     #: connector forecasts a blend's time from
     computed_rows: float = 0.0
-    #: the rule that made the blend fall back (``"full_above"``, ``"no_documents"``...)
+    #: the rule that made the blend fall back (``"full_above"``, ``"no_documents"``...: the
+    #: `Fallback`'s rule, or the strategy's name when it gave its reason in words only)
     cause: str | None = None
 
     @property
@@ -104,13 +109,17 @@ def documents(plan: PrefillPlan) -> Iterator[tuple[int, SpanReport]]:
     return enumerate((row for row in plan.report if row.role == "document"), start=1)
 
 
-def fallback_cause(fallback: str) -> str:
-    """Return the rule a strategy's fallback reason names: its words before the first colon.
+def fallback_words(fallback: Fallback | str | None, strategy: str) -> tuple[str | None, str | None]:
+    """Return a strategy's fallback in words, and its rule (both None: no fallback).
 
-    `Selector.forecast` writes a fallback as ``"rule: why"``; this is the one place that
-    reads the rule back, as the forecast enters the prefill.
+    A `Fallback` is rendered here, as the forecast enters the prefill; a reason given in words
+    only (a strategy registered from outside) is kept as it is, with ``strategy`` as its rule.
     """
-    return fallback.partition(":")[0].strip()
+    if fallback is None:
+        return None, None
+    if isinstance(fallback, Fallback):
+        return str(fallback), fallback.rule
+    return fallback, strategy
 
 
 def lost_documents(
@@ -147,13 +156,18 @@ def forecast_blend(plan: PrefillPlan, selector: Selector) -> BlendForecast:
         return BlendForecast(selector.name, 0, computed_rows=total)
     if not any(row.role == "document" for row in plan.report):  # a prompt head at most
         return BlendForecast(
-            "full", 0, NO_DOCUMENTS, 1.0, computed_rows=total, cause=NO_DOCUMENTS_CAUSE
+            "full",
+            0,
+            str(NO_DOCUMENTS_FALLBACK),
+            1.0,
+            computed_rows=total,
+            cause=NO_DOCUMENTS_FALLBACK.rule,
         )
     moved = int(np.count_nonzero(plan.kinds == TokenKind.MOVED))
     uncached = int(np.count_nonzero(plan.kinds == TokenKind.COMPUTE))
     forecast = selector.forecast(plan.kinds, plan.spans)
-    recomputed, fallback = forecast.recomputed, forecast.fallback
-    cause = fallback_cause(fallback) if fallback is not None else None
+    recomputed = forecast.recomputed
+    fallback, cause = fallback_words(forecast.fallback, selector.name)
     lost = lost_documents(plan, forecast, cause, recomputed == moved)
     strategy_run = "full" if fallback is not None else selector.name
     rows = uncached + (moved if fallback is not None else recomputed + forecast.partial_rows)

@@ -41,6 +41,7 @@ from kvblend.blend.types import (
 )
 
 __all__ = [
+    "DeviceTimes",
     "FirstPass",
     "device_clock",
     "device_times",
@@ -217,20 +218,30 @@ def device_clock(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
-def device_times(start: torch.cuda.Event | None, out: BlendOutput) -> dict[str, float]:
-    """Device seconds of a blend begun at ``start`` (`device_clock`): ``{}`` off CUDA.
+@dataclass(frozen=True)
+class DeviceTimes:
+    """Device seconds of a blend on CUDA (`device_times`).
 
-    ``blend_device_s``: the compute stream's, from ``start`` to now (the logits queued);
-    ``load_device_s``: the copy stream's, from the first copy of cached K/V to the last. Waits
-    for the device to get there: read once the logits are queued, for the statistics.
+    ``blend_s``: the compute stream's, from the blend's start to its logits queued;
+    ``load_s``: the copy stream's, from the first copy of cached K/V to the last (None: no
+    copy was timed).
+    """
+
+    blend_s: float
+    load_s: float | None = None
+
+
+def device_times(start: torch.cuda.Event | None, out: BlendOutput) -> DeviceTimes | None:
+    """Device seconds of a blend begun at ``start`` (`device_clock`): None off CUDA.
+
+    Waits for the device to get to now (the logits queued): read once the logits are queued,
+    for the statistics.
     """
     if start is None:
-        return {}
+        return None
     end = torch.cuda.Event(enable_timing=True)
     end.record()
     end.synchronize()
-    times = {"blend_device_s": float(start.elapsed_time(end)) / 1000}
+    blend_s = float(start.elapsed_time(end)) / 1000
     load = out.loads.stream.seconds() if out.loads is not None else None
-    if load is not None:
-        times["load_device_s"] = load
-    return times
+    return DeviceTimes(blend_s, load)

@@ -36,7 +36,13 @@ from kvblend.documents.library import DocumentLibrary
 from kvblend.documents.precompute import DEFAULT_BATCH_TOKENS
 from kvblend.documents.registry import DEFAULT_CAPACITY
 from kvblend.engine.explain import Explanation
-from kvblend.engine.results import BlendStats, PrefillResult, count_tokens, escalation
+from kvblend.engine.results import (
+    BlendStats,
+    PrefillResult,
+    count_tokens,
+    escalation,
+    record_device_times,
+)
 from kvblend.engine.torch_threads import use_threads
 from kvblend.errors import BlendCancelledError
 from kvblend.models.decoder import Decoder
@@ -414,6 +420,7 @@ class BlendEngine:
         stats.timings["tokenize_s"] = time.perf_counter() - started
         forecast = forecast_blend(plan, selector)
         stats.strategy_run, stats.fallback = forecast.strategy_run, forecast.fallback
+        stats.fallback_cause = forecast.cause
         stats.estimated_cost = forecast.estimated_cost
         stats.near_miss = self.library.near_miss(prompt, items)
         clock = device_clock(self.decoder.device)
@@ -426,14 +433,14 @@ class BlendEngine:
         stats.timings["load_s"] = out.counts.load_s
         stats.timings["probe_s"] = out.counts.probe_s  # a selector's first passes (0: none)
         stats.uncompiled_calls = out.counts.uncompiled_calls
-        stats.timings.update(device_times(clock, out))  # CUDA: waits for the logits
+        record_device_times(stats, device_times(clock, out))  # CUDA: waits for the logits
         stats.timings["prefill_s"] = time.perf_counter() - started
         layers = self.decoder.shape.num_layers
         count_tokens(stats, plan, blended.kinds, out, layers, selector.reads_cache)
-        lost, cause = escalation(stats, plan, forecast, out.guard)
+        lost = escalation(stats, plan, forecast, out.guard)
         stats.documents_lost = [str(item) for item in lost]  # the records, in words
         self._fallback_log.report(
-            stats.fallback, cause, lost, stats.near_miss, len(self.library.registry)
+            stats.fallback, stats.fallback_cause, lost, stats.near_miss, len(self.library.registry)
         )
         return PrefillResult(out.logits, plan.token_ids.tolist(), stats, out.keys, out.values)
 

@@ -125,7 +125,7 @@ class Explanation:
                 reasons[id(row)] = f"recomputed whole ({item.reason})"
             elif item is not None:
                 reasons[id(row)] = f"not reused: {item.reason}"
-            elif self.fallback is not None and row.reason.startswith("moved"):
+            elif self.fallback is not None and row.reused and not row.exact:  # moved
                 reasons[id(row)] = "moved: recomputed (the prompt runs as full prefill, above)"
         return reasons
 

@@ -1,8 +1,9 @@
 """What a prefill returns: the logits, the fused KV cache and the statistics of what it did.
 
 `count_tokens` fills a prefill's token and document counts from its plan and its blend's
-records; `escalation` what the guard did. The blend's records (`PassCounts`, `RowsRead`, `Lost`,
-`GuardReport`) become the public stats' numbers and lines here, and nowhere else.
+records; `escalation` what the guard did; `record_device_times` the device's timings. The
+blend's records (`PassCounts`, `RowsRead`, `Lost`, `GuardReport`, `DeviceTimes`) become the
+public stats' numbers and lines here, and nowhere else.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import numpy as np
 import torch
 
 from kvblend.blend.forecast import BlendForecast, Lost, documents
+from kvblend.blend.selectors import Fallback
 from kvblend.blend.types import COMPUTE, MOVED, PREFIX, BlendOutput
 
 if TYPE_CHECKING:
     from kvblend.blend.guard import GuardReport
+    from kvblend.blend.prefill import DeviceTimes
     from kvblend.prompt.plan import PrefillPlan
 
-__all__ = ["BlendStats", "PrefillResult", "count_tokens", "escalation"]
+__all__ = ["BlendStats", "PrefillResult", "count_tokens", "escalation", "record_device_times"]
 
 
 @dataclass
@@ -50,6 +53,11 @@ class BlendStats:
     #: prefill (limit 0.8)"``, ``"min_recompute: ..."``, ``"short_document: ..."``); None when
     #: it did.
     fallback: str | None = None
+    #: The rule that made the blend run as full prefill, the name ``fallback`` starts with
+    #: (``"full_above"``, ``"min_recompute"``, ``"guard"``, ``"no_documents"``...; a strategy
+    #: that gives its reason in words only: its own name), for a program to compare; None when
+    #: it did not.
+    fallback_cause: str | None = None
     #: The blend's estimated cost as a share of a full prefill's (what ``full_above`` is
     #: compared with; 0 for strategies without that rule).
     estimated_cost: float = 0.0
@@ -119,23 +127,36 @@ def count_tokens(
     stats.compute_fraction = blend.counts.token_layers / (len(plan.token_ids) * layers)
 
 
+def record_device_times(stats: BlendStats, times: DeviceTimes | None) -> None:
+    """Put a blend's device seconds into ``stats.timings`` (nothing off CUDA).
+
+    ``blend_device_s``: the compute stream's; ``load_device_s``: the copy stream's, when timed.
+    """
+    if times is None:
+        return
+    stats.timings["blend_device_s"] = times.blend_s
+    if times.load_s is not None:
+        stats.timings["load_device_s"] = times.load_s
+
+
 def escalation(
     stats: BlendStats, plan: PrefillPlan, forecast: BlendForecast, guard: GuardReport | None
-) -> tuple[list[Lost], str | None]:
-    """Record the guard's report in ``stats``; return the documents lost and the fallback's cause.
+) -> list[Lost]:
+    """Record the guard's report in ``stats``; return the documents lost.
 
     An escalated blend ran as full prefill too: then ``strategy_run`` is ``"full"``,
-    ``fallback`` says why (``"guard: ..."``) and every moved document is lost, recomputed
-    whole; otherwise the forecast's documents and cause stand.
+    ``fallback`` says why (``"guard: ..."``, ``fallback_cause`` ``"guard"``) and every moved
+    document is lost, recomputed whole; otherwise the forecast's documents and cause stand.
     """
     stats.guard = guard.to_dict() if guard is not None else None
     if guard is None or not guard.escalated:
-        return list(forecast.lost), forecast.cause
-    stats.strategy_run = "full"
-    stats.fallback = f"guard: {guard.reason}"
+        return list(forecast.lost)
+    escalated = Fallback("guard", str(guard.reason))
+    stats.strategy_run, stats.fallback_cause = "full", escalated.rule
+    stats.fallback = str(escalated)
     lost = {item.document: item for item in forecast.lost}
     for number, row in documents(plan):
         span = plan.spans[row.span] if row.span is not None else None
         if row.reused and span is not None and span.kind == MOVED:
             lost[number] = Lost("guard", number, recomputed=True)
-    return [lost[number] for number in sorted(lost, key=lambda number: number or 0)], "guard"
+    return [lost[number] for number in sorted(lost, key=lambda number: number or 0)]

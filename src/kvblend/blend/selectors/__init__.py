@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvblend.blend.selectors.attention import AttentionSelector
 from kvblend.blend.selectors.base import (
+    Fallback,
     Forecast,
     Selection,
     SelectionContext,
@@ -61,6 +62,7 @@ def strategy_names() -> tuple[str, ...]:
 
 __all__ = [
     "SELECTORS",
+    "Fallback",
     "Forecast",
     "Selection",
     "SelectionContext",

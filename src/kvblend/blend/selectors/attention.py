@@ -26,6 +26,7 @@ from kvblend.blend.guard import GUARD_SIGNALS, RISK_SIGNAL
 from kvblend.blend.selectors.base import (
     CORRECTION,
     STALE_TEMPERATURE,
+    Fallback,
     Forecast,
     Narrowing,
     Selection,
@@ -95,7 +96,7 @@ class AttentionBudget:
     probe: int
     recompute_all: bool
     cost: float
-    fallback: str | None
+    fallback: Fallback | None
 
     @property
     def recomputed(self) -> int:
@@ -117,70 +118,144 @@ def attention_budget(
     stays reused in place).
     """
     spans = list(spans)
-    is_moved = np.asarray(kinds) == MOVED  # counted in numpy: no loop over tokens
-    moved = int(np.count_nonzero(is_moved))
-    uncached = int(np.count_nonzero(np.asarray(kinds) == COMPUTE))
+    kinds = np.asarray(kinds)  # counted in numpy: no loop over tokens
+    moved = int(np.count_nonzero(kinds == MOVED))
+    uncached = int(np.count_nonzero(kinds == COMPUTE))
+    lead = _lead_count(kinds, spans, options)
+    candidates = moved - lead
+    keep, early = _chosen_counts(options, moved, lead, candidates)
+    selectable, units = candidates, None  # the rows the probe ranks (in blocks: the full ones)
+    if keep < candidates and (options["window"] > 1 or options["per_document"] > 0):
+        runs = candidate_runs(kinds, spans, options["lead_tokens"], options["short_document"])
+        units = unit_budget((run.size for run in runs), keep, early, options["window"],
+                            options["per_document"])  # fmt: skip
+        keep, early, selectable = units.keep, units.early, units.selectable
+    probe = _probe_count(kinds, options, uncached, keep, early, selectable)
+    cost = _blend_cost(options, kinds.size, uncached, lead, (keep, early), probe)
+    reason = _fallback(options, moved, lead, keep == candidates, units, cost)
+    if keep == candidates or reason is not None:  # every moved row: no probe
+        return AttentionBudget(lead, candidates, candidates, 0, True, cost, reason)
+    return AttentionBudget(lead, keep, early, probe, False, cost, reason)
+
+
+def _lead_count(kinds: np.ndarray, spans: list[SpanRows], options: dict[str, Any]) -> int:
+    """Return the moved rows recomputed as leading rows: each moved span's first ``lead_tokens``.
+
+    Every row of a moved span of at most ``short_document`` rows.
+    """
+    is_moved = kinds == MOVED
     lead_count, short = options["lead_tokens"], options["short_document"]
     lead = 0
     for span in spans:
         if span.kind == MOVED:
             rows = span.end - span.start if span.end - span.start <= short else lead_count
             lead += int(np.count_nonzero(is_moved[span.start : min(span.end, span.start + rows)]))
-    candidates = moved - lead
+    return lead
+
+
+def _chosen_counts(
+    options: dict[str, Any], moved: int, lead: int, candidates: int
+) -> tuple[int, int]:
+    """Return the probe's picks on top of the leading rows: at every layer, in the early ones.
+
+    ``recompute_ratio`` of the moved rows with ``min_recompute`` as a floor (leading rows
+    included); the funnel's ``early_ratio``, at least as many; neither more than the
+    ``candidates``.
+    """
     share = round(options["recompute_ratio"] * moved)
     keep = min(max(share, options["min_recompute"] - lead), candidates)
     early = keep
     if options["early_layers"] > 0:
         early = min(max(round(options["early_ratio"] * moved), keep), candidates)
-    selectable, units = candidates, None  # the rows the probe ranks (in blocks: the full ones)
-    if keep < candidates and (options["window"] > 1 or options["per_document"] > 0):
-        runs = candidate_runs(np.asarray(kinds), spans, lead_count, short)
-        units = unit_budget((run.size for run in runs), keep, early, options["window"],
-                            options["per_document"])  # fmt: skip
-        keep, early, selectable = units.keep, units.early, units.selectable
+    return keep, early
+
+
+def _probe_count(
+    kinds: np.ndarray,
+    options: dict[str, Any],
+    uncached: int,
+    keep: int,
+    early: int,
+    selectable: int,
+) -> int:
+    """Return the rows the probe pass computes (0: none, nothing to rank).
+
+    The uncached rows (the question's tail alone with ``probe_tail``), when some of the
+    ``selectable`` rows are picked and some are not, through every layer or the early ones.
+    """
     probe = uncached if 0 < keep < selectable or 0 < early < selectable else 0
     if probe and options["probe_tail"]:  # the probe computes the question's tail alone
-        probe = tail_rows(np.asarray(kinds)).size
-    cached = len(kinds) - uncached - lead - keep
+        probe = tail_rows(kinds).size
+    return probe
+
+
+def _blend_cost(
+    options: dict[str, Any],
+    total: int,
+    uncached: int,
+    lead: int,
+    chosen: tuple[int, int],
+    probe: int,
+) -> float:
+    """Return the blend's estimated cost as a share of a full prefill's (`attention_budget`).
+
+    ``chosen``: the probe's picks through every layer and through the early ones.
+    """
+    keep, early = chosen
+    cached = total - uncached - lead - keep
     funnel = (early - keep) * options["early_layers"]
     probed = probe * options["probe_layers"]
     rows = uncached + lead + keep + funnel + probed + REUSED_ROW_COST * cached + BLEND_OVERHEAD_ROWS
-    cost = rows / max(len(kinds), 1)
-    reason = _covered_reason(options, moved, lead, units) if moved and keep == candidates else None
-    if reason is None and moved and options["full_above"] < 1 and cost > options["full_above"]:
-        limit = options["full_above"]
-        reason = (
-            f"full_above: blend would cost {share_above(cost, limit)} of full prefill "
-            f"(limit {limit:g})"
-        )
-    recompute_all = keep == candidates or reason is not None
-    if recompute_all:
-        keep, early, probe = candidates, candidates, 0
-    return AttentionBudget(lead, keep, early, probe, recompute_all, cost, reason)
+    return rows / max(total, 1)
+
+
+def _fallback(
+    options: dict[str, Any],
+    moved: int,
+    lead: int,
+    covered: bool,
+    units: UnitBudget | None,
+    cost: float,
+) -> Fallback | None:
+    """Why every moved row is recomputed instead of blending, None when the blend runs.
+
+    ``covered``: the budget takes every candidate row (`_covered_reason` says which rule made
+    it); otherwise, or for a ``recompute_ratio`` of 1, a cost above ``full_above``.
+    """
+    if not moved:
+        return None
+    reason = _covered_reason(options, moved, lead, units) if covered else None
+    limit = options["full_above"]
+    if reason is None and limit < 1 and cost > limit:
+        share = share_above(cost, limit)
+        return Fallback("full_above", f"blend would cost {share} of full prefill (limit {limit:g})")
+    return reason
 
 
 def _covered_reason(
     options: dict[str, Any], moved: int, lead: int, units: UnitBudget | None
-) -> str | None:
+) -> Fallback | None:
     """Which rule makes the budget cover every moved row (None: ``recompute_ratio`` of 1)."""
     if units is not None:  # the rows became blocks or minima that cover every row
         if units.minimum + lead == moved:
-            return (
-                f"per_document: {options['per_document']} tokens of each moved document cover "
-                f"all {moved} moved tokens"
+            return Fallback(
+                "per_document",
+                f"{options['per_document']} tokens of each moved document cover all {moved} "
+                "moved tokens",
             )
-        return (
-            f"window: the budget in whole blocks of {options['window']} tokens covers all "
-            f"{moved} moved tokens"
+        return Fallback(
+            "window",
+            f"the budget in whole blocks of {options['window']} tokens covers all {moved} "
+            "moved tokens",
         )
     if options["recompute_ratio"] >= 1:
         return None
     if lead == moved:
         short = options["short_document"]
-        return f"short_document: every moved document has at most {short} tokens"
-    return (
-        f"min_recompute: the floor of {options['min_recompute']} tokens covers all {moved} "
-        "moved tokens"
+        return Fallback("short_document", f"every moved document has at most {short} tokens")
+    return Fallback(
+        "min_recompute",
+        f"the floor of {options['min_recompute']} tokens covers all {moved} moved tokens",
     )
 
 

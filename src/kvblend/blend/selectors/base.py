@@ -113,13 +113,36 @@ class SpanRows(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """Why a prefill recomputes every moved row instead of blending: the rule and why, in words.
+
+    ``rule``: the rule that decided it, a short name (a setting's, such as ``"full_above"``, or
+    ``"guard"``, ``"no_documents"``): what logs count once a minute and a program compares;
+    ``detail``: what a person reads after it. ``str()`` is the public line, ``"rule: detail"``
+    (`describe_fallback`), rendered where a person reads it; nothing reads the rule back from it.
+    """
+
+    rule: str
+    detail: str
+
+    def __str__(self) -> str:
+        return describe_fallback(self)
+
+
+def describe_fallback(fallback: Fallback) -> str:
+    """Return the line ``BlendStats.fallback``, ``explain`` and the logs show for ``fallback``."""
+    return f"{fallback.rule}: {fallback.detail}"
+
+
 class Forecast(NamedTuple):
     """What a strategy will recompute for one prompt, decided from its token kinds alone.
 
     ``recomputed``: moved rows recomputed at every layer (every moved row when the blend falls
     back); ``cost``: the blend's estimated cost as a share of a full prefill's (0: the strategy
-    makes no estimate); ``fallback``: why every moved row is recomputed instead of blending,
-    None when the blend runs as asked; ``lead_rows``: leading rows of each moved document the
+    makes no estimate); ``fallback``: why every moved row is recomputed instead of blending
+    (a `Fallback`; a strategy that gives only words has its own name as the rule), None when
+    the blend runs as asked; ``lead_rows``: leading rows of each moved document the
     strategy recomputes, and ``short_document``: the reused length at or below which a document
     counts as recomputed whole (both only to say which documents end up not reused);
     ``partial_rows``: rows computed through part of the layers only (a probe pass, the early
@@ -130,7 +153,7 @@ class Forecast(NamedTuple):
 
     recomputed: int
     cost: float = 0.0
-    fallback: str | None = None
+    fallback: Fallback | str | None = None
     lead_rows: int = 0
     short_document: int = 0
     partial_rows: float = 0.0
