@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     run = measure(args)
     print(table(run))
     path = RESULTS_DIR / "threads.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     runs = json.loads(path.read_text()) if path.exists() else []
     runs.append(run)
     path.write_text(json.dumps(runs, indent=1) + "\n")
