@@ -297,18 +297,23 @@ def _setting(result: Mapping[str, Any], figure: Figure) -> str:
         for name, value in now.items()
         if name in then and then[name] != value
     ]
-    unchanged = {name for name, value in _AS_BEFORE.items() if now.get(name) == value}
-    if "early_layers" in unchanged:
-        unchanged.add("early_ratio")
-    missing = [
-        f"{name} (now {value})"
-        for name, value in now.items()
-        if name not in then and name not in unchanged
-    ]
+    missing = _missing_settings(then, now)
     if not changed and not missing:
         return "`BlendConfig()`, today's default"
     parts = changed + ([f"without {', '.join(missing)}"] if missing else [])
     return "an older default: " + "; ".join(parts)
+
+
+def _missing_settings(then: dict[str, str], now: dict[str, str]) -> list[str]:
+    """Today's settings a recorded default lacks, unless their value keeps what it did before."""
+    unchanged = {name for name, value in _AS_BEFORE.items() if now.get(name) == value}
+    if "early_layers" in unchanged:
+        unchanged.add("early_ratio")
+    return [
+        f"{name} (now {value})"
+        for name, value in now.items()
+        if name not in then and name not in unchanged
+    ]
 
 
 _MODEL_SUFFIX = re.compile(r"(\.Q\d\w*)?(-[0-9a-f]{16})?(-v\d+)?$")
