@@ -111,7 +111,7 @@ def test_ask_sends_the_prompt_string_and_reads_the_usage(
 def _record(qid: int, right: dict[str, bool], answers: dict[str, str]) -> dict[str, Any]:
     served = {"prompt_tokens": 100, "cached_tokens": 10, "kvblend": None}
     engine = {"prompt_tokens": 100, "reused_tokens": 10, "recomputed_tokens": 0, "fallback": None,
-              "kl": 0.0}  # fmt: skip
+              "fallback_cause": None, "kl": 0.0}  # fmt: skip
     record: dict[str, Any] = {"qid": f"nq-{qid}"}
     for name in ("vllm", "vllm_kvblend", "engine_full", "engine_default"):
         base = served if name.startswith("vllm") else engine
@@ -132,7 +132,8 @@ def test_summary_pairs_each_system_with_its_baseline_question_by_question() -> N
         _record(2, wrong, same),
         _record(3, {**wrong, "engine_default": True}, {**same, "engine_default": "c"}),
     ]
-    records[3]["engine_default"]["fallback"] = "full_above: blend would cost 0.9 of full"
+    records[3]["engine_default"].update(fallback="full_above: blend would cost 0.9 of full",
+                                        fallback_cause="full_above")  # fmt: skip
     records[2]["vllm_kvblend"]["prompt_tokens"] = 101
     records[1]["vllm_kvblend"]["kvblend"] = None  # a stop string ended it: vLLM drops the report
     summary = summarize_nq(records, seed=3)

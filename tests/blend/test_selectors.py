@@ -180,6 +180,46 @@ def test_a_strategy_registered_from_outside_forecasts_what_its_prefill_recompute
         del selectors.SELECTORS["last-tokens"]
 
 
+class WordyFallbackSelector(LastTokensSelector):
+    """`LastTokensSelector` that says, in words only, when it recomputes every moved row."""
+
+    name = "wordy-fallback"
+    WORDS = "every: token of every document (its words hold colons: none is read back)"
+
+    def forecast(self, kinds: np.ndarray, spans: Iterable[SpanRows]) -> Forecast:
+        planned = super().forecast(kinds, spans)
+        if self.options["tokens"] < 99:
+            return planned
+        return Forecast(planned.recomputed, fallback=self.WORDS)
+
+
+def test_a_strategy_giving_its_fallback_in_words_only_is_its_own_cause() -> None:
+    """A strategy registered from outside may give its fallback as words: they are kept as they
+    are, and its name is the cause the stats, the log and vLLM's record name."""
+    from kvblend.vllm.request_plan import plan_request
+    from kvblend.vllm.scheduling.request_records import planned_record
+
+    selectors.register(WordyFallbackSelector)
+    try:
+        engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+        documents = ["First document, twenty-nine b.", "Second document is here, ok."]
+        engine.precompute(documents)
+        prompt = "".join(s.text for s in engine.rag_segments("Which?", documents[::-1]))
+        blended = engine.prefill(prompt, BlendConfig("wordy-fallback", tokens=3)).stats
+        assert blended.fallback is None and blended.fallback_cause is None
+        config = BlendConfig("wordy-fallback", tokens=99)
+        stats = engine.prefill(prompt, config).stats
+        assert stats.fallback == WordyFallbackSelector.WORDS
+        assert stats.fallback_cause == "wordy-fallback" and stats.strategy_run == "full"
+        # the first document follows the head it was cached behind: reused in place
+        assert stats.documents_lost == ["document 2: recomputed whole (wordy-fallback)"]
+        plan = plan_request(engine.library, engine.encode(prompt), 0, config)
+        assert plan.claimed == 0 and plan.fallback == WordyFallbackSelector.WORDS
+        assert planned_record(plan)["reason"] == "wordy-fallback"
+    finally:
+        del selectors.SELECTORS["wordy-fallback"]
+
+
 def test_a_strategy_without_a_forecast_is_refused_at_registration() -> None:
     class NoForecast(Selector):
         name = "no-forecast"

@@ -11,6 +11,8 @@ checks the same code inside vLLM.
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
 import random
 import re
 from dataclasses import dataclass
@@ -23,9 +25,10 @@ import torch
 
 from conftest import byte_tokenizer, tiny_model
 from kvblend import BlendConfig, BlendEngine
+from kvblend.blend.selectors import base as selectors_base
 from kvblend.prompt.plan import TokenKind
 from kvblend.store import MemoryKVStore
-from kvblend.vllm import compat
+from kvblend.vllm import compat, fallbacks
 from kvblend.vllm.admission import BlendTimed, Calibrated, admission
 from kvblend.vllm.costs import CostModel, blend_features, vllm_features
 from kvblend.vllm.execution.blending import WorkerModel, gate, run_job
@@ -781,6 +784,125 @@ def test_each_reason_for_finding_nothing_is_its_own(documents: list[str]) -> Non
     assert said.startswith("no stored document") and "1 entries of this model" in said
     line = StoreSummary(store, ours.library.fingerprint, "tiny", "memory").describe()
     assert "memory: 1 entries of model tiny" in line and "other models' entries: 2 of" in line
+
+
+class _Unreachable(MemoryKVStore):
+    """A store that cannot say what it holds (an outage)."""
+
+    def contains(self, key: str) -> bool:
+        raise OSError("store down")
+
+
+def _fallback_cases(
+    engine: BlendEngine, documents: list[str]
+) -> dict[str, tuple[SchedulerSide, list[int], int, dict[str, Any]]]:
+    """Every reason vLLM prefills a request itself, by its code: a fresh side for it, the prompt's
+    token ids, vLLM's prefix hit and the request's fields."""
+    from kvblend.vllm.documents import StoreSummary
+
+    ids = engine.encode(_prompt(engine, documents[::-1]))
+    bare = engine.encode("No document here, only a question?")
+    unknown = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    unknown.register(documents[:1])  # known, its KV never computed
+    down = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore())
+    down.register(documents[:1])
+    down.library.store = _Unreachable()
+    empty = StoreSummary(MemoryKVStore(), unknown.library.fingerprint, "tiny", "memory")
+
+    def over(library: Any, summary: Any = None) -> SchedulerSide:
+        settings = ConnectorSettings(config=BlendConfig(**TOY), parity=False, when="always")
+        return SchedulerSide(settings, library, admission("always"), block_size=BLOCK,
+                             store_summary=summary)  # fmt: skip
+
+    def asks(**options: Any) -> dict[str, Any]:
+        return {"kv_transfer_params": {"kvblend": options}}
+
+    failed = _side(engine, parity=True)
+    failed.worker_output(WorkerReport(verdict=(False, "logits differ")))
+    return {
+        "kvblend_off": (_side(engine), ids, 0, {"kv_transfer_params": {"kvblend": False}}),
+        "refused": (_side(engine), ids, 0, asks(strategy="nope")),
+        "prompt_logprobs": (_side(engine), ids, 0,
+                            {"sampling_params": SimpleNamespace(prompt_logprobs=5)}),
+        "not_generation": (_side(engine), ids, 0, {"sampling_params": None}),
+        "lora": (_side(engine), ids, 0, {"lora_request": object()}),
+        "multimodal": (_side(engine), ids, 0, {"mm_features": [object()]}),
+        "preempted": (_side(engine), ids, 0, {"num_preemptions": 1}),
+        "parity_gate_failed": (failed, ids, 0, {}),
+        "prefix_cached": (_side(engine), ids, len(ids) - 1, {}),
+        "no_stored_document": (_side(engine), bare, 0, {}),
+        "empty_store": (over(unknown.library, empty), bare, 0, {}),
+        "not_stored": (over(unknown.library), unknown.encode(_prompt(unknown, documents[:1])), 0,
+                       {}),
+        "store_unreachable": (over(down.library), down.encode(_prompt(down, documents[:1])), 0,
+                              {}),
+        "planning_failed": (over(SimpleNamespace()), ids, 0, {}),  # a library it cannot use
+        "min_recompute": (_side(engine), ids, 0, asks(settings={"min_recompute": 10_000})),
+        "short_document": (_side(engine), ids, 0, asks(settings={"short_document": 10_000})),
+        "full_above": (_side(engine), ids, 0, asks(settings={"full_above": 0.01})),
+        "vllm_faster": (_deciding_side(engine, blend_start_s=0.05), ids, len(ids) - 40, {}),
+        "unclaimed": (_side(engine), ids, 0, {}),  # claimed, and vLLM allocates none of it
+    }  # fmt: skip
+
+
+def _left_to_vllm(
+    engine: BlendEngine, documents: list[str], caplog: pytest.LogCaptureFixture
+) -> dict[str, tuple[list[dict[str, Any]], dict[str, int], list[str]]]:
+    """Run two requests of each reason through its side: their records, the side's counts by
+    reason (vLLM's metrics' ``reason`` labels) and the warnings logged, by the reason's code."""
+    seen = {}
+    for code, (side, ids, start, fields) in _fallback_cases(engine, documents).items():
+        caplog.clear()
+        records = []
+        for number in range(2):
+            request = _request(f"{code}-{number}", ids, **fields)
+            side.matched(request, start)
+            side.allocated(request, _Blocks([1]), 0)
+            params = side.finished(request)
+            assert params is not None, code
+            records.append(params["kvblend"])
+        warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        seen[code] = (records, side.take_counts()["vllm_reasons"], warned)
+    return seen
+
+
+def _unworded(record: dict[str, Any]) -> dict[str, Any]:
+    """A record without its words and its planning time."""
+    return {key: value for key, value in record.items() if key not in ("fallback", "plan_s")}
+
+
+def test_reworded_fallbacks_keep_their_codes_metric_labels_and_log_keys(
+    engine: BlendEngine,
+    documents: list[str],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The code a request's record, vLLM's metrics (label ``reason``) and the log's once a
+    minute go by is decided with each fallback, never read back from its words: every reason
+    reworded (both renderers patched, new words each time), the same codes, counts, records and
+    one warning per code."""
+    caplog.set_level(logging.INFO, logger="kvblend.vllm")
+    plain = _left_to_vllm(engine, documents, caplog)
+    said = itertools.count()
+    monkeypatch.setattr(fallbacks, "describe_request_fallback",
+                        lambda fallback: f"[{next(said)}] {fallback.words[::-1]}")  # fmt: skip
+    monkeypatch.setattr(selectors_base, "describe_fallback",
+                        lambda fallback: f"<{next(said)}> {fallback.detail.upper()}")  # fmt: skip
+    reworded = _left_to_vllm(engine, documents, caplog)
+    assert list(reworded) == list(plain)
+    for code, (records, counts, warned) in plain.items():
+        again, again_counts, again_warned = reworded[code]
+        for record in records + again:
+            assert record["reason"] == code and record["strategy"] == "vllm", (code, record)
+        assert counts == again_counts == {code: 2}, code
+        # once a minute per code: a request option refused is said as each one is refused
+        expected = {"vllm_faster": 0, "refused": 2}.get(code, 1)
+        assert len(warned) == len(again_warned) == expected, (code, warned, again_warned)
+        assert not any(record["fallback"].startswith("[") for record in records), code
+        assert [record["fallback"][0] for record in again] == ["[", "["], code
+        assert again[0]["fallback"] != again[1]["fallback"], code  # worded anew each time
+        assert list(map(_unworded, records)) == list(map(_unworded, again)), code
+    assert "<" in reworded["full_above"][0][0]["fallback"]  # the strategy's words reworded too
 
 
 # ---------------------------------------------------------------- worker side

@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kvblend.vllm.costs import CostModel, Forecast, blend_features
+from kvblend.vllm.fallbacks import VLLM_FASTER, RequestFallback
 from kvblend.vllm.request_plan import RequestPlan
 
 logger = logging.getLogger("kvblend.vllm")
@@ -51,7 +52,7 @@ class Decision:
     """Blend a request or not; why not (``reason``: None when it blends); the forecasts."""
 
     blend: bool
-    reason: str | None = None
+    reason: RequestFallback | None = None
     forecast: Forecast | None = None
 
 
@@ -148,14 +149,11 @@ class ByCost:
         bound = self.costs.bound(total, start)
         if bound.blend_wins:
             return None
-        return Decision(
-            False,
-            (
-                f"vllm_faster: vLLM's prefill is forecast at {bound.vllm_s:.2f} s, any blend at "
-                f"{bound.blend_s:.2f} s or more (not planned)"
-            ),
-            bound,
+        words = (
+            f"vllm_faster: vLLM's prefill is forecast at {bound.vllm_s:.2f} s, any blend at "
+            f"{bound.blend_s:.2f} s or more (not planned)"
         )
+        return Decision(False, RequestFallback(VLLM_FASTER, words), bound)
 
     def decide(self, plan: RequestPlan, when: str) -> Decision:
         """Blend when forecast under the margin of vLLM's prefill (always, for ``"always"``)."""
@@ -164,15 +162,12 @@ class ByCost:
         forecast = self.costs.forecast(plan.total, plan.start, plan.rows)
         if when != "faster" or forecast.blend_wins:
             return Decision(True, None, forecast)
-        return Decision(
-            False,
-            (
-                f"vllm_faster: vLLM's prefill is forecast at {forecast.vllm_s:.2f} s, a blend at "
-                f"{forecast.blend_s:.2f} s (a blend must be forecast under {forecast.margin:g} of "
-                "vLLM's)"
-            ),
-            forecast,
+        words = (
+            f"vllm_faster: vLLM's prefill is forecast at {forecast.vllm_s:.2f} s, a blend at "
+            f"{forecast.blend_s:.2f} s (a blend must be forecast under {forecast.margin:g} of "
+            "vLLM's)"
         )
+        return Decision(False, RequestFallback(VLLM_FASTER, words), forecast)
 
     def observe(self, observation: Observation) -> None:
         """Calibrate on the start-up points; correct each path by its observed runs."""

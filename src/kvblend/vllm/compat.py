@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from kvblend.vllm.fallbacks import RequestFallback
+
 __all__ = [
     "CHECKED_ON",
     "USES",
@@ -73,7 +75,7 @@ class RequestView:
     prompt_token_ids: list[int]
     kv_transfer_params: Any
     preemptions: int
-    excluded: str | None
+    excluded: RequestFallback | None
 
 
 def view(request: Any) -> RequestView:
@@ -82,15 +84,17 @@ def view(request: Any) -> RequestView:
     params = request.sampling_params
     excluded = None
     if preemptions > 0:
-        excluded = "resumed after preemption: vLLM recomputes it"
+        excluded = RequestFallback("preempted", "resumed after preemption: vLLM recomputes it")
     elif params is None:
-        excluded = "not a generation request"
+        excluded = RequestFallback("not_generation", "not a generation request")
     elif params.prompt_logprobs:
-        excluded = "prompt logprobs need every prompt token's logits"
+        excluded = RequestFallback(
+            "prompt_logprobs", "prompt logprobs need every prompt token's logits"
+        )
     elif request.lora_request is not None:
-        excluded = "LoRA adapters are not blended"
+        excluded = RequestFallback("lora", "LoRA adapters are not blended")
     elif request.mm_features:
-        excluded = "multimodal inputs are not blended"
+        excluded = RequestFallback("multimodal", "multimodal inputs are not blended")
     ids = list(request.prompt_token_ids or ())
     return RequestView(request.request_id, ids, request.kv_transfer_params, preemptions, excluded)
 

@@ -28,6 +28,7 @@ from kvblend.models.checkpoint import checkpoint_fingerprint
 from kvblend.models.fingerprint import model_fingerprint
 from kvblend.models.loading import cache_dir, file_digest
 from kvblend.prompt.templates import rag_prefix
+from kvblend.vllm.fallbacks import NO_DOCUMENT, RequestFallback
 from kvblend.vllm.settings import ConnectorSettings
 
 logger = logging.getLogger(__name__)
@@ -245,27 +246,30 @@ class StoreSummary:
             line += f"; other models' entries: {named}"
         return line
 
-    def no_document_reason(self) -> str:
+    def no_document_reason(self) -> RequestFallback:
         """Why a prompt finds no stored document: an empty store, another model's, or none."""
         self.refresh()
         if not self.listed:
-            return "no stored document in the prompt"
+            return NO_DOCUMENT
         if not self.ours and not self.others:
-            return (
+            words = (
                 f"empty store: the store ({self.where}) holds no document; fill it with "
                 "`kvblend precompute --model MODEL DOCUMENTS`"
             )
+            return RequestFallback("empty_store", words)
         if not self.ours:
             total = sum(self.others.values())
             models = ", ".join(sorted(self.others))
-            return (
+            words = (
                 f"other model: the store ({self.where}) holds {total} entries, none of this "
                 f"model's (fingerprint {self.fingerprint[:12]}; they are of {models}): entries "
                 "are keyed by the model's weights and dtype, precompute with the served folder "
                 "and dtype"
             )
-        return (
+            return RequestFallback("other_model", words)
+        words = (
             f"no stored document in the prompt: none of the {self.ours} entries of this model "
             "is a document found in the prompt (a document is found only where its exact text "
             "occurs)"
         )
+        return RequestFallback(NO_DOCUMENT.code, words)

@@ -8,7 +8,7 @@ them where its own metrics are: ``/metrics`` of the OpenAI server, ``LLM.get_met
 
 - ``vllm:kvblend_blended_requests_total``: requests blended;
 - ``vllm:kvblend_vllm_requests_total`` (label ``reason``): requests left to vLLM's own prefill,
-  by reason (`request_records.reason_code`: ``vllm_faster``, ``not_stored``, ``empty_store``,
+  by reason (`fallbacks.RequestFallback.code`: ``vllm_faster``, ``not_stored``, ``empty_store``,
   ``refused``...);
 - ``vllm:kvblend_prompt_tokens_total``, and its parts: ``..._prefix_cached_tokens_total`` (held
   by vLLM's prefix cache), ``..._reused_tokens_total`` (read from the store and not recomputed)

@@ -10,10 +10,10 @@ be asked about) and the rows vLLM's own prefix cache already holds are turned in
 rows (`restrict`), and the engine's budget rule (`forecast_blend`) decides on what is left.
 
 The result, a `RequestPlan`, says how many tokens the connector provides (all but the last
-prompt token, from vLLM's prefix hit on) or, with ``fallback``, why vLLM prefills the prompt
-itself; and the rows a blend computes, from the strategy's own forecast (`forecast_blend`'s
-``computed_rows``, the same forecast ``explain`` and the engine's stats report), which the
-admission policy (`admission`) turns into a forecast time.
+prompt token, from vLLM's prefix hit on) or, with ``why`` (a `RequestFallback`: its code and its
+words), why vLLM prefills the prompt itself; and the rows a blend computes, from the strategy's
+own forecast (`forecast_blend`'s ``computed_rows``, the same forecast ``explain`` and the
+engine's stats report), which the admission policy (`admission`) turns into a forecast time.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from kvblend.prompt.plan import (
 )
 from kvblend.prompt.tokens import encode_prompt
 from kvblend.vllm.costs import Forecast
+from kvblend.vllm.fallbacks import NO_DOCUMENT, RequestFallback
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "NO_DOCUMENT",
     "RequestPlan",
     "approximate_from",
     "plan_request",
@@ -66,7 +66,8 @@ class RequestPlan:
         0  # prompt tokens nobody computes: vLLM's prefix hit plus rows read from the store
     )
     recomputed: int = 0  # rows read from the store that the strategy recomputes
-    fallback: str | None = None  # why vLLM prefills the prompt itself (None: the connector blends)
+    #: why vLLM prefills the prompt itself, its code and its words (None: the connector blends)
+    why: RequestFallback | None = None
     #: found documents whose KV is not stored yet: (text, document context), filled after the blend
     missing: list[tuple[str, str]] = field(default_factory=list)
     #: rows the blend computes, summed over its passes, a pass through part of the layers
@@ -80,14 +81,19 @@ class RequestPlan:
     not_stored: list[int] = field(default_factory=list)
     #: the blend's and vLLM's prefill's forecast times (None: not forecast)
     forecast: Forecast | None = None
-    refused: bool = False  # a request option was refused (the reason is ``fallback``)
+    refused: bool = False  # a request option was refused (the reason is ``why``)
     unreachable: str | None = None  # why the store could not be asked (an outage), if so
     plan_s: float = 0.0  # the scheduler side's time deciding (planning, forecasting)
 
     @property
+    def fallback(self) -> str | None:
+        """Return why vLLM prefills the prompt itself, in words (None: the connector blends)."""
+        return None if self.why is None else str(self.why)
+
+    @property
     def claimed(self) -> int:
         """Return the tokens the connector provides (0 when vLLM prefills the prompt itself)."""
-        return 0 if self.fallback is not None else max(0, self.stop - self.start)
+        return 0 if self.why is not None else max(0, self.stop - self.start)
 
     @property
     def total(self) -> int:
@@ -101,11 +107,12 @@ class RequestPlan:
 
     def summary(self) -> dict[str, Any]:
         """Return the record a response carries (``kv_transfer_params["kvblend"]``)."""
+        blended = self.why is None
         return {
-            "strategy": self.config.strategy if self.fallback is None else "vllm",
+            "strategy": self.config.strategy if blended else "vllm",
             "prompt_tokens": self.total,
-            "cached_tokens": self.reused if self.fallback is None else self.start,
-            "recomputed_tokens": self.recomputed if self.fallback is None else 0,
+            "cached_tokens": self.reused if blended else self.start,
+            "recomputed_tokens": self.recomputed if blended else 0,
             "vllm_prefix_tokens": self.start,
             "fallback": self.fallback,
             "plan_s": round(self.plan_s, 4),
@@ -172,19 +179,21 @@ def plan_request(
     empty = PrefillPlan(ids, np.full(total, TokenKind.COMPUTE, dtype=np.int8))
     request = RequestPlan(empty, config, start, total - 1, approximate_from=total)
     if total - 1 <= start:
-        request.fallback = "vLLM's prefix cache holds the whole prompt"
+        request.why = RequestFallback("prefix_cached", "vLLM's prefix cache holds the whole prompt")
         return request
     decoded = _decoded(library.segment_kv.tokenizer, token_ids)
     if decoded is None:
-        request.fallback = "the prompt's token ids are not the tokenization of its text"
+        request.why = RequestFallback(
+            "not_its_tokenization", "the prompt's token ids are not the tokenization of its text"
+        )
         return request
     text, tokens = decoded
     items = library.segments_for(text)
     plan = plan_prefill(
         tokens, cached_pieces(items), lambda begin, end: library.segment_kv.layout(text[begin:end])
     )
-    if config.reads_cache and not plan.spans:
-        request.fallback = NO_DOCUMENT
+    if config.reads_cache and not plan.spans:  # the scheduler side may say why (`NO_DOCUMENT`)
+        request.why = NO_DOCUMENT
         return request
     missing, failed = _missing_spans(library, plan) if config.reads_cache else (set(), None)
     request.missing = [] if failed else _missing_documents(library, text, plan, missing)
@@ -194,11 +203,6 @@ def plan_request(
     request.plan = restrict(plan, start, missing, f"{why}: computed")
     _decide(request)
     return request
-
-
-#: The fallback of a prompt in which the registry finds no document (the scheduler side says
-#: why, from what the store holds: `kvblend.vllm.documents.StoreSummary`).
-NO_DOCUMENT = "no stored document in the prompt"
 
 
 def _missing_spans(library: Any, plan: PrefillPlan) -> tuple[set[int], str | None]:
@@ -259,18 +263,20 @@ def _decide(request: RequestPlan) -> None:
     if config.reads_cache and not cached:
         numbers = ", ".join(map(str, request.not_stored))
         if request.unreachable:
-            request.fallback = f"store unreachable: {request.unreachable}"
+            words = f"store unreachable: {request.unreachable}"
+            request.why = RequestFallback("store_unreachable", words)
         elif request.not_stored:
-            request.fallback = (
+            words = (
                 f"not stored: the prompt's documents ({numbers}) are known but their KV is not "
                 "in the store yet (the connector stores them after this request)"
             )
+            request.why = RequestFallback("not_stored", words)
         else:
-            request.fallback = "no stored document left to reuse"
+            request.why = RequestFallback("no_stored_document", "no stored document left to reuse")
         return
     forecast = forecast_blend(plan, config.selector())
-    if forecast.fallback is not None:
-        request.fallback = forecast.fallback
+    if forecast.fallback is not None:  # the strategy's rule (`BlendForecast.cause`)
+        request.why = RequestFallback(forecast.cause or config.strategy, forecast.fallback)
         return
     request.recomputed = forecast.recomputed_tokens
     request.reused = start + (cached - request.recomputed if config.reads_cache else 0)

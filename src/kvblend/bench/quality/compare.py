@@ -134,6 +134,7 @@ def evaluate_item(
         "reused_tokens": full_pre.stats.reused_tokens,
         "recomputed_tokens": 0,
         "fallback": None,
+        "fallback_cause": None,
         "ttft_s": full_ttft,
         "ttft_ratio": 1.0,
     }
@@ -175,6 +176,7 @@ def _compared(
         "reused_tokens": pre.stats.reused_tokens,
         "recomputed_tokens": pre.stats.recomputed_tokens,
         "fallback": pre.stats.fallback,
+        "fallback_cause": pre.stats.fallback_cause,
     }
 
 

@@ -93,6 +93,7 @@ def _engine_row(row: dict[str, Any]) -> dict[str, Any]:
         "reused_tokens",
         "recomputed_tokens",
         "fallback",
+        "fallback_cause",
         "kl",
     )
     return {key: row[key] for key in keys}
@@ -192,7 +193,7 @@ def _recomputed(row: dict[str, Any]) -> float | None:
 
 
 def _outcome(row: dict[str, Any]) -> str:
-    """Return ``blended``, the fallback rule, or ``no report``.
+    """Return ``blended``, the fallback's code (the record's ``reason``), or ``no report``.
 
     vLLM drops the connector's report of a request a stop string ended: its frontend finds the
     stop string and aborts the request before the engine core finishes it.
@@ -200,7 +201,7 @@ def _outcome(row: dict[str, Any]) -> str:
     report = row["kvblend"]
     if report is None:
         return "no report"
-    return str(report.get("fallback") or "blended").split(":")[0]
+    return "blended" if report.get("fallback") is None else str(report["reason"])
 
 
 def _checks(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -210,9 +211,7 @@ def _checks(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         for record in records
     ]
     connector = Counter(_outcome(record["vllm_kvblend"]) for record in records)
-    engine = Counter(
-        (record["engine_default"]["fallback"] or "blended").split(":")[0] for record in records
-    )
+    engine = Counter(record["engine_default"]["fallback_cause"] or "blended" for record in records)
     return {
         "same_prompt_tokens": statistics.fmean(same_tokens),
         "connector_outcomes": dict(connector),

@@ -13,10 +13,10 @@ add up: every prompt token is in vLLM's prefix cache, reused from the store, or 
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from kvblend.blend.forecast import FallbackLog
+from kvblend.vllm.fallbacks import VLLM_FASTER
 from kvblend.vllm.request_plan import RequestPlan
 from kvblend.vllm.requests import BlendOutcome
 
@@ -30,7 +30,6 @@ __all__ = [
     "complete_record",
     "empty_counts",
     "planned_record",
-    "reason_code",
 ]
 
 #: The metrics' counts over finished requests (`Counts`), besides ``vllm_reasons`` (requests
@@ -49,23 +48,6 @@ COUNTS = (
     "forecast_vllm_ms",
 )
 
-#: Reason codes of the causes whose words are long (others: their words, joined by "_").
-_CODES = {
-    "kvblend off for this request": "kvblend_off",
-    "the parity gate failed": "parity_gate_failed",
-    "resumed after preemption": "preempted",
-    "prompt logprobs need every prompt token's logits": "prompt_logprobs",
-    "LoRA adapters are not blended": "lora",
-    "multimodal inputs are not blended": "multimodal",
-    "not a generation request": "not_generation",
-    "vLLM's prefix cache holds the whole prompt": "prefix_cached",
-    "the prompt's token ids are not the tokenization of its text": "not_its_tokenization",
-    "no stored document left to reuse": "no_stored_document",
-    "no stored document in the prompt": "no_stored_document",
-    "request option refused": "refused",
-}
-
-
 #: Reasons a server meets every day: the metrics count them from 0 (any other from its first).
 COMMON_REASONS = (
     "vllm_faster",
@@ -80,22 +62,16 @@ COMMON_REASONS = (
 )
 
 
-def reason_code(fallback: str | None) -> str:
-    """Return a short label of why vLLM prefilled a request (a metric's), from its fallback."""
-    if fallback is None:
-        return "blended"
-    cause = fallback.split(":")[0].strip()
-    code = _CODES.get(cause) or re.sub(r"[^a-z0-9]+", "_", cause.lower()).strip("_")
-    return code[:32] or "other"
-
-
 def planned_record(plan: RequestPlan) -> dict[str, Any]:
-    """Return the record of a request as planned (`RequestPlan.summary`, its forecasts)."""
+    """Return the record of a request as planned (`RequestPlan.summary`, its forecasts).
+
+    A request left to vLLM carries its fallback's code as ``reason`` beside its words.
+    """
     record = plan.summary()
     if plan.forecast is not None:
         record.update(plan.forecast.as_record())
-    if plan.fallback is not None:
-        record["reason"] = reason_code(plan.fallback)
+    if plan.why is not None:
+        record["reason"] = plan.why.code
     if plan.refused:
         record["refused"] = True
     return record
@@ -139,11 +115,11 @@ class RequestLog:
 
     def planned(self, request_id: str, plan: RequestPlan, record: dict[str, Any]) -> None:
         """Say why vLLM prefills an allocated request itself, when it does."""
-        if plan.fallback is None or plan.refused:
+        if plan.why is None or plan.refused:
             return  # a refused option was said as it was refused
-        cause = plan.fallback.split(":")[0]
-        if cause != "vllm_faster":
-            self.fallbacks.warn(cause, f"kvblend: vLLM prefills a request itself: {plan.fallback}")
+        if plan.why.code != VLLM_FASTER:
+            line = f"kvblend: vLLM prefills a request itself: {plan.why}"
+            self.fallbacks.warn(plan.why.code, line)
         elif self.per_request:
             logger.info(
                 "kvblend: request %s: %d prompt tokens: vLLM prefills it (forecast %.2f s, "
@@ -202,14 +178,13 @@ class Counts:
         """Count one finished request's record."""
         counts = self.counts
         counts["requests"] += 1
-        fallback = record.get("fallback")
-        if fallback is None:
+        if record.get("fallback") is None:
             counts["blended"] += 1
             if "blend_s" in record:
                 counts["blend_seconds"].append(float(record["blend_s"]))
         else:
             counts["vllm"] += 1
-            reason = record.get("reason") or reason_code(fallback)
+            reason = record["reason"]  # its fallback's code (`planned_record`)
             counts["vllm_reasons"][reason] = counts["vllm_reasons"].get(reason, 0) + 1
         prompt, cached = int(record["prompt_tokens"]), int(record["cached_tokens"])
         prefix = int(record["vllm_prefix_tokens"])

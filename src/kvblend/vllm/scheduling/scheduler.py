@@ -35,7 +35,8 @@ from kvblend.documents.library import DocumentLibrary
 from kvblend.prompt.plan import PrefillPlan, TokenKind
 from kvblend.vllm import compat
 from kvblend.vllm.admission import Admission, Decision
-from kvblend.vllm.request_plan import NO_DOCUMENT, RequestPlan, plan_request
+from kvblend.vllm.fallbacks import NO_DOCUMENT, RequestFallback
+from kvblend.vllm.request_plan import RequestPlan, plan_request
 from kvblend.vllm.requests import BlendRequest, RequestStatus, StepMetadata, WorkerReport
 from kvblend.vllm.scheduling.request_records import Counts, RequestLog, planned_record
 from kvblend.vllm.settings import ConnectorSettings, RequestChoice, request_config
@@ -146,21 +147,23 @@ class SchedulerSide:
         plan.refused = refused
         return plan, decision
 
-    def _choice(self, view: compat.RequestView) -> tuple[RequestChoice | None, str | None, bool]:
+    def _choice(
+        self, view: compat.RequestView
+    ) -> tuple[RequestChoice | None, RequestFallback | None, bool]:
         """Return the request's choice, why vLLM must prefill it (or None), and if refused."""
         reason = view.excluded
         if self.gate is not None and not self.gate[0]:
-            reason = "the parity gate failed"
+            reason = RequestFallback("parity_gate_failed", "the parity gate failed")
         try:
             choice = request_config(
                 self.settings.config, view.kv_transfer_params, self.settings.when
             )
         except (TypeError, ValueError) as error:
-            reason = reason or f"request option refused: {error}"
+            reason = reason or RequestFallback("refused", f"request option refused: {error}")
             logger.warning("kvblend: request %s: %s", view.request_id, reason)
             return None, reason, True
         if reason is None and choice.config is None:
-            reason = "kvblend off for this request"
+            reason = RequestFallback("kvblend_off", "kvblend off for this request")
         return choice, reason, False
 
     def _screened(self, view: compat.RequestView, start: int, choice: RequestChoice) -> Decision:
@@ -176,13 +179,14 @@ class SchedulerSide:
         try:
             plan = plan_request(self.library, view.prompt_token_ids, start, choice.config)
         except Exception as error:  # noqa: BLE001 - a failed plan is vLLM's own prefill
-            return None, Decision(False, f"planning failed: {type(error).__name__}: {error}")
-        if plan.fallback == NO_DOCUMENT and self.store_summary is not None:
-            plan.fallback = self.store_summary.no_document_reason()
-        if plan.fallback is not None:
-            return plan, Decision(False, plan.fallback)
+            words = f"planning failed: {type(error).__name__}: {error}"
+            return None, Decision(False, RequestFallback("planning_failed", words))
+        if plan.why == NO_DOCUMENT and self.store_summary is not None:
+            plan.why = self.store_summary.no_document_reason()
+        if plan.why is not None:
+            return plan, Decision(False, plan.why)
         decision = self.admission.decide(plan, choice.when)
-        plan.fallback, plan.forecast = decision.reason, decision.forecast
+        plan.why, plan.forecast = decision.reason, decision.forecast
         return plan, decision
 
     def allocated(self, request: Any, blocks: Any, num_external: int) -> None:
@@ -196,7 +200,9 @@ class SchedulerSide:
         plan = blend.plan
         blend.store, plan.missing = plan.missing, []  # to the workers with the next step
         if blend.status is Status.CLAIMED and num_external <= 0:  # vLLM took none of them
-            plan.fallback = "unclaimed: vLLM allocated none of the tokens the connector claimed"
+            plan.why = RequestFallback(
+                "unclaimed", "unclaimed: vLLM allocated none of the tokens the connector claimed"
+            )
             blend.move(Status.PLANNED)
             if blend.salt is not None:
                 compat.unsalt_hashes(request, blend.salt)
@@ -285,7 +291,7 @@ def _no_plan(token_ids: list[int], start: int, decision: Decision) -> RequestPla
         BlendConfig("full"),
         start,
         max(start, len(ids) - 1),
-        fallback=decision.reason or "",
+        why=decision.reason or RequestFallback("other", ""),
         approximate_from=len(ids),
         forecast=decision.forecast,
     )
