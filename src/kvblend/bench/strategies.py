@@ -132,13 +132,29 @@ def strategy(name: str) -> Strategy:
     Any name takes ``+setting=value`` suffixes that set one `BlendConfig` setting each, such
     as ``attention-0.2+lead_tokens=8``.
     """
+    for parse in (_suffixed, _modified, _named, _cacheblend):
+        found = parse(name)
+        if found is not None:
+            return found
+    raise ValueError(
+        f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
+        "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
+        f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
+        " and an @compiled one, a strategy run in bfloat16: full@bf16-prefill, default@bf16, and a "
+        "layout: default@cached-labels"
+    )
+
+
+def _suffixed(name: str) -> Strategy | None:
+    """Return the strategy a name's ``@`` suffix (layout, bfloat16, compiled loop) makes, if any."""
     for suffix, layout in LAYOUTS.items():
         if name.endswith(suffix):
             found = strategy(name.removesuffix(suffix))
             if found.layout is not None or not found.cache_documents:
                 raise ValueError(f"{name}: {suffix} takes a strategy with its own layout")
-            return Strategy(name, found.config, compiled=found.compiled,
-                            rounding=found.rounding, layout=layout)  # fmt: skip
+            return Strategy(
+                name, found.config, compiled=found.compiled, rounding=found.rounding, layout=layout
+            )
     for suffix, rounding in ROUNDED.items():
         if name.endswith(suffix):
             found = strategy(name.removesuffix(suffix))
@@ -148,6 +164,11 @@ def strategy(name: str) -> Strategy:
     if name.endswith("@compiled"):
         found = strategy(name.removesuffix("@compiled"))
         return Strategy(name, found.config, found.cache_documents, compiled=True)
+    return None
+
+
+def _modified(name: str) -> Strategy | None:
+    """Return a strategy with ``+setting=value`` settings or a ``-c<share>`` correction, if any."""
     base, *overrides = name.split("+")
     if overrides:
         found = strategy(base)
@@ -158,44 +179,48 @@ def strategy(name: str) -> Strategy:
     if share is not None:
         found = strategy(base)
         return Strategy(name, found.config.replace(correction=share), found.cache_documents)
-    if name == "full":
-        return Strategy(name, BlendConfig("full"))
-    if name == "default":
-        return Strategy(name, BlendConfig())
-    if name == "reuse":
-        return Strategy(name, BlendConfig("reuse"))
-    if name == "epic":
-        return Strategy(name, BlendConfig("epic"))
-    if name == "prefix":
-        return Strategy(name, BlendConfig("reuse"), cache_documents=False)
+    return None
+
+
+def _named(name: str) -> Strategy | None:
+    """Return ``full``, ``default``, ``reuse``, ``epic``, ``prefix`` or ``attention-<ratio>``."""
+    plain = {
+        "full": lambda: Strategy(name, BlendConfig("full")),
+        "default": lambda: Strategy(name, BlendConfig()),
+        "reuse": lambda: Strategy(name, BlendConfig("reuse")),
+        "epic": lambda: Strategy(name, BlendConfig("epic")),
+        "prefix": lambda: Strategy(name, BlendConfig("reuse"), cache_documents=False),
+    }
+    if name in plain:
+        return plain[name]()
     if name.startswith("attention-"):
         ratio = _ratio(name.removeprefix("attention-"))
         if ratio is not None:
             return Strategy(name, BlendConfig("attention", recompute_ratio=ratio))
-    if name.startswith("cacheblend-"):
-        parts = name.split("-")
-        layer = 1
-        if len(parts) == 4 and parts[3][:1] == "L" and parts[3][1:].isdigit():
-            layer = int(parts[3][1:])
-            parts = parts[:3]
-        if len(parts) == 3 and parts[1] in CACHEBLEND_METRICS and layer >= 1:
-            ratio = _ratio(parts[2])
-            if ratio is not None:
-                config = BlendConfig(
-                    "cacheblend",
-                    recompute_ratio=ratio,
-                    deviation=parts[1],
-                    check_layer=layer,
-                    correction=0.0,
-                )
-                return Strategy(name, config)
-    raise ValueError(
-        f"unknown strategy {name!r}; use full, default, reuse, epic, prefix, "
-        "attention-<ratio> such as attention-0.2 or cacheblend-<value|key>-<ratio>[-L<layer>] "
-        f"such as {cacheblend_name('value', 0.15)}, each with an optional -c<correction> suffix"
-        " and an @compiled one, a strategy run in bfloat16: full@bf16-prefill, default@bf16, and a "
-        "layout: default@cached-labels"
-    )
+    return None
+
+
+def _cacheblend(name: str) -> Strategy | None:
+    """Return ``cacheblend-<metric>-<ratio>[-L<layer>]``: CacheBlend as published, no correction."""
+    if not name.startswith("cacheblend-"):
+        return None
+    parts = name.split("-")
+    layer = 1
+    if len(parts) == 4 and parts[3][:1] == "L" and parts[3][1:].isdigit():
+        layer = int(parts[3][1:])
+        parts = parts[:3]
+    if len(parts) == 3 and parts[1] in CACHEBLEND_METRICS and layer >= 1:
+        ratio = _ratio(parts[2])
+        if ratio is not None:
+            config = BlendConfig(
+                "cacheblend",
+                recompute_ratio=ratio,
+                deviation=parts[1],
+                check_layer=layer,
+                correction=0.0,
+            )
+            return Strategy(name, config)
+    return None
 
 
 def _ratio(text: str) -> float | None:
