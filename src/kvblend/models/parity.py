@@ -30,8 +30,14 @@ PARITY_TEXT = (
 
 
 def parity_tolerance(dtype: torch.dtype) -> float:
-    """Largest relative logit error the check accepts: 1e-4 in float32, 3e-2 in 16-bit."""
-    return 1e-4 if dtype == torch.float32 else 3e-2
+    """Largest relative logit error the check accepts: 1e-4 in float32, 6e-2 in 16-bit.
+
+    In 16-bit two correct forwards differ by their kernels' rounding, which on a CPU without
+    bfloat16 units (vLLM's CPU kernels there against kvblend's loop) is several times bfloat16's
+    own; a model whose layers the loop gets wrong (RoPE at another base) is off by an order of
+    magnitude more.
+    """
+    return 1e-4 if dtype == torch.float32 else 6e-2
 
 
 def forward_logits(
