@@ -369,9 +369,16 @@ def test_help_imports_no_torch_and_states_the_real_defaults() -> None:
     assert "--threads" in done.stdout and "--chunk" in done.stdout
     assert STRATEGIES[0] == BlendConfig().strategy
     assert set(STRATEGIES) == set(strategy_names())
-    assert (DEFAULT_RATIO, DEFAULT_CORRECTION) == (
-        BlendConfig().recompute_ratio, BlendConfig().correction
-    )  # fmt: skip
+    for setting, defaults in (
+        ("recompute_ratio", DEFAULT_RATIO),
+        ("correction", DEFAULT_CORRECTION),
+    ):
+        expected = {
+            name: BlendConfig(name).settings[setting]
+            for name in STRATEGIES
+            if setting in BlendConfig(name).settings
+        }
+        assert defaults == expected, setting
 
 
 def test_explain_does_not_warn_of_a_question_quoting_a_reused_document(

@@ -14,12 +14,21 @@ import argparse
 from kvblend.command_line import positive_int
 
 #: Strategies and defaults the help shows; importing the engine (torch) only to print help
-#: would cost seconds. tests/cli/test_cli.py checks them against `BlendConfig`.
+#: would cost seconds. tests/cli/test_cli_precompute.py checks them against `BlendConfig`.
 STRATEGIES = ("attention", "cacheblend", "epic", "reuse", "full")
-DEFAULT_RATIO = 0.2
-DEFAULT_CORRECTION = 0.5
+#: Each strategy's default ``recompute_ratio`` and ``correction``, for those that have one.
+DEFAULT_RATIO = {"attention": 0.3, "cacheblend": 0.2}
+DEFAULT_CORRECTION = {"attention": 0.75, "cacheblend": 0.5, "epic": 0.5}
 #: `kvblend.blend.kv_codec.CODECS`, named here for the same reason (checked by the same test).
 KV_CODECS = ("none", "int8", "k8v4", "int4")
+
+
+def _per_strategy(defaults: dict[str, float]) -> str:
+    """``0.75 for attention, 0.5 for cacheblend and epic``: strategies of one value together."""
+    values: dict[float, list[str]] = {}
+    for name, value in defaults.items():
+        values.setdefault(value, []).append(name)
+    return ", ".join(f"{value} for {' and '.join(names)}" for value, names in values.items())
 
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
@@ -87,7 +96,8 @@ def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> No
         "--ratio",
         type=float,
         default=None,
-        help=f"recompute ratio for attention and cacheblend (default {DEFAULT_RATIO})",
+        help="recompute ratio for attention and cacheblend "
+        f"(default {_per_strategy(DEFAULT_RATIO)})",
     )
     p.add_argument(
         "--deviation",
@@ -101,7 +111,7 @@ def add_blend_options(p: argparse.ArgumentParser, *, decodes: bool = True) -> No
         default=None,
         help="share of the recomputed tokens' mean KV change added to the other "
         "tokens of their document, for attention, cacheblend and epic "
-        f"(default {DEFAULT_CORRECTION}; 0: off)",
+        f"(default {_per_strategy(DEFAULT_CORRECTION)}; 0: off)",
     )
     p.add_argument(
         "--set",
