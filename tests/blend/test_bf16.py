@@ -24,7 +24,7 @@ DOCS = [
 ]
 QUESTION = "\nQuestion: where does Marta live?\nAnswer:"
 CONFIGS = [
-    BlendConfig(min_recompute=0),  # the default, blending these short documents
+    BlendConfig(min_recompute=0, full_above=1.0),  # the default, blending these short documents
     BlendConfig("attention", recompute_ratio=0.3, lead_tokens=4, min_recompute=0),
     BlendConfig("cacheblend", recompute_ratio=0.15),
     BlendConfig("epic", epic_tokens=4),

@@ -40,7 +40,7 @@ def prompt() -> list[Segment]:
 
 
 BLEND = BlendConfig(recompute_ratio=0.3, min_recompute=0, lead_tokens=2, short_document=0,
-                    full_above=1.0)  # fmt: skip
+                    full_above=1.0, probe_tail=False)  # fmt: skip
 
 
 def test_signals_are_zero_for_the_same_distribution_and_see_a_changed_one() -> None:

@@ -23,9 +23,10 @@ DOCUMENTS = [
     "Cy is a painter who lives in Oslo and keeps a small boat by the harbour all year.",
     "Di teaches maths in Porto; her class meets at nine in room four on Mondays.",
 ]
-#: the settings the tests vary from: no floor, no fallback, two leading rows a document
+#: the settings the tests vary from: no floor, no fallback, two leading rows a document, one
+#: budget over all documents (no per-document minima), the probe over every uncached row
 BLEND = BlendConfig(recompute_ratio=0.2, lead_tokens=2, short_document=0, min_recompute=0,
-                    full_above=1.0)  # fmt: skip
+                    full_above=1.0, per_document=0, probe_tail=False)  # fmt: skip
 
 
 def _engine() -> tuple[BlendEngine, list[Segment]]:

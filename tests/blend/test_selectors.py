@@ -27,14 +27,18 @@ from kvblend.blend.types import COMPUTE, MOVED, RowSet
 from kvblend.models.decoder import Decoder
 from kvblend.store import MemoryKVStore
 
+#: The rule tests count the rows of one budget over all moved documents, ranked by a probe over
+#: every uncached row: no per-document minima (``per_document``), the probe not the tail's alone.
+ONE_BUDGET = {"per_document": 0, "probe_tail": False}
+
 
 def test_defaults_and_settings_of_each_strategy() -> None:
     assert BlendConfig().strategy == "attention"
     assert BlendConfig().settings == {
-        "recompute_ratio": 0.2, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
-        "min_recompute": 256, "window": 1, "per_document": 0,
-        "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.5,
-        "stale_temperature": 1.0, "probe_tail": False, "guard": None, "guard_signal": "shift",
+        "recompute_ratio": 0.3, "early_ratio": 0.4, "early_layers": 0.0, "probe_layers": 1.0,
+        "min_recompute": 256, "window": 1, "per_document": 16,
+        "lead_tokens": 8, "short_document": 32, "full_above": 0.8, "correction": 0.75,
+        "stale_temperature": 1.0, "probe_tail": True, "guard": None, "guard_signal": "shift",
     }  # fmt: skip
     assert BlendConfig("cacheblend").settings == {
         "recompute_ratio": 0.2,
@@ -387,7 +391,7 @@ def test_lead_tokens_recompute_the_first_tokens_of_every_moved_document() -> Non
     engine.precompute(documents)
     prompt = [Segment("Head:\n", role="prefix"), *map(Segment, reversed(documents)),
               Segment("\nQ?", cache=False)]  # fmt: skip
-    blend = BlendConfig(short_document=0, min_recompute=0, full_above=1.0)  # short documents
+    blend = BlendConfig(short_document=0, min_recompute=0, full_above=1.0, **ONE_BUDGET)
     only_leads = engine.prefill(prompt, blend.replace(recompute_ratio=0.0, lead_tokens=3))
     assert only_leads.stats.moved_tokens > 0
     assert only_leads.stats.recomputed_tokens == 3 * 3  # every document here is moved
@@ -416,7 +420,8 @@ def _records_engine() -> tuple[BlendEngine, list[Segment], list[int]]:
 
 def test_short_documents_are_recomputed_whole() -> None:
     engine, prompt, lengths = _records_engine()
-    config = BlendConfig(recompute_ratio=0.0, min_recompute=0, lead_tokens=4, full_above=1.0)
+    config = BlendConfig(recompute_ratio=0.0, min_recompute=0, lead_tokens=4, full_above=1.0,
+                         **ONE_BUDGET)  # fmt: skip
     for short in (0, 12, 20, 59, 60):
         pre = engine.prefill(prompt, config.replace(short_document=short))
         expected = sum(n if n <= short else 4 for n in lengths)
@@ -427,7 +432,8 @@ def test_short_documents_are_recomputed_whole() -> None:
 def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> None:
     engine, prompt, lengths = _records_engine()
     full = engine.prefill(prompt, BlendConfig("full"))
-    config = BlendConfig(recompute_ratio=0.2, min_recompute=0, lead_tokens=8, short_document=0)
+    config = BlendConfig(recompute_ratio=0.2, min_recompute=0, lead_tokens=8, short_document=0,
+                         **ONE_BUDGET)  # fmt: skip
     blended = engine.prefill(prompt, config.replace(full_above=1.0))
     assert 0 < blended.stats.recomputed_tokens < blended.stats.moved_tokens
     assert blended.stats.documents_reused == 3
@@ -447,7 +453,8 @@ def test_a_blend_costing_about_a_full_prefill_computes_the_whole_prompt() -> Non
 def test_min_recompute_floors_the_budget_leading_tokens_included() -> None:
     engine, prompt, lengths = _records_engine()
     moved, leads = sum(lengths), 3 * 4
-    config = BlendConfig(recompute_ratio=0.1, lead_tokens=4, short_document=0, full_above=1.0)
+    config = BlendConfig(recompute_ratio=0.1, lead_tokens=4, short_document=0, full_above=1.0,
+                         **ONE_BUDGET)  # fmt: skip
     share = leads + round(0.1 * moved)
     for floor in (0, share, 30, moved, 500):
         pre = engine.prefill(prompt, config.replace(min_recompute=floor))
@@ -480,7 +487,8 @@ def test_the_funnel_recomputes_more_rows_in_the_early_layers(
     engine, prompt, lengths = _records_engine()
     moved, leads = sum(lengths), 3 * 2
     config = BlendConfig(recompute_ratio=0.1, early_ratio=0.5, early_layers=0.34, lead_tokens=2,
-                         short_document=0, min_recompute=0, full_above=1.0)  # fmt: skip
+                         short_document=0, min_recompute=0, full_above=1.0,
+                         **ONE_BUDGET)  # fmt: skip
     passes = _rows_per_layer(monkeypatch)
     pre = engine.prefill(prompt, config)
     probe, main = passes[-2:]  # after the head's own KV, computed and stored once
@@ -520,7 +528,8 @@ def test_the_funnel_keeps_the_best_scoring_rows_after_the_early_layers(
     monkeypatch.setattr(attention.AttentionSelector, "select", keeping)
     engine, prompt, _ = _records_engine()
     config = BlendConfig(recompute_ratio=0.1, early_ratio=0.6, early_layers=0.5, lead_tokens=0,
-                         short_document=0, min_recompute=0, full_above=1.0)  # fmt: skip
+                         short_document=0, min_recompute=0, full_above=1.0,
+                         **ONE_BUDGET)  # fmt: skip
     engine.prefill(prompt, config)
     selector, selection, kinds = chosen[-1]
     assert selector.refine_layers == frozenset([2])  # round(0.5 * 3 layers)
@@ -555,7 +564,7 @@ def test_the_probe_runs_its_share_of_the_first_layers(monkeypatch: pytest.Monkey
 
     engine, prompt, lengths = _records_engine()
     config = BlendConfig(recompute_ratio=0.1, lead_tokens=2, short_document=0, min_recompute=0,
-                         full_above=1.0, probe_layers=0.34)  # fmt: skip
+                         full_above=1.0, probe_layers=0.34, **ONE_BUDGET)  # fmt: skip
     passes = _rows_per_layer(monkeypatch)
     pre = engine.prefill(prompt, config)
     probe, main = passes[-2:]
@@ -694,7 +703,7 @@ def test_selectors_choose_rows_by_the_adapters_reduced_scores(
     kept: list[np.ndarray] = []
     if strategy == "attention":
         config = BlendConfig(recompute_ratio=0.25, lead_tokens=0, short_document=0,
-                             min_recompute=0, full_above=1.0)  # fmt: skip
+                             min_recompute=0, full_above=1.0, **ONE_BUDGET)  # fmt: skip
         real_select = selectors.attention.AttentionSelector.select
 
         def select(self, context):

@@ -186,7 +186,7 @@ def test_attention_ratio_one_equals_full_and_zero_equals_reuse(tiny_engine: Blen
     nothing = tiny_engine.prefill(
         prompt,
         BlendConfig("attention", recompute_ratio=0.0, early_ratio=0.0, lead_tokens=0,
-                    min_recompute=0),
+                    min_recompute=0, per_document=0),
     )  # fmt: skip
     assert nothing.stats.recomputed_tokens == 0 and "probe_s" in nothing.stats.timings
     assert torch.equal(nothing.logits, reuse.logits)
@@ -410,7 +410,13 @@ def test_attention_probe_equals_transformers_attention_weights(
 
     monkeypatch.setattr(blend_plan_module, "run_blend", recording_run_blend)
     config = BlendConfig(
-        "attention", recompute_ratio=0.25, early_layers=0, lead_tokens=0, min_recompute=0
+        "attention",
+        recompute_ratio=0.25,
+        early_layers=0,
+        lead_tokens=0,
+        min_recompute=0,
+        per_document=0,
+        probe_tail=False,
     )
     pre = tiny_engine.prefill(segments(order), config)
     assert pre.token_ids == reference.token_ids

@@ -20,19 +20,21 @@ class BlendConfig:
 
     ``BlendConfig(strategy="attention", **settings)``. Strategies and their settings:
 
-    - ``"attention"`` (default): a first pass computes only the uncached tokens over the reused
-      KV; the reused tokens the prompt's uncached tail (the question) attends to most are then
-      recomputed at every layer. Settings: ``recompute_ratio`` (0.2, share of moved tokens
+    - ``"attention"`` (default): a first pass computes the prompt's tail (the question, after
+      the last document) over the reused KV; the reused tokens it attends to most are then
+      recomputed at every layer. Settings: ``recompute_ratio`` (0.3, share of moved tokens
       recomputed), ``min_recompute`` (256: at least this many moved tokens recomputed, leading
       ones included), ``window`` (1: the probe ranks blocks of this many consecutive moved
       tokens by their summed score and recomputes whole blocks, the budget rounded up to whole
-      blocks), ``per_document`` (0: each moved document first gets its own top this many
+      blocks), ``per_document`` (16: each moved document first gets its own top this many
       tokens, the rest of the budget going to the top of all; the minima are the budget when
       they exceed it), ``lead_tokens`` (8, leading tokens of every moved document recomputed on
       top), ``short_document`` (32: moved documents of at most this many tokens recomputed
       whole), ``full_above`` (0.8: a blend whose estimated cost is above this share of a full
       prefill's recomputes every moved token; 1 never; ``stats.fallback`` says why),
-      ``correction`` (0.5), ``stale_temperature`` (1), ``guard`` (None: no guard; a tolerance
+      ``correction`` (0.75), ``stale_temperature`` (1), ``probe_tail`` (True: the first pass
+      computes only the text after the last document; False: every uncached token, the text
+      between documents included), ``guard`` (None: no guard; a tolerance
       on ``guard_signal`` past which the prompt is computed in full after the blend, ``inf``
       to record the signals only), ``guard_signal`` (``"shift"``, the total variation between
       the probe's next-token distribution and the blend's, escalating above the tolerance;

@@ -1,6 +1,7 @@
 """``attention``: recompute the reused tokens the question draws most from.
 
-A probe pass computes only the uncached tokens (as ``reuse`` would) over the reused KV and measures,
+A probe pass computes the question's tail (the text after the last document; with ``probe_tail``
+off, every uncached token, as ``reuse`` would) over the reused KV and measures,
 at every layer, how much each token contributes to the attention output of the prompt's uncached
 tail (the question and the template text after it: `tail_attention`), summed over heads and queries,
 over the first ``probe_layers`` of the layers (all by default; fewer let the prefill start before
@@ -24,7 +25,6 @@ import torch
 from kvblend.blend.adapter import ModelAdapter
 from kvblend.blend.guard import GUARD_SIGNALS, RISK_SIGNAL
 from kvblend.blend.selectors.base import (
-    CORRECTION,
     STALE_TEMPERATURE,
     Fallback,
     Forecast,
@@ -66,6 +66,16 @@ def leading_rows(context: SelectionContext, count: int, short: int = 0) -> np.nd
             lead[span.start : min(span.end, span.start + rows)] = True
     return lead
 
+
+#: The attention strategy's correction: stronger than the other strategies' (`CORRECTION`), as
+#: it recomputes each moved document's own top rows (``per_document``), whose mean K/V change
+#: stands for the document's other rows better than a shared budget's few picks do (chosen on
+#: the calibration questions, docs/benchmarks.md, "How to choose").
+ATTENTION_CORRECTION = Setting(
+    0.75,
+    ratio,
+    "share of the mean K/V change of a document's recomputed tokens added to its other tokens",
+)
 
 #: The guard's default tolerance (`kvblend.blend.guard`): None until calibrated.
 GUARD_TOLERANCE: float | None = None
@@ -352,7 +362,7 @@ class AttentionSelector(Selector):
 
     ``window`` (1 by default) ranks blocks of that many consecutive candidate rows of a document
     by their summed score and recomputes whole blocks, the budget rounded up to whole blocks;
-    ``per_document`` (0 by default) gives every moved document its own top rows first (blocks
+    ``per_document`` (16 by default) gives every moved document its own top rows first (blocks
     with ``window``), the rest of the budget going to the top of all (`ranking`).
 
     ``probe_layers`` (a share of the model's layers, all by default) runs the probe over the
@@ -368,7 +378,7 @@ class AttentionSelector(Selector):
     name = "attention"
     settings = {
         "recompute_ratio": Setting(
-            0.2, ratio, "share of the moved tokens recomputed at every layer, in [0, 1]"
+            0.3, ratio, "share of the moved tokens recomputed at every layer, in [0, 1]"
         ),
         "early_ratio": Setting(
             0.4, ratio, "share of the moved tokens recomputed in the early layers, in [0, 1]"
@@ -389,7 +399,7 @@ class AttentionSelector(Selector):
             "recomputes whole blocks (1: single tokens)",
         ),
         "per_document": Setting(
-            0,
+            16,
             non_negative_int,
             "each moved document's top tokens recomputed first, the rest of the budget going to "
             "the top of all (0: none)",
@@ -404,10 +414,10 @@ class AttentionSelector(Selector):
             "estimated cost (of full prefill) above which every moved token is "
             "recomputed (1: never)",
         ),
-        "correction": CORRECTION,
+        "correction": ATTENTION_CORRECTION,
         "stale_temperature": STALE_TEMPERATURE,
         "probe_tail": Setting(
-            False,
+            True,
             flag,
             "the probe computes only the question's tail (the text after the last document); "
             "the text between documents is left out of its attention",
