@@ -298,8 +298,12 @@ def write_prompts(items: Sequence[PromptItem], path: str | Path) -> int:
     with path.open("w", encoding="utf-8") as out:
         for item in items:
             segments = [{"text": s.text, "role": s.role, "cache": s.cache} for s in item.segments]
-            record = {"qid": item.qid, "answers": item.answers, "segments": segments,
-                      "meta": item.meta}  # fmt: skip
+            record = {
+                "qid": item.qid,
+                "answers": item.answers,
+                "segments": segments,
+                "meta": item.meta,
+            }
             out.write(json.dumps(record) + "\n")
     return len(items)
 
@@ -339,8 +343,9 @@ def nq_prompt_items(
     """`nq_items` at every k in turn, each item's ``meta["k"]`` saying which."""
     items = []
     for k in ks:
-        for item in nq_items(engine, corpus, questions, retriever, k=k, seed=seed,
-                             gold_at=gold_at, labels=labels):  # fmt: skip
+        for item in nq_items(
+            engine, corpus, questions, retriever, k=k, seed=seed, gold_at=gold_at, labels=labels
+        ):
             item.meta["k"] = k
             items.append(item)
     return items
@@ -377,13 +382,51 @@ def run_nq(
 
     ``prompts_file``: write the prompts to that JSONL file (`write_prompts`) and run nothing.
     """
-    from kvblend.bench.quality.compare import run_items, summarize_rows
+    from kvblend.bench.quality.compare import run_items
 
     corpus, all_questions = load_nq(data)
     chosen = all_questions[offset : offset + questions]
     retriever = Retriever(corpus, data_path=data, cache_dir=cache_dir)
     engine = next(iter(engines.values()))
-    result: dict[str, Any] = {
+    result = _nq_result(
+        engines, data, strategies, corpus, chosen, retriever, offset, ks, seed, gold_at, meta
+    )
+    every = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at)
+    if prompts_file is not None:
+        result["prompts_file"], result["prompts"] = str(prompts_file), len(every)
+        write_prompts(every, prompts_file)
+    done: list[dict[str, Any]] = []
+    for k in ks:
+        items = [item for item in every if item.meta["k"] == k]
+        result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
+        if prompts_file is None:
+            checkpoint = functools.partial(_nq_checkpoint, result, output, seed, list(done))
+            done += run_items(
+                engines,
+                items,
+                strategies,
+                max_new_tokens=max_new_tokens,
+                log=log,
+                checkpoint=checkpoint,
+            )
+    return result
+
+
+def _nq_result(
+    engines: dict[str, BlendEngine],
+    data: str | Path,
+    strategies: Sequence[Any],
+    corpus: Sequence[Passage],
+    chosen: Sequence[NQQuestion],
+    retriever: Retriever,
+    offset: int,
+    ks: Sequence[int],
+    seed: int,
+    gold_at: str,
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Return what a `run_nq` result says before its rows: its data, questions and strategies."""
+    return {
         "benchmark": "nq",
         **(meta or {}),
         "data": str(data),
@@ -401,22 +444,18 @@ def run_nq(
         "summary": [],
         "rows": [],
     }
-    every = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at)
-    if prompts_file is not None:
-        result["prompts_file"], result["prompts"] = str(prompts_file), len(every)
-        write_prompts(every, prompts_file)
-    done: list[dict[str, Any]] = []
-    for k in ks:
-        items = [item for item in every if item.meta["k"] == k]
-        result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
-        if prompts_file is not None:
-            continue
 
-        def checkpoint(earlier: list[Any], rows: list[dict[str, Any]]) -> None:
-            result["rows"] = earlier + rows
-            result["summary"] = summarize_rows(result["rows"], group_by=("k", "head"), seed=seed)
-            write_json(result, output)
 
-        done += run_items(engines, items, strategies, max_new_tokens=max_new_tokens, log=log,
-                          checkpoint=functools.partial(checkpoint, list(done)))  # fmt: skip
-    return result
+def _nq_checkpoint(
+    result: dict[str, Any],
+    output: Path | None,
+    seed: int,
+    earlier: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+) -> None:
+    """Write ``result`` with the rows of earlier k (``earlier``) and this k's so far, summarized."""
+    from kvblend.bench.quality.compare import summarize_rows
+
+    result["rows"] = earlier + rows
+    result["summary"] = summarize_rows(result["rows"], group_by=("k", "head"), seed=seed)
+    write_json(result, output)

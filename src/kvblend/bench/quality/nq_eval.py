@@ -44,6 +44,8 @@ from kvblend.bench.quality.closeness import closeness, floor_ratios
 from kvblend.bench.quality.compare import PromptItem
 from kvblend.bench.quality.nq import (
     PLACES,
+    NQQuestion,
+    Passage,
     Retriever,
     file_digest,
     load_nq,
@@ -64,8 +66,18 @@ CALIBRATION = (1000, None)
 SPLITS = {"eval": EVAL, "calibration": CALIBRATION, "all": (0, None)}
 
 #: Settings a resumed run must share with the rows already in its output.
-RESUME_KEYS = ("model", "dtype", "data_sha256", "split", "seed", "gold_at", "max_new_tokens",
-               "kl_only", "default_config", "labels")  # fmt: skip
+RESUME_KEYS = (
+    "model",
+    "dtype",
+    "data_sha256",
+    "split",
+    "seed",
+    "gold_at",
+    "max_new_tokens",
+    "kl_only",
+    "default_config",
+    "labels",
+)
 #: The value of a resume key in results written before the key existed.
 RESUME_DEFAULTS = {"labels": "computed"}
 
@@ -129,8 +141,9 @@ def _timed(
     prefill_s = pre.stats.timings.get("prefill_s", 0.0)
     if options.kl_only:
         return pre, None, prefill_s, None
-    out = engine.generate(pre, max_new_tokens=options.max_new_tokens, stop=list(STOP),
-                          margins=options.margins)  # fmt: skip
+    out = engine.generate(
+        pre, max_new_tokens=options.max_new_tokens, stop=list(STOP), margins=options.margins
+    )
     return pre, out.text.strip(), out.ttft_s + prefill_s, out.margins if options.margins else None
 
 
@@ -149,10 +162,16 @@ def _rounded(
     pre = rounded.in_engine_dtype(bf16)
     if options.kl_only:
         return pre, None, None, None
-    decoding: dict[str, Any] = {"max_new_tokens": options.max_new_tokens, "stop": list(STOP),
-                                "margins": options.margins}  # fmt: skip
-    out = engine.generate(pre, **decoding) if strat.rounding == "prefill" else rounded.decode(
-        bf16, **decoding)  # fmt: skip
+    decoding: dict[str, Any] = {
+        "max_new_tokens": options.max_new_tokens,
+        "stop": list(STOP),
+        "margins": options.margins,
+    }
+    out = (
+        engine.generate(pre, **decoding)
+        if strat.rounding == "prefill"
+        else rounded.decode(bf16, **decoding)
+    )
     return pre, out.text.strip(), None, out.margins if options.margins else None
 
 
@@ -187,34 +206,67 @@ def baseline_for(
     for runs again once, and its entry gains them (when the answer is the same).
     """
     token_ids = engine.plan(item.segments).token_ids.tolist()
-    decoding = {"max_new_tokens": options.max_new_tokens, "stop": list(STOP), "greedy": True,
-                "kl_only": options.kl_only, "threads": torch.get_num_threads()}  # fmt: skip
-    dtype = str(engine.decoder.dtype)
-    key = BaselineCache.key(engine.fingerprint, dtype, token_ids, decoding)
-    cached = cache.get(key) if cache is not None else None
-    if cached is None and cache is not None and options.kl_only:  # a baseline with its answer
-        answered = BaselineCache.key(engine.fingerprint, dtype, token_ids,
-                                     {**decoding, "kl_only": False})  # fmt: skip
-        cached = cache.get(answered)
+    key, cached = _cached_baseline(engine, token_ids, cache, options)
     steps = 0 if options.kl_only else options.margins
     if cached is not None and not retime and cached.margin_steps >= steps:
         return cached, None, None
-    pre, answer, timed, margins = _timed(engine, item, full, options)
-    assert timed is not None  # full prefill is timed (only rounded references are not)
-    ttft = timed
-    if pre.token_ids != token_ids:
-        raise RuntimeError("full prefill read other token ids than the prompt's plan")
-    fresh = Baseline(answer or "", pre.logits.float().cpu(), len(token_ids), ttft, margins, steps)
+    fresh = _full_prefill(engine, item, full, options, token_ids, steps)
     if cached is None:
         if cache is not None:
             cache.put(key, fresh)
-        return fresh, ttft, None
+        return fresh, fresh.ttft_s, None
     same = cached.answer == fresh.answer
     if same and cached.margin_steps < steps:  # the entry gains the margins it lacked
-        cached = replace(cached, margins=margins, margin_steps=steps)
+        cached = replace(cached, margins=fresh.margins, margin_steps=steps)
         if cache is not None:
             cache.put(key, cached)
-    return cached, ttft, same
+    return cached, fresh.ttft_s, same
+
+
+def _baseline_key(
+    engine: BlendEngine, token_ids: list[int], options: RunOptions, *, kl_only: bool
+) -> str:
+    """Return the `BaselineCache` key of full prefill on ``token_ids`` (``kl_only``: no answer)."""
+    decoding = {
+        "max_new_tokens": options.max_new_tokens,
+        "stop": list(STOP),
+        "greedy": True,
+        "kl_only": kl_only,
+        "threads": torch.get_num_threads(),
+    }
+    return BaselineCache.key(engine.fingerprint, str(engine.decoder.dtype), token_ids, decoding)
+
+
+def _cached_baseline(
+    engine: BlendEngine, token_ids: list[int], cache: BaselineCache | None, options: RunOptions
+) -> tuple[str, Baseline | None]:
+    """Return the baseline's key and its cached entry (None: not cached).
+
+    A KL-only run also takes the entry of a run that answered (its logits are the same).
+    """
+    key = _baseline_key(engine, token_ids, options, kl_only=options.kl_only)
+    if cache is None:
+        return key, None
+    cached = cache.get(key)
+    if cached is None and options.kl_only:  # a baseline with its answer
+        cached = cache.get(_baseline_key(engine, token_ids, options, kl_only=False))
+    return key, cached
+
+
+def _full_prefill(
+    engine: BlendEngine,
+    item: PromptItem,
+    full: Strategy,
+    options: RunOptions,
+    token_ids: list[int],
+    steps: int,
+) -> Baseline:
+    """Run full prefill on ``item`` now: its answer, logits, TTFT and ``steps`` margins."""
+    pre, answer, ttft, margins = _timed(engine, item, full, options)
+    assert ttft is not None  # full prefill is timed (only rounded references are not)
+    if pre.token_ids != token_ids:
+        raise RuntimeError("full prefill read other token ids than the prompt's plan")
+    return Baseline(answer or "", pre.logits.float().cpu(), len(token_ids), ttft, margins, steps)
 
 
 def evaluate_question(
@@ -241,66 +293,120 @@ def evaluate_question(
     for engine in engines.values():
         engine.precompute(list(documents), progress=False)
     first = next(iter(engines.values()))
-    base_line, full_ttft, confirmed = baseline_for(first, item, strategies[0], cache, options,
-                                                  retime)  # fmt: skip
-    full_answer = None if options.kl_only else base_line.answer
-    base = {"qid": item.qid, **item.meta, "prompt_tokens": base_line.prompt_tokens,
-            "full_ttft_s": full_ttft}  # fmt: skip
+    baseline, full_ttft, confirmed = baseline_for(
+        first, item, strategies[0], cache, options, retime
+    )
+    question = _Question(item, baseline, full_ttft, options, rounded)
     rows: list[dict[str, Any]] = []
     for head, engine in engines.items():
         if (head, "full") not in done:
-            rows.append(
-                {**base, "head": head, "strategy": "full", "answer": full_answer,
-                 "correct": None if full_answer is None else item.score(full_answer),
-                 "agrees": None if full_answer is None else True, "top1_agrees": True,
-                 "kl": 0.0, "compute_fraction": 1.0, "recompute_fraction": 0.0,
-                 "documents_reused": 0, "recomputed_tokens": 0, "fallback": None,
-                 "ttft_s": full_ttft, "baseline_confirmed": confirmed, "escalated": False,
-                 "margins": None if options.kl_only else base_line.margins}
-            )  # fmt: skip
+            rows.append(question.full_row(head, confirmed))
         for strat in strategies[1:]:
-            if (head, strat.name) in done:
-                continue
-
-            def row(
-                strat: Strategy, name: str, engine: BlendEngine = engine, head: str = head
-            ) -> dict[str, Any]:
-                with strat.loop():
-                    copy = None if rounded is None else rounded.get(head)
-                    pre, answer, ttft, margins = _timed(engine, item, strat, options, copy)
-                if len(pre.token_ids) != base_line.prompt_tokens:
-                    raise RuntimeError(f"{name} prefilled another prompt than full prefill")
-                stats = pre.stats
-                return {
-                    **base, "head": head, "strategy": name, "answer": answer,
-                    "correct": None if answer is None else item.score(answer),
-                    "agrees": agree(answer, full_answer),
-                    "top1_agrees": int(pre.logits.argmax()) == int(base_line.logits.argmax()),
-                    "kl": kl_divergence(base_line.logits, pre.logits),
-                    "compute_fraction": stats.compute_fraction,
-                    "recompute_fraction": stats.recompute_fraction,
-                    "documents_reused": stats.documents_reused,
-                    "recomputed_tokens": stats.recomputed_tokens, "fallback": stats.fallback,
-                    "prefix_tokens": stats.prefix_tokens,
-                    "ttft_s": ttft if full_ttft is not None and ttft is not None else None,
-                    **guard_fields(stats), "margins": margins,
-                }  # fmt: skip
-
-            twin = (
-                None
-                if strat.config.reads_cache
-                else next(
-                    (r for r in rows if r["strategy"] == strat.name and r["head"] != head), None
-                )
-            )
-            if twin is not None:  # it reads no document: the same prefill as another head's
-                rows.append({**twin, "head": head})
-                continue
-            guarded = row(strat, strat.name)
-            rows.append(guarded)
-            if options.unguarded and guarded.get("guard") is not None:
-                rows.append(unguarded_row(guarded, strat, row))
+            if (head, strat.name) not in done:
+                rows += question.strategy_rows(engine, head, strat, rows)
     return rows
+
+
+@dataclass(frozen=True)
+class _Question:
+    """One question with full prefill's baseline, against which each of its rows is measured."""
+
+    item: PromptItem
+    baseline: Baseline
+    full_ttft: float | None  # full prefill's TTFT when it ran now (timed question), else None
+    options: RunOptions
+    rounded: Mapping[str, RoundedPrefill] | None
+
+    @property
+    def full_answer(self) -> str | None:
+        """Full prefill's answer (None in a KL-only run)."""
+        return None if self.options.kl_only else self.baseline.answer
+
+    def base(self) -> dict[str, Any]:
+        """Return the fields every row of the question starts with."""
+        return {
+            "qid": self.item.qid,
+            **self.item.meta,
+            "prompt_tokens": self.baseline.prompt_tokens,
+            "full_ttft_s": self.full_ttft,
+        }
+
+    def full_row(self, head: str, confirmed: bool | None) -> dict[str, Any]:
+        """Return full prefill's row on ``head`` (``confirmed``: running again gave its answer)."""
+        answer = self.full_answer
+        return {
+            **self.base(),
+            "head": head,
+            "strategy": "full",
+            "answer": answer,
+            "correct": None if answer is None else self.item.score(answer),
+            "agrees": None if answer is None else True,
+            "top1_agrees": True,
+            "kl": 0.0,
+            "compute_fraction": 1.0,
+            "recompute_fraction": 0.0,
+            "documents_reused": 0,
+            "recomputed_tokens": 0,
+            "fallback": None,
+            "ttft_s": self.full_ttft,
+            "baseline_confirmed": confirmed,
+            "escalated": False,
+            "margins": None if self.options.kl_only else self.baseline.margins,
+        }
+
+    def strategy_rows(
+        self, engine: BlendEngine, head: str, strat: Strategy, earlier: Sequence[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """Return ``strat``'s rows on ``head``: its own, and its unguarded one if it has a guard.
+
+        A strategy that reads no document has the prefill of another head's row in ``earlier``:
+        that row is taken, not run again.
+        """
+        twin = None if strat.config.reads_cache else _other_head_row(earlier, strat.name, head)
+        if twin is not None:  # it reads no document: the same prefill as another head's
+            return [{**twin, "head": head}]
+
+        def run(strategy: Strategy, name: str) -> dict[str, Any]:
+            return self.row(engine, head, strategy, name)
+
+        guarded = run(strat, strat.name)
+        if self.options.unguarded and guarded.get("guard") is not None:
+            return [guarded, unguarded_row(guarded, strat, run)]
+        return [guarded]
+
+    def row(self, engine: BlendEngine, head: str, strat: Strategy, name: str) -> dict[str, Any]:
+        """Run ``strat`` on ``head``'s ``engine``: its row, named ``name``."""
+        with strat.loop():
+            copy = None if self.rounded is None else self.rounded.get(head)
+            pre, answer, ttft, margins = _timed(engine, self.item, strat, self.options, copy)
+        base_line = self.baseline
+        if len(pre.token_ids) != base_line.prompt_tokens:
+            raise RuntimeError(f"{name} prefilled another prompt than full prefill")
+        stats = pre.stats
+        return {
+            **self.base(),
+            "head": head,
+            "strategy": name,
+            "answer": answer,
+            "correct": None if answer is None else self.item.score(answer),
+            "agrees": agree(answer, self.full_answer),
+            "top1_agrees": int(pre.logits.argmax()) == int(base_line.logits.argmax()),
+            "kl": kl_divergence(base_line.logits, pre.logits),
+            "compute_fraction": stats.compute_fraction,
+            "recompute_fraction": stats.recompute_fraction,
+            "documents_reused": stats.documents_reused,
+            "recomputed_tokens": stats.recomputed_tokens,
+            "fallback": stats.fallback,
+            "prefix_tokens": stats.prefix_tokens,
+            "ttft_s": ttft if self.full_ttft is not None and ttft is not None else None,
+            **guard_fields(stats),
+            "margins": margins,
+        }
+
+
+def _other_head_row(rows: Sequence[dict[str, Any]], name: str, head: str) -> dict[str, Any] | None:
+    """Return the first of ``rows`` of strategy ``name`` on a head other than ``head``, if any."""
+    return next((r for r in rows if r["strategy"] == name and r["head"] != head), None)
 
 
 #: The suffix of a guarded strategy's rows without its escalations (`RunOptions.unguarded`).
@@ -320,8 +426,13 @@ def unguarded_row(
         return {**guarded, "strategy": name, "ttft_s": None}
     config = strat.config.replace(guard=None)
     again = run(Strategy(name, config, strat.cache_documents, strat.compiled), name)
-    return {**again, "ttft_s": None, "guard": guarded["guard"], "escalated": False,
-            "guard_would_escalate": True}  # fmt: skip
+    return {
+        **again,
+        "ttft_s": None,
+        "guard": guarded["guard"],
+        "escalated": False,
+        "guard_would_escalate": True,
+    }
 
 
 # ------------------------------------------------------------------------- summaries
@@ -349,48 +460,82 @@ def summarize(
     for row in rows:
         groups.setdefault(tuple(row.get(key) for key in group_by), []).append(row)
     out = []
-    for key, group in groups.items():
-        answered = all(row.get("correct") is not None for row in group)
-        paired = strategy_stats(group, seed=seed) if answered else {}
-        full_by_qid = {r["qid"]: r for r in group if r["strategy"] == "full"}
-        full_answers = {qid: row["answer"] for qid, row in full_by_qid.items()
-                        if row.get("answer") is not None}  # fmt: skip
-        floor = [r for r in group if r["strategy"] == FLOOR and r["qid"] in full_by_qid]
-        for name in dict.fromkeys(r["strategy"] for r in group):
-            mine = [r for r in group if r["strategy"] == name and r["qid"] in full_by_qid]
-            if not mine:
-                continue
-            entry: dict[str, Any] = dict(paired.get(name, {}))
-            kls = [r["kl"] for r in mine]
-            entry.setdefault("n", len(mine))
-            entry.setdefault("kl_mean", statistics.fmean(kls))
-            entry.setdefault("kl_ci", _bootstrap_mean(kls, seed))
-            entry["kl_median"] = statistics.median(kls)
-            if answered:
-                entry["agreement_ci"] = _bootstrap_mean([float(r["agrees"]) for r in mine], seed)
-            entry["top1_agreement"] = statistics.fmean(float(r["top1_agrees"]) for r in mine)
-            entry.update(closeness(mine, full_answers, seed=seed))
-            if floor and name != "full":
-                entry.update(floor_ratios(mine, floor, full_answers, seed=seed))
-            # each row's TTFT against full prefill's timed right before it, on the same prompt
-            timed = [r for r in mine if r.get("ttft_s") is not None
-                     and r.get("full_ttft_s") is not None]  # fmt: skip
-            full_time = sum(r["full_ttft_s"] for r in timed)
-            entry["ttft_ratio"] = sum(r["ttft_s"] for r in timed) / full_time if timed else None
-            entry["ttft_n"] = len(timed)
-            escalated = [bool(r.get("escalated")) for r in mine]
-            out.append(
-                {
-                    **dict(zip(group_by, key, strict=True)),
-                    "strategy": name,
-                    **entry,
-                    "compute_fraction": statistics.fmean(r["compute_fraction"] for r in mine),
-                    "recompute_fraction": statistics.fmean(r["recompute_fraction"] for r in mine),
-                    "escalation_rate": statistics.fmean(escalated),
-                    "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in mine),
-                }
-            )
+    for key, rows_of_group in groups.items():
+        group = _Group.of(rows_of_group, seed)
+        for name in dict.fromkeys(r["strategy"] for r in rows_of_group):
+            mine = group.rows_of(name)
+            if mine:
+                labels = dict(zip(group_by, key, strict=True))
+                out.append(
+                    {**labels, "strategy": name, **group.entry(name, mine, seed), **_means(mine)}
+                )
     return out
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One summary group's rows and what each of its strategies is compared with."""
+
+    rows: list[dict[str, Any]]
+    answered: bool  # every row has an answer (not a KL-only run)
+    paired: dict[str, dict[str, Any]]  # `strategy_stats` by strategy, when answered
+    full_qids: frozenset[str]  # the questions with a full prefill row
+    full_answers: dict[str, str]  # full prefill's answer by question
+    floor: list[dict[str, Any]]  # the rounding floor's rows (`FLOOR`)
+
+    @classmethod
+    def of(cls, rows: list[dict[str, Any]], seed: int) -> _Group:
+        """Return the group of ``rows``."""
+        answered = all(row.get("correct") is not None for row in rows)
+        full_by_qid = {r["qid"]: r for r in rows if r["strategy"] == "full"}
+        full_answers = {
+            qid: row["answer"] for qid, row in full_by_qid.items() if row.get("answer") is not None
+        }
+        floor = [r for r in rows if r["strategy"] == FLOOR and r["qid"] in full_by_qid]
+        paired = strategy_stats(rows, seed=seed) if answered else {}
+        return cls(rows, answered, paired, frozenset(full_by_qid), full_answers, floor)
+
+    def rows_of(self, name: str) -> list[dict[str, Any]]:
+        """Return strategy ``name``'s rows on the questions full prefill has."""
+        return [r for r in self.rows if r["strategy"] == name and r["qid"] in self.full_qids]
+
+    def entry(self, name: str, mine: list[dict[str, Any]], seed: int) -> dict[str, Any]:
+        """Return strategy ``name``'s figures on its rows ``mine``: accuracy, KL, closeness."""
+        entry: dict[str, Any] = dict(self.paired.get(name, {}))
+        kls = [r["kl"] for r in mine]
+        entry.setdefault("n", len(mine))
+        entry.setdefault("kl_mean", statistics.fmean(kls))
+        entry.setdefault("kl_ci", _bootstrap_mean(kls, seed))
+        entry["kl_median"] = statistics.median(kls)
+        if self.answered:
+            entry["agreement_ci"] = _bootstrap_mean([float(r["agrees"]) for r in mine], seed)
+        entry["top1_agreement"] = statistics.fmean(float(r["top1_agrees"]) for r in mine)
+        entry.update(closeness(mine, self.full_answers, seed=seed))
+        if self.floor and name != "full":
+            entry.update(floor_ratios(mine, self.floor, self.full_answers, seed=seed))
+        entry.update(_ttft_share(mine))
+        return entry
+
+
+def _ttft_share(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Return the rows' TTFT over full prefill's: ``ttft_ratio`` (None: none timed), ``ttft_n``.
+
+    Over the timed rows, each against full prefill's TTFT timed right before it on the same prompt.
+    """
+    timed = [r for r in rows if r.get("ttft_s") is not None and r.get("full_ttft_s") is not None]
+    full_time = sum(r["full_ttft_s"] for r in timed)
+    ratio = sum(r["ttft_s"] for r in timed) / full_time if timed else None
+    return {"ttft_ratio": ratio, "ttft_n": len(timed)}
+
+
+def _means(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Return the mean compute and recompute shares, escalation rate and prompt length."""
+    return {
+        "compute_fraction": statistics.fmean(r["compute_fraction"] for r in rows),
+        "recompute_fraction": statistics.fmean(r["recompute_fraction"] for r in rows),
+        "escalation_rate": statistics.fmean([bool(r.get("escalated")) for r in rows]),
+        "prompt_tokens_mean": statistics.fmean(r["prompt_tokens"] for r in rows),
+    }
 
 
 def _ci(value: float, interval: Sequence[float], percent: bool) -> str:
@@ -403,11 +548,12 @@ def _ci(value: float, interval: Sequence[float], percent: bool) -> str:
 
 def decided_table(summary: Sequence[dict[str, Any]], keys: Sequence[str] = ("k", "place")) -> str:
     """Markdown table of `summarize` output, one row per group and strategy."""
-    columns = ("n | accuracy | % of full [95% CI] | difference, points [95% CI] | agreement with "
-               "full [95% CI] | first token | mean KL [95% CI] | escalated | compute (of full) "
-               "| TTFT (of full, n)")  # fmt: skip
-    lines = [f"| {' | '.join(keys)} | strategy | {columns} |",
-             "|" + "---|" * (len(keys) + 11)]  # fmt: skip
+    columns = (
+        "n | accuracy | % of full [95% CI] | difference, points [95% CI] | agreement with "
+        "full [95% CI] | first token | mean KL [95% CI] | escalated | compute (of full) "
+        "| TTFT (of full, n)"
+    )
+    lines = [f"| {' | '.join(keys)} | strategy | {columns} |", "|" + "---|" * (len(keys) + 11)]
     for s in summary:
         if "accuracy" in s:
             low, high = s["difference_ci"]
@@ -460,17 +606,22 @@ def _load_previous(output: Path | None, settings: dict[str, Any]) -> list[dict[s
     if output is None or not output.exists():
         return []
     previous = json.loads(output.read_text())
-    clash = {key: (previous.get(key, RESUME_DEFAULTS.get(key)), settings[key])
-             for key in RESUME_KEYS
-             if previous.get(key, RESUME_DEFAULTS.get(key)) != settings[key]}  # fmt: skip
+    clash = {
+        key: (previous.get(key, RESUME_DEFAULTS.get(key)), settings[key])
+        for key in RESUME_KEYS
+        if previous.get(key, RESUME_DEFAULTS.get(key)) != settings[key]
+    }
     rows = list(previous.get("rows", []))
     if set(clash) == {"default_config"}:  # rows of another BlendConfig(): "default" meant it
         return [row for row in rows if not row["strategy"].startswith("default")]
     if clash:
-        detail = "; ".join(f"{key}: {was!r} there, {now!r} now"
-                           for key, (was, now) in clash.items())  # fmt: skip
-        raise ValueError(f"{output} holds rows of another run ({detail}); give another --output "
-                         "or --fresh to start over")  # fmt: skip
+        detail = "; ".join(
+            f"{key}: {was!r} there, {now!r} now" for key, (was, now) in clash.items()
+        )
+        raise ValueError(
+            f"{output} holds rows of another run ({detail}); give another --output "
+            "or --fresh to start over"
+        )
     return rows
 
 
@@ -495,8 +646,9 @@ def progress_message(
             rate = statistics.fmean(float(bool(r.get("escalated"))) for r in group)
             text += f", escalated {rate:.0%}"
         parts.append(text)
-    return (f"[k={k} {done}/{total}, {per:.1f} s/question, {left / 3600:.1f} h left] "
-            + "; ".join(parts))  # fmt: skip
+    return f"[k={k} {done}/{total}, {per:.1f} s/question, {left / 3600:.1f} h left] " + "; ".join(
+        parts
+    )
 
 
 def run_decided(
@@ -529,75 +681,230 @@ def run_decided(
     holds already are not run again); a run without a shard takes the rows of every shard file
     beside ``output`` as done, runs what is left and writes the whole result to ``output``.
     """
+    _check_shard(shard)
+    chosen = _Chosen.load(data, split, offset, questions)
+    engine = next(iter(engines.values()))
+    settings = _run_settings(engine, data, split, seed, gold_at, labels, options, meta)
+    earlier, rows, output = _resumed_rows(output, settings, shard)
+    retriever = Retriever(chosen.corpus, data_path=data, cache_dir=cache_dir)
+    result = _result_head(
+        engines, strategies, chosen, retriever, settings, meta, ks, shard, options, cache
+    )
+    items = chosen.prompt_items(engine, retriever, ks, seed, gold_at, labels)
+    rounded = _rounded_copies(engines, strategies)
+    if rounded is not None:
+        result["rounding"] = next(iter(rounded.values())).rounding
+    done = _done_pairs([*earlier, *rows])
+    run = _DecidedRun(
+        engines, strategies, options, cache, output, seed, shard, log, result, rows, done, rounded
+    )
+    for k in ks:
+        run.run_k(k, [item for item in items if item.meta["k"] == k])
+    run.checkpoint()
+    return result
+
+
+def _check_shard(shard: tuple[int, int]) -> None:
+    """Raise ``ValueError`` unless ``shard`` ``(k, n)`` has ``0 <= k < n``."""
     index, count = shard
     if not 0 <= index < count:
         raise ValueError(f"shard {index}/{count}: needs 0 <= {index} < {count}")
-    corpus, all_questions = load_nq(data)
-    start, stop = split_questions(split, offset, questions, len(all_questions))
-    chosen = all_questions[start:stop]
-    engine = next(iter(engines.values()))
-    settings = {
-        "model": str(engine.name), "dtype": str(engine.decoder.dtype).replace("torch.", ""),
-        "data_sha256": file_digest(data), "split": split, "seed": seed, "gold_at": gold_at,
-        "max_new_tokens": options.max_new_tokens, "kl_only": options.kl_only,
-        "default_config": (meta or {}).get("default_config"), "labels": labels,
-    }  # fmt: skip
-    earlier: list[dict[str, Any]] = []  # a shard's: the whole run's rows, done already
-    if count > 1 and output is not None:
+
+
+@dataclass(frozen=True)
+class _Chosen:
+    """The questions a run asks, and the data file's corpus they are asked over."""
+
+    data: str | Path
+    corpus: list[Passage]
+    questions: list[NQQuestion]
+    offset: int  # the first question's place in its split
+    file_range: tuple[int, int]  # the questions' indices in the file, [start, stop)
+
+    @classmethod
+    def load(cls, data: str | Path, split: str, offset: int, questions: int) -> _Chosen:
+        """Read ``data``: its corpus and ``questions`` questions from ``offset`` in ``split``."""
+        corpus, all_questions = load_nq(data)
+        start, stop = split_questions(split, offset, questions, len(all_questions))
+        return cls(data, corpus, all_questions[start:stop], offset, (start, stop))
+
+    def prompt_items(
+        self,
+        engine: BlendEngine,
+        retriever: Retriever,
+        ks: Sequence[int],
+        seed: int,
+        gold_at: str,
+        labels: str,
+    ) -> list[PromptItem]:
+        """Return the questions' prompts at each k in turn (`nq_prompt_items`)."""
+        return nq_prompt_items(
+            engine,
+            self.corpus,
+            self.questions,
+            retriever,
+            ks=ks,
+            seed=seed,
+            gold_at=gold_at,
+            labels=labels,
+        )
+
+
+def _result_head(
+    engines: dict[str, BlendEngine],
+    strategies: Sequence[Strategy],
+    chosen: _Chosen,
+    retriever: Retriever,
+    settings: dict[str, Any],
+    meta: dict[str, Any] | None,
+    ks: Sequence[int],
+    shard: tuple[int, int],
+    options: RunOptions,
+    cache: BaselineCache | None,
+) -> dict[str, Any]:
+    """Return what a run's result says before its rows: its settings, questions and strategies."""
+    return {
+        "benchmark": "nq",
+        **(meta or {}),
+        **settings,
+        "data": str(chosen.data),
+        "corpus_passages": len(chosen.corpus),
+        "embeddings_cache": str(retriever.cache_path),
+        "questions": len(chosen.questions),
+        "offset": chosen.offset,
+        "file_range": list(chosen.file_range),
+        "ks": list(ks),
+        "shard": list(shard),
+        "heads": {head: e.doc_prefix for head, e in engines.items()},
+        "strategies": [s.name for s in strategies],
+        "time_every": options.time_every,
+        "baselines": str(cache.directory) if cache is not None else None,
+        "recall": {},
+    }
+
+
+def _run_settings(
+    engine: BlendEngine,
+    data: str | Path,
+    split: str,
+    seed: int,
+    gold_at: str,
+    labels: str,
+    options: RunOptions,
+    meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """Return the settings (`RESUME_KEYS`) under which alone a run's rows are resumed."""
+    return {
+        "model": str(engine.name),
+        "dtype": str(engine.decoder.dtype).replace("torch.", ""),
+        "data_sha256": file_digest(data),
+        "split": split,
+        "seed": seed,
+        "gold_at": gold_at,
+        "max_new_tokens": options.max_new_tokens,
+        "kl_only": options.kl_only,
+        "default_config": (meta or {}).get("default_config"),
+        "labels": labels,
+    }
+
+
+def _resumed_rows(
+    output: Path | None, settings: dict[str, Any], shard: tuple[int, int]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], Path | None]:
+    """Return the rows done already, the rows a run goes on from and the file it writes.
+
+    A shard's: the whole run's rows in ``output`` (done, not its own), the rows of its shard
+    file and that file. A run without a shard: none, the rows of ``output`` and of its shards'
+    files (a question in both is taken once) and ``output``.
+    """
+    earlier: list[dict[str, Any]] = []
+    if shard[1] > 1 and output is not None:
         earlier = _load_previous(output, settings)
         output = shard_path(output, shard)
     rows = _load_previous(output, settings)
-    if count == 1:  # the shards' rows, taken once (a question in both is run by neither again)
-        seen = {(row["qid"], row.get("k"), row["head"], row["strategy"]) for row in rows}
+    if shard[1] == 1:  # the shards' rows, taken once (a question in both is run by neither again)
+        seen = {_row_key(row) for row in rows}
         for row in _shard_rows(output, settings):
-            if (key := (row["qid"], row.get("k"), row["head"], row["strategy"])) not in seen:
+            if (key := _row_key(row)) not in seen:
                 seen.add(key)
                 rows.append(row)
-    retriever = Retriever(corpus, data_path=data, cache_dir=cache_dir)
-    result: dict[str, Any] = {
-        "benchmark": "nq", **(meta or {}), **settings, "data": str(data),
-        "corpus_passages": len(corpus), "embeddings_cache": str(retriever.cache_path),
-        "questions": len(chosen), "offset": offset, "file_range": [start, stop], "ks": list(ks),
-        "shard": list(shard),
-        "heads": {head: e.doc_prefix for head, e in engines.items()},
-        "strategies": [s.name for s in strategies], "time_every": options.time_every,
-        "baselines": str(cache.directory) if cache is not None else None, "recall": {},
-    }  # fmt: skip
+    return earlier, rows, output
+
+
+def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    """Return a row's question, k, head and strategy: what a run measures once."""
+    return row["qid"], row.get("k"), row["head"], row["strategy"]
+
+
+def _done_pairs(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, Any], set[tuple[str, str]]]:
+    """Return the (head, strategy) pairs ``rows`` hold, by (question, k)."""
     done: dict[tuple[str, Any], set[tuple[str, str]]] = {}
-    for row in [*earlier, *rows]:
+    for row in rows:
         done.setdefault((row["qid"], row.get("k")), set()).add((row["head"], row["strategy"]))
-    wanted = {(head, s.name) for head in engines for s in strategies}
-    items = nq_prompt_items(engine, corpus, chosen, retriever, ks=ks, seed=seed, gold_at=gold_at,
-                            labels=labels)  # fmt: skip
-    rounded = None
-    if any(s.rounding for s in strategies):  # a bfloat16 copy of each head's engine
-        rounded = {head: RoundedPrefill(e) for head, e in engines.items()}
-        result["rounding"] = next(iter(rounded.values())).rounding
+    return done
 
-    def checkpoint() -> None:
-        result["rows"] = rows
-        result.update(summaries(rows, seed))
-        if cache is not None:
-            result["baseline_hits"], result["baseline_misses"] = cache.hits, cache.misses
-        write_json(result, output)
 
-    for k in ks:
-        mine = [item for item in items if item.meta["k"] == k]
-        result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in mine) / len(mine)
+def _rounded_copies(
+    engines: dict[str, BlendEngine], strategies: Sequence[Strategy]
+) -> dict[str, RoundedPrefill] | None:
+    """Return a bfloat16 copy of each head's engine if a strategy is a rounded reference."""
+    if not any(s.rounding for s in strategies):
+        return None
+    return {head: RoundedPrefill(e) for head, e in engines.items()}
+
+
+@dataclass
+class _DecidedRun:
+    """A `run_decided` run under way: what it runs, its result and rows, and what is done."""
+
+    engines: dict[str, BlendEngine]
+    strategies: Sequence[Strategy]
+    options: RunOptions
+    cache: BaselineCache | None
+    output: Path | None
+    seed: int
+    shard: tuple[int, int]
+    log: Callable[[str], None] | None
+    result: dict[str, Any]
+    rows: list[dict[str, Any]]  # the rows it writes: those resumed, then those it runs
+    done: dict[tuple[str, Any], set[tuple[str, str]]]  # (head, strategy) by (question, k)
+    rounded: dict[str, RoundedPrefill] | None  # the rounded references' bfloat16 copies
+
+    def run_k(self, k: int, items: Sequence[PromptItem]) -> None:
+        """Run the questions ``items`` at ``k`` that this shard takes and that are not done."""
+        self.result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
+        wanted = {(head, s.name) for head in self.engines for s in self.strategies}
+        index, count = self.shard
+        every = self.options.time_every
         started, ran = time.perf_counter(), 0
-        for number, item in enumerate(mine, start=1):
-            have = done.get((item.qid, k), set())
+        for number, item in enumerate(items, start=1):
+            have = self.done.get((item.qid, k), set())
             if wanted <= have or (number - 1) % count != index:
                 continue
-            retime = options.time_every > 0 and (number - 1) % options.time_every == 0
-            rows += evaluate_question(engines, item, strategies, cache=cache, options=options,
-                                      retime=retime, done=have, rounded=rounded)  # fmt: skip
+            retime = every > 0 and (number - 1) % every == 0
+            self.rows += evaluate_question(
+                self.engines,
+                item,
+                self.strategies,
+                cache=self.cache,
+                options=self.options,
+                retime=retime,
+                done=have,
+                rounded=self.rounded,
+            )
             ran += 1
-            checkpoint()
-            if log is not None and (ran % 5 == 0 or number == len(mine)):
-                log(progress_message(rows, k, number, len(mine), started, ran))
-    checkpoint()
-    return result
+            self.checkpoint()
+            if self.log is not None and (ran % 5 == 0 or number == len(items)):
+                self.log(progress_message(self.rows, k, number, len(items), started, ran))
+
+    def checkpoint(self) -> None:
+        """Write the result with every row so far, its summaries and the baselines' hits."""
+        self.result["rows"] = self.rows
+        self.result.update(summaries(self.rows, self.seed))
+        if self.cache is not None:
+            self.result["baseline_hits"] = self.cache.hits
+            self.result["baseline_misses"] = self.cache.misses
+        write_json(self.result, self.output)
 
 
 __all__ = [
