@@ -133,6 +133,25 @@ def test_figures_as_multiples_of_the_floor() -> None:
     assert "| 10 | default | 4 | 50.0% [" in table and "| 3.0x [3.0, 3.0] |" in table
 
 
+def test_floor_ratios_come_in_the_agreement_measures_order() -> None:
+    # the same keys in the same order in every process (a result's JSON is compared as text)
+    full = {f"q{i}": answer for i, answer in enumerate(["a b c d e", "x", "y z", "w"])}
+    floor = _rows([0.01] * 4, [True, True, True, False], ["a b c d e", "x", "y q", "v"])
+    blend = _rows([0.03] * 4, [True, False, True, False], ["a b c d f", "t", "y q", "v"])
+    measures = [
+        key.removeprefix("agreement_")
+        for key in closeness(blend, full)
+        if key.startswith("agreement_") and not key.endswith("_ci")
+    ]
+    assert measures == ["first_token", "words_1", "words_3", "words_5", "answer"]
+    ratios = [
+        key.removeprefix("disagreement_ratio_")
+        for key in floor_ratios(blend, floor, full)
+        if key.startswith("disagreement_ratio_") and not key.endswith("_ci")
+    ]
+    assert ratios == measures
+
+
 def test_labels_cached_with_their_passages_keep_the_prompt_text() -> None:
     tokenizer = byte_tokenizer()
     passages = [Passage("Paris", "The capital of France."), Passage("Rome", "Italy's capital.")]

@@ -101,7 +101,7 @@ def floor_ratios(
     ours_kl, floor_kl = (np.asarray([r["kl"] for r in side]) for side in (mine, theirs))
     out.update(_ratio("kl_ratio", ours_kl, floor_kl, index))
     ours, floors = _agreements(mine, full), _agreements(theirs, full)
-    for measure in ours.keys() & floors.keys():
+    for measure in [m for m in ours if m in floors]:  # in a fixed order: the JSON's keys
         out.update(
             _ratio(
                 f"disagreement_ratio_{measure}",
