@@ -128,7 +128,7 @@ def test_quality_runner_end_to_end(engine, tmp_path):
     items = generate_qa(2, seed=0, docs_per_prompt=(3, 3), styles=("record",))
     strategies = parse_strategies(
         "reuse,cacheblend-value-0.15,"
-        "attention-0.2+lead_tokens=0+short_document=0+min_recompute=0+full_above=1"
+        "attention-0.2+lead_tokens=0+short_document=0+min_recompute=0+full_above=1+per_document=0"
     )
     out = tmp_path / "quality.json"
     result = run_quality(
@@ -140,12 +140,14 @@ def test_quality_runner_end_to_end(engine, tmp_path):
         "full",
         "reuse",
         "cacheblend-value-0.15",
-        "attention-0.2+lead_tokens=0+short_document=0+min_recompute=0+full_above=1",
+        "attention-0.2+lead_tokens=0+short_document=0+min_recompute=0+full_above=1+per_document=0",
     ]
     assert summary["full"]["kl_mean"] == 0.0 and summary["full"]["agreement"] == 1.0
     assert summary["reuse"]["recompute_fraction"] == 0.0
     assert 0.1 < summary["cacheblend-value-0.15"]["recompute_fraction"] < 0.2
-    blend = summary["attention-0.2+lead_tokens=0+short_document=0+min_recompute=0+full_above=1"]
+    blend = summary[
+        "attention-0.2+lead_tokens=0+short_document=0+min_recompute=0+full_above=1+per_document=0"
+    ]
     assert 0.15 < blend["recompute_fraction"] < 0.25
     assert summary["reuse"]["kl_mean"] > 0.0  # reused KV without its context differs
     assert summarize(result["rows"]) == summary

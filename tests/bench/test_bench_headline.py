@@ -116,13 +116,13 @@ def test_a_result_without_its_command_cannot_be_a_row() -> None:
 
 
 def test_an_older_default_is_labelled_with_what_differed(tmp_path: Path) -> None:
-    old = "BlendConfig(strategy='attention', recompute_ratio=0.3, check_layer=1, epic_tokens=16)"
+    old = "BlendConfig(strategy='attention', recompute_ratio=0.4, check_layer=1, epic_tokens=16)"
     assert config_fields(old)["strategy"] == "attention"
     result = json.loads((RESULTS / "ttft_1k.json").read_text())
     result["default_config"] = old
     (tmp_path / "old.json").write_text(json.dumps(result))
     (row,) = headline_rows(tmp_path, [Figure("x", "old.json", "ttft", tokens=1024)])
-    assert "recompute_ratio 0.3 (now 0.2)" in row[2] and "without min_recompute (now 256)" in row[2]
+    assert "recompute_ratio 0.4 (now 0.3)" in row[2] and "without min_recompute (now 256)" in row[2]
     assert "early_layers" not in row[2]  # at today's value it does what versions without it did
 
 

@@ -61,6 +61,7 @@ STRATEGIES = [
         short_document=0,
         min_recompute=0,
         full_above=1.0,
+        per_document=0,
     ),
     BlendConfig("epic", epic_tokens=2),
 ]

@@ -222,12 +222,24 @@ def _nq_quality(result: Mapping[str, Any], figure: Figure) -> str:
     row = _one(result.get("summary", []), figure, **match)
     low, high = row["share_of_full_ci"]
     agree_low, agree_high = row["agreement_ci"]
+    kl = f"{row['kl_mean']:.{3 if row['kl_mean'] >= 0.01 else 4}f}"
     return (
         f"**{row['share_of_full']:.0%}** of full prefill's accuracy (95% interval "
         f"{low:.0%}-{high:.0%}; {row['accuracy']:.1%} vs {row['full_accuracy']:.1%}); the same "
         f"answer as full prefill on {row['agreement']:.0%} ({agree_low:.0%}-{agree_high:.0%}), "
-        f"mean KL {row['kl_mean']:.3f}, compute {row['compute_fraction']:.2f} of full's; "
+        f"mean KL {kl}{_of_floor(row)}, compute {row['compute_fraction']:.2f} of full's; "
         f"n = {row['n']}"
+    )
+
+
+def _of_floor(row: Mapping[str, Any]) -> str:
+    """`` (N x the rounding floor's, interval)`` when the run measured the floor beside it."""
+    if row.get("kl_ratio") is None:
+        return ""
+    low, high = row["kl_ratio_ci"]
+    return (
+        f" ({row['kl_ratio']:.1f}x that of full prefill with its prefill in bfloat16, "
+        f"{low:.1f}-{high:.1f}x)"
     )
 
 
