@@ -55,8 +55,8 @@ def test_the_results_page_tables_are_what_the_recorded_results_give() -> None:
         "docs/benchmarks.md's tables differ from benchmarks/results: run "
         "`kvblend bench headline --write docs/benchmarks.md`"
     )
-    assert "(../benchmarks/results/ttft_1k.json)" in text  # linked from the page's folder
-    assert set(FIGURES) == set(TABLES["speed"]) | set(TABLES["quality"])
+    assert "(../benchmarks/results/ttft_default_1t.json)" in text  # linked from the page's folder
+    assert set(FIGURES) <= set(TABLES["speed"]) | set(TABLES["quality"])
 
 
 def test_every_row_names_its_run() -> None:

@@ -303,16 +303,17 @@ def _nq_report(args: argparse.Namespace, model: str, result: dict[str, Any]) -> 
         f"{result['file_range'][0]}-{result['file_range'][1] - 1} of the file, k = {args.k}, "
         f"gold {args.gold_at} (gold retrieved: {recall})"
     )
+    places = ("k", "head", "place")
     table = decided_table(result["summary"], ("k", "head"))
     if result["by_place"]:
-        table += "\n\nBy gold place:\n\n" + decided_table(result["by_place"], ("k", "place"))
+        table += "\n\nBy gold place:\n\n" + decided_table(result["by_place"], places)
     table += (
         "\n\nAgreement with full prefill, and as a multiple of bfloat16 rounding's "
         f"({FLOOR}: full prefill computed in bfloat16, decoded in {result['dtype']}):\n\n"
         + closeness_table(result["summary"], ("k", "head"))
     )
     if result["by_place"]:
-        table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], ("k", "place"))
+        table += "\n\nBy gold place:\n\n" + closeness_table(result["by_place"], places)
     return title + "\n\n" + table
 
 

@@ -9,10 +9,11 @@ checked against them (``--check FILE``: exit status 1 when they differ;
 results).
 
 `TABLES` names the tables and `SPEED` and `QUALITY` list their rows; the README's `FIGURES` are
-both. Each `Figure` names a result file, which number in it (`kind` and its selectors) and what
-the row is about; the rest comes from the result itself. To add a row: record the result
-(``kvblend bench ... --output benchmarks/results/NAME.json``), add a `Figure` to `SPEED` or
-`QUALITY`, run ``kvblend bench headline --write README.md`` and ``--write docs/benchmarks.md``.
+today's default's rows of both. Each `Figure` names a result file, which number in it (`kind`
+and its selectors) and what the row is about; the rest comes from the result itself. To add a
+row: record the result (``kvblend bench ... --output benchmarks/results/NAME.json``), add a
+`Figure` to `SPEED` or `QUALITY`, run ``kvblend bench headline --write README.md`` and
+``--write docs/benchmarks.md``.
 
 Each row names its run: the date, the machine, the thread count and the model are the
 result's own (the ``machine`` every bench command records). The command is the one the result
@@ -94,15 +95,27 @@ class Figure:
     note: str = ""
 
 
-#: The results page's Speed table, in order; the README shows it too. Add rows here.
-SPEED: tuple[Figure, ...] = (
+#: The CPU TTFT rows of today's default (the README's too).
+_CPU_TTFT: tuple[Figure, ...] = (
     Figure(
         what="CPU TTFT, 1K-token RAG prompt (2 x 512-token documents)",
-        result="ttft_1k.json",
+        result="ttft_default_1t.json",
         kind="ttft",
         tokens=1024,
-        note="median of 5 repeats on a busy machine",
+        note="medians of 3 interleaved repeats",
     ),
+    Figure(
+        what="CPU TTFT, 4K-token RAG prompt (8 x 512-token documents)",
+        result="ttft_default_1t.json",
+        kind="ttft",
+        tokens=4096,
+        note="medians of 3 interleaved repeats",
+    ),
+)
+
+#: The results page's Speed table, in order. Add rows here.
+SPEED: tuple[Figure, ...] = (
+    *_CPU_TTFT,
     Figure(
         what="vLLM TTFT, 4K-token RAG prompt, served in bfloat16",
         result="vllm_bf16.json",
@@ -127,8 +140,28 @@ SPEED: tuple[Figure, ...] = (
     ),
 )
 
-#: The results page's Quality table, in order; the README shows it too. Add rows here.
+#: Today's default against full prefill on NQ-open's evaluation questions (the README's too).
+_NQ_DEFAULT: tuple[Figure, ...] = (
+    Figure(
+        what="Answers on NQ-open evaluation questions, 10 retrieved passages (gold first, middle "
+        "or last), documents cached behind the prompt's own head",
+        result="nq_eval_default_smollm2.json",
+        kind="nq-quality",
+        head="told",
+        k=10,
+    ),
+    Figure(
+        what="The same, documents cached behind another head than the prompt's",
+        result="nq_eval_default_smollm2.json",
+        kind="nq-quality",
+        head="untold",
+        k=10,
+    ),
+)
+
+#: The results page's Quality table, in order. Add rows here.
 QUALITY: tuple[Figure, ...] = (
+    *_NQ_DEFAULT,
     Figure(
         what="Answer accuracy, NQ-open evaluation questions, 10 retrieved passages (gold first, "
         "middle or last)",
@@ -140,8 +173,8 @@ QUALITY: tuple[Figure, ...] = (
     ),
 )
 
-#: The README's figures table: the rows of both.
-FIGURES: tuple[Figure, ...] = SPEED + QUALITY
+#: The README's figures table: today's default's rows of both (the results page has them all).
+FIGURES: tuple[Figure, ...] = (*_CPU_TTFT, *SPEED[len(_CPU_TTFT) :], *_NQ_DEFAULT)
 
 #: Every generated table by the name of its markers (``<!-- NAME:begin ... -->``).
 TABLES: dict[str, tuple[Figure, ...]] = {"figures": FIGURES, "speed": SPEED, "quality": QUALITY}
