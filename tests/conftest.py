@@ -58,6 +58,43 @@ def pytest_configure(config: pytest.Config) -> None:
     stop_on_signals()
 
 
+#: Most workers of ``-n auto`` (pyproject.toml): each holds its own models, and the files that
+#: start vLLM servers or run notebooks would all run at once on a large machine.
+MOST_WORKERS = 8
+#: Files that run for minutes (vLLM servers, notebooks, the GPU run's smoke test), longest first,
+#: then the rest of their folders. With ``--dist loadfile`` a file runs on one worker and files
+#: go out in collection order (``--no-loadscope-reorder``), so these start first and the workers
+#: end together instead of one of them starting a ten-minute file as the others finish.
+LONG_FIRST = (
+    "vllm/test_vllm.py",
+    "vllm/test_vllm_tp.py",
+    "docs/test_cookbook.py",
+    "docs/test_readme_vllm.py",
+    "bench/test_profile_blend.py",
+    "bench/test_gpu_run.py",
+    "docs/",
+    "vllm/",
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent where xdist is (GPU image)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """``-n auto``: one worker per CPU this process may use (not per physical core), at most 8."""
+    return max(1, min(MOST_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the files of `LONG_FIRST` first, in its order (stable otherwise)."""
+    tests = os.path.dirname(__file__)
+
+    def rank(item: pytest.Item) -> int:
+        where = os.path.relpath(str(item.path), tests).replace(os.sep, "/")
+        ranks = [number for number, prefix in enumerate(LONG_FIRST) if where.startswith(prefix)]
+        return ranks[0] if ranks else len(LONG_FIRST)
+
+    items.sort(key=rank)
+
+
 #: How the skip reason of a test that needs something installed begins.
 MISSING_DEPENDENCY = "needs the "
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")

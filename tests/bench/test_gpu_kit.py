@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_kit  # noqa: E402
 
 from kvblend.bench.gpu import suite as gpu_suite  # noqa: E402
+from kvblend.bench.gpu_run import ONE_PROCESS  # noqa: E402
 
 #: Modules the GPU suite's steps import (``cuda_only``: the pytest plugin in ``tests/``).
 MODULES = (
@@ -80,8 +81,8 @@ def test_the_gpu_run_imports_with_the_image_and_the_kit(sites: list[str]) -> Non
 
 
 def test_the_cuda_tests_are_collected_with_the_image_and_the_kit(sites: list[str]) -> None:
-    argv = ["pytest", "-p", "cuda_only", "-p", "no:cacheprovider", "--collect-only", "-q",
-            *gpu_suite.CUDA_TESTS]  # fmt: skip
+    argv = ["pytest", *ONE_PROCESS, "-p", "cuda_only", "-p", "no:cacheprovider", "--collect-only",
+            "-q", *gpu_suite.CUDA_TESTS]  # fmt: skip
     code = f"import runpy\nsys.argv = {argv!r}\nrunpy.run_module('pytest', run_name='__main__')"
     result = run_there(sites, code)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

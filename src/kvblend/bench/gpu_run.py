@@ -63,6 +63,11 @@ def bench_argv(phase: str, cpu: bool, kit: Path, out: Path) -> list[str]:
     return [*argv, "--decode-tokens", "16", "--strategies", "full,default,reuse"]
 
 
+#: pyproject.toml's pytest options without its workers (``-n auto``): the GPU image has no
+#: pytest-xdist, and the tests of one GPU run in one process.
+ONE_PROCESS = ["-o", "addopts=--strict-markers -ra"]
+
+
 def pytest_argv(phase: str, cpu: bool, out: Path) -> list[str]:
     """``pytest`` arguments of a tests phase (``cuda_only`` keeps the tests with a CUDA path)."""
     from kvblend.bench.gpu.suite import CUDA_TESTS, SMOKE_TESTS
@@ -72,7 +77,7 @@ def pytest_argv(phase: str, cpu: bool, out: Path) -> list[str]:
         marks = ["-m", "not slow"]
     else:  # on the CPU the quick ones only: compiling is minutes there
         files, marks = list(COMPILED_TESTS[:1]), ["-m", "not slow"] if cpu else []
-    return ["-p", "cuda_only", "--device", "cpu" if cpu else "cuda", "-q", "-p",
+    return [*ONE_PROCESS, "-p", "cuda_only", "--device", "cpu" if cpu else "cuda", "-q", "-p",
             "no:cacheprovider", f"--junitxml={out / OUTPUTS[phase]}", *marks, *files]  # fmt: skip
 
 
