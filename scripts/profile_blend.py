@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=480)
     parser.add_argument("--rows", type=int, default=25, help="op rows printed per table")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each (median)")
+    parser.add_argument("--warmups", type=int, default=1, help="untimed runs of each first")
     args = parser.parse_args()
     engine = BlendEngine.from_pretrained(
         args.model, store=MemoryKVStore(), dtype=DTYPES[args.dtype], threads=args.threads
@@ -60,7 +61,8 @@ def main() -> None:
 
     configs = {"blend": BlendConfig(), "full": BlendConfig("full")}
     for config in configs.values():
-        timed(config)  # warm-up
+        for _ in range(args.warmups):
+            timed(config)
     seconds = {
         name: statistics.median(timed(config) for _ in range(args.repeats))
         for name, config in configs.items()
