@@ -1118,6 +1118,22 @@ def test_vllms_default_failure_policy_is_warned_about() -> None:
     assert failure_policy_warning(SimpleNamespace(kv_load_failure_policy="recompute")) is None
 
 
+@pytest.mark.parametrize("long_run_s", [0.0, float("inf")])
+def test_a_point_slower_than_long_run_s_is_run_once(engine: BlendEngine, long_run_s: float) -> None:
+    """Every point runs `runs` times unless its first run took longer than ``long_run_s``."""
+    forwards: list[int] = []
+    job = CalibrationJob(
+        tokens=(16, 32), blends=((96, "full"), (128, None), (96, "reuse")), runs=3,
+        long_run_s=long_run_s,
+    )  # fmt: skip
+    points = job.run(_worker(engine, blocks=160)[0], lambda ids: forwards.append(len(ids)),
+                     BlendConfig())  # fmt: skip
+    runs = 1 if long_run_s == 0.0 else 3
+    assert forwards == [16] * runs + [32] * runs  # vLLM's forward: the first two points
+    assert len(points.vllm) == 2 and len(points.blend) == 3
+    assert all(seconds > 0 for _, seconds in points.blend)
+
+
 def test_the_calibration_blends_as_served_prompts_do_and_fixes_every_blend_weight(
     engine: BlendEngine,
 ) -> None:
