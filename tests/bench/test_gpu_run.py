@@ -147,3 +147,19 @@ def test_the_summary_reads_each_phase_status(tmp_path: Path) -> None:
     assert "compiled loop: step compiled: timed out after 90 s" in figures
     assert "tests: step tests: failed (exit 1, see tests.log)" in figures
     assert len(result["targets"]) == 4 + 4  # one tier: 2 ratio targets, full, decode each
+
+
+def test_the_gpu_runs_pytest_options_are_the_projects_without_its_workers() -> None:
+    """`ONE_PROCESS` restates pyproject.toml's addopts less xdist's and the durations report."""
+    import shlex
+
+    import tomllib
+
+    from kvblend.bench.gpu_run import ONE_PROCESS
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    project = shlex.split(pyproject["tool"]["pytest"]["ini_options"]["addopts"])
+    workers = {"-n", "auto", "--dist", "loadfile", "--no-loadscope-reorder"}
+    kept = [option for option in project if option not in workers]
+    kept = [option for option in kept if not option.startswith("--durations")]
+    assert ONE_PROCESS[0] == "-o" and ONE_PROCESS[1] == "addopts=" + " ".join(kept)
