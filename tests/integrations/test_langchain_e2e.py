@@ -266,6 +266,57 @@ def test_retriever_background_precompute() -> None:
     assert all(engine.store.contains(segment_id) for segment_id in ids)
 
 
+TITLED = [
+    Document(page_content=CORPUS[index], metadata={"title": title})
+    for index, title in ((0, "Marta Quill"), (1, "Tomas Reed"), (3, "Lena Park"))
+]
+TITLE_PROMPT = PromptTemplate.from_template("Title: {title}\n{page_content}")
+
+
+def test_retriever_caches_documents_as_the_document_prompt_formats_them() -> None:
+    from langchain_classic.chains.combine_documents import create_stuff_documents_chain
+
+    engine = session_engine()
+    prompt = ChatPromptTemplate.from_messages(CHAT_TEMPLATE)
+    chat = ChatBlend(engine=engine, max_tokens=12, blend_config=TOY)
+    recorder = BlendStatsRecorder()
+    question, expected = "Which instrument does Lena Park play?", "violin"  # full: "...the violin."
+    # the page contents cached first, then the documents as the chain formats them (known from
+    # then on, and longer, so found in the prompt instead of the page contents)
+    for document_prompt in (None, TITLE_PROMPT):
+        retriever = BlendRetriever(
+            retriever=FixedRetriever(documents=TITLED),
+            engine=engine,
+            document_prompt=document_prompt,
+        )
+        context = {"context": retriever, "question": RunnablePassthrough()}
+        chain = context | create_stuff_documents_chain(chat, prompt, document_prompt=TITLE_PROMPT)
+        answer = chain.invoke(question, config={"callbacks": [recorder]})
+        assert expected in answer.lower()
+    plain, titled = recorder.stats
+    assert titled["documents_found"] == plain["documents_found"] == 3
+    assert titled["prompt_tokens"] == plain["prompt_tokens"]  # the same prompt either way
+    titles = sum(len(engine.tokenizer.encode(f"Title: {d.metadata['title']}")) for d in TITLED)
+    assert titled["moved_tokens"] - plain["moved_tokens"] >= titles
+    assert titled["computed_tokens"] < plain["computed_tokens"]
+
+    found = retriever.invoke("violin")
+    formatted = [f"Title: {d.metadata['title']}\n{d.page_content}" for d in TITLED]
+    assert [d.page_content for d in found] == [d.page_content for d in TITLED]  # unchanged
+    assert segment_ids(found) == [engine.segment_id(text) for text in formatted]
+    assert all(engine.store.contains(engine.segment_id(text)) for text in formatted)
+
+
+def test_document_prompt_missing_a_variable_names_it() -> None:
+    retriever = BlendRetriever(
+        retriever=FixedRetriever(documents=[Document(page_content=CORPUS[2])]),
+        engine=session_engine(),
+        document_prompt=TITLE_PROMPT,
+    )
+    with pytest.raises(ValueError, match="title"):
+        retriever.invoke("cafe")
+
+
 @requires_rag_stack
 async def test_retriever_async_passes_k() -> None:
     retriever = blend_retriever()

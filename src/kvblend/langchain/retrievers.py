@@ -13,6 +13,7 @@ from langchain_core.callbacks import (
     CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
+from langchain_core.prompts import BasePromptTemplate, format_document
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
@@ -42,7 +43,9 @@ class BlendRetriever(EngineHolder, BaseRetriever):
     The returned documents are new `Document` objects (the wrapped retriever's are not changed)
     with ``metadata["kvblend_segment_id"]`` set. Their texts are registered with the engine, so
     `BlendLLM` / `ChatBlend` sharing that engine find them in the final prompt and reuse their
-    KV wherever the prompt template puts them. Pickling keeps the engine's model spec (the
+    KV wherever the prompt template puts them. With ``document_prompt`` the text cached is each
+    document as that template formats it, so a title or source it adds is reused with the
+    document instead of computed in every prompt. Pickling keeps the engine's model spec (the
     engine is reloaded, or shared, on first use) and drops pending background work; a deep
     copy shares the live engine. Neither changes this object.
 
@@ -82,6 +85,16 @@ class BlendRetriever(EngineHolder, BaseRetriever):
     ``"most_relevant_last"`` reverses the wrapped retriever's (most relevant first) order, which
     puts the best document nearest a question that follows the context."""
 
+    document_prompt: BasePromptTemplate | None = None
+    """The template the chain formats each document with before joining them into the context
+    (``create_stuff_documents_chain(..., document_prompt=...)``, or ``format_document(doc,
+    prompt)`` in an LCEL ``format_docs``). Each document's KV is then precomputed for its text
+    as this template formats it, the metadata it adds (``"Source: {title}\\n{page_content}"``)
+    included, and found whole in the prompt. None: the page content alone, what the stuff
+    chain's default ``{page_content}`` puts in the prompt; text a template adds around it is
+    then computed in every prompt. A document missing a variable the template reads raises
+    `ValueError` naming it, as the chain would."""
+
     _engine: BlendEngine | None = PrivateAttr(default=None)
 
     @field_validator("engine")
@@ -109,7 +122,8 @@ class BlendRetriever(EngineHolder, BaseRetriever):
         """Cut to ``k``, precompute (or schedule) the KV and return tagged copies in order."""
         documents = list(documents)[:k] if k is not None else list(documents)
         engine = self._get_engine()
-        texts = list(dict.fromkeys(d.page_content for d in documents if d.page_content.strip()))
+        formatted = [self._cached_text(d) for d in documents]
+        texts = list(dict.fromkeys(text for text in formatted if text.strip()))
         if texts and self.background:
             engine.register(texts)
             self._pending = [f for f in self._pending if not f.done()]
@@ -120,14 +134,20 @@ class BlendRetriever(EngineHolder, BaseRetriever):
         tagged = [
             Document(
                 page_content=doc.page_content,
-                metadata={**doc.metadata, SEGMENT_ID_KEY: ids[doc.page_content]}
-                if doc.page_content in ids
+                metadata={**doc.metadata, SEGMENT_ID_KEY: ids[text]}
+                if text in ids
                 else dict(doc.metadata),
                 id=doc.id,
             )
-            for doc in documents
+            for doc, text in zip(documents, formatted, strict=True)
         ]
         return tagged[::-1] if self.order == "most_relevant_last" else tagged
+
+    def _cached_text(self, document: Document) -> str:
+        """Return the document's text as it reaches the prompt: formatted by ``document_prompt``."""
+        if self.document_prompt is None:
+            return document.page_content
+        return format_document(document, self.document_prompt)
 
     def _get_relevant_documents(
         self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
