@@ -14,9 +14,10 @@ forecast every longer blend too slow. Four blends fix the cost model's four weig
 (every row computed), the server's strategy at two lengths, and ``reuse`` (the uncached rows
 only: the cost of reading, moving and writing every row). The synthetic documents' random KV
 lies in a memory store of its own, in the server's KV codec (the blend reads and decodes it as
-it reads any store), and the blends write into the same free blocks the gate uses. About 18 s
-on this project's 2 idle CPU cores; the values are random, only the time counts. The points
-become the cost model's prior (`admission.Calibrated`).
+it reads any store), and the blends write into the same free blocks the gate uses. The values
+are random, only the time counts: each point runs twice and keeps the shorter time, or once
+when its first run took longer than `CalibrationJob.long_run_s`. The points become the cost
+model's prior (`admission.Calibrated`); docs/vllm.md has the calibration's measured duration.
 """
 
 from __future__ import annotations
