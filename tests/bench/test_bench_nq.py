@@ -6,6 +6,7 @@ import gzip
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -239,6 +240,44 @@ def test_bench_nq_end_to_end_writes_json(nq_file: Path, tmp_path: Path):
     assert all(r["documents_reused"] == 3 for r in result["rows"] if r["strategy"] != "full")
     assert {s["strategy"] for s in result["summary"]} == {"full", "reuse"}
     assert "| 3 | untold | reuse | 2 |" in output.with_suffix(".md").read_text()
+
+
+@requires_rag_stack
+@pytest.mark.slow
+def test_bench_nq_stopped_by_sigterm_writes_what_it_ran(
+    nq_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import signal
+    import threading
+
+    from kvblend.bench.quality import nq_eval
+
+    assert threading.current_thread() is threading.main_thread()  # where signals arrive
+    evaluate, sent = nq_eval.evaluate_question, []
+
+    def evaluate_then_terminate(*args: Any, **kwargs: Any) -> Any:
+        rows = evaluate(*args, **kwargs)
+        if not sent:  # the first question done: the run is asked to stop
+            sent.append(True)
+            signal.raise_signal(signal.SIGTERM)
+        return rows
+
+    monkeypatch.setattr(nq_eval, "evaluate_question", evaluate_then_terminate)
+    output = tmp_path / "nq.json"
+    argv = ["nq", "--data", str(nq_file), "--questions", "2", "--k", "3", "--strategies",
+            "full,reuse", "--max-new-tokens", "2", "--cache-dir", str(tmp_path),
+            "--output", str(output), "--threads", "1"]  # fmt: skip
+    previous = signal.getsignal(signal.SIGTERM)
+    assert bench_main(argv) == 0
+    assert signal.getsignal(signal.SIGTERM) == previous  # the handler was the run's only
+    result = json.loads(output.read_text())
+    assert result["stopped"] == {"questions_done": 1, "questions": 2}
+    assert result["command"] and len(result["rows"]) == 2  # the run is named
+    assert "stopped after 1 of 2 questions" in output.with_suffix(".md").read_text()
+    assert bench_main(argv) == 0  # the same command finishes it
+    result = json.loads(output.read_text())
+    assert "stopped" not in result and len(result["rows"]) == 4
+    assert "stopped" not in output.with_suffix(".md").read_text()
 
 
 def test_bench_plan_times_nq_passages_in_the_papers_prompt(nq_file: Path) -> None:

@@ -25,6 +25,7 @@ from kvblend.bench.quality.nq_eval import (
     decided_table,
     run_decided,
     split_questions,
+    stopped_note,
 )
 from kvblend.bench.strategies import parse_strategies
 from kvblend.store import MemoryKVStore
@@ -116,6 +117,32 @@ def test_a_run_keeps_baselines_resumes_and_reports_by_place(nq_file: Path, tmp_p
         run_decided(engines, nq_file, parse_strategies("full,reuse"), ks=(3,), split="all",
                     questions=4, options=RunOptions(max_new_tokens=5), cache=cache,
                     cache_dir=tmp_path, output=output, meta=meta)  # fmt: skip
+
+
+@requires_rag_stack
+def test_a_stopped_run_says_how_far_it_got_and_resumes(nq_file: Path, tmp_path: Path) -> None:
+    engine = BlendEngine(tiny_model("llama"), byte_tokenizer(), store=MemoryKVStore(), name="t")
+    output = tmp_path / "nq.json"
+
+    def stop_after_two() -> bool:  # asked between questions: two are in the checkpoint
+        rows = json.loads(output.read_text())["rows"] if output.exists() else []
+        return len({row["qid"] for row in rows}) >= 2
+
+    settings = {"split": "all", "questions": 4, "options": RunOptions(max_new_tokens=2),
+                "cache_dir": tmp_path, "output": output,
+                "meta": {"default_config": "x"}}  # fmt: skip
+    stopped = run_decided({"untold": engine}, nq_file, parse_strategies("full,reuse"), ks=(3,),
+                          stop=stop_after_two, **settings)  # fmt: skip
+    assert stopped["stopped"] == {"questions_done": 2, "questions": 4}
+    assert {r["qid"] for r in stopped["rows"]} == {"nq-0", "nq-1"}
+    assert json.loads(output.read_text())["stopped"] == stopped["stopped"]  # checkpointed
+    assert (
+        stopped_note(stopped) == "stopped after 2 of 4 questions (the same command resumes the run)"
+    )
+    done = run_decided({"untold": engine}, nq_file, parse_strategies("full,reuse"), ks=(3,),
+                       stop=lambda: False, **settings)  # fmt: skip
+    assert "stopped" not in done and stopped_note(done) == ""
+    assert len(done["rows"]) == 8 and done["rows"][:4] == stopped["rows"]
 
 
 def _row(qid: int, agrees: bool, shift: float) -> dict:

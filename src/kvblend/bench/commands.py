@@ -216,6 +216,7 @@ def cmd_nq(args: argparse.Namespace) -> None:
     from kvblend.bench.quality.baselines import BaselineCache
     from kvblend.bench.quality.nq import nq_head
     from kvblend.bench.quality.nq_eval import RunOptions, run_decided, shard_path
+    from kvblend.bench.stopping import StopRequest
     from kvblend.bench.strategies import parse_strategies
 
     strategies = parse_strategies(args.strategies)
@@ -232,27 +233,29 @@ def cmd_nq(args: argparse.Namespace) -> None:
         output.unlink()
     cache = None if args.no_baselines else BaselineCache(args.baselines)
     options = RunOptions(args.max_new_tokens, args.kl_only, args.time_every)
-    result = run_decided(
-        engines,
-        args.data,
-        strategies,
-        ks=ks,
-        split=args.split,
-        questions=args.questions,
-        offset=args.offset,
-        seed=args.seed,
-        gold_at=args.gold_at,
-        labels=args.labels,
-        options=options,
-        cache=cache,
-        shard=shard,
-        cache_dir=cache_dir,
-        output=output,
-        meta=_meta(args, engine),
-        log=lambda message: print(
-            time.strftime("%H:%M:%S ") + message, file=sys.stderr, flush=True
-        ),
-    )
+    with StopRequest() as stop:
+        result = run_decided(
+            engines,
+            args.data,
+            strategies,
+            ks=ks,
+            split=args.split,
+            questions=args.questions,
+            offset=args.offset,
+            seed=args.seed,
+            gold_at=args.gold_at,
+            labels=args.labels,
+            options=options,
+            cache=cache,
+            shard=shard,
+            cache_dir=cache_dir,
+            output=output,
+            meta=_meta(args, engine),
+            log=lambda message: print(
+                time.strftime("%H:%M:%S ") + message, file=sys.stderr, flush=True
+            ),
+            stop=stop,
+        )
     if shard[1] > 1:  # a shard's own file; the run without --shard writes OUTPUT
         output = shard_path(output, shard)
     write_result(result, output, _nq_report(args, engine.name, result))
@@ -294,7 +297,7 @@ def _nq_shard(text: str) -> tuple[int, int]:
 def _nq_report(args: argparse.Namespace, model: str, result: dict[str, Any]) -> str:
     """Return the NQ run's title and tables: answers, closeness, by head and by gold place."""
     from kvblend.bench.quality.closeness import closeness_table
-    from kvblend.bench.quality.nq_eval import decided_table
+    from kvblend.bench.quality.nq_eval import decided_table, stopped_note
     from kvblend.bench.strategies import FLOOR
 
     recall = ", ".join(f"{v:.0%}" for v in result["recall"].values())
@@ -303,6 +306,8 @@ def _nq_report(args: argparse.Namespace, model: str, result: dict[str, Any]) -> 
         f"{result['file_range'][0]}-{result['file_range'][1] - 1} of the file, k = {args.k}, "
         f"gold {args.gold_at} (gold retrieved: {recall})"
     )
+    if note := stopped_note(result):
+        title += f"; {note}"
     places = ("k", "head", "place")
     table = decided_table(result["summary"], ("k", "head"))
     if result["by_place"]:

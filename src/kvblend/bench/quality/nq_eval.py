@@ -670,6 +670,7 @@ def run_decided(
     meta: dict[str, Any] | None = None,
     log: Callable[[str], None] | None = None,
     shard: tuple[int, int] = (0, 1),
+    stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Every strategy on ``questions`` questions of ``split`` at each k; resumable, JSON as it goes.
 
@@ -680,6 +681,8 @@ def run_decided(
     to `shard_path` (``n`` processes, one per core, each with its own file; rows ``output``
     holds already are not run again); a run without a shard takes the rows of every shard file
     beside ``output`` as done, runs what is left and writes the whole result to ``output``.
+    ``stop``: asked after each question; when it returns True the run ends there, and the
+    result's ``stopped`` says after how many of its questions (`stopped_note`).
     """
     _check_shard(shard)
     chosen = _Chosen.load(data, split, offset, questions)
@@ -699,9 +702,30 @@ def run_decided(
         engines, strategies, options, cache, output, seed, shard, log, result, rows, done, rounded
     )
     for k in ks:
-        run.run_k(k, [item for item in items if item.meta["k"] == k])
+        if stop is not None and stop():
+            break
+        run.run_k(k, [item for item in items if item.meta["k"] == k], stop)
+    if stop is not None and stop():
+        pairs = {(head, s.name) for head in engines for s in strategies}
+        have = _done_pairs([*earlier, *rows])
+        finished = sum(pairs <= have.get((i.qid, i.meta["k"]), set()) for i in items)
+        result["stopped"] = {"questions_done": finished, "questions": len(items)}
     run.checkpoint()
     return result
+
+
+def stopped_note(result: dict[str, Any]) -> str:
+    """Return ``"stopped after N of M questions; ..."`` for a stopped run's result, else ``""``.
+
+    A question counts once per k, and as done when every head ran every strategy on it.
+    """
+    stopped = result.get("stopped")
+    if not stopped:
+        return ""
+    return (
+        f"stopped after {stopped['questions_done']} of {stopped['questions']} questions "
+        "(the same command resumes the run)"
+    )
 
 
 def _check_shard(shard: tuple[int, int]) -> None:
@@ -870,8 +894,13 @@ class _DecidedRun:
     done: dict[tuple[str, Any], set[tuple[str, str]]]  # (head, strategy) by (question, k)
     rounded: dict[str, RoundedPrefill] | None  # the rounded references' bfloat16 copies
 
-    def run_k(self, k: int, items: Sequence[PromptItem]) -> None:
-        """Run the questions ``items`` at ``k`` that this shard takes and that are not done."""
+    def run_k(
+        self, k: int, items: Sequence[PromptItem], stop: Callable[[], bool] | None = None
+    ) -> None:
+        """Run the questions ``items`` at ``k`` that this shard takes and that are not done.
+
+        ``stop`` is asked after each question run; True ends the loop there.
+        """
         self.result["recall"][str(k)] = sum(i.meta["gold_retrieved"] for i in items) / len(items)
         wanted = {(head, s.name) for head in self.engines for s in self.strategies}
         index, count = self.shard
@@ -894,8 +923,11 @@ class _DecidedRun:
             )
             ran += 1
             self.checkpoint()
-            if self.log is not None and (ran % 5 == 0 or number == len(items)):
+            stopping = stop is not None and stop()
+            if self.log is not None and (ran % 5 == 0 or number == len(items) or stopping):
                 self.log(progress_message(self.rows, k, number, len(items), started, ran))
+            if stopping:
+                return
 
     def checkpoint(self) -> None:
         """Write the result with every row so far, its summaries and the baselines' hits."""
@@ -916,5 +948,6 @@ __all__ = [
     "evaluate_question",
     "run_decided",
     "split_questions",
+    "stopped_note",
     "summarize",
 ]
