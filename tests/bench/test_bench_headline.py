@@ -67,7 +67,7 @@ def test_every_row_names_its_run() -> None:
         assert measured.startswith("**") and model and "threads: " in machine, row
         assert date[:4].isdigit() and run.startswith("`kvblend "), row
         assert f"(benchmarks/results/{figure.result})" in run
-        if figure.kind in ("quality", "nq-quality"):
+        if figure.kind in ("quality", "nq-quality", "nq-closeness"):
             assert "n = " in measured and "95% interval" in measured
             assert int(measured.split("n = ")[1].split(";")[0].split(",")[0]) >= 100, measured
         if figure.strategy == "default":
@@ -192,3 +192,31 @@ def test_a_ttft_row_is_read_against_the_users_baseline_when_it_was_timed(tmp_pat
     (tmp_path / "t.json").write_text(json.dumps(result))
     (row,) = headline_rows(tmp_path, [Figure("x", "t.json", "ttft", tokens=4096)])
     assert row[1].startswith("**0.30** of full prefill's TTFT")
+
+
+def test_a_first_token_run_is_read_against_the_rounding_floor(tmp_path: Path) -> None:
+    def entry(strategy: str, kl: float, ratio: float | None, top1: float) -> dict[str, object]:
+        return {"k": 10, "head": "told", "strategy": strategy, "n": 120, "kl_mean": kl,
+                "kl_ratio": ratio, "kl_ratio_ci": [ratio * 0.8, ratio * 1.3] if ratio else None,
+                "agreement_first_token": top1, "agreement_first_token_ci": [top1 - 0.04, top1],
+                "compute_fraction": 0.4 if ratio != 1.0 else 1.0}  # fmt: skip
+
+    result = {
+        "summary": [entry("full", 0.0, None, 1.0), entry("full@bf16-prefill", 0.003, 1.0, 0.95),
+                    entry("default", 0.0072, 2.4, 0.94)],
+        "machine": {"model": "m", "dtype": "float32", "torch_threads": 1, "date": "2026-12-07"},
+        "command": "kvblend bench nq --kl-only", "default_config": "BlendConfig()",
+    }  # fmt: skip
+    (tmp_path / "c.json").write_text(json.dumps(result))
+    figure = Figure("x", "c.json", "nq-closeness", head="told", k=10)
+    (row,) = headline_rows(tmp_path, [figure])
+    assert row[1] == (
+        "**2.4x** the first-token KL to full prefill that computing its prefill in bfloat16 "
+        "gives (95% interval 1.9-3.1x; 0.0072 vs 0.0030); the same first token as full "
+        "prefill on 94.0% (90.0%-94.0%), the bfloat16 prefill's 95.0%; compute 0.40 of full's; "
+        "n = 120"
+    )
+    del result["summary"][1]  # no floor measured: not a row
+    (tmp_path / "c.json").write_text(json.dumps(result))
+    with pytest.raises(HeadlineError, match="0 rows with"):
+        headline_rows(tmp_path, [figure])

@@ -75,6 +75,9 @@ class Figure:
     the pooled row, `head` the engine told the prompt head or not), ``"nq-quality"`` (the same
     from a ``kvblend bench nq`` run at `k` passages, with agreement with full prefill's answer,
     mean KL and compute beside it; `row` names the result's row when it is not `strategy`),
+    ``"nq-closeness"`` (a ``kvblend bench nq --kl-only`` run: the first answer token's mean KL
+    to full prefill's as a multiple of the rounding floor's, the first token's agreement
+    beside the floor's, compute and n),
     ``"vllm-ttft"`` (vLLM with
     kvblend's TTFT as a share of vanilla vLLM's at `tokens`: ``kvblend bench vllm``) or
     ``"vllm-stall"`` (the streaming client's longest pause, as a share of vanilla's).
@@ -265,6 +268,30 @@ def _nq_quality(result: Mapping[str, Any], figure: Figure) -> str:
     )
 
 
+def _nq_closeness(result: Mapping[str, Any], figure: Figure) -> str:
+    from kvblend.bench.strategies import FLOOR
+
+    match: dict[str, Any] = {"k": figure.k or 10}
+    if figure.head is not None:
+        match["head"] = figure.head
+    summary = result.get("summary", [])
+    row = _one(summary, figure, strategy=figure.row or figure.strategy, **match)
+    floor = _one(summary, figure, strategy=FLOOR, **match)
+    if row.get("kl_ratio") is None:
+        raise HeadlineError(f"{figure.result}: no rounding floor ({FLOOR}) measured beside it")
+    low, high = row["kl_ratio_ci"]
+    top_low, top_high = row["agreement_first_token_ci"]
+    kl = f"{row['kl_mean']:.{3 if row['kl_mean'] >= 0.01 else 4}f}"
+    return (
+        f"**{row['kl_ratio']:.1f}x** the first-token KL to full prefill that computing its "
+        f"prefill in bfloat16 gives (95% interval {low:.1f}-{high:.1f}x; {kl} vs "
+        f"{floor['kl_mean']:.4f}); the same first token as full prefill on "
+        f"{row['agreement_first_token']:.1%} ({top_low:.1%}-{top_high:.1%}), the bfloat16 "
+        f"prefill's {floor['agreement_first_token']:.1%}; compute {row['compute_fraction']:.2f} "
+        f"of full's; n = {row['n']}"
+    )
+
+
 def _of_floor(row: Mapping[str, Any]) -> str:
     """`` (N x the rounding floor's, interval)`` when the run measured the floor beside it."""
     if row.get("kl_ratio") is None:
@@ -299,6 +326,7 @@ _READERS: dict[str, Callable[[Mapping[str, Any], Figure], str]] = {
     "ttft": _ttft,
     "quality": _quality,
     "nq-quality": _nq_quality,
+    "nq-closeness": _nq_closeness,
     "vllm-ttft": _vllm_ttft,
     "vllm-stall": _vllm_stall,
 }
