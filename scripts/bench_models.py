@@ -57,6 +57,11 @@ MODELS = {
 }  # fmt: skip
 
 
+def default_dir() -> Path:
+    """Return where the models go by default: the folder ``kvblend bench --model NAME`` reads."""
+    return Path(user_cache_dir("kvblend")) / "models"
+
+
 class ModelHashError(RuntimeError):
     """An assembled model file is not the one this script was written for."""
 
@@ -120,7 +125,7 @@ def main() -> None:
     """Assemble (or check) the model asked for and print its path."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", choices=sorted(MODELS))
-    parser.add_argument("--dir", type=Path, default=Path(user_cache_dir("kvblend")) / "models")
+    parser.add_argument("--dir", type=Path, default=default_dir())
     args = parser.parse_args()
     try:
         print(assemble(args.model, args.dir))

@@ -54,3 +54,19 @@ def test_an_existing_file_is_checked_before_use(models, tmp_path: Path) -> None:
     (tmp_path / model.filename).write_bytes(b"GGUF not the model")
     with pytest.raises(models.ModelHashError):
         models.assemble(name, tmp_path)  # refuses without downloading anything
+
+
+def test_the_benches_read_each_model_where_the_script_writes_it(
+    models, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvblend.bench import models as bench_models
+    from kvblend.bench.models import BENCH_MODELS, BenchModelMissing, models_dir, resolve_model
+
+    assert {name: model.filename for name, model in models.MODELS.items()} == BENCH_MODELS
+    assert models.default_dir() == models_dir()
+    assert resolve_model("/some/model.gguf") == "/some/model.gguf" and resolve_model(None) is None
+    monkeypatch.setattr(bench_models, "models_dir", lambda: tmp_path)
+    with pytest.raises(BenchModelMissing, match="scripts/bench_models.py qwen2.5-0.5b"):
+        resolve_model("qwen2.5-0.5b")
+    (tmp_path / BENCH_MODELS["qwen2.5-0.5b"]).write_bytes(b"GGUF")
+    assert resolve_model("qwen2.5-0.5b") == str(tmp_path / BENCH_MODELS["qwen2.5-0.5b"])

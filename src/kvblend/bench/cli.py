@@ -80,7 +80,11 @@ NQ_STRATEGIES = "full,default,cacheblend-value-0.15,epic,reuse,attention-0.3"
 
 def _model_options(p: argparse.ArgumentParser, dtype: str = "auto") -> None:
     """Add the model's options; ``dtype``: the default of ``--dtype`` (quality: float32)."""
-    p.add_argument("--model", help="model folder, GGUF file or hub id (default: bundled)")
+    p.add_argument(
+        "--model",
+        help="model folder, GGUF file or hub id, or a benchmark model's name (qwen2.5-0.5b, "
+        "qwen2.5-1.5b: the file scripts/bench_models.py writes) (default: bundled)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--dtype",

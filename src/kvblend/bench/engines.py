@@ -20,6 +20,7 @@ def load_engine(args: argparse.Namespace, system_prompt: str) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
 
+    from kvblend.bench.models import BenchModelMissing, resolve_model
     from kvblend.command_line import check_device
     from kvblend.engine.engine import BlendEngine
     from kvblend.store import MemoryKVStore
@@ -37,8 +38,12 @@ def load_engine(args: argparse.Namespace, system_prompt: str) -> Any:
         from kvblend.store import default_store
 
         store = default_store(store_dir, disk_bytes=64 << 30)
+    try:
+        model = resolve_model(args.model)
+    except BenchModelMissing as error:
+        raise SystemExit(str(error)) from None
     return BlendEngine.from_pretrained(
-        args.model,
+        model,
         store=store,
         device=args.device,
         dtype=args.dtype,

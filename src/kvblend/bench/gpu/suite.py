@@ -50,11 +50,12 @@ from pathlib import Path
 from typing import Any
 
 from kvblend.bench.gpu import suite_summary as summary
+from kvblend.bench.models import BENCH_MODELS
 from kvblend.bench.result_files import RESULTS_DIR
 
 DEFAULT_OUT = RESULTS_DIR / "gpu_suite"
 STRATEGIES = "full,default,default+probe_layers=0.25,cacheblend-value-0.15,reuse"
-QWEN_GGUF = "Qwen2.5-Coder-0.5B-Instruct.gguf"
+QWEN_GGUF = BENCH_MODELS["qwen2.5-0.5b"]
 #: Test files with CUDA paths: the ``compute_device`` / ``device_engine`` fixtures of
 #: tests/conftest.py, or tests skipped without CUDA.
 CUDA_TESTS = (
