@@ -160,11 +160,28 @@ _NQ_DEFAULT: tuple[Figure, ...] = (
         head="untold",
         k=10,
     ),
+    Figure(
+        what="First answer token on NQ-open evaluation questions, 10 retrieved passages (gold "
+        "first, middle or last), documents cached behind the prompt's own head",
+        result="nq_eval_default_qwen0.5b_kl.json",
+        kind="nq-closeness",
+        head="told",
+        k=10,
+    ),
 )
 
 #: The results page's Quality table, in order. Add rows here.
 QUALITY: tuple[Figure, ...] = (
     *_NQ_DEFAULT,
+    Figure(
+        what="First answer token on NQ-open evaluation questions, 10 retrieved passages, each "
+        "passage's title cached with its text (what `BlendRetriever(document_prompt=...)` and "
+        "LlamaIndex's node text give)",
+        result="nq_eval_labels_cached_smollm2_kl.json",
+        kind="nq-closeness",
+        head="told",
+        k=10,
+    ),
     Figure(
         what="Answer accuracy, NQ-open evaluation questions, 10 retrieved passages (gold first, "
         "middle or last)",

@@ -135,8 +135,9 @@ def plot_closeness(results: list[dict[str, Any]], path: Path, *, head: str | Non
     """Mean KL to full prefill against compute, a point per strategy, the rounding floor a line.
 
     ``results``: `kvblend bench nq` results; every strategy of their summaries (one head: the
-    first, or ``head``) is a point at its mean compute and mean KL, with the KL's 95% interval;
-    a result holding ``full@bf16-prefill`` rows draws the floor's mean KL and 8 times it.
+    first, or ``head``) is a point at its mean compute and mean KL, with the KL's 95% interval,
+    labelled with the result's model, k and passage titles (computed or cached); a result
+    holding ``full@bf16-prefill`` rows draws the floor's mean KL and 8 times it.
     """
     import matplotlib
 
@@ -151,7 +152,11 @@ def plot_closeness(results: list[dict[str, Any]], path: Path, *, head: str | Non
         summary = [s for s in result["summary"] if s["strategy"] != "full"]
         heads = list(dict.fromkeys(s.get("head") for s in summary))
         chosen = head if head in heads else heads[0] if heads else None
-        label = f"{result.get('model', '?')}"
+        ks = ",".join(str(k) for k in result.get("ks", []))
+        titles = {"cached": "titles cached", "computed": "titles computed"}.get(
+            result.get("labels", "computed"), ""
+        )
+        label = ", ".join(part for part in (result.get("model", "?"), f"k {ks}", titles) if part)
         for entry in summary:
             if entry.get("head") != chosen:
                 continue
