@@ -268,11 +268,19 @@ def _quality(result: Mapping[str, Any], figure: Figure) -> str:
     )
 
 
-def _nq_quality(result: Mapping[str, Any], figure: Figure) -> str:
-    match: dict[str, Any] = {"strategy": figure.row or figure.strategy, "k": figure.k or 10}
+def _nq_row(
+    result: Mapping[str, Any], figure: Figure, strategy: str | None = None
+) -> Mapping[str, Any]:
+    """Return the ``kvblend bench nq`` summary row of ``strategy`` (else the figure's row)."""
+    match: dict[str, Any] = {"strategy": strategy or figure.row or figure.strategy}
+    match["k"] = figure.k or 10
     if figure.head is not None:
         match["head"] = figure.head
-    row = _one(result.get("summary", []), figure, **match)
+    return _one(result.get("summary", []), figure, **match)
+
+
+def _nq_quality(result: Mapping[str, Any], figure: Figure) -> str:
+    row = _nq_row(result, figure)
     low, high = row["share_of_full_ci"]
     agree_low, agree_high = row["agreement_ci"]
     kl = f"{row['kl_mean']:.{3 if row['kl_mean'] >= 0.01 else 4}f}"
@@ -288,12 +296,8 @@ def _nq_quality(result: Mapping[str, Any], figure: Figure) -> str:
 def _nq_closeness(result: Mapping[str, Any], figure: Figure) -> str:
     from kvblend.bench.strategies import FLOOR
 
-    match: dict[str, Any] = {"k": figure.k or 10}
-    if figure.head is not None:
-        match["head"] = figure.head
-    summary = result.get("summary", [])
-    row = _one(summary, figure, strategy=figure.row or figure.strategy, **match)
-    floor = _one(summary, figure, strategy=FLOOR, **match)
+    row = _nq_row(result, figure)
+    floor = _nq_row(result, figure, FLOOR)
     if row.get("kl_ratio") is None:
         raise HeadlineError(f"{figure.result}: no rounding floor ({FLOOR}) measured beside it")
     low, high = row["kl_ratio_ci"]
